@@ -1,0 +1,351 @@
+"""What each lock operation does, written once for the sync and async paths.
+
+Each flow is a generator that yields the I/O it needs (`Execute`, `Pause`,
+`WaitForRelease`) and receives the result; a runner (`_runners`) performs
+those steps with a sync or an async connection. Retries, deadlines, the
+meaning of every result and every metrics call live here, so the sync and
+async methods of `Mutex` cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from psycopg import sql
+
+from ._rules import AcquireResult, Outcome, interpret_acquire
+from ._sql import Statements
+from ._state import ROW_GONE, LockState, Status
+from .errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError, SchemaError
+
+logger = logging.getLogger("postgres_mutex")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Execute:
+    """Run one statement within ``timeout`` seconds; the runner sends back a `Result`.
+
+    Failures come back as `DatabaseError` thrown into the flow.
+    """
+
+    query: sql.Composed
+    params: Mapping[str, object]
+    timeout: float
+    action: str
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    rowcount: int
+    row: tuple[Any, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Wait ``seconds``; the runner sends back False if it was asked to stop meanwhile."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class WaitForRelease:
+    """Wait up to ``seconds`` for the holder's release to be announced on ``channel``.
+
+    Where LISTEN is possible (a dedicated connection) the runner starts
+    listening the first time and returns at once, so the flow re-checks the
+    lock before waiting and cannot miss a release that happened in between.
+    Elsewhere it simply sleeps: polling is the fallback.
+    """
+
+    channel: str
+    seconds: float
+    listen: sql.Composed
+    statement_timeout: float
+
+
+Op = Execute | Pause | WaitForRelease
+Flow = Generator[Op, Any, T]
+
+
+class LockContext:
+    """One lock as the flows see it: its state, its statements and their parameters."""
+
+    def __init__(self, state: LockState, statements: Statements) -> None:
+        self.state = state
+        self.statements = statements
+        self.channel = statements.channel(state.lock_name)
+        self.params: dict[str, object] = {
+            "lock_name": state.lock_name,
+            "instance_id": state.instance_id,
+            "stale_seconds": state.timing.stale_threshold,
+            "channel": self.channel,
+        }
+
+    def describe(self, verb: str) -> str:
+        return f"{verb} of lock {self.state.lock_name!r} (instance_id {self.state.instance_id!r})"
+
+
+def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow[bool]:
+    """Try to take the lock: once, or until ``timeout`` if ``blocking``.
+
+    Returns True when acquired, False when non-blocking and held elsewhere.
+    Raises `LockAcquisitionTimeout` when a blocking acquire runs out of time,
+    `LockAlreadyHeldError` if this Mutex holds the lock already, and
+    `DatabaseError` for failures it cannot wait out. Whatever way it ends
+    without the lock, a row an unanswered attempt may have left is removed
+    first.
+    """
+    state = lock.state
+    timing = state.timing
+    state.begin_acquire()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    last: AcquireResult | None = None
+    try:
+        while True:
+            sent_at = time.monotonic()
+            try:
+                result = yield Execute(
+                    lock.statements.acquire, lock.params, timing.operation_timeout, lock.describe("acquire")
+                )
+            except DatabaseError as exc:
+                if exc.outcome_unknown:
+                    state.orphan_suspected = True
+                if not blocking or not exc.transient or _passed(deadline):
+                    raise
+                logger.warning("%s; retrying in %.3gs", exc, timing.poll_interval)
+                yield Pause(_until(deadline, timing.poll_interval))
+                continue
+
+            outcome = interpret_acquire(result.row, state.instance_id)
+            if outcome.outcome.acquired:
+                _record_acquired(lock, outcome, sent_at)
+                return True
+            # Our statement ran: whatever an earlier attempt left, the row is not ours.
+            state.orphan_suspected = False
+            last = outcome
+            _record_contended(lock, outcome)
+            if not blocking:
+                state.abort_acquire()
+                return False
+            if _passed(deadline):
+                raise LockAcquisitionTimeout(
+                    f"lock {state.lock_name!r} still held by {outcome.holder or 'another instance'} after {timeout:g}s",
+                    lock_name=state.lock_name,
+                    holder=outcome.holder,
+                )
+            yield WaitForRelease(
+                lock.channel,
+                _until(deadline, timing.poll_interval),
+                lock.statements.listen(lock.channel),
+                timing.operation_timeout,
+            )
+    except BaseException:
+        # Timeout, error or cancellation: leave nothing behind.
+        if state.orphan_suspected:
+            yield from remove_orphan(lock)
+        state.abort_acquire()
+        raise
+    finally:
+        del last
+
+
+def _passed(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _until(deadline: float | None, pause: float) -> float:
+    if deadline is None:
+        return pause
+    return max(0.0, min(pause, deadline - time.monotonic()))
+
+
+def _record_acquired(lock: LockContext, result: AcquireResult, sent_at: float) -> None:
+    state = lock.state
+    if result.outcome is Outcome.RECLAIMED:
+        logger.warning(
+            "reclaimed lock %r from %r, silent for %.1fs (stale_threshold %gs)",
+            state.lock_name,
+            result.holder,
+            result.heartbeat_age or 0.0,
+            state.timing.stale_threshold,
+        )
+        state.metrics("stale_reclaimed", state.lock_name, instance_id=state.instance_id, previous_holder=result.holder)
+    elif result.outcome is Outcome.REACQUIRED and not state.orphan_suspected:
+        logger.warning(
+            "lock %r already carried this Mutex's instance_id %r; took it back. "
+            "A restarted process reusing its id, or an id shared by two live processes?",
+            state.lock_name,
+            state.instance_id,
+        )
+    state.acquired(sent_at)
+    state.metrics("acquired", state.lock_name, instance_id=state.instance_id)
+
+
+def _record_contended(lock: LockContext, result: AcquireResult) -> None:
+    state = lock.state
+    state.metrics("contended", state.lock_name, instance_id=state.instance_id)
+    if state.alert_gate.should_alert(result.holder, result.heartbeat_age):
+        logger.warning(
+            "lock %r: holder %r has not heartbeated for %.1fs (alert_threshold %gs)",
+            state.lock_name,
+            result.holder,
+            result.heartbeat_age,
+            state.timing.alert_threshold,
+        )
+        state.metrics("alert", state.lock_name, holder=result.holder, seconds_since_heartbeat=result.heartbeat_age)
+
+
+def remove_orphan(lock: LockContext) -> Flow[None]:
+    """Delete a row an unanswered acquire may have inserted. Never raises a `DatabaseError`."""
+    state = lock.state
+    try:
+        yield Execute(lock.statements.release, lock.params, state.timing.operation_timeout, lock.describe("cleanup"))
+    except DatabaseError as exc:
+        logger.error(
+            "%s; a row from an unanswered acquire may remain: this Mutex takes it back on its next "
+            "acquire, others may reclaim it after stale_threshold (%gs)",
+            exc,
+            state.timing.stale_threshold,
+        )
+        return
+    state.orphan_suspected = False
+
+
+def heartbeat(lock: LockContext) -> Flow[None]:
+    """Renew the lease once: one UPDATE.
+
+    Raises `LockNotHeldError` if the lock is not held or the row is gone (the
+    lock is then marked lost), `DatabaseError` if the heartbeat failed (the
+    lock stays held until its lease runs out).
+    """
+    state = lock.state
+    generation = state.require_held()
+    sent_at = time.monotonic()
+    timeout = min(state.timing.operation_timeout, max(0.0, state.lease_deadline - sent_at))
+    try:
+        result = yield Execute(lock.statements.heartbeat, lock.params, timeout, lock.describe("heartbeat"))
+    except DatabaseError as exc:
+        logger.warning("%s; retrying until the lease runs out", exc)
+        state.metrics("heartbeat_failed", state.lock_name, instance_id=state.instance_id, error=exc)
+        raise
+    if result.rowcount == 1:
+        state.renewed(generation, sent_at)
+        state.metrics(
+            "heartbeat_latency", state.lock_name, instance_id=state.instance_id, seconds=time.monotonic() - sent_at
+        )
+        return
+    raise state.lose(ROW_GONE, generation) or state.not_held_error()
+
+
+def keep_alive(lock: LockContext, generation: int) -> Flow[None]:
+    """Heartbeat every ``heartbeat_interval`` while hold ``generation`` lasts.
+
+    Failed heartbeats are retried every `Timing.heartbeat_retry`; when the
+    lease runs out first, or a heartbeat finds the row gone, the lock is
+    marked lost and the loop ends. Ends quietly when the runner is stopped.
+    """
+    state = lock.state
+    timing = state.timing
+    next_beat = time.monotonic() + timing.heartbeat_interval
+    while state.is_current(generation):
+        wake = min(next_beat, state.lease_deadline)
+        keep_going = yield Pause(max(0.0, wake - time.monotonic()))
+        if not keep_going or not state.is_current(generation):
+            return
+        if time.monotonic() >= state.lease_deadline:
+            state.check_lease()
+            return
+        if time.monotonic() < next_beat:
+            continue
+        started = time.monotonic()
+        try:
+            yield from heartbeat(lock)
+        except LockNotHeldError:
+            return
+        except DatabaseError:
+            next_beat = time.monotonic() + timing.heartbeat_retry
+            continue
+        next_beat = started + timing.heartbeat_interval
+
+
+def release(lock: LockContext) -> Flow[bool]:
+    """Delete this Mutex's row and wake waiters: one statement.
+
+    Returns True if a row was deleted. A transient failure is retried once
+    (the DELETE is scoped to our instance_id, so repeating it is safe); if
+    that fails too, `DatabaseError` says the row may remain. Raises
+    `LockNotHeldError` after the clean-up if the lock had been lost.
+    """
+    state = lock.state
+    previous = state.begin_release()
+    if previous not in (Status.HELD, Status.LOST) and not state.orphan_suspected:
+        return False
+    action = lock.describe("release")
+    unknown = False
+    try:
+        for attempt in (1, 2):
+            try:
+                result = yield Execute(lock.statements.release, lock.params, state.timing.operation_timeout, action)
+                break
+            except DatabaseError as exc:
+                unknown = unknown or exc.outcome_unknown
+                if attempt == 2 or not exc.transient:
+                    raise DatabaseError(
+                        f"{exc}; the lock row may remain until another instance reclaims it "
+                        f"after stale_threshold ({state.timing.stale_threshold:g}s)",
+                        transient=exc.transient,
+                        outcome_unknown=exc.outcome_unknown,
+                        sqlstate=exc.sqlstate,
+                    ) from exc
+                logger.warning("%s; retrying once", exc)
+    finally:
+        state.released()
+    state.orphan_suspected = False
+    deleted: bool = result.rowcount > 0
+    if deleted:
+        state.metrics("released", state.lock_name, instance_id=state.instance_id)
+    if previous is Status.LOST:
+        raise state.not_held_error()
+    if previous is Status.HELD and not deleted and not unknown:
+        # Held by our lease, yet the row was gone: someone deleted or took it.
+        state.lose(ROW_GONE)
+        raise state.not_held_error(ROW_GONE)
+    return deleted
+
+
+_CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})
+
+
+def create_schema(statements: Statements, timeout: float) -> Flow[None]:
+    """CREATE TABLE IF NOT EXISTS, safe when many instances start at once.
+
+    Two sessions creating the same table race in the catalog; the loser gets a
+    unique violation once the winner has committed, so one retry sees the
+    table and does nothing.
+    """
+    action = f"create_schema of table {statements.table_name}"
+    for attempt in (1, 2, 3):
+        try:
+            yield Execute(statements.create_table, {}, timeout, action)
+            return
+        except DatabaseError as exc:
+            if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
+                continue
+            if exc.sqlstate == "42501":
+                raise SchemaError(
+                    f"{action} failed: the role may not create it ({exc}). Create the table once as a "
+                    "privileged role (see the README's Permissions section) and skip create_schema()",
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            if exc.sqlstate == "3F000":
+                raise SchemaError(
+                    f"{action} failed: its schema does not exist; create the schema first ({exc})",
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            raise

@@ -1,0 +1,582 @@
+"""`Mutex`: the public API, sync and async, over the shared flows."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from . import _flows as flows
+from ._connections import AsyncConnections, SyncConnections, connect_defaults
+from ._metrics import MetricsDispatch
+from ._runners import AsyncRunner, SyncRunner, _Failures
+from ._secrets import Redactor
+from ._settings import Timing, check_name, check_seconds, default_instance_id
+from ._sql import Statements
+from ._state import LockState, LostCallback
+from .errors import LockAlreadyHeldError, MutexError
+
+if TYPE_CHECKING:
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+logger = logging.getLogger("postgres_mutex")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Mutexes holding a lock right now, released by `_release_all_at_exit`.
+_HOLDING: weakref.WeakSet[Mutex] = weakref.WeakSet()
+
+
+class _Transport:
+    """How one Mutex (and the siblings its `singleton` makes) reaches PostgreSQL."""
+
+    def __init__(
+        self,
+        *,
+        dsn: str | None,
+        pool: ConnectionPool[Any] | None,
+        async_pool: AsyncConnectionPool[Any] | None,
+        instance_id: str,
+        timing: Timing,
+        statements: Statements,
+        redactor: Redactor,
+    ) -> None:
+        kwargs = (
+            {}
+            if dsn is None
+            else connect_defaults(dsn, instance_id=instance_id, operation_timeout=timing.operation_timeout)
+        )
+        self.sync = (
+            SyncConnections(dsn=dsn, pool=pool, connect_kwargs=kwargs) if dsn is not None or pool is not None else None
+        )
+        self.async_ = (
+            AsyncConnections(dsn=dsn, pool=async_pool, connect_kwargs=kwargs)
+            if dsn is not None or async_pool is not None
+            else None
+        )
+        self.failures = _Failures(table=statements.table_name, redact=redactor.redact)
+
+    def sync_runner(self, stop: threading.Event | None = None) -> SyncRunner:
+        if self.sync is None:
+            raise MutexError("this Mutex was given only an async_pool: use the *_async methods, or pass pool= as well")
+        return SyncRunner(self.sync, self.failures, stop)
+
+    def async_runner(self, stop: asyncio.Event | None = None) -> AsyncRunner:
+        if self.async_ is None:
+            raise MutexError(
+                "this Mutex was given only a (sync) pool: use the sync methods, or pass async_pool= as well"
+            )
+        return AsyncRunner(self.async_, self.failures, stop)
+
+
+class _SyncHeartbeat:
+    """The heartbeat thread of one hold."""
+
+    def __init__(self, transport: _Transport, lock: flows.LockContext, generation: int) -> None:
+        self._stop = threading.Event()
+        self._runner = transport.sync_runner(self._stop)
+        self._lock = lock
+        self._generation = generation
+        self._thread = threading.Thread(
+            target=self._run, name=f"postgres-mutex-heartbeat:{lock.state.lock_name}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._runner.run(flows.keep_alive(self._lock, self._generation))
+        except BaseException as exc:
+            # Never die silently: a holder that stopped heartbeating must hear it.
+            logger.exception("heartbeat thread for lock %r failed", self._lock.state.lock_name)
+            self._lock.state.lose(f"the heartbeat thread failed: {exc!r}", self._generation)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+class _AsyncHeartbeat:
+    """The heartbeat task of one hold."""
+
+    def __init__(self, transport: _Transport, lock: flows.LockContext, generation: int) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._runner = transport.async_runner(self._stop)
+        self._lock = lock
+        self._generation = generation
+        self._task = self._loop.create_task(self._run(), name=f"postgres-mutex-heartbeat:{lock.state.lock_name}")
+
+    async def _run(self) -> None:
+        try:
+            await self._runner.run(flows.keep_alive(self._lock, self._generation))
+        except asyncio.CancelledError:
+            raise  # the loop is shutting down; the lease covers the rest
+        except BaseException as exc:
+            logger.exception("heartbeat task for lock %r failed", self._lock.state.lock_name)
+            self._lock.state.lose(f"the heartbeat task failed: {exc!r}", self._generation)
+
+    def stop(self) -> None:
+        # A closed loop raises RuntimeError: its task is gone already.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def join(self, timeout: float) -> None:
+        if asyncio.get_running_loop() is self._loop and self._task is not asyncio.current_task():
+            await asyncio.wait([self._task], timeout=timeout)
+
+
+_Heartbeat = _SyncHeartbeat | _AsyncHeartbeat
+
+
+class Mutex:
+    """A distributed mutex: one row per lock in a PostgreSQL table.
+
+    Give it a ``dsn`` (it then owns one lazily opened connection per flavour,
+    sync and async) or a psycopg_pool ``pool`` and/or ``async_pool`` (it then
+    borrows a connection per operation and never opens, owns or closes one).
+
+    While held, the lock is renewed by a heartbeat every
+    ``heartbeat_interval`` seconds (a thread for sync holds, a task for async
+    ones). A holder silent for ``alert_threshold`` triggers the ``alert``
+    metrics call in contenders; one silent for ``stale_threshold`` may be
+    reclaimed. The holder itself gives the lock up as lost one heartbeat
+    interval before that (its *lease*): `held` turns false, `ensure_held`
+    raises `LockNotHeldError`, ``on_lost`` and the ``lost`` metrics call fire,
+    and leaving the ``with`` block raises `LockNotHeldError`.
+
+    Every database statement must finish within ``operation_timeout``
+    seconds, even on a network that silently drops everything.
+
+    Raises `TypeError` or `ValueError`, naming the argument, on bad input.
+    """
+
+    _transport: _Transport
+    _state: LockState
+    _lock: flows.LockContext
+    _heartbeat: _Heartbeat | None
+    _siblings: dict[str, Mutex]
+    _options: dict[str, Any]
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        lock_name: str | None = None,
+        *,
+        pool: ConnectionPool[Any] | None = None,
+        async_pool: AsyncConnectionPool[Any] | None = None,
+        instance_id: str | None = None,
+        table: str = "mutex_lock",
+        heartbeat_interval: float = 10.0,
+        alert_threshold: float = 30.0,
+        stale_threshold: float = 600.0,
+        poll_interval: float = 0.5,
+        metrics: object | None = None,
+        on_lost: LostCallback | None = None,
+        operation_timeout: float = 5.0,
+    ) -> None:
+        if lock_name is None:
+            raise TypeError("Mutex() missing required argument: 'lock_name'")
+        check_name(lock_name, "lock_name")
+        instance_id = default_instance_id() if instance_id is None else check_name(instance_id, "instance_id")
+        timing = Timing.validate(
+            heartbeat_interval=heartbeat_interval,
+            alert_threshold=alert_threshold,
+            stale_threshold=stale_threshold,
+            poll_interval=poll_interval,
+            operation_timeout=operation_timeout,
+        )
+        statements = Statements(table)
+        redactor = _check_connection_args(dsn, pool, async_pool)
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
+        transport = _Transport(
+            dsn=dsn,
+            pool=pool,
+            async_pool=async_pool,
+            instance_id=instance_id,
+            timing=timing,
+            statements=statements,
+            redactor=redactor,
+        )
+        self._setup(
+            transport,
+            lock_name=lock_name,
+            instance_id=instance_id,
+            timing=timing,
+            statements=statements,
+            metrics=MetricsDispatch(metrics),
+            on_lost=on_lost,
+        )
+
+    def _setup(
+        self,
+        transport: _Transport,
+        *,
+        lock_name: str,
+        instance_id: str,
+        timing: Timing,
+        statements: Statements,
+        metrics: MetricsDispatch,
+        on_lost: LostCallback | None,
+    ) -> None:
+        self._transport = transport
+        self._state = LockState(
+            lock_name=lock_name, instance_id=instance_id, timing=timing, metrics=metrics, on_lost=on_lost
+        )
+        self._lock = flows.LockContext(self._state, statements)
+        self._heartbeat = None
+        self._siblings = {}
+        self._options = {
+            "instance_id": instance_id,
+            "timing": timing,
+            "statements": statements,
+            "metrics": metrics,
+            "on_lost": on_lost,
+        }
+
+    def _sibling(self, lock_name: str) -> Mutex:
+        """A Mutex for another lock name, sharing this one's connections and settings."""
+        if lock_name == self.lock_name:
+            return self
+        check_name(lock_name, "lock_name")
+        sibling = self._siblings.get(lock_name)
+        if sibling is None:
+            sibling = object.__new__(Mutex)
+            sibling._setup(self._transport, lock_name=lock_name, **self._options)
+            self._siblings[lock_name] = sibling
+        return sibling
+
+    # -- introspection -----------------------------------------------------
+
+    @property
+    def lock_name(self) -> str:
+        return self._state.lock_name
+
+    @property
+    def instance_id(self) -> str:
+        """This Mutex's id, as written in the table's ``instance_id`` column."""
+        return self._state.instance_id
+
+    @property
+    def table(self) -> str:
+        return self._lock.statements.table_name
+
+    @property
+    def held(self) -> bool:
+        """True while this Mutex holds the lock and its lease has not run out.
+
+        Reading it never touches the database; it turns false the moment the
+        lease runs out, even if the heartbeat has not noticed yet.
+        """
+        return self._state.held
+
+    def ensure_held(self) -> None:
+        """Raise `LockNotHeldError` unless the lock is still held.
+
+        Call it between steps of long work to stop promptly after a loss.
+        """
+        self._state.require_held()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Mutex lock_name={self.lock_name!r} instance_id={self.instance_id!r} "
+            f"table={self.table!r} status={self._state.status.value}>"
+        )
+
+    # -- schema ------------------------------------------------------------
+
+    def create_schema(self) -> None:
+        """Create the lock table if it does not exist. Idempotent, safe to race.
+
+        Raises `SchemaError` if the role may not create it.
+        """
+        self._transport.sync_runner().run(
+            flows.create_schema(self._lock.statements, self._state.timing.operation_timeout)
+        )
+
+    async def create_schema_async(self) -> None:
+        """Async `create_schema`."""
+        await self._transport.async_runner().run(
+            flows.create_schema(self._lock.statements, self._state.timing.operation_timeout)
+        )
+
+    # -- acquire -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def acquire(self, blocking: bool = False, timeout: float | None = None) -> Iterator[bool]:
+        """Hold the lock for the ``with`` block; yields whether it was acquired.
+
+        Non-blocking (the default) tries once and yields False if another
+        instance holds the lock. Blocking waits, woken at once by the holder's
+        release, polling every ``poll_interval`` otherwise, and raises
+        `LockAcquisitionTimeout` after ``timeout`` seconds (None: no limit),
+        so the block never runs unlocked.
+
+        Leaving the block releases the lock, whether it ends normally, by an
+        exception or by KeyboardInterrupt. If the lock was lost meanwhile, a
+        normal exit raises `LockNotHeldError`. Raises `LockAlreadyHeldError`
+        if this Mutex already holds the lock, `DatabaseError` if PostgreSQL
+        cannot be used.
+        """
+        timeout = _check_wait(blocking, timeout)
+        runner = self._transport.sync_runner()
+        if not runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout)):
+            yield False
+            return
+        self._start_heartbeat(_SyncHeartbeat)
+        try:
+            yield True
+        except BaseException:
+            self._release_after_failure()
+            raise
+        self.release()
+
+    @contextlib.asynccontextmanager
+    async def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncIterator[bool]:
+        """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
+        timeout = _check_wait(blocking, timeout)
+        runner = self._transport.async_runner()
+        if not await runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout)):
+            yield False
+            return
+        self._start_heartbeat(_AsyncHeartbeat)
+        try:
+            yield True
+        except BaseException:
+            # Shielded: a second cancellation must not leave the row behind.
+            release = asyncio.ensure_future(self._release_after_failure_async())
+            await asyncio.shield(release)
+            raise
+        await self.release_async()
+
+    def _start_heartbeat(self, kind: type[_Heartbeat]) -> None:
+        self._heartbeat = kind(self._transport, self._lock, self._state.generation)
+        _HOLDING.add(self)
+
+    # -- release -----------------------------------------------------------
+
+    def release(self) -> None:
+        """Delete this Mutex's lock row (waking waiters at once); no-op if nothing is held.
+
+        Raises `LockNotHeldError` (after cleaning up) if the lock had been
+        lost, and `DatabaseError` if the row could not be deleted: it then
+        stays until another instance reclaims it after ``stale_threshold``.
+        """
+        heartbeat = self._stop_heartbeat()
+        if isinstance(heartbeat, _SyncHeartbeat):
+            heartbeat.join(self._state.timing.operation_timeout)
+        self._transport.sync_runner().run(flows.release(self._lock))
+
+    async def release_async(self) -> None:
+        """Async `release`."""
+        heartbeat = self._stop_heartbeat()
+        if isinstance(heartbeat, _AsyncHeartbeat):
+            await heartbeat.join(self._state.timing.operation_timeout)
+        await self._transport.async_runner().run(flows.release(self._lock))
+
+    def _stop_heartbeat(self) -> _Heartbeat | None:
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
+        _HOLDING.discard(self)
+        return heartbeat
+
+    def _release_after_failure(self) -> None:
+        # The block's own exception is what the caller must see.
+        try:
+            self.release()
+        except MutexError as exc:
+            logger.warning("while leaving the block after an error: %s", exc)
+
+    async def _release_after_failure_async(self) -> None:
+        try:
+            await self.release_async()
+        except MutexError as exc:
+            logger.warning("while leaving the block after an error: %s", exc)
+
+    def _release_at_exit(self) -> None:
+        if self._transport.sync is None:
+            logger.warning(
+                "lock %r still held at exit and only an async_pool is available: it stays until "
+                "another instance reclaims it after stale_threshold",
+                self.lock_name,
+            )
+            return
+        try:
+            self.release()
+        except MutexError as exc:
+            logger.warning("releasing lock %r at exit: %s", self.lock_name, exc)
+
+    # -- heartbeat ---------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        """Renew the lock now (the heartbeat thread does this on its own).
+
+        Raises `LockNotHeldError` if the lock is not held or turns out lost,
+        `DatabaseError` if the heartbeat failed.
+        """
+        self._transport.sync_runner().run(flows.heartbeat(self._lock))
+
+    async def heartbeat_async(self) -> None:
+        """Async `heartbeat`."""
+        await self._transport.async_runner().run(flows.heartbeat(self._lock))
+
+    # -- decorators --------------------------------------------------------
+
+    @overload
+    def singleton(self, lock_name: Callable[P, R]) -> Callable[P, R | None]: ...
+
+    @overload
+    def singleton(
+        self, lock_name: str | None = None, *, blocking: bool = False, timeout: float | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+
+    def singleton(
+        self,
+        lock_name: str | Callable[P, R] | None = None,
+        *,
+        blocking: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Decorate a function to run only while holding the lock.
+
+        ``lock_name`` defaults to this Mutex's; another name gets a Mutex that
+        shares this one's connections and settings. When the lock is held
+        elsewhere (or by another call in this process) the function does not
+        run and the call returns None. Blocking with a ``timeout`` raises
+        `LockAcquisitionTimeout` instead. Also usable bare: ``@mutex.singleton``.
+        """
+        if callable(lock_name):
+            return self.singleton()(lock_name)
+        target = self if lock_name is None else self._sibling(lock_name)
+        timeout = _check_wait(blocking, timeout)
+
+        def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
+            @functools.wraps(func)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+                with contextlib.ExitStack() as stack:
+                    try:
+                        acquired = stack.enter_context(target.acquire(blocking=blocking, timeout=timeout))
+                    except LockAlreadyHeldError:
+                        logger.info("lock %r is held in this process already: not running %s", target.lock_name, func)
+                        return None
+                    return func(*args, **kwargs) if acquired else None
+
+            return wrapper
+
+        return decorate
+
+    @overload
+    def singleton_async(self, lock_name: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]: ...
+
+    @overload
+    def singleton_async(
+        self, lock_name: str | None = None, *, blocking: bool = True, timeout: float | None = None
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]: ...
+
+    def singleton_async(
+        self,
+        lock_name: str | Callable[P, Awaitable[R]] | None = None,
+        *,
+        blocking: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        """Async `singleton` for coroutine functions; blocking by default, like `acquire_async`."""
+        if callable(lock_name):
+            return self.singleton_async()(lock_name)
+        target = self if lock_name is None else self._sibling(lock_name)
+        timeout = _check_wait(blocking, timeout)
+
+        def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]:
+            @functools.wraps(func)
+            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+                async with contextlib.AsyncExitStack() as stack:
+                    try:
+                        acquired = await stack.enter_async_context(
+                            target.acquire_async(blocking=blocking, timeout=timeout)
+                        )
+                    except LockAlreadyHeldError:
+                        logger.info("lock %r is held in this process already: not running %s", target.lock_name, func)
+                        return None
+                    return await func(*args, **kwargs) if acquired else None
+
+            return wrapper
+
+        return decorate
+
+    # -- shutdown ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Release any lock held and close the connections this Mutex opened (never a pool)."""
+        for mutex in (self, *self._siblings.values()):
+            if mutex._heartbeat is not None or mutex._state.orphan_suspected:
+                mutex._release_at_exit()
+        if self._transport.sync is not None:
+            self._transport.sync.close()
+
+    async def aclose(self) -> None:
+        """Async `close`."""
+        for mutex in (self, *self._siblings.values()):
+            if mutex._heartbeat is not None or mutex._state.orphan_suspected:
+                try:
+                    await mutex.release_async()
+                except MutexError as exc:
+                    logger.warning("releasing lock %r on close: %s", mutex.lock_name, exc)
+        if self._transport.async_ is not None:
+            await self._transport.async_.aclose()
+
+
+def _check_wait(blocking: object, timeout: object) -> float | None:
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
+    if timeout is None:
+        return None
+    seconds = check_seconds(timeout, "timeout", allow_zero=True)
+    if not blocking:
+        raise ValueError("timeout applies only to a blocking acquire: pass blocking=True, or drop timeout")
+    return seconds
+
+
+def _check_connection_args(dsn: object, pool: object, async_pool: object) -> Redactor:
+    if dsn is not None and not isinstance(dsn, str):
+        raise TypeError(f"dsn must be a str, not {type(dsn).__name__}")
+    if dsn is not None and (pool is not None or async_pool is not None):
+        raise ValueError("pass either dsn or pool/async_pool, not both: with a pool, the Mutex opens no connection")
+    if dsn is None and pool is None and async_pool is None:
+        raise ValueError("Mutex needs a way to reach PostgreSQL: pass dsn, or pool and/or async_pool")
+    redactor = Redactor(dsn)
+    if dsn is not None:
+        try:
+            conninfo_to_dict(dsn)
+        except psycopg.Error as exc:
+            raise ValueError(f"dsn is not a valid connection string: {redactor.redact(str(exc))}") from None
+    if pool is not None or async_pool is not None:
+        try:
+            from psycopg_pool import AsyncConnectionPool, ConnectionPool
+        except ImportError:  # pragma: no cover - a pool object implies the package
+            raise ImportError("pool mode needs psycopg-pool: pip install 'postgres-mutex[pool]'") from None
+        if pool is not None and not isinstance(pool, ConnectionPool):
+            raise TypeError(f"pool must be a psycopg_pool.ConnectionPool, not {type(pool).__name__}")
+        if async_pool is not None and not isinstance(async_pool, AsyncConnectionPool):
+            raise TypeError(f"async_pool must be a psycopg_pool.AsyncConnectionPool, not {type(async_pool).__name__}")
+    return redactor
+
+
+@atexit.register
+def _release_all_at_exit() -> None:
+    """A normal interpreter exit releases every lock still held, so nobody waits out stale_threshold."""
+    for mutex in list(_HOLDING):
+        mutex._release_at_exit()

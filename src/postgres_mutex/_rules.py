@@ -1,0 +1,148 @@
+"""The decisions of the lock, without I/O: shared by the sync and async paths.
+
+What an acquire's result row means, when a contender should alert, and what
+a database failure means for the lock are decided here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import psycopg
+
+from .errors import DatabaseError, OperationTimeout, SchemaError
+
+
+class Outcome(enum.Enum):
+    ACQUIRED = "acquired"
+    """No row existed: ours was inserted."""
+    RECLAIMED = "reclaimed"
+    """Another instance's row was past ``stale_threshold``: we took it over."""
+    REACQUIRED = "reacquired"
+    """The row already carried our instance_id: we took it back."""
+    CONTENDED = "contended"
+    """Another instance holds the lock."""
+
+    @property
+    def acquired(self) -> bool:
+        return self is not Outcome.CONTENDED
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    outcome: Outcome
+    holder: str | None
+    """Contended: the current holder. Reclaimed: the previous holder."""
+    heartbeat_age: float | None
+    """Seconds since the (previous) holder's last heartbeat, by the server's clock."""
+
+
+def interpret_acquire(row: Sequence[object] | None, instance_id: str) -> AcquireResult:
+    """Read the acquire statement's single row: ``(inserted, holder, heartbeat_age)``.
+
+    ``inserted`` is NULL when the INSERT neither inserted nor took over the
+    row: the lock is held by someone else. ``holder`` and ``heartbeat_age``
+    come from the statement's snapshot; they are NULL when the row appeared
+    after the snapshot was taken.
+    """
+    if row is None or len(row) != 3:
+        raise ValueError(f"unexpected acquire result {row!r}")
+    inserted, holder, age = row
+    holder_id = None if holder is None else str(holder)
+    heartbeat_age = None if age is None else float(age)  # type: ignore[arg-type]
+    if inserted is None:
+        return AcquireResult(Outcome.CONTENDED, holder_id, heartbeat_age)
+    if inserted:
+        # A holder seen in the snapshot released in the meantime: a plain acquire.
+        return AcquireResult(Outcome.ACQUIRED, None, None)
+    if holder_id == instance_id or holder_id is None:
+        return AcquireResult(Outcome.REACQUIRED, instance_id, heartbeat_age)
+    return AcquireResult(Outcome.RECLAIMED, holder_id, heartbeat_age)
+
+
+class AlertGate:
+    """Decides when a silent holder is worth an alert: once per stale episode.
+
+    An episode starts when a holder's heartbeat age reaches ``threshold`` and
+    ends when it heartbeats again (age below threshold) or the holder changes,
+    so a waiter polling every half second alerts once, not twice a second.
+    """
+
+    def __init__(self, threshold: float) -> None:
+        self._threshold = threshold
+        self._alerted_holder: str | None = None
+
+    def should_alert(self, holder: str | None, heartbeat_age: float | None) -> bool:
+        if holder is None or heartbeat_age is None or heartbeat_age < self._threshold:
+            self._alerted_holder = None
+            return False
+        if holder == self._alerted_holder:
+            return False
+        self._alerted_holder = holder
+        return True
+
+
+# SQLSTATE classes that describe the moment, not the statement: connection
+# exceptions, insufficient resources, operator intervention (shutdown,
+# restart, cancel), transaction rollback.
+_TRANSIENT_CLASSES = frozenset({"08", "53", "57", "40"})
+_TRANSIENT_STATES = frozenset({"55P03", "58000", "58030"})
+_MISSING_TABLE_STATES = frozenset({"42P01", "3F000"})
+_PRIVILEGE_STATE = "42501"
+
+
+def classify_failure(
+    exc: BaseException,
+    *,
+    action: str,
+    table: str,
+    sent: bool,
+    timed_out: bool,
+    connection_lost: bool,
+    connect_retryable: bool,
+    redact: Callable[[str], str],
+) -> DatabaseError:
+    """Turn a psycopg failure into the `DatabaseError` the lock logic acts on.
+
+    ``sent``: the statement may have reached the server. ``timed_out``: the
+    deadline cut the operation off. ``connection_lost``: the connection is no
+    longer usable. ``connect_retryable``: a failure to connect is worth
+    retrying (this Mutex has connected before, so the DSN and credentials
+    work). ``redact`` masks secrets in the message.
+    """
+    detail = redact(str(exc).strip() or type(exc).__name__)
+    sqlstate = getattr(exc, "sqlstate", None) if isinstance(exc, psycopg.Error) else None
+    # The server answered with an error and the connection survived: the
+    # statement was rolled back, so its outcome is known.
+    unknown = sent and (timed_out or connection_lost or sqlstate is None)
+
+    error: DatabaseError
+    if timed_out:
+        error = OperationTimeout(f"{action} passed its deadline ({detail})", transient=True, outcome_unknown=unknown)
+    elif sqlstate in _MISSING_TABLE_STATES:
+        error = SchemaError(
+            f"{action} failed: the lock table {table} does not exist ({detail}); "
+            "call create_schema() or create it as the README shows",
+            sqlstate=sqlstate,
+        )
+    elif sqlstate == _PRIVILEGE_STATE:
+        error = SchemaError(
+            f"{action} failed: the role may not use the lock table {table} ({detail}); "
+            "grant SELECT, INSERT, UPDATE, DELETE on it as the README shows",
+            sqlstate=sqlstate,
+        )
+    elif not sent and sqlstate is None:
+        error = DatabaseError(
+            f"{action} failed: could not connect to PostgreSQL ({detail})",
+            transient=connect_retryable,
+        )
+    else:
+        transient = (
+            connection_lost or sqlstate is None or sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_STATES
+        )
+        error = DatabaseError(
+            f"{action} failed: {detail}", transient=transient, outcome_unknown=unknown, sqlstate=sqlstate
+        )
+    return error

@@ -1,0 +1,214 @@
+"""The I/O shells that carry out a flow's steps: one sync, one async.
+
+They are deliberately thin and parallel: each step (`Execute`, `Pause`,
+`WaitForRelease`) maps to a handful of psycopg calls, and what the results
+mean is decided by the flow (`_flows`), never here. Every statement runs
+under a `Deadline`, so a silent network cannot hold it past its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+
+from ._connections import AsyncConnections, SyncConnections
+from ._flows import Execute, Flow, Op, Pause, Result, WaitForRelease
+from ._rules import classify_failure
+from ._watchdog import Deadline
+from .errors import DatabaseError
+
+logger = logging.getLogger("postgres_mutex")
+
+T = TypeVar("T")
+
+# What a failing psycopg call can raise: its own errors (pool errors derive
+# from them) and OS errors from a socket the watchdog shut down.
+_FAILURES = (psycopg.Error, OSError)
+
+
+class _Failures:
+    """Turns a failed step into the `DatabaseError` a flow sees; shared by both runners."""
+
+    def __init__(self, *, table: str, redact: Callable[[str], str]) -> None:
+        self._table = table
+        self._redact = redact
+
+    def translate(
+        self,
+        exc: BaseException,
+        op: Execute,
+        *,
+        sent: bool,
+        deadline: Deadline | None,
+        conn: psycopg.BaseConnection[Any] | None,
+        connect_retryable: bool,
+    ) -> DatabaseError:
+        error = classify_failure(
+            exc,
+            action=op.action,
+            table=self._table,
+            sent=sent,
+            timed_out=deadline is not None and deadline.fired,
+            connection_lost=conn is None or conn.closed or conn.broken,
+            connect_retryable=connect_retryable,
+            redact=self._redact,
+        )
+        return error
+
+    def shown_cause(self, exc: BaseException) -> BaseException | None:
+        """psycopg's error, to chain for the traceback, unless its text held a secret."""
+        return None if self._redact(str(exc)) != str(exc) else exc
+
+
+def _result(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], row: Any) -> Result:
+    return Result(cursor.rowcount, None if row is None else tuple(row))
+
+
+class SyncRunner:
+    """Runs flows on a sync connection source. ``stop`` ends `Pause` steps early."""
+
+    def __init__(self, conns: SyncConnections, failures: _Failures, stop: threading.Event | None = None) -> None:
+        self._conns = conns
+        self._failures = failures
+        self._stop = stop
+
+    def run(self, flow: Flow[T]) -> T:
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                op = flow.send(reply) if error is None else flow.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            reply, error = None, None
+            try:
+                reply = self._perform(op)
+            except BaseException as exc:  # handed to the flow, which decides
+                error = exc
+
+    def _perform(self, op: Op) -> Any:
+        if isinstance(op, Execute):
+            return self._execute(op)
+        if isinstance(op, Pause):
+            if self._stop is None:
+                time.sleep(op.seconds)
+                return True
+            return not self._stop.wait(op.seconds)
+        return self._wait_for_release(op)
+
+    def _execute(self, op: Execute) -> Result:
+        conns = self._conns
+        retryable = conns.connected_before
+        sent, deadline, used = False, None, None
+        try:
+            with conns.connection(op.timeout) as conn:
+                used, sent = conn, True
+                with Deadline(conn.fileno(), op.timeout) as deadline:
+                    cursor = conn.execute(op.query, op.params, prepare=None if conns.dedicated else False)
+                    result = _result(cursor, cursor.fetchone() if cursor.description else None)
+                if deadline.fired:
+                    conn.close()  # shut down just as the reply arrived: unusable now
+                return result
+        except _FAILURES as exc:
+            error = self._failures.translate(
+                exc, op, sent=sent, deadline=deadline, conn=used, connect_retryable=retryable
+            )
+            raise error from self._failures.shown_cause(exc)
+
+    def _wait_for_release(self, op: WaitForRelease) -> None:
+        started = time.monotonic()
+        try:
+            self._conns.wait_for_release(op.channel, op.seconds, op.listen, op.statement_timeout)
+        except _FAILURES as exc:
+            # Waiting is an optimisation: on any failure, fall back to polling.
+            logger.debug("waiting for a release notification failed: %s", exc)
+            time.sleep(max(0.0, op.seconds - (time.monotonic() - started)))
+
+
+class AsyncRunner:
+    """Runs flows on an async connection source. ``stop`` ends `Pause` steps early."""
+
+    def __init__(self, conns: AsyncConnections, failures: _Failures, stop: asyncio.Event | None = None) -> None:
+        self._conns = conns
+        self._failures = failures
+        self._stop = stop
+
+    async def run(self, flow: Flow[T]) -> T:
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                op = flow.send(reply) if error is None else flow.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            reply, error = None, None
+            try:
+                reply = await self._perform(op)
+            except BaseException as exc:  # handed to the flow, which decides
+                error = exc
+
+    async def _perform(self, op: Op) -> Any:
+        if isinstance(op, Execute):
+            return await self._execute(op)
+        if isinstance(op, Pause):
+            if self._stop is None:
+                await asyncio.sleep(op.seconds)
+                return True
+            try:
+                await asyncio.wait_for(self._stop.wait(), op.seconds)
+            except asyncio.TimeoutError:
+                return True
+            return False
+        return await self._wait_for_release(op)
+
+    async def _execute(self, op: Execute) -> Result:
+        conns = self._conns
+        retryable = conns.connected_before
+        sent, deadline, used = False, None, None
+        try:
+            async with conns.connection(op.timeout) as conn:
+                used, sent = conn, True
+                with Deadline(conn.fileno(), op.timeout) as deadline:
+                    statement = asyncio.ensure_future(self._statement(conn, op))
+                    statement.add_done_callback(_retrieve)
+                    try:
+                        result = await asyncio.shield(statement)
+                    except asyncio.CancelledError:
+                        # Cancelled by the caller: end the statement now, rather
+                        # than let psycopg attempt a server-side cancel over what
+                        # may be a dead network. The flow treats it as unanswered.
+                        deadline.fire()
+                        await asyncio.wait([statement])
+                        raise
+                if deadline.fired:
+                    await conn.close()
+                return result
+        except _FAILURES as exc:
+            error = self._failures.translate(
+                exc, op, sent=sent, deadline=deadline, conn=used, connect_retryable=retryable
+            )
+            raise error from self._failures.shown_cause(exc)
+
+    async def _statement(self, conn: psycopg.AsyncConnection[Any], op: Execute) -> Result:
+        cursor = await conn.execute(op.query, op.params, prepare=None if self._conns.dedicated else False)
+        return _result(cursor, await cursor.fetchone() if cursor.description else None)
+
+    async def _wait_for_release(self, op: WaitForRelease) -> None:
+        started = time.monotonic()
+        try:
+            await self._conns.wait_for_release(op.channel, op.seconds, op.listen, op.statement_timeout)
+        except _FAILURES as exc:
+            logger.debug("waiting for a release notification failed: %s", exc)
+            await asyncio.sleep(max(0.0, op.seconds - (time.monotonic() - started)))
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # Mark an abandoned statement's outcome as seen, so asyncio does not log it.
+    if not task.cancelled():
+        task.exception()

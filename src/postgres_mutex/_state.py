@@ -1,0 +1,183 @@
+"""The holder's view of one lock: held, lost, and the local lease.
+
+Thread-safe and free of I/O. The sync path (caller plus heartbeat thread) and
+the async path (caller plus heartbeat task) both drive the same `LockState`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ._metrics import MetricsDispatch
+from ._rules import AlertGate
+from ._settings import Timing
+from .errors import LockAlreadyHeldError, LockNotHeldError
+
+logger = logging.getLogger("postgres_mutex")
+
+LostCallback = Callable[[LockNotHeldError], object]
+
+LEASE_EXPIRED = "its lease ran out: no heartbeat succeeded for stale_threshold - heartbeat_interval"
+ROW_GONE = "its row was deleted or taken over by another instance"
+
+
+class Status(enum.Enum):
+    IDLE = "idle"
+    ACQUIRING = "acquiring"
+    HELD = "held"
+    LOST = "lost"
+    RELEASING = "releasing"
+
+
+class LockState:
+    """Status, lease and loss bookkeeping for one (lock_name, instance_id).
+
+    The lease is measured on the monotonic clock from the moment the last
+    successful acquire or heartbeat statement was *sent*; it is one heartbeat
+    interval shorter than ``stale_threshold``, so the holder always learns it
+    lost the lock before anyone else may reclaim the row.
+    """
+
+    def __init__(
+        self,
+        *,
+        lock_name: str,
+        instance_id: str,
+        timing: Timing,
+        metrics: MetricsDispatch,
+        on_lost: LostCallback | None,
+    ) -> None:
+        self.lock_name = lock_name
+        self.instance_id = instance_id
+        self.timing = timing
+        self.metrics = metrics
+        self.alert_gate = AlertGate(timing.alert_threshold)
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._status = Status.IDLE
+        self._lease_deadline = 0.0
+        self._generation = 0
+        self._lost_reason = ""
+        # An acquire statement was sent but its reply never came: our row may
+        # exist. The next acquire takes it back; giving up removes it.
+        self.orphan_suspected = False
+
+    # -- queries ---------------------------------------------------------
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @property
+    def held(self) -> bool:
+        return self._status is Status.HELD and time.monotonic() < self._lease_deadline
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def lease_deadline(self) -> float:
+        return self._lease_deadline
+
+    def is_current(self, generation: int) -> bool:
+        return self._status is Status.HELD and self._generation == generation
+
+    # -- transitions -------------------------------------------------------
+
+    def begin_acquire(self) -> None:
+        with self._lock:
+            if self._status in (Status.HELD, Status.ACQUIRING, Status.RELEASING):
+                raise LockAlreadyHeldError(
+                    f"this Mutex already holds or is acquiring lock {self.lock_name!r} "
+                    f"(instance_id {self.instance_id!r}); use a separate Mutex per concurrent holder"
+                )
+            self._status = Status.ACQUIRING
+
+    def abort_acquire(self) -> None:
+        with self._lock:
+            if self._status is Status.ACQUIRING:
+                self._status = Status.IDLE
+
+    def acquired(self, sent_at: float) -> int:
+        """Record a won acquire whose statement was sent at ``sent_at``; returns the hold's generation."""
+        with self._lock:
+            self._generation += 1
+            self._status = Status.HELD
+            self._lease_deadline = sent_at + self.timing.lease
+            self._lost_reason = ""
+            self.orphan_suspected = False
+            return self._generation
+
+    def renewed(self, generation: int, sent_at: float) -> bool:
+        """Extend the lease after a heartbeat sent at ``sent_at`` succeeded."""
+        with self._lock:
+            if self._status is not Status.HELD or self._generation != generation:
+                return False
+            self._lease_deadline = max(self._lease_deadline, sent_at + self.timing.lease)
+            return True
+
+    def require_held(self) -> int:
+        """Return the current generation, or raise `LockNotHeldError` (marking a run-out lease lost)."""
+        self.check_lease()
+        with self._lock:
+            if self._status is Status.HELD:
+                return self._generation
+            raise self._not_held_error()
+
+    def check_lease(self) -> None:
+        """Mark the lock lost if its lease has run out."""
+        if self._status is Status.HELD and time.monotonic() >= self._lease_deadline:
+            self.lose(LEASE_EXPIRED)
+
+    def lose(self, reason: str, generation: int | None = None) -> LockNotHeldError | None:
+        """Mark the lock lost, once; fire ``on_lost`` and the metrics call.
+
+        Returns the error describing the loss, or None if the lock was not held
+        (already lost, released, or a newer hold than ``generation``).
+        """
+        with self._lock:
+            if self._status is not Status.HELD or (generation is not None and generation != self._generation):
+                return None
+            self._status = Status.LOST
+            self._lost_reason = reason
+            error = self._not_held_error()
+        logger.error("lost lock %r (instance_id %r): %s", self.lock_name, self.instance_id, reason)
+        self.metrics("lost", self.lock_name, instance_id=self.instance_id, reason=reason)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(error)
+            except Exception:
+                logger.warning("on_lost callback for lock %r raised; ignoring it", self.lock_name, exc_info=True)
+        return error
+
+    def begin_release(self) -> Status:
+        """Stop treating the lock as held; return the status it had."""
+        self.check_lease()
+        with self._lock:
+            previous = self._status
+            if previous in (Status.HELD, Status.LOST):
+                self._status = Status.RELEASING
+            return previous
+
+    def released(self) -> None:
+        with self._lock:
+            if self._status is Status.RELEASING:
+                self._status = Status.IDLE
+
+    def not_held_error(self, reason: str | None = None) -> LockNotHeldError:
+        with self._lock:
+            return self._not_held_error(reason)
+
+    def _not_held_error(self, reason: str | None = None) -> LockNotHeldError:
+        reason = reason or self._lost_reason or "this Mutex does not hold the lock"
+        return LockNotHeldError(
+            f"lock {self.lock_name!r} is not held by instance {self.instance_id!r}: {reason}",
+            lock_name=self.lock_name,
+            instance_id=self.instance_id,
+            reason=reason,
+        )

@@ -1,0 +1,109 @@
+"""Exceptions raised by postgres-mutex.
+
+Everything the library raises on purpose derives from `MutexError`, except bad
+arguments, which raise the built-in `ValueError` or `TypeError` at construction
+and name the argument::
+
+    MutexError
+    ├── LockNotHeldError          the lock was lost, or this Mutex never held it
+    ├── LockAcquisitionTimeout    a blocking acquire ran out of time (also TimeoutError)
+    ├── LockAlreadyHeldError      acquire on a Mutex that already holds its lock
+    └── DatabaseError             PostgreSQL could not be reached or refused a statement
+        ├── OperationTimeout      a statement passed its deadline (also TimeoutError)
+        └── SchemaError           the table is missing, or the role may not use or create it
+
+No message ever contains a password: messages that quote the DSN or a server
+error are redacted before they are raised.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DatabaseError",
+    "LockAcquisitionTimeout",
+    "LockAlreadyHeldError",
+    "LockNotHeldError",
+    "MutexError",
+    "OperationTimeout",
+    "SchemaError",
+]
+
+
+class MutexError(Exception):
+    """Base class of every error postgres-mutex raises on purpose."""
+
+
+class LockNotHeldError(MutexError):
+    """The lock is not (or no longer) held by this Mutex.
+
+    Raised when a heartbeat finds the row gone or owned by another instance,
+    when the local lease ran out before a heartbeat could renew it, by
+    `Mutex.ensure_held()`, and when a ``with`` block ends after the lock was
+    lost. ``lock_name``, ``instance_id`` and ``reason`` say which lock and why.
+    """
+
+    def __init__(self, message: str, *, lock_name: str, instance_id: str, reason: str) -> None:
+        super().__init__(message)
+        self.lock_name = lock_name
+        self.instance_id = instance_id
+        self.reason = reason
+
+
+class LockAcquisitionTimeout(MutexError, TimeoutError):
+    """A blocking acquire did not get the lock within its ``timeout``.
+
+    ``holder`` is the instance that held the lock at the last attempt, when known.
+    """
+
+    def __init__(self, message: str, *, lock_name: str, holder: str | None) -> None:
+        super().__init__(message)
+        self.lock_name = lock_name
+        self.holder = holder
+
+
+class LockAlreadyHeldError(MutexError):
+    """This Mutex already holds (or is acquiring) its lock.
+
+    A Mutex holds at most one lease on its lock; a second acquire would
+    otherwise silently share it. Use one Mutex per concurrent holder.
+    """
+
+
+class DatabaseError(MutexError):
+    """PostgreSQL could not be reached, or refused a statement.
+
+    ``outcome_unknown`` is true when the statement may have reached the server
+    but its reply never came. ``transient`` is true for failures that may pass
+    on their own (lost connection, deadline, server restart); false for errors
+    the server reported about the statement itself. ``sqlstate`` is the
+    server's error code, when it sent one. The original psycopg error is
+    chained as ``__cause__`` unless its text had to be redacted.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        transient: bool = False,
+        outcome_unknown: bool = False,
+        sqlstate: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.transient = transient
+        self.outcome_unknown = outcome_unknown
+        self.sqlstate = sqlstate
+
+
+class OperationTimeout(DatabaseError, TimeoutError):
+    """A database operation passed its deadline (``operation_timeout``).
+
+    The connection it used is discarded; the next operation opens a new one.
+    """
+
+
+class SchemaError(DatabaseError):
+    """The lock table is missing, or the role lacks a privilege on it.
+
+    Raised by `Mutex.create_schema()` when the role may not create the table,
+    and by any operation when the table does not exist or may not be used.
+    """

@@ -1,0 +1,183 @@
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from postgres_mutex import Mutex
+from tests.faultproxy import FaultProxy
+from tests.postgres_server import PostgresServer, configured_server, local_server
+
+# Short thresholds keep crash and loss tests to seconds; the ratios between
+# them are what the library cares about.
+FAST: dict[str, float] = {
+    "heartbeat_interval": 0.1,
+    "alert_threshold": 0.6,
+    "stale_threshold": 1.5,
+    "poll_interval": 0.05,
+    "operation_timeout": 2.0,
+}
+
+
+def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Poll ``predicate`` until it is truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[PostgresServer]:
+    with configured_server() as server:
+        yield server
+
+
+@pytest.fixture
+def own_pg(pg: PostgresServer) -> Iterator[PostgresServer]:
+    """A server this test alone may restart; needs a suite-started server."""
+    if not pg.controllable:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must run the suite on a server it starts itself (unset POSTGRES_MUTEX_TEST_DSN)")
+        pytest.skip("restarting PostgreSQL needs a server the suite starts (POSTGRES_MUTEX_TEST_DSN is set)")
+    with local_server() as server:
+        yield server
+
+
+@pytest.fixture
+def needs_own_server(pg: PostgresServer) -> None:
+    """For tests that change roles or authentication on the server."""
+    if not pg.controllable:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must run the suite on a server it starts itself (unset POSTGRES_MUTEX_TEST_DSN)")
+        pytest.skip("needs a server the suite starts: it creates roles and uses password authentication")
+
+
+@pytest.fixture(scope="session")
+def dsn(pg: PostgresServer) -> str:
+    return pg.dsn()
+
+
+@pytest.fixture(scope="session")
+def admin(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """A superuser connection for inspecting the table from outside any Mutex."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        Mutex(dsn, "schema-bootstrap").create_schema()
+        yield conn
+
+
+@pytest.fixture
+def lock_name() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def make_mutex(dsn: str, lock_name: str, admin: psycopg.Connection[Any]) -> Iterator[Callable[..., Mutex]]:
+    """Build Mutexes with fast thresholds; each is closed after the test."""
+    made: list[Mutex] = []
+
+    def make(*args: Any, **kwargs: Any) -> Mutex:
+        if not args and "pool" not in kwargs and "async_pool" not in kwargs:
+            kwargs.setdefault("dsn", dsn)
+        kwargs.setdefault("lock_name", lock_name)
+        for key, value in FAST.items():
+            kwargs.setdefault(key, value)
+        mutex = Mutex(*args, **kwargs)
+        made.append(mutex)
+        return mutex
+
+    yield make
+    for mutex in made:
+        with contextlib.suppress(Exception):
+            mutex.close()
+
+
+@pytest.fixture
+async def amake_mutex(make_mutex: Callable[..., Mutex]) -> AsyncIterator[Callable[..., Mutex]]:
+    """Like make_mutex, also closing the async connections on the test's loop."""
+    made: list[Mutex] = []
+
+    def make(*args: Any, **kwargs: Any) -> Mutex:
+        mutex = make_mutex(*args, **kwargs)
+        made.append(mutex)
+        return mutex
+
+    yield make
+    for mutex in made:
+        with contextlib.suppress(Exception):
+            await mutex.aclose()
+
+
+@pytest.fixture
+def row(admin: psycopg.Connection[Any], lock_name: str) -> Callable[..., tuple[Any, ...] | None]:
+    """The lock row as the database sees it: (instance_id, heartbeat age s, held for s) or None."""
+
+    def read(name: str | None = None, table: str = "mutex_lock") -> tuple[Any, ...] | None:
+        return admin.execute(
+            f"SELECT instance_id, EXTRACT(EPOCH FROM now() - last_heartbeat)::float8, "  # noqa: S608
+            f"EXTRACT(EPOCH FROM now() - acquired_at)::float8 FROM {table} WHERE lock_name = %s",
+            (name or lock_name,),
+        ).fetchone()
+
+    return read
+
+
+@pytest.fixture
+def holder_id(row: Callable[..., tuple[Any, ...] | None]) -> Callable[..., str | None]:
+    """The instance_id holding the lock per the table, or None."""
+
+    def read(name: str | None = None, table: str = "mutex_lock") -> str | None:
+        found = row(name, table)
+        return None if found is None else str(found[0])
+
+    return read
+
+
+@pytest.fixture
+def proxy(pg: PostgresServer) -> Iterator[FaultProxy]:
+    fault_proxy = FaultProxy(pg.host, pg.port)
+    yield fault_proxy
+    fault_proxy.close()
+
+
+@pytest.fixture
+def proxy_dsn(pg: PostgresServer, proxy: FaultProxy) -> str:
+    # No TLS and no GSS negotiation: the proxy reads the protocol in clear.
+    return pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
+
+
+class RecordingMetrics:
+    """A metrics hook recording every call as (method, lock_name, kwargs)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def record(lock_name: str, **kwargs: Any) -> None:
+            self.calls.append((method, lock_name, kwargs))
+
+        return record
+
+    def named(self, method: str) -> list[dict[str, Any]]:
+        return [kwargs for name, _, kwargs in self.calls if name == method]
+
+
+@pytest.fixture
+def metrics() -> RecordingMetrics:
+    return RecordingMetrics()
+
+
+@pytest.fixture(autouse=True)
+def _library_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="postgres_mutex")

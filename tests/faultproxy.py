@@ -1,0 +1,165 @@
+"""A TCP proxy between a Mutex and PostgreSQL that fails the way networks do.
+
+- `silence` stops forwarding in both directions on every connection, old and
+  new, while keeping the sockets open (no RST, no FIN): a silent partition.
+  `heal` delivers what was held back and forwards again.
+- `drop_replies` lets existing connections reach the server but swallows what
+  the server answers: a statement runs, its reply never arrives.
+- `reset` tears every connection down with a TCP RST.
+
+It also counts the server's ReadyForQuery messages: one per round trip, which
+is how the tests prove each lock operation costs exactly one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+
+
+class _Link:
+    def __init__(self, client: socket.socket, server: socket.socket) -> None:
+        self.client = client
+        self.server = server
+        self.cond = threading.Lock()
+        self.hold = False
+        self.drop_down = False
+        self.pending: list[tuple[socket.socket, bytes]] = []
+        self.down_buffer = b""
+        self.closed = False
+
+    def close(self, *, rst: bool = False) -> None:
+        self.closed = True
+        for sock in (self.client, self.server):
+            try:
+                if rst:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                else:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+class FaultProxy:
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self._upstream = (upstream_host, upstream_port)
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._links: list[_Link] = []
+        self._silent = False
+        self._ready_for_query = 0
+        self._running = True
+        threading.Thread(target=self._accept, daemon=True, name="faultproxy-accept").start()
+
+    @property
+    def ready_for_query(self) -> int:
+        """Round trips completed through the proxy so far."""
+        with self._lock:
+            return self._ready_for_query
+
+    def silence(self) -> None:
+        with self._lock:
+            self._silent = True
+            links = list(self._links)
+        for link in links:
+            with link.cond:
+                link.hold = True
+
+    def heal(self) -> None:
+        with self._lock:
+            self._silent = False
+            links = list(self._links)
+        for link in links:
+            with link.cond:
+                link.hold = False
+                pending, link.pending = link.pending, []
+                for dst, data in pending:
+                    try:
+                        dst.sendall(data)
+                    except OSError:
+                        break
+
+    def drop_replies(self) -> None:
+        """Existing connections: forward requests, swallow every reply from now on."""
+        with self._lock:
+            links = list(self._links)
+        for link in links:
+            with link.cond:
+                link.drop_down = True
+
+    def reset(self) -> None:
+        with self._lock:
+            links, self._links = self._links, []
+        for link in links:
+            link.close(rst=True)
+
+    def connections(self) -> int:
+        with self._lock:
+            return sum(not link.closed for link in self._links)
+
+    def close(self) -> None:
+        self._running = False
+        self._listener.close()
+        self.reset()
+
+    def _accept(self) -> None:
+        while self._running:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self._upstream, timeout=5)
+                server.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            link = _Link(client, server)
+            with self._lock:
+                link.hold = self._silent
+                self._links.append(link)
+            threading.Thread(target=self._pump, args=(link, client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(link, server, client, True), daemon=True).start()
+
+    def _pump(self, link: _Link, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                link.close()
+                return
+            if downstream:
+                self._count(link, data)
+            with link.cond:
+                if downstream and link.drop_down:
+                    continue
+                if link.hold:
+                    link.pending.append((dst, data))
+                    continue
+                with contextlib.suppress(OSError):
+                    dst.sendall(data)
+
+    def _count(self, link: _Link, data: bytes) -> None:
+        # Server messages: 1-byte type, 4-byte length (including itself), body.
+        buf = link.down_buffer + data
+        seen = 0
+        while len(buf) >= 5:
+            length = int.from_bytes(buf[1:5], "big")
+            if len(buf) < 1 + length:
+                break
+            if buf[0:1] == b"Z":
+                seen += 1
+            buf = buf[1 + length :]
+        link.down_buffer = buf
+        if seen:
+            with self._lock:
+                self._ready_for_query += seen
