@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import Mutex
+from postgres_mutex import LockNotHeldError, Mutex
 from tests.faultproxy import FaultProxy
 from tests.postgres_server import PostgresServer, configured_server, local_server
 
@@ -33,6 +33,19 @@ def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, interv
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s: {predicate}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def frozen_holder(mutex: Mutex) -> Iterator[None]:
+    """Hold the lock, then stop heartbeating as a frozen process would.
+
+    The row goes stale and the holder's lease runs out, so leaving the block
+    raises LockNotHeldError: that is asserted here.
+    """
+    with pytest.raises(LockNotHeldError), mutex.acquire() as acquired:
+        assert acquired
+        mutex._stop_heartbeat()
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -33,13 +33,14 @@ class _Link:
     def close(self, *, rst: bool = False) -> None:
         self.closed = True
         for sock in (self.client, self.server):
-            try:
+            with contextlib.suppress(OSError):
                 if rst:
+                    # Linger 0 turns the close into an RST. SHUT_RD only wakes the
+                    # pump blocked in recv(): until it returns, close() is deferred.
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    sock.shutdown(socket.SHUT_RD)
                 else:
                     sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             sock.close()
 
 

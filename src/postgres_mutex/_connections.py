@@ -9,8 +9,8 @@ out a PostgreSQL restart.
 
 pool mode: a connection is borrowed for one statement and given back; the
 pool is never opened, closed or resized here. Borrowed connections run our
-statement in autocommit (restored afterwards) and never prepare statements,
-so they work behind pgbouncer in transaction mode. LISTEN is not possible on
+statement in autocommit (restored afterwards), so they work behind pgbouncer
+in transaction mode. LISTEN is not possible on
 a borrowed connection, so waiters poll.
 """
 
@@ -89,10 +89,6 @@ class SyncConnections:
         self._listening: set[str] = set()
         self.connected_before = False
 
-    @property
-    def dedicated(self) -> bool:
-        return self._pool is None
-
     @contextlib.contextmanager
     def connection(self, timeout: float) -> Iterator[psycopg.Connection[Any]]:
         """A connection for one statement; a broken one is dropped on the way out."""
@@ -165,10 +161,6 @@ class AsyncConnections:
         self._lock: asyncio.Lock | None = None
         self._listening: set[str] = set()
         self.connected_before = False
-
-    @property
-    def dedicated(self) -> bool:
-        return self._pool is None
 
     @contextlib.asynccontextmanager
     async def connection(self, timeout: float) -> AsyncIterator[psycopg.AsyncConnection[Any]]:

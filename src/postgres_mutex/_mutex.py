@@ -8,7 +8,6 @@ import contextlib
 import functools
 import logging
 import threading
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
@@ -33,8 +32,11 @@ logger = logging.getLogger("postgres_mutex")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# Mutexes holding a lock right now, released by `_release_all_at_exit`.
-_HOLDING: weakref.WeakSet[Mutex] = weakref.WeakSet()
+# Mutexes holding a lock right now, released by `_release_all_at_exit`. Strong
+# references: a holder dropped by its owner keeps heartbeating until exit, and
+# must still be found then.
+_HOLDING: set[Mutex] = set()
+_HOLDING_LOCK = threading.Lock()
 
 
 class _Transport:
@@ -364,7 +366,8 @@ class Mutex:
 
     def _start_heartbeat(self, kind: type[_Heartbeat]) -> None:
         self._heartbeat = kind(self._transport, self._lock, self._state.generation)
-        _HOLDING.add(self)
+        with _HOLDING_LOCK:
+            _HOLDING.add(self)
 
     # -- release -----------------------------------------------------------
 
@@ -391,7 +394,8 @@ class Mutex:
         heartbeat, self._heartbeat = self._heartbeat, None
         if heartbeat is not None:
             heartbeat.stop()
-        _HOLDING.discard(self)
+        with _HOLDING_LOCK:
+            _HOLDING.discard(self)
         return heartbeat
 
     def _release_after_failure(self) -> None:
@@ -578,5 +582,7 @@ def _check_connection_args(dsn: object, pool: object, async_pool: object) -> Red
 @atexit.register
 def _release_all_at_exit() -> None:
     """A normal interpreter exit releases every lock still held, so nobody waits out stale_threshold."""
-    for mutex in list(_HOLDING):
+    with _HOLDING_LOCK:
+        holding = list(_HOLDING)
+    for mutex in holding:
         mutex._release_at_exit()

@@ -112,7 +112,10 @@ def classify_failure(
     retrying (this Mutex has connected before, so the DSN and credentials
     work). ``redact`` masks secrets in the message.
     """
-    detail = redact(str(exc).strip() or type(exc).__name__)
+    # The server's primary message, on one line: no SQL excerpt, no caret.
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    detail = redact(" ".join(str(primary or exc).split()) or type(exc).__name__)
     sqlstate = getattr(exc, "sqlstate", None) if isinstance(exc, psycopg.Error) else None
     # The server answered with an error and the connection survived: the
     # statement was rolled back, so its outcome is known.

@@ -4,6 +4,10 @@ They are deliberately thin and parallel: each step (`Execute`, `Pause`,
 `WaitForRelease`) maps to a handful of psycopg calls, and what the results
 mean is decided by the flow (`_flows`), never here. Every statement runs
 under a `Deadline`, so a silent network cannot hold it past its timeout.
+
+Statements are never prepared: an unnamed statement is parsed, bound and
+executed in one round trip, always (psycopg would otherwise spend an extra
+round trip preparing it on its sixth use), and works behind pgbouncer.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ class SyncRunner:
             with conns.connection(op.timeout) as conn:
                 used, sent = conn, True
                 with Deadline(conn.fileno(), op.timeout) as deadline:
-                    cursor = conn.execute(op.query, op.params, prepare=None if conns.dedicated else False)
+                    cursor = conn.execute(op.query, op.params, prepare=False)
                     result = _result(cursor, cursor.fetchone() if cursor.description else None)
                 if deadline.fired:
                     conn.close()  # shut down just as the reply arrived: unusable now
@@ -196,7 +200,7 @@ class AsyncRunner:
             raise error from self._failures.shown_cause(exc)
 
     async def _statement(self, conn: psycopg.AsyncConnection[Any], op: Execute) -> Result:
-        cursor = await conn.execute(op.query, op.params, prepare=None if self._conns.dedicated else False)
+        cursor = await conn.execute(op.query, op.params, prepare=False)
         return _result(cursor, await cursor.fetchone() if cursor.description else None)
 
     async def _wait_for_release(self, op: WaitForRelease) -> None:

@@ -1,0 +1,130 @@
+"""Bad arguments fail at construction, with an error that names the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from postgres_mutex import Mutex
+
+DSN = "host=127.0.0.1 dbname=app"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "names"),
+    [
+        ({"lock_name": ""}, ValueError, "lock_name"),
+        ({"lock_name": "x" * 65}, ValueError, "lock_name"),
+        ({"lock_name": "bad\x00name"}, ValueError, "lock_name"),
+        ({"lock_name": 42}, TypeError, "lock_name"),
+        ({"instance_id": ""}, ValueError, "instance_id"),
+        ({"instance_id": "i" * 65}, ValueError, "instance_id"),
+        ({"instance_id": "a\x00b"}, ValueError, "instance_id"),
+        ({"instance_id": b"bytes"}, TypeError, "instance_id"),
+        ({"heartbeat_interval": 0}, ValueError, "heartbeat_interval"),
+        ({"heartbeat_interval": -1}, ValueError, "heartbeat_interval"),
+        ({"heartbeat_interval": float("nan")}, ValueError, "heartbeat_interval"),
+        ({"heartbeat_interval": "10"}, TypeError, "heartbeat_interval"),
+        ({"heartbeat_interval": True}, TypeError, "heartbeat_interval"),
+        ({"alert_threshold": float("inf")}, ValueError, "alert_threshold"),
+        ({"stale_threshold": -600}, ValueError, "stale_threshold"),
+        ({"poll_interval": 0}, ValueError, "poll_interval"),
+        ({"operation_timeout": 0}, ValueError, "operation_timeout"),
+        ({"heartbeat_interval": 30, "alert_threshold": 30}, ValueError, "heartbeat_interval"),
+        ({"alert_threshold": 700}, ValueError, "alert_threshold"),
+        ({"alert_threshold": 600, "stale_threshold": 600}, ValueError, "stale_threshold"),
+        ({"table": "a.b.c"}, ValueError, "table"),
+        ({"table": "mutex lock"}, ValueError, "table"),
+        ({"table": 'x"; DROP TABLE users; --'}, ValueError, "table"),
+        ({"table": "1abc"}, ValueError, "table"),
+        ({"table": "t" * 64}, ValueError, "table"),
+        ({"table": ""}, ValueError, "table"),
+        ({"table": None}, TypeError, "table"),
+        ({"on_lost": "not callable"}, TypeError, "on_lost"),
+    ],
+)
+def test_bad_argument_is_named(kwargs: dict[str, Any], error: type[Exception], names: str) -> None:
+    kwargs = {"lock_name": "job", **kwargs}
+    with pytest.raises(error, match=names):
+        Mutex(DSN, **kwargs)
+
+
+def test_lock_name_is_required() -> None:
+    with pytest.raises(TypeError, match="lock_name"):
+        Mutex(DSN)
+
+
+def test_a_64_character_name_is_fine() -> None:
+    assert Mutex(DSN, "é" * 64, instance_id="i" * 64).lock_name == "é" * 64
+
+
+def test_a_way_to_reach_postgres_is_required() -> None:
+    with pytest.raises(ValueError, match="dsn, or pool"):
+        Mutex(lock_name="job")
+
+
+def test_dsn_and_pool_together_are_refused(dsn: str) -> None:
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    pool = ConnectionPool(dsn, open=False)
+    async_pool = AsyncConnectionPool(dsn, open=False)
+    with pytest.raises(ValueError, match="either dsn or pool"):
+        Mutex(dsn, "job", pool=pool)
+    with pytest.raises(ValueError, match="either dsn or pool"):
+        Mutex(dsn, "job", async_pool=async_pool)
+
+
+def test_pools_of_the_wrong_flavour_are_refused(dsn: str) -> None:
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    with pytest.raises(TypeError, match=r"pool must be a psycopg_pool\.ConnectionPool"):
+        Mutex(lock_name="job", pool=AsyncConnectionPool(dsn, open=False))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="async_pool must be"):
+        Mutex(lock_name="job", async_pool=ConnectionPool(dsn, open=False))  # type: ignore[arg-type]
+
+
+def test_dsn_of_the_wrong_type_is_refused() -> None:
+    with pytest.raises(TypeError, match="dsn must be a str"):
+        Mutex(b"host=x", "job")  # type: ignore[arg-type]
+
+
+def test_a_malformed_dsn_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="dsn is not a valid connection string"):
+        Mutex("host=x port", "job")
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "names"),
+    [
+        (lambda m: m.acquire(timeout=5), ValueError, "blocking=True"),
+        (lambda m: m.acquire(blocking=True, timeout=-1), ValueError, "timeout"),
+        (lambda m: m.acquire(blocking=True, timeout="soon"), TypeError, "timeout"),
+        (lambda m: m.acquire(blocking="yes"), TypeError, "blocking"),
+        (lambda m: m.singleton(timeout=1), ValueError, "blocking=True"),
+        (lambda m: m.singleton(""), ValueError, "lock_name"),
+    ],
+)
+def test_bad_acquire_arguments_are_named(call: Callable[[Mutex], Any], error: type[Exception], names: str) -> None:
+    mutex = Mutex(DSN, "job")
+    with pytest.raises(error, match=names):
+        manager = call(mutex)
+        manager.__enter__()
+
+
+async def test_bad_async_acquire_arguments_are_named() -> None:
+    mutex = Mutex(DSN, "job")
+    with pytest.raises(ValueError, match="blocking=True"):
+        async with mutex.acquire_async(blocking=False, timeout=1):
+            pytest.fail("must not run")
+    with pytest.raises(ValueError, match="blocking=True"):
+        mutex.singleton_async(blocking=False, timeout=1)
+
+
+def test_default_instance_ids_are_unique_and_readable() -> None:
+    import socket
+
+    ids = {Mutex(DSN, "job").instance_id for _ in range(50)}
+    assert len(ids) == 50
+    assert all(i.startswith(socket.gethostname()[:20]) and 1 <= len(i) <= 64 for i in ids)

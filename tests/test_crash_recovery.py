@@ -1,0 +1,140 @@
+"""A crashed holder's lock comes back on time, and never while it could still be alive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from postgres_mutex import Mutex
+from tests.conftest import FAST, RecordingMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+Holder = Callable[..., str | None]
+
+
+def start_worker(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.workers", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_held(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("held "), f"worker did not acquire: {line!r} {proc.stderr.read() if proc.stderr else ''}"
+    return line.split()[1]
+
+
+@pytest.fixture
+def workers() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_a_killed_holder_is_alerted_on_then_reclaimed_no_sooner_than_the_stale_threshold(
+    dsn: str,
+    lock_name: str,
+    make_mutex: Callable[..., Mutex],
+    metrics: RecordingMetrics,
+    workers: list[subprocess.Popen[str]],
+    holder_id: Holder,
+) -> None:
+    proc = start_worker("hold", dsn, lock_name)
+    workers.append(proc)
+    dead_id = read_held(proc)
+    time.sleep(FAST["heartbeat_interval"] * 3)  # let it heartbeat a few times
+    os.kill(proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    proc.wait(timeout=10)
+
+    contender = make_mutex(metrics=metrics)
+    with contender.acquire(blocking=True, timeout=20) as acquired:
+        acquired_at = time.monotonic()
+        assert acquired
+        assert holder_id() == contender.instance_id
+
+    # The last heartbeat came at most one interval before the kill.
+    earliest = FAST["stale_threshold"] - FAST["heartbeat_interval"] - 0.05
+    assert acquired_at - killed_at >= earliest, "reclaimed before the holder could be presumed dead"
+    assert acquired_at - killed_at < FAST["stale_threshold"] + 3.0, "reclaimed on time"
+    assert metrics.named("stale_reclaimed") == [{"instance_id": contender.instance_id, "previous_holder": dead_id}]
+    alerts = metrics.named("alert")
+    assert len(alerts) == 1, "one alert per stale episode, however often the contender polls"
+    assert alerts[0]["holder"] == dead_id
+    assert FAST["alert_threshold"] <= alerts[0]["seconds_since_heartbeat"] < FAST["stale_threshold"]
+    names = [name for name, _, _ in metrics.calls if name in ("alert", "stale_reclaimed")]
+    assert names == ["alert", "stale_reclaimed"], "on-call hears before the reclaim"
+
+
+def test_a_normal_interpreter_exit_releases_a_lock_still_held(
+    dsn: str, lock_name: str, workers: list[subprocess.Popen[str]], holder_id: Holder
+) -> None:
+    proc = start_worker("exit-holding", dsn, lock_name)
+    workers.append(proc)
+    read_held(proc)
+    assert proc.wait(timeout=20) == 0
+    assert holder_id() is None, "the exiting process deleted its row"
+
+
+def _intervals(paths: list[Path]) -> list[tuple[float, float, str]]:
+    found = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            pid, enter, leave = line.split()
+            found.append((float(enter), float(leave), pid))
+    return sorted(found)
+
+
+def _overlaps(intervals: list[tuple[float, float, str]]) -> list[tuple[Any, Any]]:
+    """Critical sections that began before an earlier one had ended, with that earlier one."""
+    found: list[tuple[Any, Any]] = []
+    latest: tuple[float, float, str] | None = None
+    for interval in sorted(intervals):
+        if latest is not None and interval[0] < latest[1]:
+            found.append((latest, interval))
+        if latest is None or interval[1] > latest[1]:
+            latest = interval
+    return found
+
+
+def test_contending_processes_never_overlap(
+    dsn: str, lock_name: str, tmp_path: Path, workers: list[subprocess.Popen[str]], holder_id: Holder
+) -> None:
+    iterations = 15
+    logs = [tmp_path / f"worker-{i}.log" for i in range(4)]
+    for i, log in enumerate(logs):
+        workers.append(start_worker("contend", dsn, lock_name, str(iterations), str(log), ("sync", "async")[i % 2]))
+    for proc in workers:
+        assert proc.wait(timeout=120) == 0, proc.stderr.read() if proc.stderr else ""
+
+    intervals = _intervals(logs)
+    assert len(intervals) == iterations * len(logs), "every process finished every iteration"
+    assert _overlaps(intervals) == []
+    assert len({pid for _, _, pid in intervals}) == len(logs)
+    assert holder_id() is None, "no row is left that nobody holds"
+
+
+def test_overlap_checker_catches_an_overlap(tmp_path: Path) -> None:
+    # The mutual-exclusion test is only as good as its checker.
+    log = tmp_path / "log"
+    log.write_text("1 1.0 9.0\n2 2.0 3.0\n3 4.0 5.0\n1 9.5 10.0\n")
+    assert [later[2] for _, later in _overlaps(_intervals([log]))] == ["2", "3"]

@@ -1,0 +1,231 @@
+"""Dead networks, lost replies, resets and restarts: nothing hangs, nothing is orphaned."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from postgres_mutex import DatabaseError, Mutex, OperationTimeout
+from tests.conftest import FAST, RecordingMetrics, wait_until
+from tests.faultproxy import FaultProxy
+from tests.postgres_server import PostgresServer
+
+Holder = Callable[..., str | None]
+Row = Callable[..., tuple[Any, ...] | None]
+
+# Long enough that no background heartbeat lands inside a measured window.
+QUIET = {"heartbeat_interval": 5.0, "alert_threshold": 10.0, "stale_threshold": 20.0}
+
+
+def test_acquire_heartbeat_and_release_are_one_round_trip_each(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    mutex, rival = make_mutex(proxy_dsn, **QUIET), make_mutex(proxy_dsn, **QUIET)
+    with mutex.acquire():
+        pass  # connect first: the handshake is not what is measured
+
+    def round_trips(operation: Callable[[], object]) -> int:
+        before = proxy.ready_for_query
+        operation()
+        return proxy.ready_for_query - before
+
+    for _ in range(7):  # psycopg would prepare on the sixth use: it must not add a round trip
+        acquire = mutex.acquire()
+        assert round_trips(acquire.__enter__) == 1, "acquire"
+        assert round_trips(mutex.heartbeat) == 1, "heartbeat"
+        with rival.acquire():  # connect
+            pass
+        contended = rival.acquire()
+        assert round_trips(contended.__enter__) == 1, "contended acquire"
+        contended.__exit__(None, None, None)
+        assert round_trips(functools.partial(acquire.__exit__, None, None, None)) == 1, "release"
+
+    # Reclaiming a stale row is the same single statement.
+    with rival.acquire():
+        admin.execute(
+            "UPDATE mutex_lock SET last_heartbeat = now() - interval '1 hour' WHERE lock_name = %s", (lock_name,)
+        )
+        rival._stop_heartbeat()
+        reclaim = mutex.acquire()
+        assert round_trips(reclaim.__enter__) == 1, "reclaim"
+        reclaim.__exit__(None, None, None)
+        with pytest.raises(Exception, match="not held"):
+            rival.release()
+
+
+async def test_async_operations_are_one_round_trip_each(
+    amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
+) -> None:
+    mutex = amake_mutex(proxy_dsn, **QUIET)
+    async with mutex.acquire_async():
+        pass
+    before = proxy.ready_for_query
+    async with mutex.acquire_async():
+        assert proxy.ready_for_query - before == 1
+        await mutex.heartbeat_async()
+        assert proxy.ready_for_query - before == 2
+    assert proxy.ready_for_query - before == 3
+
+
+def test_a_silent_network_cannot_hang_an_acquire(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder
+) -> None:
+    mutex = make_mutex(proxy_dsn, operation_timeout=0.5)
+    with mutex.acquire():
+        pass
+    proxy.silence()
+    started = time.monotonic()
+    with pytest.raises(OperationTimeout) as caught, mutex.acquire():
+        pytest.fail("must not run")
+    assert time.monotonic() - started < 5.0
+    assert caught.value.transient
+    proxy.heal()
+    assert holder_id() is None, "the statement never reached the server: nothing to clean"
+    with mutex.acquire() as acquired:
+        assert acquired, "the Mutex reconnects once the network is back"
+
+
+def test_a_silent_network_cannot_hang_a_blocking_acquire_past_its_timeout(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
+) -> None:
+    mutex = make_mutex(proxy_dsn, operation_timeout=0.5)
+    with mutex.acquire():
+        pass
+    proxy.silence()
+    started = time.monotonic()
+    with pytest.raises(DatabaseError), mutex.acquire(blocking=True, timeout=1.0):
+        pytest.fail("must not run")
+    # The timeout, plus at most one connect attempt (libpq's connect_timeout floor is 2 s).
+    assert time.monotonic() - started < 1.0 + 2.0 + 0.5 + 2.0
+
+
+async def test_a_silent_network_cannot_hang_an_async_acquire(
+    amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
+) -> None:
+    mutex = amake_mutex(proxy_dsn, operation_timeout=0.5)
+    async with mutex.acquire_async():
+        pass
+    proxy.silence()
+    started = time.monotonic()
+    with pytest.raises(OperationTimeout):
+        async with mutex.acquire_async(blocking=False):
+            pytest.fail("must not run")
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_silent_network_cannot_hang_a_heartbeat_or_a_release(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, metrics: RecordingMetrics
+) -> None:
+    mutex = make_mutex(proxy_dsn, operation_timeout=0.5, metrics=metrics, **QUIET)
+    acquire = mutex.acquire()
+    assert acquire.__enter__()
+    proxy.silence()
+    started = time.monotonic()
+    with pytest.raises(OperationTimeout):
+        mutex.heartbeat()
+    assert time.monotonic() - started < 3.0
+    assert len(metrics.named("heartbeat_failed")) == 1
+    started = time.monotonic()
+    with pytest.raises(DatabaseError, match="may remain"):
+        acquire.__exit__(None, None, None)
+    assert time.monotonic() - started < 8.0
+    proxy.heal()
+
+
+def test_an_acquire_whose_reply_is_lost_leaves_no_row_behind(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder
+) -> None:
+    mutex, other = make_mutex(proxy_dsn, operation_timeout=0.5), make_mutex()
+    with mutex.acquire():
+        pass
+    proxy.drop_replies()  # the INSERT reaches the server; its answer never comes back
+    with pytest.raises(OperationTimeout) as caught, mutex.acquire():
+        pytest.fail("must not run")
+    assert caught.value.outcome_unknown
+    assert holder_id() is None, "the Mutex removed the row its unanswered acquire left"
+    with other.acquire() as acquired:
+        assert acquired, "nobody waits out the stale threshold"
+
+
+def test_a_blocking_acquire_takes_back_its_own_row_after_a_lost_reply(
+    make_mutex: Callable[..., Mutex],
+    proxy: FaultProxy,
+    proxy_dsn: str,
+    holder_id: Holder,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mutex = make_mutex(proxy_dsn, operation_timeout=0.5)
+    with mutex.acquire():
+        pass
+    proxy.drop_replies()
+    with mutex.acquire(blocking=True, timeout=10) as acquired:
+        assert acquired
+        assert holder_id() == mutex.instance_id
+    assert "already carried" not in caplog.text, "taking back after a lost reply is expected, not suspicious"
+
+
+def test_a_row_carrying_our_instance_id_is_taken_back_with_a_warning(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    mutex = make_mutex(instance_id="worker-7")
+    # A previous process with the same instance_id died holding the lock a moment ago.
+    admin.execute(
+        "INSERT INTO mutex_lock (lock_name, instance_id, last_heartbeat, acquired_at) "
+        "VALUES (%s, 'worker-7', now(), now())",
+        (lock_name,),
+    )
+    with caplog.at_level(logging.WARNING, logger="postgres_mutex"), mutex.acquire() as acquired:
+        assert acquired
+    assert "already carried this Mutex's instance_id 'worker-7'" in caplog.text
+
+
+def test_a_reset_connection_is_replaced_and_the_lock_kept(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, row: Row, metrics: RecordingMetrics
+) -> None:
+    mutex = make_mutex(proxy_dsn, metrics=metrics)
+    with mutex.acquire():
+        beats = len(metrics.named("heartbeat_latency"))
+        proxy.reset()
+        wait_until(lambda: len(metrics.named("heartbeat_latency")) > beats + 3)
+        assert mutex.held
+        assert metrics.named("heartbeat_failed"), "the reset really broke the connection"
+        found = row()
+        assert found is not None
+        assert found[1] < FAST["alert_threshold"]
+
+
+def test_a_terminated_backend_is_replaced_and_the_lock_kept(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], metrics: RecordingMetrics
+) -> None:
+    mutex = make_mutex(metrics=metrics)
+    with mutex.acquire():
+        killed = admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (f"postgres-mutex {mutex.instance_id}",),
+        ).fetchall()
+        assert killed == [(True,)], "the Mutex's connection is visible by its application_name"
+        beats = len(metrics.named("heartbeat_latency"))
+        wait_until(lambda: len(metrics.named("heartbeat_latency")) > beats + 3)
+        assert mutex.held
+
+
+def test_the_lock_survives_a_postgres_restart(own_pg: PostgresServer, metrics: RecordingMetrics) -> None:
+    dsn = own_pg.dsn()
+    mutex = Mutex(dsn, "restart-survivor", metrics=metrics, **FAST)  # type: ignore[arg-type]
+    mutex.create_schema()
+    with mutex.acquire():
+        own_pg.restart()
+        beats = len(metrics.named("heartbeat_latency"))
+        wait_until(lambda: len(metrics.named("heartbeat_latency")) > beats + 3, timeout=15)
+        assert mutex.held
+        with psycopg.connect(dsn) as conn:
+            found = conn.execute("SELECT instance_id FROM mutex_lock WHERE lock_name = 'restart-survivor'").fetchone()
+        assert found == (mutex.instance_id,)
+    assert len(metrics.named("heartbeat_failed")) >= 1, "the outage was seen and reported"
+    mutex.close()

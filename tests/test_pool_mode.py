@@ -1,0 +1,139 @@
+"""pool / async_pool mode: borrow a connection per operation, never open one of our own."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from postgres_mutex import Mutex, MutexError
+from tests.conftest import wait_until
+
+Holder = Callable[..., str | None]
+APP = "mutex-pool-test"
+
+
+@pytest.fixture
+def pool(dsn: str) -> Iterator[ConnectionPool[Any]]:
+    with ConnectionPool(dsn, min_size=2, max_size=2, kwargs={"application_name": APP}, open=True) as opened:
+        opened.wait(timeout=10)
+        yield opened
+
+
+@pytest.fixture
+async def async_pool(dsn: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
+    async with AsyncConnectionPool(
+        dsn, min_size=2, max_size=2, kwargs={"application_name": APP + "-async"}, open=False
+    ) as opened:
+        await opened.wait(timeout=10)
+        yield opened
+
+
+def backends(admin: psycopg.Connection[Any], pattern: str) -> int:
+    found = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s", (pattern,)).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+def other_backends(admin: psycopg.Connection[Any]) -> int:
+    """Client sessions besides the pools' and this test's own."""
+    found = admin.execute(
+        """SELECT count(*) FROM pg_stat_activity
+            WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() AND application_name NOT LIKE %s""",
+        (APP + "%",),
+    ).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+def test_pool_mode_locks_through_the_pool_and_opens_nothing_else(
+    make_mutex: Callable[..., Mutex], pool: ConnectionPool[Any], admin: psycopg.Connection[Any], holder_id: Holder
+) -> None:
+    before = other_backends(admin)
+    holder, waiter = make_mutex(pool=pool), make_mutex(pool=pool)
+    released = threading.Event()
+
+    def hold_briefly() -> None:
+        with holder.acquire():
+            time.sleep(0.3)
+        released.set()
+
+    with holder.acquire():
+        assert holder_id() == holder.instance_id
+        holder.heartbeat()
+        with waiter.acquire() as acquired:
+            assert not acquired
+    thread = threading.Thread(target=hold_briefly)
+    thread.start()
+    wait_until(lambda: holder.held)
+    with waiter.acquire(blocking=True, timeout=10) as acquired:
+        assert acquired
+        assert released.is_set()
+    thread.join()
+    assert other_backends(admin) == before, "no connection of the Mutex's own"
+    assert backends(admin, APP) == 2, "only the pool's connections"
+    stats = pool.get_stats()
+    assert stats["pool_size"] == 2
+    assert pool.get_stats()["pool_available"] == 2, "every borrowed connection was given back"
+
+
+def test_pool_mode_leaves_the_borrowed_connection_as_it_found_it(
+    make_mutex: Callable[..., Mutex], pool: ConnectionPool[Any]
+) -> None:
+    mutex = make_mutex(pool=pool)
+    with mutex.acquire():
+        pass
+    with pool.connection() as conn:
+        assert conn.autocommit is False
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_the_mutex_never_closes_the_pool(make_mutex: Callable[..., Mutex], pool: ConnectionPool[Any]) -> None:
+    mutex = make_mutex(pool=pool)
+    with mutex.acquire():
+        pass
+    mutex.close()
+    assert not pool.closed
+
+
+async def test_async_pool_mode_opens_nothing_else(
+    amake_mutex: Callable[..., Mutex], async_pool: AsyncConnectionPool[Any], admin: psycopg.Connection[Any]
+) -> None:
+    before = other_backends(admin)
+    holder, waiter = amake_mutex(async_pool=async_pool), amake_mutex(async_pool=async_pool)
+    async with holder.acquire_async():
+        await holder.heartbeat_async()
+        async with waiter.acquire_async(blocking=False) as acquired:
+            assert not acquired
+        task = asyncio.create_task(_acquire(waiter))
+        await asyncio.sleep(0.2)
+    assert await asyncio.wait_for(task, 10)
+    assert other_backends(admin) == before, "no connection of the Mutex's own"
+    assert backends(admin, APP + "-async") == 2
+    with pytest.raises(MutexError, match="only an async_pool"), holder.acquire():
+        pass
+
+
+async def _acquire(mutex: Mutex) -> bool:
+    async with mutex.acquire_async(timeout=10) as acquired:
+        return acquired
+
+
+async def test_both_pools_serve_one_lock_from_sync_and_async_code(
+    amake_mutex: Callable[..., Mutex], pool: ConnectionPool[Any], async_pool: AsyncConnectionPool[Any]
+) -> None:
+    mutex = amake_mutex(pool=pool, async_pool=async_pool)
+    other = amake_mutex(pool=pool, async_pool=async_pool)
+    with mutex.acquire() as acquired:
+        assert acquired
+        async with other.acquire_async(blocking=False) as second:
+            assert not second
+    async with mutex.acquire_async():
+        with other.acquire() as second:
+            assert not second

@@ -1,0 +1,111 @@
+"""The lock's decisions, without a database: what results mean, when to alert, what errors mean."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from postgres_mutex import DatabaseError, OperationTimeout, SchemaError
+from postgres_mutex._rules import AlertGate, Outcome, classify_failure, interpret_acquire
+from postgres_mutex._secrets import Redactor
+from postgres_mutex._settings import Timing
+
+ME = "host-me"
+
+
+@pytest.mark.parametrize(
+    ("row", "outcome", "holder"),
+    [
+        ((True, None, None), Outcome.ACQUIRED, None),
+        ((True, "host-gone", 0.5), Outcome.ACQUIRED, None),  # the holder released meanwhile
+        ((False, "host-dead", 700.0), Outcome.RECLAIMED, "host-dead"),
+        ((False, ME, 0.2), Outcome.REACQUIRED, ME),
+        ((None, "host-other", 3.0), Outcome.CONTENDED, "host-other"),
+        ((None, None, None), Outcome.CONTENDED, None),  # inserted after our snapshot
+    ],
+)
+def test_interpret_acquire(row: tuple[object, ...], outcome: Outcome, holder: str | None) -> None:
+    result = interpret_acquire(row, ME)
+    assert result.outcome is outcome
+    assert result.holder == holder
+    assert outcome.acquired is (outcome is not Outcome.CONTENDED)
+
+
+def test_interpret_acquire_refuses_a_malformed_row() -> None:
+    with pytest.raises(ValueError, match="unexpected"):
+        interpret_acquire(None, ME)
+
+
+def test_alert_gate_fires_once_per_stale_episode() -> None:
+    gate = AlertGate(30.0)
+    assert not gate.should_alert("a", 29.9)
+    assert gate.should_alert("a", 30.0)
+    assert not gate.should_alert("a", 45.0), "same episode: once"
+    assert gate.should_alert("b", 31.0), "another holder: a new episode"
+    assert not gate.should_alert("b", 1.0), "heartbeat resumed: episode over"
+    assert gate.should_alert("b", 30.5), "silent again: a new episode"
+    assert not gate.should_alert(None, None)
+
+
+def test_the_lease_ends_one_heartbeat_before_the_stale_threshold() -> None:
+    timing = Timing.validate(
+        heartbeat_interval=10, alert_threshold=30, stale_threshold=600, poll_interval=0.5, operation_timeout=5
+    )
+    assert timing.lease == 590
+    assert timing.alert_threshold < timing.lease < timing.stale_threshold
+
+
+def _classify(exc: BaseException, **overrides: bool) -> DatabaseError:
+    options = {"sent": True, "timed_out": False, "connection_lost": False, "connect_retryable": True}
+    options.update(overrides)
+    return classify_failure(exc, action="acquire of lock 'x'", table="mutex_lock", redact=str, **options)
+
+
+def test_a_deadline_is_an_operation_timeout_with_an_unknown_outcome() -> None:
+    error = _classify(psycopg.OperationalError("consuming input failed"), timed_out=True, connection_lost=True)
+    assert isinstance(error, OperationTimeout)
+    assert isinstance(error, TimeoutError)
+    assert error.transient
+    assert error.outcome_unknown
+
+
+def test_a_server_error_has_a_known_outcome() -> None:
+    error = _classify(psycopg.errors.SerializationFailure("could not serialize"))
+    assert error.transient
+    assert not error.outcome_unknown
+
+
+def test_a_failure_before_sending_has_a_known_outcome() -> None:
+    error = _classify(psycopg.OperationalError("connection refused"), sent=False, connect_retryable=False)
+    assert "could not connect" in str(error)
+    assert not error.outcome_unknown
+    assert not error.transient, "never connected: the DSN itself may be wrong"
+    assert _classify(psycopg.OperationalError("refused"), sent=False).transient, "connected before: a blip"
+
+
+@pytest.mark.parametrize(
+    ("exc", "message"),
+    [
+        (psycopg.errors.UndefinedTable("relation does not exist"), "does not exist"),
+        (psycopg.errors.InsufficientPrivilege("permission denied"), "may not use"),
+    ],
+)
+def test_schema_problems_are_schema_errors(exc: psycopg.Error, message: str) -> None:
+    error = _classify(exc)
+    assert isinstance(error, SchemaError)
+    assert message in str(error)
+    assert not error.transient
+
+
+def test_an_admin_shutdown_is_transient() -> None:
+    error = _classify(psycopg.errors.AdminShutdown("terminating connection"), connection_lost=True)
+    assert error.transient
+    assert error.outcome_unknown
+
+
+def test_redactor_masks_passwords_in_any_shape() -> None:
+    redact = Redactor("postgresql://u:pa55@h/db").redact
+    assert redact('invalid token: "pa55"') == 'invalid token: "***"'
+    assert redact("postgres://x:other@h/db") == "postgres://x:***@h/db"
+    assert redact("host=h password='a b' user=u") == "host=h password=*** user=u"
+    assert Redactor(None).redact("nothing secret") == "nothing secret"

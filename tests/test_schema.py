@@ -1,0 +1,194 @@
+"""The table is exactly the README's; creating it is idempotent and safe to race; roles need only DML."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from postgres_mutex import Mutex, SchemaError
+from tests.conftest import FAST, frozen_holder
+from tests.postgres_server import PostgresServer
+
+
+def fresh_table() -> str:
+    return f"locks_{uuid.uuid4().hex[:10]}"
+
+
+def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) -> None:
+    columns = admin.execute(
+        """SELECT column_name, data_type, character_maximum_length, is_nullable, column_default
+             FROM information_schema.columns WHERE table_name = 'mutex_lock' ORDER BY ordinal_position"""
+    ).fetchall()
+    assert columns == [
+        ("lock_name", "character varying", 64, "NO", None),
+        ("locked", "integer", None, "NO", "1"),
+        ("instance_id", "character varying", 64, "NO", None),
+        ("last_heartbeat", "timestamp with time zone", None, "NO", None),
+        ("acquired_at", "timestamp with time zone", None, "NO", None),
+    ]
+    constraints = admin.execute(
+        """SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
+            WHERE conrelid = 'mutex_lock'::regclass AND contype IN ('u', 'c') ORDER BY conname"""
+    ).fetchall()
+    assert constraints == [("chk_locked", "CHECK ((locked = 1))"), ("uq_mutex_lock", "UNIQUE (locked, lock_name)")]
+
+
+def test_the_table_allows_one_row_per_lock(admin: psycopg.Connection[Any], lock_name: str) -> None:
+    insert = (
+        "INSERT INTO mutex_lock (lock_name, locked, instance_id, last_heartbeat, acquired_at) "
+        "VALUES (%s, %s, 'x', now(), now())"
+    )
+    admin.execute(insert, (lock_name, 1))
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        admin.execute(insert, (lock_name, 1))
+    with pytest.raises(psycopg.errors.CheckViolation):
+        admin.execute(insert, (lock_name, 2))
+    admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+
+
+def test_create_schema_is_safe_when_many_instances_start_at_once(dsn: str, admin: psycopg.Connection[Any]) -> None:
+    table = fresh_table()
+    mutexes = [Mutex(dsn, "job", table=table) for _ in range(8)]
+    for mutex in mutexes:
+        _open_connection(mutex)  # so the threads race on CREATE, not on connecting
+    barrier = threading.Barrier(len(mutexes))
+    errors: list[BaseException] = []
+
+    def create(mutex: Mutex) -> None:
+        barrier.wait(timeout=10)
+        try:
+            mutex.create_schema()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create, args=(mutex,)) for mutex in mutexes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    with mutexes[0].acquire() as acquired:
+        assert acquired
+    for mutex in mutexes:
+        mutex.close()
+    admin.execute(f'DROP TABLE "{table}"')
+
+
+def _open_connection(mutex: Mutex) -> None:
+    assert mutex._transport.sync is not None
+    with mutex._transport.sync.connection(5):
+        pass
+
+
+def test_create_schema_is_idempotent(make_mutex: Callable[..., Mutex]) -> None:
+    mutex = make_mutex()
+    mutex.create_schema()
+    mutex.create_schema()
+    with mutex.acquire() as acquired:
+        assert acquired
+
+
+async def test_create_schema_async(amake_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any]) -> None:
+    table = fresh_table()
+    mutex = amake_mutex(table=table)
+    await mutex.create_schema_async()
+    await mutex.create_schema_async()
+    async with mutex.acquire_async() as acquired:
+        assert acquired
+    await mutex.aclose()
+    admin.execute(f'DROP TABLE "{table}"')
+
+
+def test_a_schema_qualified_table(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    schema = f"ops_{uuid.uuid4().hex[:8]}"
+    admin.execute(f'CREATE SCHEMA "{schema}"')
+    mutex = make_mutex(table=f"{schema}.mutex_lock")
+    mutex.create_schema()
+    with mutex.acquire():
+        found = admin.execute(
+            sql.SQL("SELECT instance_id FROM {} WHERE lock_name = %s").format(sql.Identifier(schema, "mutex_lock")),
+            (lock_name,),
+        ).fetchone()
+        assert found == (mutex.instance_id,)
+    admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def test_two_lock_tables_can_share_a_schema(make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any]) -> None:
+    table = fresh_table()
+    mutex, default = make_mutex(table=table), make_mutex()
+    mutex.create_schema()
+    with mutex.acquire() as first, default.acquire() as second:
+        assert (first, second) == (True, True), "same lock name, different tables: two different locks"
+    admin.execute(f'DROP TABLE "{table}"')
+
+
+def test_a_missing_table_is_a_clear_error(make_mutex: Callable[..., Mutex]) -> None:
+    mutex = make_mutex(table="no_such_table")
+    with pytest.raises(SchemaError, match=r"no_such_table does not exist.*create_schema"), mutex.acquire():
+        pass
+    assert not mutex.held
+
+
+def test_create_schema_in_a_missing_schema_is_a_clear_error(make_mutex: Callable[..., Mutex]) -> None:
+    mutex = make_mutex(table="no_such_schema.mutex_lock")
+    with pytest.raises(SchemaError, match="schema does not exist"):
+        mutex.create_schema()
+
+
+@pytest.fixture
+def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_own_server: None) -> Iterator[str]:
+    """A login role granted only SELECT, INSERT, UPDATE, DELETE on the lock table."""
+    role = f"mutex_app_{uuid.uuid4().hex[:8]}"
+    admin.execute(f"CREATE ROLE {role} LOGIN")
+    # PostgreSQL 14 and older let everyone create tables in public: not here.
+    admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON mutex_lock TO {role}")
+    yield pg.dsn(user=role)
+    admin.execute(f"DROP OWNED BY {role}")
+    admin.execute(f"DROP ROLE {role}")
+
+
+def test_a_role_with_only_dml_privileges_can_do_everything_but_create(
+    dml_role: str, lock_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    holder = Mutex(dml_role, lock_name, **FAST)  # type: ignore[arg-type]
+    rival = Mutex(dml_role, lock_name, **FAST)  # type: ignore[arg-type]
+    with holder.acquire() as acquired:
+        assert acquired
+        holder.heartbeat()
+        with rival.acquire() as second:
+            assert not second
+    with frozen_holder(holder), rival.acquire(blocking=True, timeout=10) as reclaimed:
+        assert reclaimed
+    with pytest.raises(SchemaError, match="may not create it") as caught:
+        holder.create_schema()
+    assert caught.value.sqlstate == "42501"
+    holder.close()
+    rival.close()
+
+
+def test_a_role_without_privileges_gets_a_clear_error(
+    pg: PostgresServer, admin: psycopg.Connection[Any], needs_own_server: None, lock_name: str
+) -> None:
+    role = f"mutex_nobody_{uuid.uuid4().hex[:8]}"
+    admin.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        mutex = Mutex(pg.dsn(user=role), lock_name)
+        with (
+            pytest.raises(
+                SchemaError, match=r"may not use the lock table mutex_lock.*grant SELECT, INSERT, UPDATE, DELETE"
+            ),
+            mutex.acquire(),
+        ):
+            pass
+        mutex.close()
+    finally:
+        admin.execute(f"DROP ROLE {role}")

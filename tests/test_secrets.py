@@ -1,0 +1,105 @@
+"""A DSN's password never appears in a repr, a message, a log record or a traceback."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from postgres_mutex import DatabaseError, Mutex
+from tests.conftest import FAST, RecordingMetrics
+from tests.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer, free_port
+
+SECRET = "Hunter2-is-not-a-password"
+
+
+def everything_said(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc)) + repr(exc) + str(exc)
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        f"postgresql://app:{SECRET}@127.0.0.1:1/db",
+        f"host=127.0.0.1 port=1 user=app password={SECRET} dbname=db",
+        f"host=127.0.0.1 port=1 user=app password='{SECRET}' dbname=db",
+    ],
+)
+def test_repr_and_str_never_show_the_dsn(dsn: str) -> None:
+    mutex = Mutex(dsn, "job")
+    assert SECRET not in repr(mutex)
+    assert SECRET not in str(mutex)
+    assert SECRET not in repr(vars(mutex))
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        f"postgresql://app:{SECRET}%zz@127.0.0.1/db",  # invalid percent-encoding: libpq quotes the token
+        f"host=127.0.0.1 password={SECRET} garbage",  # libpq quotes what follows
+        f"postgresql://app:{SECRET}@127.0.0.1/db?nonsense=1",
+    ],
+)
+def test_a_malformed_dsn_error_does_not_quote_the_password(dsn: str) -> None:
+    with pytest.raises(ValueError, match="dsn is not a valid connection string") as caught:
+        Mutex(dsn, "job")
+    assert SECRET not in everything_said(caught.value)
+
+
+def test_connection_failures_never_show_the_password(
+    lock_name: str, caplog: pytest.LogCaptureFixture, metrics: RecordingMetrics
+) -> None:
+    dsn = f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/db?connect_timeout=2"
+    mutex = Mutex(dsn, lock_name, metrics=metrics, **FAST)  # type: ignore[arg-type]
+    with caplog.at_level(logging.DEBUG), pytest.raises(DatabaseError) as caught, mutex.acquire():
+        pytest.fail("must not run")
+    with pytest.raises(DatabaseError) as on_schema:
+        mutex.create_schema()
+    for error in (caught.value, on_schema.value):
+        assert SECRET not in everything_said(error)
+    assert SECRET not in caplog.text
+    assert SECRET not in repr(metrics.calls)
+
+
+@pytest.fixture
+def password_server(pg: PostgresServer, admin: psycopg.Connection[Any], needs_own_server: None) -> Iterator[str]:
+    admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON mutex_lock TO {PASSWORD_ROLE}")
+    yield f"postgresql://{PASSWORD_ROLE}:{PASSWORD}@{pg.host}:{pg.port}/{pg.dbname}"
+    admin.execute(f"REVOKE ALL ON mutex_lock FROM {PASSWORD_ROLE}")
+
+
+def test_a_wrong_password_is_reported_without_either_password(password_server: str, lock_name: str) -> None:
+    wrong = password_server.replace(PASSWORD, SECRET)
+    mutex = Mutex(wrong, lock_name)
+    with pytest.raises(DatabaseError, match="password authentication failed") as caught, mutex.acquire():
+        pytest.fail("must not run")
+    said = everything_said(caught.value)
+    assert SECRET not in said
+    assert PASSWORD not in said
+
+
+def test_everything_a_holder_logs_and_raises_is_free_of_its_password(
+    password_server: str, lock_name: str, admin: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    from postgres_mutex import LockNotHeldError
+
+    mutex = Mutex(password_server, lock_name, **FAST)  # type: ignore[arg-type]
+    with caplog.at_level(logging.DEBUG), pytest.raises(LockNotHeldError) as caught, mutex.acquire():
+        assert mutex.held
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (f"postgres-mutex {mutex.instance_id}",),
+        )
+        admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+        deadline = __import__("time").monotonic() + 10
+        while mutex.held and __import__("time").monotonic() < deadline:
+            __import__("time").sleep(0.02)
+    assert "lost lock" in caplog.text
+    assert PASSWORD not in caplog.text
+    assert PASSWORD not in everything_said(caught.value)
+    assert PASSWORD not in repr(mutex)
+    mutex.close()

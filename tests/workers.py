@@ -1,0 +1,85 @@
+"""Programs the tests run as separate processes: real holders that can crash or exit.
+
+    python -m tests.workers hold DSN LOCK               acquire, print "held <id>", sleep until killed
+    python -m tests.workers exit-holding DSN LOCK       acquire, print "held <id>", exit without releasing
+    python -m tests.workers contend DSN LOCK N OUT MODE acquire N times (MODE sync|async), log intervals to OUT
+
+Thresholds come from the FAST settings the tests use. Critical sections are
+logged as "pid enter exit" on CLOCK_MONOTONIC, which every process on the
+machine shares, so the parent can check that no two ever overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import time
+
+from postgres_mutex import Mutex
+
+FAST = {
+    "heartbeat_interval": 0.1,
+    "alert_threshold": 0.6,
+    "stale_threshold": 1.5,
+    "poll_interval": 0.05,
+    "operation_timeout": 2.0,
+}
+
+
+def hold(dsn: str, lock: str, *, exit_at_once: bool) -> None:
+    mutex = Mutex(dsn, lock, **FAST)  # type: ignore[arg-type]
+    held = mutex.acquire(blocking=True, timeout=30)
+    if not held.__enter__():
+        sys.exit(3)
+    print(f"held {mutex.instance_id}", flush=True)
+    if exit_at_once:
+        return  # a normal interpreter exit, lock still held
+    while True:
+        time.sleep(60)
+
+
+def contend(dsn: str, lock: str, iterations: int, out: str, mode: str) -> None:
+    mutex = Mutex(dsn, lock, **FAST)  # type: ignore[arg-type]
+    rng = random.Random(os.getpid())
+    with open(out, "w") as log:
+        if mode == "async":
+            asyncio.run(_contend_async(mutex, iterations, log, rng))
+        else:
+            for _ in range(iterations):
+                with mutex.acquire(blocking=True, timeout=60):
+                    entered = time.monotonic()
+                    time.sleep(rng.uniform(0.0, 0.02))
+                    left = time.monotonic()
+                log.write(f"{os.getpid()} {entered!r} {left!r}\n")
+                time.sleep(rng.uniform(0.0, 0.01))
+    mutex.close()
+
+
+async def _contend_async(mutex: Mutex, iterations: int, log: object, rng: random.Random) -> None:
+    for _ in range(iterations):
+        async with mutex.acquire_async(timeout=60):
+            entered = time.monotonic()
+            await asyncio.sleep(rng.uniform(0.0, 0.02))
+            left = time.monotonic()
+        log.write(f"{os.getpid()} {entered!r} {left!r}\n")  # type: ignore[attr-defined]
+        await asyncio.sleep(rng.uniform(0.0, 0.01))
+    await mutex.aclose()
+
+
+def main(argv: list[str]) -> None:
+    command, dsn, lock, *rest = argv
+    if command == "hold":
+        hold(dsn, lock, exit_at_once=False)
+    elif command == "exit-holding":
+        hold(dsn, lock, exit_at_once=True)
+    elif command == "contend":
+        iterations, out, mode = rest
+        contend(dsn, lock, int(iterations), out, mode)
+    else:
+        raise SystemExit(f"unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
