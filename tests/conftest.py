@@ -44,8 +44,14 @@ def frozen_holder(mutex: Mutex) -> Iterator[None]:
     """
     with pytest.raises(LockNotHeldError), mutex.acquire() as acquired:
         assert acquired
-        mutex._stop_heartbeat()
+        freeze(mutex)
         yield
+
+
+def freeze(mutex: Mutex) -> None:
+    """Stop a holder's heartbeat, as if its process froze."""
+    assert mutex._heartbeat is not None
+    mutex._heartbeat.stop()
 
 
 @pytest.fixture(scope="session")
@@ -154,11 +160,22 @@ def holder_id(row: Callable[..., tuple[Any, ...] | None]) -> Callable[..., str |
     return read
 
 
+@pytest.fixture(scope="session")
+def _spent_proxies() -> Iterator[list[FaultProxy]]:
+    spent: list[FaultProxy] = []
+    yield spent
+    for fault_proxy in spent:
+        fault_proxy.close()
+
+
 @pytest.fixture
-def proxy(pg: PostgresServer) -> Iterator[FaultProxy]:
+def proxy(pg: PostgresServer, _spent_proxies: list[FaultProxy]) -> Iterator[FaultProxy]:
     fault_proxy = FaultProxy(pg.host, pg.port)
     yield fault_proxy
-    fault_proxy.close()
+    # Healed and kept open to the end of the session: Mutexes closed after this
+    # test still reach the server through it and delete what they left.
+    fault_proxy.heal()
+    _spent_proxies.append(fault_proxy)
 
 
 @pytest.fixture

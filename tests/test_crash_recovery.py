@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -138,3 +139,37 @@ def test_overlap_checker_catches_an_overlap(tmp_path: Path) -> None:
     log = tmp_path / "log"
     log.write_text("1 1.0 9.0\n2 2.0 3.0\n3 4.0 5.0\n1 9.5 10.0\n")
     assert [later[2] for _, later in _overlaps(_intervals([log]))] == ["2", "3"]
+
+
+def _fork_report(dsn: str, lock_name: str, instance_id: str = "") -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.workers", "fork", dsn, lock_name, instance_id],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
+
+
+def test_a_forked_child_is_another_instance_and_its_exit_leaves_the_parent_holding(
+    dsn: str, lock_name: str, holder_id: Holder
+) -> None:
+    report = _fork_report(dsn, lock_name)
+    assert report["parent_acquired"] is True
+    assert report["child_id"] != report["parent_id"], "the child chose its own instance_id"
+    assert report["child_held"] is False, "the child does not inherit the hold"
+    assert report["child_acquired"] is False, "the child contends like any other instance"
+    assert report["parent_held_after_child_exit"] is True, "the child's exit did not release the parent's lock"
+    assert report["stranger_acquired"] is False
+    assert holder_id() is None, "the parent released at the end"
+
+
+def test_a_forked_child_refuses_an_explicit_instance_id_it_would_share(dsn: str, lock_name: str) -> None:
+    report = _fork_report(dsn, lock_name, "worker-1")
+    assert report["child_id"] == "worker-1"
+    assert "MutexError" in report["child_error"]
+    assert "forked child would share" in report["child_error"]
+    assert report["parent_held_after_child_exit"] is True

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,8 +13,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import DatabaseError, Mutex, OperationTimeout
-from tests.conftest import FAST, RecordingMetrics, wait_until
+from postgres_mutex import DatabaseError, LockNotHeldError, Mutex, OperationTimeout
+from tests.conftest import FAST, RecordingMetrics, freeze, wait_until
 from tests.faultproxy import FaultProxy
 from tests.postgres_server import PostgresServer
 
@@ -51,7 +53,7 @@ def test_acquire_heartbeat_and_release_are_one_round_trip_each(
         admin.execute(
             "UPDATE mutex_lock SET last_heartbeat = now() - interval '1 hour' WHERE lock_name = %s", (lock_name,)
         )
-        rival._stop_heartbeat()
+        freeze(rival)
         reclaim = mutex.acquire()
         assert round_trips(reclaim.__enter__) == 1, "reclaim"
         reclaim.__exit__(None, None, None)
@@ -229,3 +231,100 @@ def test_the_lock_survives_a_postgres_restart(own_pg: PostgresServer, metrics: R
         assert found == (mutex.instance_id,)
     assert len(metrics.named("heartbeat_failed")) >= 1, "the outage was seen and reported"
     mutex.close()
+
+
+async def test_an_acquire_cancelled_while_its_reply_is_lost_leaves_no_row(
+    amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder
+) -> None:
+    mutex, other = amake_mutex(proxy_dsn, operation_timeout=5.0), amake_mutex()
+    async with mutex.acquire_async():
+        pass
+    proxy.drop_replies()  # the INSERT lands; the caller gives up before any reply or deadline
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(_enter(mutex), 0.5)
+    assert holder_id() is None, "the cancelled acquire removed the row it had inserted"
+    async with other.acquire_async(blocking=False) as acquired:
+        assert acquired
+    async with mutex.acquire_async(blocking=False) as again:
+        assert again, "the cancelled Mutex is usable again"
+
+
+async def test_a_release_cancelled_midway_is_finished_later_and_never_leaves_the_mutex_stuck(
+    amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder
+) -> None:
+    mutex = amake_mutex(proxy_dsn, operation_timeout=5.0, **QUIET)
+    acquire = mutex.acquire_async()
+    assert await acquire.__aenter__()
+    proxy.silence()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(mutex.release_async(), 0.3)
+    assert not mutex.held
+    wait_until(lambda: proxy.connections() == 0)  # the cut-off connection is gone, its DELETE with it
+    proxy.heal()
+    assert holder_id() == mutex.instance_id, "the DELETE never arrived"
+    await mutex.aclose()
+    assert holder_id() is None, "close() deleted the row the cancelled release left"
+
+
+def test_a_release_that_finds_the_row_gone_reports_the_loss(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str, metrics: RecordingMetrics
+) -> None:
+    lost: list[Any] = []
+    mutex = make_mutex(on_lost=lost.append, metrics=metrics, **QUIET)
+    with pytest.raises(LockNotHeldError, match="deleted or taken over"), mutex.acquire():
+        admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+    assert len(lost) == 1
+    assert len(metrics.named("lost")) == 1
+
+
+def test_a_connection_closed_by_the_server_while_idle_does_not_fail_the_next_acquire(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any]
+) -> None:
+    mutex = make_mutex()
+    with mutex.acquire():
+        pass
+    admin.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+        (f"postgres-mutex {mutex.instance_id}",),
+    )
+    with mutex.acquire() as acquired:
+        assert acquired
+
+
+def test_a_blocking_acquire_keeps_to_its_timeout_on_a_silent_network(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
+) -> None:
+    mutex = make_mutex(proxy_dsn, operation_timeout=3.0)
+    with mutex.acquire():
+        pass
+    proxy.silence()
+    started = time.monotonic()
+    with pytest.raises(DatabaseError), mutex.acquire(blocking=True, timeout=0.5):
+        pytest.fail("must not run")
+    # Its one attempt is cut at the timeout; then one clean-up connect (connect_timeout = 3 s).
+    assert time.monotonic() - started < 0.5 + 0.1 + 3.0 + 0.8
+    proxy.heal()
+
+
+def test_a_waiter_stops_listening_once_it_has_the_lock(make_mutex: Callable[..., Mutex]) -> None:
+    holder, waiter = make_mutex(), make_mutex()
+    with holder.acquire():
+        timer = threading.Timer(0.3, holder.release)
+        timer.start()
+        with waiter.acquire(blocking=True, timeout=10) as acquired:
+            assert acquired
+            channels = _listening_channels(waiter)
+        timer.join()
+    assert channels == [], "no LISTEN left behind to pile up notifications"
+
+
+def _listening_channels(mutex: Mutex) -> list[str]:
+    conns = mutex._transport.sync
+    assert conns is not None
+    with conns.connection(5) as conn:
+        return [row[0] for row in conn.execute("SELECT pg_listening_channels()").fetchall()]
+
+
+async def _enter(mutex: Mutex) -> None:
+    async with mutex.acquire_async(blocking=False):
+        pytest.fail("must not run")

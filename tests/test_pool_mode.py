@@ -41,21 +41,25 @@ def backends(admin: psycopg.Connection[Any], pattern: str) -> int:
     return int(found[0])
 
 
-def other_backends(admin: psycopg.Connection[Any]) -> int:
-    """Client sessions besides the pools' and this test's own."""
-    found = admin.execute(
-        """SELECT count(*) FROM pg_stat_activity
-            WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() AND application_name NOT LIKE %s""",
-        (APP + "%",),
-    ).fetchone()
+def sessions_opened_since(admin: psycopg.Connection[Any], since: Any) -> list[Any]:
+    """Client sessions started after ``since`` (server time), besides the pools' own."""
+    return admin.execute(
+        """SELECT application_name FROM pg_stat_activity
+            WHERE backend_type = 'client backend' AND backend_start >= %s AND application_name NOT LIKE %s""",
+        (since, APP + "%"),
+    ).fetchall()
+
+
+def server_now(admin: psycopg.Connection[Any]) -> Any:
+    found = admin.execute("SELECT now()").fetchone()
     assert found is not None
-    return int(found[0])
+    return found[0]
 
 
 def test_pool_mode_locks_through_the_pool_and_opens_nothing_else(
     make_mutex: Callable[..., Mutex], pool: ConnectionPool[Any], admin: psycopg.Connection[Any], holder_id: Holder
 ) -> None:
-    before = other_backends(admin)
+    started = server_now(admin)
     holder, waiter = make_mutex(pool=pool), make_mutex(pool=pool)
     released = threading.Event()
 
@@ -76,7 +80,7 @@ def test_pool_mode_locks_through_the_pool_and_opens_nothing_else(
         assert acquired
         assert released.is_set()
     thread.join()
-    assert other_backends(admin) == before, "no connection of the Mutex's own"
+    assert sessions_opened_since(admin, started) == [], "no connection of the Mutex's own"
     assert backends(admin, APP) == 2, "only the pool's connections"
     stats = pool.get_stats()
     assert stats["pool_size"] == 2
@@ -105,7 +109,7 @@ def test_the_mutex_never_closes_the_pool(make_mutex: Callable[..., Mutex], pool:
 async def test_async_pool_mode_opens_nothing_else(
     amake_mutex: Callable[..., Mutex], async_pool: AsyncConnectionPool[Any], admin: psycopg.Connection[Any]
 ) -> None:
-    before = other_backends(admin)
+    started = server_now(admin)
     holder, waiter = amake_mutex(async_pool=async_pool), amake_mutex(async_pool=async_pool)
     async with holder.acquire_async():
         await holder.heartbeat_async()
@@ -114,7 +118,7 @@ async def test_async_pool_mode_opens_nothing_else(
         task = asyncio.create_task(_acquire(waiter))
         await asyncio.sleep(0.2)
     assert await asyncio.wait_for(task, 10)
-    assert other_backends(admin) == before, "no connection of the Mutex's own"
+    assert sessions_opened_since(admin, started) == [], "no connection of the Mutex's own"
     assert backends(admin, APP + "-async") == 2
     with pytest.raises(MutexError, match="only an async_pool"), holder.acquire():
         pass
@@ -137,3 +141,41 @@ async def test_both_pools_serve_one_lock_from_sync_and_async_code(
     async with mutex.acquire_async():
         with other.acquire() as second:
             assert not second
+
+
+def test_a_busy_pool_is_waited_out_not_reported_as_a_broken_dsn(dsn: str, make_mutex: Callable[..., Mutex]) -> None:
+    with ConnectionPool(dsn, min_size=1, max_size=1, open=True) as small:
+        small.wait(timeout=10)
+        mutex = make_mutex(pool=small, operation_timeout=0.3)
+        result: list[object] = []
+        thread = threading.Thread(target=_acquire_in_thread, args=(mutex, result))
+        with small.connection():
+            thread.start()
+            # Keep the pool's only connection busy for several operation_timeouts.
+            time.sleep(1.0)
+        thread.join(timeout=20)
+        assert result == [True]
+
+
+def _acquire_in_thread(mutex: Mutex, result: list[object]) -> None:
+    try:
+        with mutex.acquire(blocking=True, timeout=10) as acquired:
+            result.append(acquired)
+    except Exception as exc:
+        result.append(exc)
+
+
+def test_a_pool_that_takes_closed_connections_back_survives_a_deadline(
+    proxy_dsn: str, proxy: Any, make_mutex: Callable[..., Mutex]
+) -> None:
+    with ConnectionPool(proxy_dsn, min_size=1, max_size=1, close_returns=True, open=True) as returning:
+        returning.wait(timeout=10)
+        mutex = make_mutex(pool=returning, operation_timeout=0.3)
+        with mutex.acquire():
+            pass
+        proxy.silence()
+        with pytest.raises(MutexError), mutex.acquire():
+            pytest.fail("must not run")
+        proxy.heal()
+        with mutex.acquire(blocking=True, timeout=10) as acquired:
+            assert acquired, "the pool replaced the cut-off connection"

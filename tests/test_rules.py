@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import psycopg
 import pytest
 
@@ -13,15 +15,18 @@ from postgres_mutex._settings import Timing
 ME = "host-me"
 
 
+NOW = datetime(2026, 12, 2, tzinfo=timezone.utc)
+
+
 @pytest.mark.parametrize(
     ("row", "outcome", "holder"),
     [
-        ((True, None, None), Outcome.ACQUIRED, None),
-        ((True, "host-gone", 0.5), Outcome.ACQUIRED, None),  # the holder released meanwhile
-        ((False, "host-dead", 700.0), Outcome.RECLAIMED, "host-dead"),
-        ((False, ME, 0.2), Outcome.REACQUIRED, ME),
-        ((None, "host-other", 3.0), Outcome.CONTENDED, "host-other"),
-        ((None, None, None), Outcome.CONTENDED, None),  # inserted after our snapshot
+        ((True, None, None, NOW), Outcome.ACQUIRED, None),
+        ((True, "host-gone", 0.5, NOW), Outcome.ACQUIRED, None),  # the holder released meanwhile
+        ((False, "host-dead", 700.0, NOW), Outcome.RECLAIMED, "host-dead"),
+        ((False, ME, 0.2, NOW), Outcome.REACQUIRED, ME),
+        ((None, "host-other", 3.0, None), Outcome.CONTENDED, "host-other"),
+        ((None, None, None, None), Outcome.CONTENDED, None),  # inserted after our snapshot
     ],
 )
 def test_interpret_acquire(row: tuple[object, ...], outcome: Outcome, holder: str | None) -> None:
@@ -29,11 +34,13 @@ def test_interpret_acquire(row: tuple[object, ...], outcome: Outcome, holder: st
     assert result.outcome is outcome
     assert result.holder == holder
     assert outcome.acquired is (outcome is not Outcome.CONTENDED)
+    assert result.token == (NOW if outcome.acquired else None)
 
 
-def test_interpret_acquire_refuses_a_malformed_row() -> None:
+@pytest.mark.parametrize("row", [None, (True, None, None), (True, None, None, None)])
+def test_interpret_acquire_refuses_a_malformed_row(row: tuple[object, ...] | None) -> None:
     with pytest.raises(ValueError, match="unexpected"):
-        interpret_acquire(None, ME)
+        interpret_acquire(row, ME)
 
 
 def test_alert_gate_fires_once_per_stale_episode() -> None:
@@ -45,6 +52,26 @@ def test_alert_gate_fires_once_per_stale_episode() -> None:
     assert not gate.should_alert("b", 1.0), "heartbeat resumed: episode over"
     assert gate.should_alert("b", 30.5), "silent again: a new episode"
     assert not gate.should_alert(None, None)
+
+
+def test_a_lease_too_short_to_retry_a_heartbeat_is_refused() -> None:
+    with pytest.raises(ValueError, match="stale_threshold"):
+        Timing.validate(
+            heartbeat_interval=1, alert_threshold=1.5, stale_threshold=1.8, poll_interval=1, operation_timeout=1
+        )
+
+
+def test_a_busy_pool_is_transient_even_before_the_first_connection() -> None:
+    from psycopg_pool import PoolTimeout
+
+    error = _classify(PoolTimeout("couldn't get a connection after 1.0 sec"), sent=False, connect_retryable=False)
+    assert error.transient
+    assert "no pooled connection" in str(error)
+
+
+def test_a_read_only_server_is_transient() -> None:
+    error = _classify(psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction"))
+    assert error.transient
 
 
 def test_the_lease_ends_one_heartbeat_before_the_stale_threshold() -> None:

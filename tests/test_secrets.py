@@ -42,6 +42,7 @@ def test_repr_and_str_never_show_the_dsn(dsn: str) -> None:
         f"postgresql://app:{SECRET}%zz@127.0.0.1/db",  # invalid percent-encoding: libpq quotes the token
         f"host=127.0.0.1 password={SECRET} garbage",  # libpq quotes what follows
         f"postgresql://app:{SECRET}@127.0.0.1/db?nonsense=1",
+        f"host=127.0.0.1 password=Hunter2 {SECRET}",  # an unquoted space: libpq quotes the tail
     ],
 )
 def test_a_malformed_dsn_error_does_not_quote_the_password(dsn: str) -> None:

@@ -3,6 +3,7 @@
     python -m tests.workers hold DSN LOCK               acquire, print "held <id>", sleep until killed
     python -m tests.workers exit-holding DSN LOCK       acquire, print "held <id>", exit without releasing
     python -m tests.workers contend DSN LOCK N OUT MODE acquire N times (MODE sync|async), log intervals to OUT
+    python -m tests.workers fork DSN LOCK ID            hold, fork a child that tries the same Mutex, report JSON
 
 Thresholds come from the FAST settings the tests use. Critical sections are
 logged as "pid enter exit" on CLOCK_MONOTONIC, which every process on the
@@ -12,6 +13,7 @@ machine shares, so the parent can check that no two ever overlap.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import sys
@@ -68,12 +70,44 @@ async def _contend_async(mutex: Mutex, iterations: int, log: object, rng: random
     await mutex.aclose()
 
 
+def fork_check(dsn: str, lock: str, instance_id: str) -> None:
+    """A Mutex created before fork(): the child is a different instance, and its exit is not the parent's."""
+    mutex = Mutex(dsn, lock, instance_id=instance_id or None, **FAST)  # type: ignore[arg-type]
+    report: dict[str, object] = {"parent_id": mutex.instance_id}
+    with mutex.acquire() as acquired:
+        report["parent_acquired"] = acquired
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: try the inherited Mutex, then exit normally (atexit runs)
+            os.close(read)
+            child: dict[str, object] = {"child_id": mutex.instance_id, "child_held": mutex.held}
+            try:
+                with mutex.acquire() as child_acquired:
+                    child["child_acquired"] = child_acquired
+            except Exception as exc:
+                child["child_error"] = f"{type(exc).__name__}: {exc}"
+            os.write(write, json.dumps(child).encode())
+            os.close(write)
+            sys.exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            report.update(json.loads(pipe.read()))
+        os.waitpid(pid, 0)
+        time.sleep(FAST["heartbeat_interval"] * 3)  # let the parent heartbeat after the child's exit
+        report["parent_held_after_child_exit"] = mutex.held
+        with Mutex(dsn, lock, **FAST).acquire() as stranger:  # type: ignore[arg-type]
+            report["stranger_acquired"] = stranger
+    print(json.dumps(report), flush=True)
+
+
 def main(argv: list[str]) -> None:
     command, dsn, lock, *rest = argv
     if command == "hold":
         hold(dsn, lock, exit_at_once=False)
     elif command == "exit-holding":
         hold(dsn, lock, exit_at_once=True)
+    elif command == "fork":
+        fork_check(dsn, lock, rest[0] if rest else "")
     elif command == "contend":
         iterations, out, mode = rest
         contend(dsn, lock, int(iterations), out, mode)

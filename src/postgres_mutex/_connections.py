@@ -26,10 +26,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
-
-from ._watchdog import Deadline
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
@@ -82,12 +79,16 @@ class SyncConnections:
     def __init__(self, *, dsn: str | None, pool: ConnectionPool[Any] | None, connect_kwargs: dict[str, Any]) -> None:
         self._dsn = dsn
         self._pool = pool
-        self._kwargs = connect_kwargs
+        self.connect_kwargs = connect_kwargs
         self._lock = threading.RLock()
         self._conn: psycopg.Connection[Any] | None = None
-        self._pid = os.getpid()
-        self._listening: set[str] = set()
+        self.listening: set[str] = set()
+        """Channels the dedicated connection LISTENs on; emptied whenever it is replaced."""
         self.connected_before = False
+
+    @property
+    def can_listen(self) -> bool:
+        return self._pool is None
 
     @contextlib.contextmanager
     def connection(self, timeout: float) -> Iterator[psycopg.Connection[Any]]:
@@ -107,44 +108,43 @@ class SyncConnections:
                     self._drop()
 
     def _open(self) -> psycopg.Connection[Any]:
-        if self._pid != os.getpid():
-            _INHERITED.append(self._conn)
-            self._conn, self._pid = None, os.getpid()
         if self._conn is not None and (self._conn.closed or self._conn.broken):
             self._drop()
         if self._conn is None:
             assert self._dsn is not None
-            self._conn = psycopg.Connection.connect(self._dsn, autocommit=True, **self._kwargs)
-            self._listening = set()
+            self._conn = psycopg.Connection.connect(self._dsn, autocommit=True, **self.connect_kwargs)
+            self.listening = set()
             self.connected_before = True
         return self._conn
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
-        self._listening = set()
+        self.listening = set()
         if conn is not None:
             conn.close()
 
-    def wait_for_release(self, channel: str, seconds: float, listen: sql.Composed, statement_timeout: float) -> None:
-        """Wait for a NOTIFY on ``channel`` for up to ``seconds`` (see `WaitForRelease`)."""
-        if self._pool is not None:
-            time.sleep(seconds)
-            return
-        with self.connection(statement_timeout) as conn:
-            if channel not in self._listening:
-                with Deadline(conn.fileno(), statement_timeout):
-                    conn.execute(listen)
-                self._listening.add(channel)
+    def wait_for_notification(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for a notification on the dedicated connection."""
+        with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed or conn.broken:
+                time.sleep(seconds)
                 return
-            # Let the generator finish by itself (stop_after): breaking out
-            # early would leave it holding the connection's lock.
+            # Let the generator finish by itself (stop_after): leaving it
+            # early would keep it holding the connection's lock.
             for _ in conn.notifies(timeout=seconds, stop_after=1):
                 pass
 
     def close(self) -> None:
         with self._lock:
-            if self._pid == os.getpid():
-                self._drop()
+            self._drop()
+
+    def forget_after_fork(self, connect_kwargs: dict[str, Any]) -> None:
+        """In a forked child: the parent's session is not ours to use or to close."""
+        if self._conn is not None:
+            _INHERITED.append(self._conn)
+        self._conn, self.listening, self._lock = None, set(), threading.RLock()
+        self.connect_kwargs = connect_kwargs
 
 
 class AsyncConnections:
@@ -155,12 +155,16 @@ class AsyncConnections:
     ) -> None:
         self._dsn = dsn
         self._pool = pool
-        self._kwargs = connect_kwargs
+        self.connect_kwargs = connect_kwargs
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
-        self._listening: set[str] = set()
+        self.listening: set[str] = set()
         self.connected_before = False
+
+    @property
+    def can_listen(self) -> bool:
+        return self._pool is None
 
     @contextlib.asynccontextmanager
     async def connection(self, timeout: float) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
@@ -186,7 +190,7 @@ class AsyncConnections:
             if self._conn is not None:
                 # Bound to another loop: close it without awaiting that loop.
                 self._conn.pgconn.finish()
-            self._conn, self._loop, self._lock, self._listening = None, loop, asyncio.Lock(), set()
+            self._conn, self._loop, self._lock, self.listening = None, loop, asyncio.Lock(), set()
         return self._lock
 
     async def _open(self) -> psycopg.AsyncConnection[Any]:
@@ -194,28 +198,22 @@ class AsyncConnections:
             await self._drop()
         if self._conn is None:
             assert self._dsn is not None
-            self._conn = await psycopg.AsyncConnection.connect(self._dsn, autocommit=True, **self._kwargs)
-            self._listening = set()
+            self._conn = await psycopg.AsyncConnection.connect(self._dsn, autocommit=True, **self.connect_kwargs)
+            self.listening = set()
             self.connected_before = True
         return self._conn
 
     async def _drop(self) -> None:
         conn, self._conn = self._conn, None
-        self._listening = set()
+        self.listening = set()
         if conn is not None:
             await conn.close()
 
-    async def wait_for_release(
-        self, channel: str, seconds: float, listen: sql.Composed, statement_timeout: float
-    ) -> None:
-        if self._pool is not None:
-            await asyncio.sleep(seconds)
-            return
-        async with self.connection(statement_timeout) as conn:
-            if channel not in self._listening:
-                with Deadline(conn.fileno(), statement_timeout):
-                    await conn.execute(listen)
-                self._listening.add(channel)
+    async def wait_for_notification(self, seconds: float) -> None:
+        async with self._loop_lock():
+            conn = self._conn
+            if conn is None or conn.closed or conn.broken:
+                await asyncio.sleep(seconds)
                 return
             async for _ in conn.notifies(timeout=seconds, stop_after=1):
                 pass
@@ -223,6 +221,12 @@ class AsyncConnections:
     async def aclose(self) -> None:
         if self._conn is not None and self._loop is asyncio.get_running_loop():
             await self._drop()
+
+    def forget_after_fork(self, connect_kwargs: dict[str, Any]) -> None:
+        if self._conn is not None:
+            _INHERITED.append(self._conn)
+        self._conn, self._loop, self._lock, self.listening = None, None, None, set()
+        self.connect_kwargs = connect_kwargs
 
 
 @contextlib.contextmanager

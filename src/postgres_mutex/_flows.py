@@ -19,8 +19,8 @@ from psycopg import sql
 
 from ._rules import AcquireResult, Outcome, interpret_acquire
 from ._sql import Statements
-from ._state import ROW_GONE, LockState, Status
-from .errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError, SchemaError
+from ._state import ROW_GONE, LockState, Status, lease_clock
+from .errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError, OperationTimeout, SchemaError
 
 logger = logging.getLogger("postgres_mutex")
 
@@ -69,7 +69,16 @@ class WaitForRelease:
     statement_timeout: float
 
 
-Op = Execute | Pause | WaitForRelease
+@dataclass(frozen=True, slots=True)
+class StopListening:
+    """Stop listening on ``channel`` if the runner listens there; failures are ignored."""
+
+    channel: str
+    unlisten: sql.Composed
+    statement_timeout: float
+
+
+Op = Execute | Pause | WaitForRelease | StopListening
 Flow = Generator[Op, Any, T]
 
 
@@ -80,15 +89,24 @@ class LockContext:
         self.state = state
         self.statements = statements
         self.channel = statements.channel(state.lock_name)
-        self.params: dict[str, object] = {
+
+    def params(self) -> dict[str, object]:
+        state = self.state
+        return {
             "lock_name": state.lock_name,
             "instance_id": state.instance_id,
             "stale_seconds": state.timing.stale_threshold,
             "channel": self.channel,
+            "token": state.token,
         }
 
     def describe(self, verb: str) -> str:
         return f"{verb} of lock {self.state.lock_name!r} (instance_id {self.state.instance_id!r})"
+
+
+# A statement capped by an acquire's remaining time still gets this long, so
+# that a nearly spent timeout ends in a real attempt rather than a cut-off one.
+_MIN_STATEMENT_TIMEOUT = 0.1
 
 
 def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow[bool]:
@@ -98,24 +116,38 @@ def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow
     Raises `LockAcquisitionTimeout` when a blocking acquire runs out of time,
     `LockAlreadyHeldError` if this Mutex holds the lock already, and
     `DatabaseError` for failures it cannot wait out. Whatever way it ends
-    without the lock, a row an unanswered attempt may have left is removed
-    first.
+    without the lock (including cancellation), a row an unanswered attempt
+    may have left is removed first.
     """
     state = lock.state
     timing = state.timing
     state.begin_acquire()
     deadline = None if timeout is None else time.monotonic() + timeout
-    last: AcquireResult | None = None
+    retried_lost_connection = False
+    listening = False
     try:
         while True:
-            sent_at = time.monotonic()
+            statement_timeout = timing.operation_timeout
+            if deadline is not None:
+                statement_timeout = min(statement_timeout, max(_MIN_STATEMENT_TIMEOUT, deadline - time.monotonic()))
+            suspected_before = state.orphan_suspected
+            # Until a reply says otherwise, this attempt may leave our row behind:
+            # an interruption (cancellation, Ctrl-C) must clean up too.
+            state.orphan_suspected = True
+            sent_at = lease_clock()
             try:
                 result = yield Execute(
-                    lock.statements.acquire, lock.params, timing.operation_timeout, lock.describe("acquire")
+                    lock.statements.acquire, lock.params(), statement_timeout, lock.describe("acquire")
                 )
             except DatabaseError as exc:
-                if exc.outcome_unknown:
-                    state.orphan_suspected = True
+                if not exc.outcome_unknown:
+                    state.orphan_suspected = suspected_before
+                if _died_while_idle(exc) and not retried_lost_connection:
+                    # A connection that died while idle (server restart, idle
+                    # timeout) fails its next statement: one prompt retry on a
+                    # fresh connection, even when not blocking.
+                    retried_lost_connection = True
+                    continue
                 if not blocking or not exc.transient or _passed(deadline):
                     raise
                 logger.warning("%s; retrying in %.3gs", exc, timing.poll_interval)
@@ -124,11 +156,10 @@ def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow
 
             outcome = interpret_acquire(result.row, state.instance_id)
             if outcome.outcome.acquired:
-                _record_acquired(lock, outcome, sent_at)
+                _record_acquired(lock, outcome, sent_at, expected_own_row=suspected_before)
                 return True
             # Our statement ran: whatever an earlier attempt left, the row is not ours.
             state.orphan_suspected = False
-            last = outcome
             _record_contended(lock, outcome)
             if not blocking:
                 state.abort_acquire()
@@ -139,6 +170,7 @@ def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow
                     lock_name=state.lock_name,
                     holder=outcome.holder,
                 )
+            listening = True
             yield WaitForRelease(
                 lock.channel,
                 _until(deadline, timing.poll_interval),
@@ -152,7 +184,14 @@ def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow
         state.abort_acquire()
         raise
     finally:
-        del last
+        if listening:
+            # Stop hearing this lock's releases (our own included) once done waiting.
+            yield StopListening(lock.channel, lock.statements.unlisten(lock.channel), timing.operation_timeout)
+
+
+def _died_while_idle(exc: DatabaseError) -> bool:
+    """A connection found dead on use, as opposed to a deadline or a failed connect."""
+    return exc.transient and exc.outcome_unknown and not isinstance(exc, OperationTimeout)
 
 
 def _passed(deadline: float | None) -> bool:
@@ -165,7 +204,7 @@ def _until(deadline: float | None, pause: float) -> float:
     return max(0.0, min(pause, deadline - time.monotonic()))
 
 
-def _record_acquired(lock: LockContext, result: AcquireResult, sent_at: float) -> None:
+def _record_acquired(lock: LockContext, result: AcquireResult, sent_at: float, *, expected_own_row: bool) -> None:
     state = lock.state
     if result.outcome is Outcome.RECLAIMED:
         logger.warning(
@@ -176,14 +215,15 @@ def _record_acquired(lock: LockContext, result: AcquireResult, sent_at: float) -
             state.timing.stale_threshold,
         )
         state.metrics("stale_reclaimed", state.lock_name, instance_id=state.instance_id, previous_holder=result.holder)
-    elif result.outcome is Outcome.REACQUIRED and not state.orphan_suspected:
+    elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
         logger.warning(
             "lock %r already carried this Mutex's instance_id %r; took it back. "
             "A restarted process reusing its id, or an id shared by two live processes?",
             state.lock_name,
             state.instance_id,
         )
-    state.acquired(sent_at)
+    assert result.token is not None
+    state.acquired(sent_at, result.token)
     state.metrics("acquired", state.lock_name, instance_id=state.instance_id)
 
 
@@ -202,14 +242,14 @@ def _record_contended(lock: LockContext, result: AcquireResult) -> None:
 
 
 def remove_orphan(lock: LockContext) -> Flow[None]:
-    """Delete a row an unanswered acquire may have inserted. Never raises a `DatabaseError`."""
+    """Delete any row of ours an unanswered acquire may have left. Never raises a `DatabaseError`."""
     state = lock.state
     try:
-        yield Execute(lock.statements.release, lock.params, state.timing.operation_timeout, lock.describe("cleanup"))
+        yield Execute(lock.statements.cleanup, lock.params(), state.timing.operation_timeout, lock.describe("cleanup"))
     except DatabaseError as exc:
         logger.error(
             "%s; a row from an unanswered acquire may remain: this Mutex takes it back on its next "
-            "acquire, others may reclaim it after stale_threshold (%gs)",
+            "acquire and deletes it at exit; others may reclaim it after stale_threshold (%gs)",
             exc,
             state.timing.stale_threshold,
         )
@@ -218,7 +258,7 @@ def remove_orphan(lock: LockContext) -> Flow[None]:
 
 
 def heartbeat(lock: LockContext) -> Flow[None]:
-    """Renew the lease once: one UPDATE.
+    """Renew the lease once: one UPDATE, scoped to this hold.
 
     Raises `LockNotHeldError` if the lock is not held or the row is gone (the
     lock is then marked lost), `DatabaseError` if the heartbeat failed (the
@@ -226,10 +266,11 @@ def heartbeat(lock: LockContext) -> Flow[None]:
     """
     state = lock.state
     generation = state.require_held()
-    sent_at = time.monotonic()
+    sent_at = lease_clock()
     timeout = min(state.timing.operation_timeout, max(0.0, state.lease_deadline - sent_at))
+    started = time.monotonic()
     try:
-        result = yield Execute(lock.statements.heartbeat, lock.params, timeout, lock.describe("heartbeat"))
+        result = yield Execute(lock.statements.heartbeat, lock.params(), timeout, lock.describe("heartbeat"))
     except DatabaseError as exc:
         logger.warning("%s; retrying until the lease runs out", exc)
         state.metrics("heartbeat_failed", state.lock_name, instance_id=state.instance_id, error=exc)
@@ -237,7 +278,7 @@ def heartbeat(lock: LockContext) -> Flow[None]:
     if result.rowcount == 1:
         state.renewed(generation, sent_at)
         state.metrics(
-            "heartbeat_latency", state.lock_name, instance_id=state.instance_id, seconds=time.monotonic() - sent_at
+            "heartbeat_latency", state.lock_name, instance_id=state.instance_id, seconds=time.monotonic() - started
         )
         return
     raise state.lose(ROW_GONE, generation) or state.not_held_error()
@@ -252,46 +293,51 @@ def keep_alive(lock: LockContext, generation: int) -> Flow[None]:
     """
     state = lock.state
     timing = state.timing
-    next_beat = time.monotonic() + timing.heartbeat_interval
+    next_beat = lease_clock() + timing.heartbeat_interval
     while state.is_current(generation):
         wake = min(next_beat, state.lease_deadline)
-        keep_going = yield Pause(max(0.0, wake - time.monotonic()))
+        keep_going = yield Pause(max(0.0, wake - lease_clock()))
         if not keep_going or not state.is_current(generation):
             return
-        if time.monotonic() >= state.lease_deadline:
+        if lease_clock() >= state.lease_deadline:
             state.check_lease()
             return
-        if time.monotonic() < next_beat:
+        if lease_clock() < next_beat:
             continue
-        started = time.monotonic()
+        started = lease_clock()
         try:
             yield from heartbeat(lock)
         except LockNotHeldError:
             return
         except DatabaseError:
-            next_beat = time.monotonic() + timing.heartbeat_retry
+            next_beat = lease_clock() + timing.heartbeat_retry
             continue
         next_beat = started + timing.heartbeat_interval
 
 
-def release(lock: LockContext) -> Flow[bool]:
-    """Delete this Mutex's row and wake waiters: one statement.
+def release(lock: LockContext, previous: Status) -> Flow[bool]:
+    """Delete this hold's row and wake waiters: one statement.
 
-    Returns True if a row was deleted. A transient failure is retried once
-    (the DELETE is scoped to our instance_id, so repeating it is safe); if
-    that fails too, `DatabaseError` says the row may remain. Raises
-    `LockNotHeldError` after the clean-up if the lock had been lost.
+    ``previous`` is the status `LockState.begin_release` returned. Returns
+    True if a row was deleted. A transient failure is retried once (the
+    DELETE is scoped to this hold, so repeating it is safe); if that fails
+    too, `DatabaseError` says the row may remain, and the Mutex keeps trying
+    at its next acquire, at close and at exit. Raises `LockNotHeldError`
+    after the clean-up if the lock had been lost.
     """
     state = lock.state
-    previous = state.begin_release()
-    if previous not in (Status.HELD, Status.LOST) and not state.orphan_suspected:
+    holding = previous in (Status.HELD, Status.LOST)
+    if not holding and not (previous is Status.IDLE and state.orphan_suspected):
+        # Nothing of ours, or another thread is acquiring: its row is not ours to touch.
         return False
+    statement = lock.statements.release if holding else lock.statements.cleanup
     action = lock.describe("release")
     unknown = False
+    finished = False
     try:
         for attempt in (1, 2):
             try:
-                result = yield Execute(lock.statements.release, lock.params, state.timing.operation_timeout, action)
+                result = yield Execute(statement, lock.params(), state.timing.operation_timeout, action)
                 break
             except DatabaseError as exc:
                 unknown = unknown or exc.outcome_unknown
@@ -304,18 +350,21 @@ def release(lock: LockContext) -> Flow[bool]:
                         sqlstate=exc.sqlstate,
                     ) from exc
                 logger.warning("%s; retrying once", exc)
+        finished = True
     finally:
+        # An interrupted or failed release may leave our row: remember to retry.
+        state.orphan_suspected = not finished
+        deleted: bool = finished and result.rowcount > 0
+        if previous is Status.HELD and finished and not deleted and not unknown:
+            # Held by our lease, yet the row was gone: someone deleted or took it.
+            error: LockNotHeldError | None = state.lost_while_releasing(ROW_GONE)
+        else:
+            error = state.not_held_error() if previous is Status.LOST else None
         state.released()
-    state.orphan_suspected = False
-    deleted: bool = result.rowcount > 0
     if deleted:
         state.metrics("released", state.lock_name, instance_id=state.instance_id)
-    if previous is Status.LOST:
-        raise state.not_held_error()
-    if previous is Status.HELD and not deleted and not unknown:
-        # Held by our lease, yet the row was gone: someone deleted or took it.
-        state.lose(ROW_GONE)
-        raise state.not_held_error(ROW_GONE)
+    if error is not None and finished:
+        raise error
     return deleted
 
 

@@ -7,7 +7,9 @@ import atexit
 import contextlib
 import functools
 import logging
+import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
@@ -21,7 +23,7 @@ from ._runners import AsyncRunner, SyncRunner, _Failures
 from ._secrets import Redactor
 from ._settings import Timing, check_name, check_seconds, default_instance_id
 from ._sql import Statements
-from ._state import LockState, LostCallback
+from ._state import LockState, LostCallback, Status
 from .errors import LockAlreadyHeldError, MutexError
 
 if TYPE_CHECKING:
@@ -32,11 +34,14 @@ logger = logging.getLogger("postgres_mutex")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# Mutexes holding a lock right now, released by `_release_all_at_exit`. Strong
+# Mutexes that may have a row in the table (held, being released, or left by
+# an unanswered statement), deleted by `_release_all_at_exit`. Strong
 # references: a holder dropped by its owner keeps heartbeating until exit, and
 # must still be found then.
-_HOLDING: set[Mutex] = set()
-_HOLDING_LOCK = threading.Lock()
+_MAY_HOLD_ROW: set[Mutex] = set()
+_MAY_HOLD_ROW_LOCK = threading.Lock()
+# Every Mutex, to reset after fork().
+_ALL: weakref.WeakSet[Mutex] = weakref.WeakSet()
 
 
 class _Transport:
@@ -48,16 +53,19 @@ class _Transport:
         dsn: str | None,
         pool: ConnectionPool[Any] | None,
         async_pool: AsyncConnectionPool[Any] | None,
-        instance_id: str,
+        instance_id: str | None,
         timing: Timing,
         statements: Statements,
         redactor: Redactor,
     ) -> None:
-        kwargs = (
-            {}
-            if dsn is None
-            else connect_defaults(dsn, instance_id=instance_id, operation_timeout=timing.operation_timeout)
-        )
+        self._dsn = dsn
+        self._timing = timing
+        # Ids chosen by the user must be unique per process; default ones are
+        # renewed in a forked child, so parent and children never share one.
+        self.explicit_id = instance_id is not None
+        self.instance_id = default_instance_id() if instance_id is None else instance_id
+        self.pid = os.getpid()
+        kwargs = self._connect_kwargs()
         self.sync = (
             SyncConnections(dsn=dsn, pool=pool, connect_kwargs=kwargs) if dsn is not None or pool is not None else None
         )
@@ -67,6 +75,29 @@ class _Transport:
             else None
         )
         self.failures = _Failures(table=statements.table_name, redact=redactor.redact)
+
+    def _connect_kwargs(self) -> dict[str, Any]:
+        if self._dsn is None:
+            return {}
+        return connect_defaults(
+            self._dsn, instance_id=self.instance_id, operation_timeout=self._timing.operation_timeout
+        )
+
+    def after_fork(self) -> None:
+        if not self.explicit_id:
+            self.instance_id = default_instance_id()
+        kwargs = self._connect_kwargs()
+        for conns in (self.sync, self.async_):
+            if conns is not None:
+                conns.forget_after_fork(kwargs)
+
+    def check_process(self) -> None:
+        if self.explicit_id and self.pid != os.getpid():
+            raise MutexError(
+                f"this Mutex was created in process {self.pid} with instance_id {self.instance_id!r}; "
+                "a forked child would share that id with its parent and siblings. Create the Mutex "
+                "in the process that uses it, or let it choose its own instance_id"
+            )
 
     def sync_runner(self, stop: threading.Event | None = None) -> SyncRunner:
         if self.sync is None:
@@ -192,7 +223,8 @@ class Mutex:
         if lock_name is None:
             raise TypeError("Mutex() missing required argument: 'lock_name'")
         check_name(lock_name, "lock_name")
-        instance_id = default_instance_id() if instance_id is None else check_name(instance_id, "instance_id")
+        if instance_id is not None:
+            check_name(instance_id, "instance_id")
         timing = Timing.validate(
             heartbeat_interval=heartbeat_interval,
             alert_threshold=alert_threshold,
@@ -216,7 +248,6 @@ class Mutex:
         self._setup(
             transport,
             lock_name=lock_name,
-            instance_id=instance_id,
             timing=timing,
             statements=statements,
             metrics=MetricsDispatch(metrics),
@@ -228,7 +259,6 @@ class Mutex:
         transport: _Transport,
         *,
         lock_name: str,
-        instance_id: str,
         timing: Timing,
         statements: Statements,
         metrics: MetricsDispatch,
@@ -236,18 +266,18 @@ class Mutex:
     ) -> None:
         self._transport = transport
         self._state = LockState(
-            lock_name=lock_name, instance_id=instance_id, timing=timing, metrics=metrics, on_lost=on_lost
+            lock_name=lock_name, instance_id=transport.instance_id, timing=timing, metrics=metrics, on_lost=on_lost
         )
         self._lock = flows.LockContext(self._state, statements)
         self._heartbeat = None
         self._siblings = {}
         self._options = {
-            "instance_id": instance_id,
             "timing": timing,
             "statements": statements,
             "metrics": metrics,
             "on_lost": on_lost,
         }
+        _ALL.add(self)
 
     def _sibling(self, lock_name: str) -> Mutex:
         """A Mutex for another lock name, sharing this one's connections and settings."""
@@ -334,11 +364,16 @@ class Mutex:
         cannot be used.
         """
         timeout = _check_wait(blocking, timeout)
+        self._transport.check_process()
         runner = self._transport.sync_runner()
-        if not runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout)):
+        try:
+            acquired = runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout))
+        finally:
+            self._track_row()
+        if not acquired:
             yield False
             return
-        self._start_heartbeat(_SyncHeartbeat)
+        self._heartbeat = _SyncHeartbeat(self._transport, self._lock, self._state.generation)
         try:
             yield True
         except BaseException:
@@ -350,24 +385,31 @@ class Mutex:
     async def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncIterator[bool]:
         """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
         timeout = _check_wait(blocking, timeout)
+        self._transport.check_process()
         runner = self._transport.async_runner()
-        if not await runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout)):
+        try:
+            acquired = await runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout))
+        finally:
+            self._track_row()
+        if not acquired:
             yield False
             return
-        self._start_heartbeat(_AsyncHeartbeat)
+        self._heartbeat = _AsyncHeartbeat(self._transport, self._lock, self._state.generation)
         try:
             yield True
         except BaseException:
-            # Shielded: a second cancellation must not leave the row behind.
-            release = asyncio.ensure_future(self._release_after_failure_async())
-            await asyncio.shield(release)
+            await _shielded(self._release_after_failure_async())
             raise
-        await self.release_async()
+        # Shielded too: a cancellation arriving now must not leave the row behind.
+        await _shielded(self.release_async())
 
-    def _start_heartbeat(self, kind: type[_Heartbeat]) -> None:
-        self._heartbeat = kind(self._transport, self._lock, self._state.generation)
-        with _HOLDING_LOCK:
-            _HOLDING.add(self)
+    def _track_row(self) -> None:
+        """Keep `_MAY_HOLD_ROW` true to the state: exit and close delete what may be ours."""
+        with _MAY_HOLD_ROW_LOCK:
+            if self._state.may_have_row:
+                _MAY_HOLD_ROW.add(self)
+            else:
+                _MAY_HOLD_ROW.discard(self)
 
     # -- release -----------------------------------------------------------
 
@@ -376,27 +418,39 @@ class Mutex:
 
         Raises `LockNotHeldError` (after cleaning up) if the lock had been
         lost, and `DatabaseError` if the row could not be deleted: it then
-        stays until another instance reclaims it after ``stale_threshold``.
+        stays until another instance reclaims it after ``stale_threshold``,
+        unless this Mutex deletes it first (next acquire, close, exit).
         """
-        heartbeat = self._stop_heartbeat()
-        if isinstance(heartbeat, _SyncHeartbeat):
-            heartbeat.join(self._state.timing.operation_timeout)
-        self._transport.sync_runner().run(flows.release(self._lock))
+        previous, heartbeat = self._begin_release()
+        try:
+            if isinstance(heartbeat, _SyncHeartbeat):
+                heartbeat.join(self._state.timing.operation_timeout)
+        finally:
+            try:
+                self._transport.sync_runner().run(flows.release(self._lock, previous))
+            finally:
+                self._track_row()
 
     async def release_async(self) -> None:
         """Async `release`."""
-        heartbeat = self._stop_heartbeat()
-        if isinstance(heartbeat, _AsyncHeartbeat):
-            await heartbeat.join(self._state.timing.operation_timeout)
-        await self._transport.async_runner().run(flows.release(self._lock))
+        previous, heartbeat = self._begin_release()
+        try:
+            if isinstance(heartbeat, _AsyncHeartbeat):
+                await heartbeat.join(self._state.timing.operation_timeout)
+        finally:
+            try:
+                await self._transport.async_runner().run(flows.release(self._lock, previous))
+            finally:
+                self._track_row()
 
-    def _stop_heartbeat(self) -> _Heartbeat | None:
+    def _begin_release(self) -> tuple[Status, _Heartbeat | None]:
+        # Stop holding first, so nothing an interruption leaves half done can
+        # look held: the heartbeat stops renewing, the row stays tracked.
+        previous = self._state.begin_release()
         heartbeat, self._heartbeat = self._heartbeat, None
         if heartbeat is not None:
             heartbeat.stop()
-        with _HOLDING_LOCK:
-            _HOLDING.discard(self)
-        return heartbeat
+        return previous, heartbeat
 
     def _release_after_failure(self) -> None:
         # The block's own exception is what the caller must see.
@@ -414,15 +468,15 @@ class Mutex:
     def _release_at_exit(self) -> None:
         if self._transport.sync is None:
             logger.warning(
-                "lock %r still held at exit and only an async_pool is available: it stays until "
-                "another instance reclaims it after stale_threshold",
+                "lock %r may still have a row at exit and only an async_pool is available: it stays "
+                "until another instance reclaims it after stale_threshold",
                 self.lock_name,
             )
             return
         try:
             self.release()
-        except MutexError as exc:
-            logger.warning("releasing lock %r at exit: %s", self.lock_name, exc)
+        except Exception as exc:
+            logger.warning("releasing lock %r: %s", self.lock_name, exc)
 
     # -- heartbeat ---------------------------------------------------------
 
@@ -524,9 +578,9 @@ class Mutex:
     # -- shutdown ----------------------------------------------------------
 
     def close(self) -> None:
-        """Release any lock held and close the connections this Mutex opened (never a pool)."""
+        """Release any lock held (or row left behind) and close the connections this Mutex opened (never a pool)."""
         for mutex in (self, *self._siblings.values()):
-            if mutex._heartbeat is not None or mutex._state.orphan_suspected:
+            if mutex._state.may_have_row:
                 mutex._release_at_exit()
         if self._transport.sync is not None:
             self._transport.sync.close()
@@ -534,13 +588,29 @@ class Mutex:
     async def aclose(self) -> None:
         """Async `close`."""
         for mutex in (self, *self._siblings.values()):
-            if mutex._heartbeat is not None or mutex._state.orphan_suspected:
+            if mutex._state.may_have_row:
                 try:
                     await mutex.release_async()
-                except MutexError as exc:
+                except Exception as exc:
                     logger.warning("releasing lock %r on close: %s", mutex.lock_name, exc)
         if self._transport.async_ is not None:
             await self._transport.async_.aclose()
+
+    def _after_fork_in_child(self) -> None:
+        self._heartbeat = None
+        self._state.reset_after_fork(self._transport.instance_id)
+
+
+async def _shielded(release: Awaitable[None]) -> None:
+    """Run a release to its end even if the awaiting task is cancelled again meanwhile."""
+    task = asyncio.ensure_future(release)
+    task.add_done_callback(_log_failure)
+    await asyncio.shield(task)
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None and not isinstance(exc, MutexError):
+        logger.warning("release failed: %r", exc)
 
 
 def _check_wait(blocking: object, timeout: object) -> float | None:
@@ -566,7 +636,12 @@ def _check_connection_args(dsn: object, pool: object, async_pool: object) -> Red
         try:
             conninfo_to_dict(dsn)
         except psycopg.Error as exc:
-            raise ValueError(f"dsn is not a valid connection string: {redactor.redact(str(exc))}") from None
+            # libpq quotes the part it could not parse, which may be part of
+            # a password (an unquoted one with a space, say): then say less.
+            detail = redactor.redact(str(exc)) if not _may_hold_password(dsn) else "libpq could not parse it"
+            raise ValueError(
+                f"dsn is not a valid connection string ({detail}); quote values with spaces: password='a b'"
+            ) from None
     if pool is not None or async_pool is not None:
         try:
             from psycopg_pool import AsyncConnectionPool, ConnectionPool
@@ -579,10 +654,32 @@ def _check_connection_args(dsn: object, pool: object, async_pool: object) -> Red
     return redactor
 
 
+def _may_hold_password(dsn: str) -> bool:
+    lowered = dsn.lower()
+    return "password" in lowered or "@" in lowered
+
+
 @atexit.register
 def _release_all_at_exit() -> None:
-    """A normal interpreter exit releases every lock still held, so nobody waits out stale_threshold."""
-    with _HOLDING_LOCK:
-        holding = list(_HOLDING)
-    for mutex in holding:
+    """A normal interpreter exit deletes every row this process may still have, so nobody waits out stale_threshold."""
+    with _MAY_HOLD_ROW_LOCK:
+        pending = list(_MAY_HOLD_ROW)
+    for mutex in pending:
         mutex._release_at_exit()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child, nothing the parent held is ours: no lock, no row, no connection."""
+    global _MAY_HOLD_ROW_LOCK
+    _MAY_HOLD_ROW.clear()
+    _MAY_HOLD_ROW_LOCK = threading.Lock()
+    transports: dict[int, _Transport] = {}
+    for mutex in list(_ALL):
+        transports.setdefault(id(mutex._transport), mutex._transport)
+    for transport in transports.values():
+        transport.after_fork()
+    for mutex in list(_ALL):
+        mutex._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 import psycopg
 
@@ -37,29 +38,33 @@ class AcquireResult:
     """Contended: the current holder. Reclaimed: the previous holder."""
     heartbeat_age: float | None
     """Seconds since the (previous) holder's last heartbeat, by the server's clock."""
+    token: datetime | None = None
+    """When acquired: the new row's ``acquired_at``, which identifies this hold."""
 
 
 def interpret_acquire(row: Sequence[object] | None, instance_id: str) -> AcquireResult:
-    """Read the acquire statement's single row: ``(inserted, holder, heartbeat_age)``.
+    """Read the acquire statement's single row: ``(inserted, holder, heartbeat_age, acquired_at)``.
 
     ``inserted`` is NULL when the INSERT neither inserted nor took over the
     row: the lock is held by someone else. ``holder`` and ``heartbeat_age``
     come from the statement's snapshot; they are NULL when the row appeared
     after the snapshot was taken.
     """
-    if row is None or len(row) != 3:
+    if row is None or len(row) != 4:
         raise ValueError(f"unexpected acquire result {row!r}")
-    inserted, holder, age = row
+    inserted, holder, age, acquired_at = row
     holder_id = None if holder is None else str(holder)
     heartbeat_age = None if age is None else float(age)  # type: ignore[arg-type]
     if inserted is None:
         return AcquireResult(Outcome.CONTENDED, holder_id, heartbeat_age)
+    if not isinstance(acquired_at, datetime):
+        raise ValueError(f"unexpected acquire result {row!r}")
     if inserted:
         # A holder seen in the snapshot released in the meantime: a plain acquire.
-        return AcquireResult(Outcome.ACQUIRED, None, None)
+        return AcquireResult(Outcome.ACQUIRED, None, None, acquired_at)
     if holder_id == instance_id or holder_id is None:
-        return AcquireResult(Outcome.REACQUIRED, instance_id, heartbeat_age)
-    return AcquireResult(Outcome.RECLAIMED, holder_id, heartbeat_age)
+        return AcquireResult(Outcome.REACQUIRED, instance_id, heartbeat_age, acquired_at)
+    return AcquireResult(Outcome.RECLAIMED, holder_id, heartbeat_age, acquired_at)
 
 
 class AlertGate:
@@ -84,11 +89,15 @@ class AlertGate:
         return True
 
 
+# A read-only transaction: after a failover the connection may have landed on
+# a standby. Only a new connection can reach the new primary.
+READ_ONLY = "25006"
+
 # SQLSTATE classes that describe the moment, not the statement: connection
 # exceptions, insufficient resources, operator intervention (shutdown,
 # restart, cancel), transaction rollback.
 _TRANSIENT_CLASSES = frozenset({"08", "53", "57", "40"})
-_TRANSIENT_STATES = frozenset({"55P03", "58000", "58030"})
+_TRANSIENT_STATES = frozenset({"55P03", "58000", "58030", READ_ONLY})
 _MISSING_TABLE_STATES = frozenset({"42P01", "3F000"})
 _PRIVILEGE_STATE = "42501"
 
@@ -122,7 +131,10 @@ def classify_failure(
     unknown = sent and (timed_out or connection_lost or sqlstate is None)
 
     error: DatabaseError
-    if timed_out:
+    if type(exc).__module__ == "psycopg_pool" and type(exc).__name__ != "PoolClosed":
+        # No pooled connection in time (PoolTimeout, TooManyRequests): a busy pool, not a bad DSN.
+        error = DatabaseError(f"{action} failed: no pooled connection available ({detail})", transient=True)
+    elif timed_out:
         error = OperationTimeout(f"{action} passed its deadline ({detail})", transient=True, outcome_unknown=unknown)
     elif sqlstate in _MISSING_TABLE_STATES:
         error = SchemaError(

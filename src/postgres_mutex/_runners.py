@@ -20,10 +20,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg import sql
 
 from ._connections import AsyncConnections, SyncConnections
-from ._flows import Execute, Flow, Op, Pause, Result, WaitForRelease
-from ._rules import classify_failure
+from ._flows import Execute, Flow, Op, Pause, Result, StopListening, WaitForRelease
+from ._rules import READ_ONLY, classify_failure
 from ._watchdog import Deadline
 from .errors import DatabaseError
 
@@ -65,6 +66,9 @@ class _Failures:
         )
         return error
 
+    def redact(self, text: str) -> str:
+        return self._redact(text)
+
     def shown_cause(self, exc: BaseException) -> BaseException | None:
         """psycopg's error, to chain for the traceback, unless its text held a secret."""
         return None if self._redact(str(exc)) != str(exc) else exc
@@ -104,7 +108,9 @@ class SyncRunner:
                 time.sleep(op.seconds)
                 return True
             return not self._stop.wait(op.seconds)
-        return self._wait_for_release(op)
+        if isinstance(op, WaitForRelease):
+            return self._wait_for_release(op)
+        return self._stop_listening(op)
 
     def _execute(self, op: Execute) -> Result:
         conns = self._conns
@@ -113,11 +119,14 @@ class SyncRunner:
         try:
             with conns.connection(op.timeout) as conn:
                 used, sent = conn, True
-                with Deadline(conn.fileno(), op.timeout) as deadline:
-                    cursor = conn.execute(op.query, op.params, prepare=False)
-                    result = _result(cursor, cursor.fetchone() if cursor.description else None)
-                if deadline.fired:
-                    conn.close()  # shut down just as the reply arrived: unusable now
+                try:
+                    with Deadline(conn.fileno(), op.timeout) as deadline:
+                        cursor = conn.execute(op.query, op.params, prepare=False)
+                        result = _result(cursor, cursor.fetchone() if cursor.description else None)
+                except _FAILURES as exc:
+                    _discard_if_unusable(conn, deadline, exc)
+                    raise
+                _discard_if_unusable(conn, deadline, None)
                 return result
         except _FAILURES as exc:
             error = self._failures.translate(
@@ -127,12 +136,30 @@ class SyncRunner:
 
     def _wait_for_release(self, op: WaitForRelease) -> None:
         started = time.monotonic()
+        conns = self._conns
         try:
-            self._conns.wait_for_release(op.channel, op.seconds, op.listen, op.statement_timeout)
-        except _FAILURES as exc:
+            if not conns.can_listen:
+                time.sleep(op.seconds)
+            elif op.channel not in conns.listening:
+                # Start listening and return at once: the flow re-checks the
+                # lock, so a release in between cannot be missed.
+                self._execute(_listen_step(op.listen, op.statement_timeout))
+                conns.listening.add(op.channel)
+            else:
+                conns.wait_for_notification(op.seconds)
+        except (DatabaseError, *_FAILURES) as exc:
             # Waiting is an optimisation: on any failure, fall back to polling.
-            logger.debug("waiting for a release notification failed: %s", exc)
+            logger.debug("waiting for a release notification failed: %s", self._failures.redact(str(exc)))
             time.sleep(max(0.0, op.seconds - (time.monotonic() - started)))
+
+    def _stop_listening(self, op: StopListening) -> None:
+        if op.channel not in self._conns.listening:
+            return
+        self._conns.listening.discard(op.channel)
+        try:
+            self._execute(_listen_step(op.unlisten, op.statement_timeout))
+        except DatabaseError as exc:
+            logger.debug("UNLISTEN failed: %s", exc)
 
 
 class AsyncRunner:
@@ -169,7 +196,9 @@ class AsyncRunner:
             except asyncio.TimeoutError:
                 return True
             return False
-        return await self._wait_for_release(op)
+        if isinstance(op, WaitForRelease):
+            return await self._wait_for_release(op)
+        return await self._stop_listening(op)
 
     async def _execute(self, op: Execute) -> Result:
         conns = self._conns
@@ -178,20 +207,23 @@ class AsyncRunner:
         try:
             async with conns.connection(op.timeout) as conn:
                 used, sent = conn, True
-                with Deadline(conn.fileno(), op.timeout) as deadline:
-                    statement = asyncio.ensure_future(self._statement(conn, op))
-                    statement.add_done_callback(_retrieve)
-                    try:
-                        result = await asyncio.shield(statement)
-                    except asyncio.CancelledError:
-                        # Cancelled by the caller: end the statement now, rather
-                        # than let psycopg attempt a server-side cancel over what
-                        # may be a dead network. The flow treats it as unanswered.
-                        deadline.fire()
-                        await asyncio.wait([statement])
-                        raise
-                if deadline.fired:
-                    await conn.close()
+                try:
+                    with Deadline(conn.fileno(), op.timeout) as deadline:
+                        statement = asyncio.ensure_future(self._statement(conn, op))
+                        statement.add_done_callback(_retrieve)
+                        try:
+                            result = await asyncio.shield(statement)
+                        except asyncio.CancelledError:
+                            # Cancelled by the caller: end the statement now, rather
+                            # than let psycopg attempt a server-side cancel over what
+                            # may be a dead network. The flow treats it as unanswered.
+                            deadline.fire()
+                            await asyncio.wait([statement])
+                            raise
+                except _FAILURES as exc:
+                    _discard_if_unusable(conn, deadline, exc)
+                    raise
+                _discard_if_unusable(conn, deadline, None)
                 return result
         except _FAILURES as exc:
             error = self._failures.translate(
@@ -199,17 +231,53 @@ class AsyncRunner:
             )
             raise error from self._failures.shown_cause(exc)
 
-    async def _statement(self, conn: psycopg.AsyncConnection[Any], op: Execute) -> Result:
+    @staticmethod
+    async def _statement(conn: psycopg.AsyncConnection[Any], op: Execute) -> Result:
         cursor = await conn.execute(op.query, op.params, prepare=False)
         return _result(cursor, await cursor.fetchone() if cursor.description else None)
 
     async def _wait_for_release(self, op: WaitForRelease) -> None:
         started = time.monotonic()
+        conns = self._conns
         try:
-            await self._conns.wait_for_release(op.channel, op.seconds, op.listen, op.statement_timeout)
-        except _FAILURES as exc:
-            logger.debug("waiting for a release notification failed: %s", exc)
+            if not conns.can_listen:
+                await asyncio.sleep(op.seconds)
+            elif op.channel not in conns.listening:
+                await self._execute(_listen_step(op.listen, op.statement_timeout))
+                conns.listening.add(op.channel)
+            else:
+                await conns.wait_for_notification(op.seconds)
+        except (DatabaseError, *_FAILURES) as exc:
+            logger.debug("waiting for a release notification failed: %s", self._failures.redact(str(exc)))
             await asyncio.sleep(max(0.0, op.seconds - (time.monotonic() - started)))
+
+    async def _stop_listening(self, op: StopListening) -> None:
+        if op.channel not in self._conns.listening:
+            return
+        self._conns.listening.discard(op.channel)
+        try:
+            await self._execute(_listen_step(op.unlisten, op.statement_timeout))
+        except DatabaseError as exc:
+            logger.debug("UNLISTEN failed: %s", exc)
+
+
+def _listen_step(statement: sql.Composed, timeout: float) -> Execute:
+    return Execute(statement, {}, timeout, "LISTEN/UNLISTEN for release notifications")
+
+
+def _discard_if_unusable(
+    conn: psycopg.BaseConnection[Any], deadline: Deadline | None, exc: BaseException | None
+) -> None:
+    """Close a connection that must not serve another statement.
+
+    Its socket was shut down by the deadline (even if the reply made it), or
+    it sits on a read-only standby after a failover. `pgconn.finish` rather
+    than `close`: a pool configured with ``close_returns`` would take a closed
+    connection back twice.
+    """
+    fired = deadline is not None and deadline.fired
+    if fired or getattr(exc, "sqlstate", None) == READ_ONLY:
+        conn.pgconn.finish()
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -91,6 +91,12 @@ class Timing:
                 f"alert_threshold ({timing.alert_threshold:g}s) must be shorter than "
                 f"stale_threshold ({timing.stale_threshold:g}s), so on-call hears before a reclaim"
             )
+        if timing.lease < 2 * timing.heartbeat_interval:
+            raise ValueError(
+                f"stale_threshold ({timing.stale_threshold:g}s) must be at least three heartbeat_intervals "
+                f"({timing.heartbeat_interval:g}s): the holder's lease (stale_threshold - heartbeat_interval) "
+                "must leave room to retry a failed heartbeat"
+            )
         return timing
 
     @property

@@ -40,7 +40,9 @@ class Statements:
     """The statements for one lock table.
 
     Parameters (all bound): ``lock_name``, ``instance_id``, ``stale_seconds``,
-    ``channel``.
+    ``channel``, and ``token``: the ``acquired_at`` of the hold a heartbeat or
+    release belongs to. Scoping those to the token means a statement of an
+    earlier hold that reaches the server late can never touch a later hold.
     """
 
     def __init__(self, table: str) -> None:
@@ -89,9 +91,9 @@ class Statements:
          acquired_at = EXCLUDED.acquired_at
    WHERE existing.instance_id = EXCLUDED.instance_id
       OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s)
-  RETURNING existing.xmax = 0 AS inserted
+  RETURNING existing.xmax = 0 AS inserted, existing.acquired_at
 )
-SELECT taken.inserted, current.instance_id, current.heartbeat_age
+SELECT taken.inserted, current.instance_id, current.heartbeat_age, taken.acquired_at
   FROM (VALUES (1)) AS one (x)
   LEFT JOIN taken ON true
   LEFT JOIN current ON true"""
@@ -101,19 +103,21 @@ SELECT taken.inserted, current.instance_id, current.heartbeat_age
         # HOT, so heartbeats never bloat the unique index.
         self.heartbeat = sql.SQL(
             """UPDATE {table} SET last_heartbeat = now()
- WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s"""
+ WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s
+   AND acquired_at = %(token)s"""
         ).format(table=ident)
 
         # The DELETE and the wake-up of waiters are one statement: a waiter
         # LISTENing on the channel retries at once instead of at its next poll.
-        self.release = sql.SQL(
-            """WITH released AS (
+        release = """WITH released AS (
   DELETE FROM {table}
-   WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s
+   WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}
   RETURNING lock_name
 )
 SELECT pg_notify(%(channel)s, '') FROM released"""
-        ).format(table=ident)
+        self.release = sql.SQL(release).format(table=ident, scope=sql.SQL("\n     AND acquired_at = %(token)s"))
+        # After an unanswered acquire the token is unknown: remove any row of ours.
+        self.cleanup = sql.SQL(release).format(table=ident, scope=sql.SQL(""))
 
     def channel(self, lock_name: str) -> str:
         """The NOTIFY channel for one lock of this table.
@@ -127,3 +131,7 @@ SELECT pg_notify(%(channel)s, '') FROM released"""
     @staticmethod
     def listen(channel: str) -> sql.Composed:
         return sql.SQL("LISTEN {}").format(sql.Identifier(channel))
+
+    @staticmethod
+    def unlisten(channel: str) -> sql.Composed:
+        return sql.SQL("UNLISTEN {}").format(sql.Identifier(channel))

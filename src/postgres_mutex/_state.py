@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 
 from ._metrics import MetricsDispatch
 from ._rules import AlertGate
@@ -24,6 +25,16 @@ LostCallback = Callable[[LockNotHeldError], object]
 LEASE_EXPIRED = "its lease ran out: no heartbeat succeeded for stale_threshold - heartbeat_interval"
 ROW_GONE = "its row was deleted or taken over by another instance"
 
+# The lease clock counts time the machine spends suspended (CLOCK_BOOTTIME on
+# Linux): a holder frozen across a suspend must not wake up believing in a
+# lease the server's clock has long run past.
+_LEASE_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def lease_clock() -> float:
+    """Seconds on the clock leases are measured with (never the wall clock)."""
+    return time.clock_gettime(_LEASE_CLOCK)
+
 
 class Status(enum.Enum):
     IDLE = "idle"
@@ -36,10 +47,14 @@ class Status(enum.Enum):
 class LockState:
     """Status, lease and loss bookkeeping for one (lock_name, instance_id).
 
-    The lease is measured on the monotonic clock from the moment the last
-    successful acquire or heartbeat statement was *sent*; it is one heartbeat
-    interval shorter than ``stale_threshold``, so the holder always learns it
-    lost the lock before anyone else may reclaim the row.
+    The lease is measured from the moment the last successful acquire or
+    heartbeat statement was *sent*; it is one heartbeat interval shorter than
+    ``stale_threshold``, so the holder always learns it lost the lock before
+    anyone else may reclaim the row.
+
+    Each hold is identified by the ``acquired_at`` the server stamped on its
+    row (the *token*): heartbeats and releases are scoped to it, so a
+    statement of an earlier hold that arrives late can never touch a later one.
     """
 
     def __init__(
@@ -61,9 +76,11 @@ class LockState:
         self._status = Status.IDLE
         self._lease_deadline = 0.0
         self._generation = 0
+        self._token: datetime | None = None
         self._lost_reason = ""
-        # An acquire statement was sent but its reply never came: our row may
-        # exist. The next acquire takes it back; giving up removes it.
+        # A statement that may have inserted our row went unanswered (or was
+        # interrupted): the row may exist. The next acquire takes it back;
+        # giving up, closing and exiting remove it.
         self.orphan_suspected = False
 
     # -- queries ---------------------------------------------------------
@@ -74,15 +91,25 @@ class LockState:
 
     @property
     def held(self) -> bool:
-        return self._status is Status.HELD and time.monotonic() < self._lease_deadline
+        return self._status is Status.HELD and lease_clock() < self._lease_deadline
 
     @property
     def generation(self) -> int:
         return self._generation
 
     @property
+    def token(self) -> datetime | None:
+        """The current (or last) hold's ``acquired_at``."""
+        return self._token
+
+    @property
     def lease_deadline(self) -> float:
         return self._lease_deadline
+
+    @property
+    def may_have_row(self) -> bool:
+        """Whether a row of ours may be in the table, so exit and close must try to delete it."""
+        return self._status in (Status.HELD, Status.LOST, Status.RELEASING) or self.orphan_suspected
 
     def is_current(self, generation: int) -> bool:
         return self._status is Status.HELD and self._generation == generation
@@ -90,6 +117,7 @@ class LockState:
     # -- transitions -------------------------------------------------------
 
     def begin_acquire(self) -> None:
+        self.check_lease()
         with self._lock:
             if self._status in (Status.HELD, Status.ACQUIRING, Status.RELEASING):
                 raise LockAlreadyHeldError(
@@ -103,12 +131,13 @@ class LockState:
             if self._status is Status.ACQUIRING:
                 self._status = Status.IDLE
 
-    def acquired(self, sent_at: float) -> int:
+    def acquired(self, sent_at: float, token: datetime) -> int:
         """Record a won acquire whose statement was sent at ``sent_at``; returns the hold's generation."""
         with self._lock:
             self._generation += 1
             self._status = Status.HELD
             self._lease_deadline = sent_at + self.timing.lease
+            self._token = token
             self._lost_reason = ""
             self.orphan_suspected = False
             return self._generation
@@ -131,14 +160,14 @@ class LockState:
 
     def check_lease(self) -> None:
         """Mark the lock lost if its lease has run out."""
-        if self._status is Status.HELD and time.monotonic() >= self._lease_deadline:
+        if self._status is Status.HELD and lease_clock() >= self._lease_deadline:
             self.lose(LEASE_EXPIRED)
 
     def lose(self, reason: str, generation: int | None = None) -> LockNotHeldError | None:
-        """Mark the lock lost, once; fire ``on_lost`` and the metrics call.
+        """Mark a held lock lost, once; fire ``on_lost`` and the metrics call.
 
         Returns the error describing the loss, or None if the lock was not held
-        (already lost, released, or a newer hold than ``generation``).
+        (already lost, being released, or a newer hold than ``generation``).
         """
         with self._lock:
             if self._status is not Status.HELD or (generation is not None and generation != self._generation):
@@ -146,17 +175,31 @@ class LockState:
             self._status = Status.LOST
             self._lost_reason = reason
             error = self._not_held_error()
-        logger.error("lost lock %r (instance_id %r): %s", self.lock_name, self.instance_id, reason)
-        self.metrics("lost", self.lock_name, instance_id=self.instance_id, reason=reason)
+        self._report_lost(error)
+        return error
+
+    def lost_while_releasing(self, reason: str) -> LockNotHeldError:
+        """The release found the row gone although the lease was valid: report it like any loss."""
+        with self._lock:
+            self._lost_reason = reason
+            error = self._not_held_error()
+        self._report_lost(error)
+        return error
+
+    def _report_lost(self, error: LockNotHeldError) -> None:
+        logger.error("lost lock %r (instance_id %r): %s", self.lock_name, self.instance_id, error.reason)
+        self.metrics("lost", self.lock_name, instance_id=self.instance_id, reason=error.reason)
         if self._on_lost is not None:
             try:
                 self._on_lost(error)
             except Exception:
                 logger.warning("on_lost callback for lock %r raised; ignoring it", self.lock_name, exc_info=True)
-        return error
 
     def begin_release(self) -> Status:
-        """Stop treating the lock as held; return the status it had."""
+        """Stop treating the lock as held (the heartbeat stops renewing it); return the status it had.
+
+        A lease that ran out is reported lost first.
+        """
         self.check_lease()
         with self._lock:
             previous = self._status
@@ -168,6 +211,16 @@ class LockState:
         with self._lock:
             if self._status is Status.RELEASING:
                 self._status = Status.IDLE
+
+    def reset_after_fork(self, instance_id: str) -> None:
+        """In a forked child: nothing inherited is held by this process."""
+        self._lock = threading.Lock()
+        self._status = Status.IDLE
+        self._lease_deadline = 0.0
+        self._token = None
+        self.orphan_suspected = False
+        self.instance_id = instance_id
+        self.alert_gate = AlertGate(self.timing.alert_threshold)
 
     def not_held_error(self, reason: str | None = None) -> LockNotHeldError:
         with self._lock:

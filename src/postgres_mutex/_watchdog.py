@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import os
 import socket
+import struct
 import threading
 import time
 from types import TracebackType
+
+logger = logging.getLogger("postgres_mutex")
 
 
 class Deadline:
@@ -45,6 +49,10 @@ class Deadline:
                 return
             self._fired = True
         try:
+            # Linger 0: when the connection's own descriptor is closed too, the
+            # kernel resets the connection and discards unsent data, rather
+            # than deliver a cut-off statement late if the network comes back.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # already closed by the peer: the operation is failing anyway
@@ -99,7 +107,10 @@ class _Watchdog:
                     self._cond.wait(delay)
                     continue
                 heapq.heappop(self._heap)
-            deadline.fire()
+            try:
+                deadline.fire()
+            except Exception:  # never let one deadline stop the others from firing
+                logger.exception("postgres-mutex watchdog could not cut off an operation")
 
 
 _instance: _Watchdog | None = None
