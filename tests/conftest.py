@@ -194,8 +194,13 @@ class RecordingMetrics:
         if method.startswith("_"):
             raise AttributeError(method)
 
-        def record(lock_name: str, **kwargs: Any) -> None:
-            self.calls.append((method, lock_name, kwargs))
+        def record(*args: Any, **kwargs: Any) -> None:
+            # Lock calls pass the lock name first; a watcher's "observed" passes its observations.
+            first = args[0] if args else ""
+            if isinstance(first, str):
+                self.calls.append((method, first, kwargs))
+            else:
+                self.calls.append((method, "", {"observations": first, **kwargs}))
 
         return record
 

@@ -8,7 +8,7 @@ remain, so it is cleaned up, and never leaves it stuck looking held.
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -20,17 +20,18 @@ from postgres_mutex._metrics import MetricsDispatch
 from postgres_mutex._settings import Timing
 from postgres_mutex._sql import Statements
 from postgres_mutex._state import LockState, Status, lease_clock
+from postgres_mutex._tracing import Tracing
 from postgres_mutex.errors import OperationTimeout
 
 TIMING = Timing.validate(
     heartbeat_interval=0.1, alert_threshold=0.6, stale_threshold=1.5, poll_interval=0.05, operation_timeout=2.0
 )
-TOKEN = datetime(2026, 12, 2, tzinfo=timezone.utc)
+TOKEN = datetime(2026, 12, 2, tzinfo=UTC)
 
 
 def lock() -> LockContext:
     state = LockState(lock_name="job", instance_id="me", timing=TIMING, metrics=MetricsDispatch(None), on_lost=None)
-    return LockContext(state, Statements("mutex_lock"))
+    return LockContext(state, Statements("mutex_lock"), Tracing(None, {}))
 
 
 def step(flow: Flow[Any], reply: Any = None) -> Any:
@@ -47,7 +48,7 @@ def test_an_acquire_cancelled_mid_statement_cleans_up_before_ending() -> None:
     assert isinstance(cleanup, Execute), "the statement may have inserted our row: remove it"
     assert cleanup.query is context.statements.cleanup
     with pytest.raises(asyncio.CancelledError):
-        step(flow, Result(1, None))
+        step(flow, Result(1))
     assert context.state.status is Status.IDLE
     assert not context.state.orphan_suspected
 
@@ -67,11 +68,11 @@ def test_a_blocking_acquire_stops_listening_when_done() -> None:
     context = lock()
     flow = acquire_flow(context, blocking=True, timeout=10)
     step(flow)
-    wait = step(flow, Result(1, (None, "other", 0.1, None)))
+    wait = step(flow, Result(1, ((None, "other", 0.1, None),)))
     assert isinstance(wait, WaitForRelease)
     again = step(flow)
     assert isinstance(again, Execute)
-    stop = step(flow, Result(1, (True, None, None, TOKEN)))
+    stop = step(flow, Result(1, ((True, None, None, TOKEN),)))
     assert isinstance(stop, StopListening)
     with pytest.raises(StopIteration) as done:
         step(flow)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import psycopg
 import pytest
@@ -15,7 +15,7 @@ from postgres_mutex._settings import Timing
 ME = "host-me"
 
 
-NOW = datetime(2026, 12, 2, tzinfo=timezone.utc)
+NOW = datetime(2026, 12, 2, tzinfo=UTC)
 
 
 @pytest.mark.parametrize(

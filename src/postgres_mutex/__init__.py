@@ -4,8 +4,9 @@ One table, heartbeat-based liveness, an alert before any reclaim, automatic
 recovery from crashed holders. See the README for the full contract.
 """
 
-from ._metrics import MetricsHook
+from ._metrics import FanOutMetrics, LockObservation, MetricsHook
 from ._mutex import Mutex
+from ._version import __version__
 from .errors import (
     DatabaseError,
     LockAcquisitionTimeout,
@@ -16,13 +17,13 @@ from .errors import (
     SchemaError,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
     "DatabaseError",
+    "FanOutMetrics",
     "LockAcquisitionTimeout",
     "LockAlreadyHeldError",
     "LockNotHeldError",
+    "LockObservation",
     "MetricsHook",
     "Mutex",
     "MutexError",

@@ -46,7 +46,7 @@ _ENV_FOR_PARAM = {
 }
 
 
-def connect_defaults(dsn: str, *, instance_id: str, operation_timeout: float) -> dict[str, Any]:
+def connect_defaults(dsn: str, *, application_name: str, operation_timeout: float) -> dict[str, Any]:
     """Connection parameters a Mutex adds, only where the DSN and environment are silent.
 
     The DSN itself is passed to psycopg untouched; these are keyword
@@ -55,7 +55,7 @@ def connect_defaults(dsn: str, *, instance_id: str, operation_timeout: float) ->
     given = conninfo_to_dict(dsn)
     wanted: dict[str, Any] = {
         # Visible in pg_stat_activity next to the holder's row; libpq caps it at 63 bytes.
-        "application_name": f"postgres-mutex {instance_id}".encode()[:63].decode(errors="ignore"),
+        "application_name": application_name.encode()[:63].decode(errors="ignore"),
         # libpq's minimum is 2 s; a dead server must not hang a connect for minutes.
         "connect_timeout": max(2, math.ceil(operation_timeout)),
         # Drop a connection whose sent data stays unacknowledged (a real partition).

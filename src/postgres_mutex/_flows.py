@@ -9,17 +9,21 @@ async methods of `Mutex` cannot drift apart.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from opentelemetry.trace import Span
 from psycopg import sql
 
-from ._rules import AcquireResult, Outcome, interpret_acquire
+from ._metrics import LockObservation, MetricsDispatch
+from ._rules import AcquireResult, Outcome, WatchAlerts, interpret_acquire, observe
 from ._sql import Statements
 from ._state import ROW_GONE, LockState, Status, lease_clock
+from ._tracing import INSTANCE_ID, LOCK_NAME, OUTCOME, AttributeValue, Tracing, mark_error, set_outcome
 from .errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError, OperationTimeout, SchemaError
 
 logger = logging.getLogger("postgres_mutex")
@@ -43,7 +47,11 @@ class Execute:
 @dataclass(frozen=True, slots=True)
 class Result:
     rowcount: int
-    row: tuple[Any, ...] | None
+    rows: tuple[tuple[Any, ...], ...] = ()
+
+    @property
+    def row(self) -> tuple[Any, ...] | None:
+        return self.rows[0] if self.rows else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +91,12 @@ Flow = Generator[Op, Any, T]
 
 
 class LockContext:
-    """One lock as the flows see it: its state, its statements and their parameters."""
+    """One lock as the flows see it: its state, statements, parameters and tracing."""
 
-    def __init__(self, state: LockState, statements: Statements) -> None:
+    def __init__(self, state: LockState, statements: Statements, tracing: Tracing) -> None:
         self.state = state
         self.statements = statements
+        self.tracing = tracing
         self.channel = statements.channel(state.lock_name)
 
     def params(self) -> dict[str, object]:
@@ -103,10 +112,19 @@ class LockContext:
     def describe(self, verb: str) -> str:
         return f"{verb} of lock {self.state.lock_name!r} (instance_id {self.state.instance_id!r})"
 
+    def span_attributes(self, **extra: AttributeValue) -> dict[str, AttributeValue]:
+        return {LOCK_NAME: self.state.lock_name, INSTANCE_ID: self.state.instance_id, **extra}
+
 
 # A statement capped by an acquire's remaining time still gets this long, so
 # that a nearly spent timeout ends in a real attempt rather than a cut-off one.
 _MIN_STATEMENT_TIMEOUT = 0.1
+
+
+@dataclass
+class _Progress:
+    attempts: int = 0
+    result: AcquireResult | None = None
 
 
 def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow[bool]:
@@ -118,10 +136,56 @@ def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow
     `DatabaseError` for failures it cannot wait out. Whatever way it ends
     without the lock (including cancellation), a row an unanswered attempt
     may have left is removed first.
+
+    The whole acquire is one span, each attempt an event on it; the time it
+    took is reported to the hook's ``acquire_wait`` with its outcome.
     """
     state = lock.state
-    timing = state.timing
     state.begin_acquire()
+    started = time.monotonic()
+    progress = _Progress()
+    extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
+    if timeout is not None:
+        extra["postgres_mutex.timeout"] = timeout
+    outcome = "cancelled"
+    with lock.tracing.span("postgres_mutex.acquire", lock.span_attributes(**extra)) as span:
+        try:
+            acquired = yield from _attempt_until_done(lock, span, progress, blocking=blocking, timeout=timeout)
+            result = progress.result
+            if acquired:
+                outcome = "reclaimed" if result is not None and result.outcome is Outcome.RECLAIMED else "acquired"
+            else:
+                outcome = "contended"
+            return acquired
+        except LockAcquisitionTimeout:
+            outcome = "timeout"
+            raise
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            waited = time.monotonic() - started
+            result = progress.result
+            holder = None if result is None else result.holder
+            set_outcome(
+                span,
+                outcome,
+                attempts=progress.attempts,
+                wait_seconds=waited,
+                previous_holder=holder if outcome == "reclaimed" else None,
+                holder=holder if outcome in ("contended", "timeout") else None,
+            )
+            if outcome != "cancelled":
+                state.metrics(
+                    "acquire_wait", state.lock_name, instance_id=state.instance_id, seconds=waited, outcome=outcome
+                )
+
+
+def _attempt_until_done(
+    lock: LockContext, span: Span, progress: _Progress, *, blocking: bool, timeout: float | None
+) -> Flow[bool]:
+    state = lock.state
+    timing = state.timing
     deadline = None if timeout is None else time.monotonic() + timeout
     retried_lost_connection = False
     listening = False
@@ -135,11 +199,13 @@ def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow
             # an interruption (cancellation, Ctrl-C) must clean up too.
             state.orphan_suspected = True
             sent_at = lease_clock()
+            progress.attempts += 1
             try:
-                result = yield Execute(
+                reply = yield Execute(
                     lock.statements.acquire, lock.params(), statement_timeout, lock.describe("acquire")
                 )
             except DatabaseError as exc:
+                _attempt_event(span, "error", error=type(exc).__name__)
                 if not exc.outcome_unknown:
                     state.orphan_suspected = suspected_before
                 if _died_while_idle(exc) and not retried_lost_connection:
@@ -154,21 +220,24 @@ def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow
                 yield Pause(_until(deadline, timing.poll_interval))
                 continue
 
-            outcome = interpret_acquire(result.row, state.instance_id)
-            if outcome.outcome.acquired:
-                _record_acquired(lock, outcome, sent_at, expected_own_row=suspected_before)
+            result = interpret_acquire(reply.row, state.instance_id)
+            progress.result = result
+            _attempt_event(span, result.outcome.value, holder=result.holder, heartbeat_age=result.heartbeat_age)
+            if result.outcome.acquired:
+                _record_acquired(lock, result, sent_at, expected_own_row=suspected_before)
+                state.hold_span_context = span.get_span_context()
                 return True
             # Our statement ran: whatever an earlier attempt left, the row is not ours.
             state.orphan_suspected = False
-            _record_contended(lock, outcome)
+            _record_contended(lock, result)
             if not blocking:
                 state.abort_acquire()
                 return False
             if _passed(deadline):
                 raise LockAcquisitionTimeout(
-                    f"lock {state.lock_name!r} still held by {outcome.holder or 'another instance'} after {timeout:g}s",
+                    f"lock {state.lock_name!r} still held by {result.holder or 'another instance'} after {timeout:g}s",
                     lock_name=state.lock_name,
-                    holder=outcome.holder,
+                    holder=result.holder,
                 )
             listening = True
             yield WaitForRelease(
@@ -187,6 +256,12 @@ def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow
         if listening:
             # Stop hearing this lock's releases (our own included) once done waiting.
             yield StopListening(lock.channel, lock.statements.unlisten(lock.channel), timing.operation_timeout)
+
+
+def _attempt_event(span: Span, outcome: str, **attributes: AttributeValue | None) -> None:
+    if span.is_recording():
+        values = {f"postgres_mutex.{key}": value for key, value in attributes.items() if value is not None}
+        span.add_event("postgres_mutex.attempt", {OUTCOME: outcome, **values})
 
 
 def _died_while_idle(exc: DatabaseError) -> bool:
@@ -262,26 +337,30 @@ def heartbeat(lock: LockContext) -> Flow[None]:
 
     Raises `LockNotHeldError` if the lock is not held or the row is gone (the
     lock is then marked lost), `DatabaseError` if the heartbeat failed (the
-    lock stays held until its lease runs out).
+    lock stays held until its lease runs out). Each heartbeat is a span of its
+    own, linked to the span of the acquire that began the hold.
     """
     state = lock.state
     generation = state.require_held()
-    sent_at = lease_clock()
-    timeout = min(state.timing.operation_timeout, max(0.0, state.lease_deadline - sent_at))
-    started = time.monotonic()
-    try:
-        result = yield Execute(lock.statements.heartbeat, lock.params(), timeout, lock.describe("heartbeat"))
-    except DatabaseError as exc:
-        logger.warning("%s; retrying until the lease runs out", exc)
-        state.metrics("heartbeat_failed", state.lock_name, instance_id=state.instance_id, error=exc)
-        raise
-    if result.rowcount == 1:
-        state.renewed(generation, sent_at)
-        state.metrics(
-            "heartbeat_latency", state.lock_name, instance_id=state.instance_id, seconds=time.monotonic() - started
-        )
-        return
-    raise state.lose(ROW_GONE, generation) or state.not_held_error()
+    with lock.tracing.span("postgres_mutex.heartbeat", lock.span_attributes(), link=state.hold_span_context) as span:
+        sent_at = lease_clock()
+        timeout = min(state.timing.operation_timeout, max(0.0, state.lease_deadline - sent_at))
+        started = time.monotonic()
+        try:
+            result = yield Execute(lock.statements.heartbeat, lock.params(), timeout, lock.describe("heartbeat"))
+        except DatabaseError as exc:
+            set_outcome(span, "failed")
+            logger.warning("%s; retrying until the lease runs out", exc)
+            state.metrics("heartbeat_failed", state.lock_name, instance_id=state.instance_id, error=exc)
+            raise
+        if result.rowcount == 1:
+            latency = time.monotonic() - started
+            state.renewed(generation, sent_at)
+            set_outcome(span, "renewed", latency_seconds=latency)
+            state.metrics("heartbeat_latency", state.lock_name, instance_id=state.instance_id, seconds=latency)
+            return
+        set_outcome(span, "lost")
+        raise state.lose(ROW_GONE, generation) or state.not_held_error()
 
 
 def keep_alive(lock: LockContext, generation: int) -> Flow[None]:
@@ -330,6 +409,18 @@ def release(lock: LockContext, previous: Status) -> Flow[bool]:
     if not holding and not (previous is Status.IDLE and state.orphan_suspected):
         # Nothing of ours, or another thread is acquiring: its row is not ours to touch.
         return False
+    with lock.tracing.span("postgres_mutex.release", lock.span_attributes()) as span:
+        deleted = yield from _delete_row(lock, previous, holding=holding)
+        set_outcome(span, "released" if deleted else "not_found")
+        if previous is Status.LOST:
+            set_outcome(span, "lost")
+            mark_error(span, "the lock had been lost before it was released")
+            raise state.not_held_error()
+        return deleted
+
+
+def _delete_row(lock: LockContext, previous: Status, *, holding: bool) -> Flow[bool]:
+    state = lock.state
     statement = lock.statements.release if holding else lock.statements.cleanup
     action = lock.describe("release")
     unknown = False
@@ -357,15 +448,86 @@ def release(lock: LockContext, previous: Status) -> Flow[bool]:
         deleted: bool = finished and result.rowcount > 0
         if previous is Status.HELD and finished and not deleted and not unknown:
             # Held by our lease, yet the row was gone: someone deleted or took it.
-            error: LockNotHeldError | None = state.lost_while_releasing(ROW_GONE)
+            gone: LockNotHeldError | None = state.lost_while_releasing(ROW_GONE)
         else:
-            error = state.not_held_error() if previous is Status.LOST else None
+            gone = None
         state.released()
     if deleted:
         state.metrics("released", state.lock_name, instance_id=state.instance_id)
-    if error is not None and finished:
-        raise error
+    if gone is not None:
+        raise gone
     return deleted
+
+
+@dataclass
+class WatchContext:
+    """What a watcher reads and whom it tells: shared by the sync thread and the async task."""
+
+    statements: Statements
+    lock_names: frozenset[str] | None
+    alert_threshold: float
+    stale_threshold: float
+    interval: float
+    operation_timeout: float
+    alerts: WatchAlerts
+    metrics: MetricsDispatch
+    latest: list[LockObservation] = field(default_factory=list)
+    healthy: bool | None = None
+
+
+def watch(context: WatchContext) -> Flow[list[LockObservation]]:
+    """Read the lock table once (one query, the server's clock) and report what it shows.
+
+    Fires ``alert`` once per stale episode, without anyone trying to acquire;
+    reports every held lock to the hook's ``observed``. Raises `DatabaseError`
+    (after reporting ``watcher_failed``) if the table could not be read.
+    """
+    names = None if context.lock_names is None else sorted(context.lock_names)
+    try:
+        reply = yield Execute(
+            context.statements.watch,
+            {"lock_names": names},
+            context.operation_timeout,
+            f"watcher read of table {context.statements.table_name}",
+        )
+    except DatabaseError as exc:
+        context.healthy = False
+        logger.warning("%s; the watcher keeps trying", exc)
+        context.metrics("watcher_failed", error=exc)
+        raise
+    observations = observe(reply.rows, alert_threshold=context.alert_threshold, stale_threshold=context.stale_threshold)
+    for seen in observations:
+        if context.alerts.should_alert(seen.lock_name, seen.holder, seen.seconds_since_heartbeat):
+            logger.warning(
+                "lock %r: holder %r has not heartbeated for %.1fs (alert_threshold %gs)",
+                seen.lock_name,
+                seen.holder,
+                seen.seconds_since_heartbeat,
+                context.alert_threshold,
+            )
+            context.metrics(
+                "alert", seen.lock_name, holder=seen.holder, seconds_since_heartbeat=seen.seconds_since_heartbeat
+            )
+    context.alerts.held_now({seen.lock_name for seen in observations})
+    context.latest, context.healthy = observations, True
+    context.metrics(
+        "observed",
+        observations,
+        watched=context.lock_names,
+        alert_threshold=context.alert_threshold,
+        stale_threshold=context.stale_threshold,
+    )
+    return observations
+
+
+def watch_forever(context: WatchContext) -> Flow[None]:
+    """Read the table every ``interval`` seconds until the runner is stopped; outages are ridden out."""
+    while True:
+        with contextlib.suppress(DatabaseError):
+            yield from watch(context)
+        keep_going = yield Pause(context.interval)
+        if not keep_going:
+            return
 
 
 _CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})

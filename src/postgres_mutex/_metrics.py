@@ -11,12 +11,28 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 logger = logging.getLogger("postgres_mutex")
 
 
+@dataclass(frozen=True)
+class LockObservation:
+    """One held lock as a watcher saw it, timed by the server's clock."""
+
+    lock_name: str
+    holder: str
+    seconds_since_heartbeat: float
+    seconds_held: float
+    alerting: bool
+    """Silent for ``alert_threshold`` or longer."""
+    reclaimable: bool
+    """Silent for ``stale_threshold`` or longer: any instance may take it over."""
+
+
 class MetricsHook:
-    """No-op base class documenting every call a Mutex makes.
+    """No-op base class documenting every call a Mutex (or a watcher) makes.
 
     Calls are made from the thread or task that observed the event (the
     heartbeat thread for heartbeat calls), so they should be quick and must not
@@ -39,8 +55,8 @@ class MetricsHook:
     def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
         """The holder has not heartbeated for ``alert_threshold``: slow, or dead?
 
-        Fired once per stale episode per Mutex: again only after the holder
-        heartbeats or changes.
+        Fired once per stale episode (by a contender, or a watcher): again only
+        after the holder heartbeats or changes.
         """
 
     def heartbeat_latency(self, lock_name: str, *, instance_id: str, seconds: float) -> None:
@@ -52,32 +68,152 @@ class MetricsHook:
     def lost(self, lock_name: str, *, instance_id: str, reason: str) -> None:
         """This Mutex lost a lock it held: its lease ran out, or its row was gone."""
 
+    def acquire_wait(self, lock_name: str, *, instance_id: str, seconds: float, outcome: str) -> None:
+        """An acquire ended after ``seconds``, waiting included.
+
+        ``outcome`` is one of ``acquired``, ``reclaimed``, ``contended``
+        (non-blocking, held elsewhere), ``timeout``, ``error``.
+        """
+
+    def observed(
+        self,
+        observations: Sequence[LockObservation],
+        *,
+        watched: frozenset[str] | None,
+        alert_threshold: float,
+        stale_threshold: float,
+    ) -> None:
+        """A watcher read the lock table: ``observations`` are the held locks among ``watched``.
+
+        ``watched`` is None when the watcher watches every lock in the table;
+        a watched lock missing from ``observations`` is free.
+        """
+
+    def watcher_failed(self, *, error: BaseException) -> None:
+        """A watcher could not read the lock table (it keeps trying)."""
+
+
+HOOK_METHODS = frozenset(name for name in vars(MetricsHook) if not name.startswith("_"))
+
 
 class MetricsDispatch:
     """Calls a user's hook best-effort: never raises, never lets a hook break the lock."""
 
     def __init__(self, hook: object | None) -> None:
-        self._hook = hook
+        self.hook = hook
         self._complained: set[str] = set()
         self._lock = threading.Lock()
 
-    def __call__(self, method: str, lock_name: str, **kwargs: object) -> None:
-        if self._hook is None:
+    def __call__(self, method: str, *args: object, **kwargs: object) -> None:
+        if self.hook is None:
             return
         try:
-            func = getattr(self._hook, method, None)
+            func = getattr(self.hook, method, None)
             if callable(func):
-                func(lock_name, **kwargs)
+                func(*args, **kwargs)
         except Exception:
             with self._lock:
                 first = method not in self._complained
                 self._complained.add(method)
+            name = type(self.hook).__name__
             if first:
                 logger.warning(
                     "metrics hook %s.%s raised; ignoring it (further errors from it are logged at debug level)",
-                    type(self._hook).__name__,
+                    name,
                     method,
                     exc_info=True,
                 )
             else:
-                logger.debug("metrics hook %s.%s raised", type(self._hook).__name__, method, exc_info=True)
+                logger.debug("metrics hook %s.%s raised", name, method, exc_info=True)
+
+
+class FanOutMetrics:
+    """A hook that forwards every call to several hooks, each guarded on its own.
+
+    ``Mutex(dsn, "job", metrics=FanOutMetrics(PrometheusMetrics(), OtelMetrics(), MyStatsd()))``:
+    one failing hook neither stops the others nor reaches the lock.
+    """
+
+    def __init__(self, *hooks: object) -> None:
+        self._dispatchers = tuple(MetricsDispatch(hook) for hook in hooks)
+
+    @property
+    def hooks(self) -> tuple[object, ...]:
+        return tuple(dispatch.hook for dispatch in self._dispatchers)
+
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        if method not in HOOK_METHODS:
+            raise AttributeError(method)
+
+        def fan_out(*args: object, **kwargs: object) -> None:
+            for dispatch in self._dispatchers:
+                dispatch(method, *args, **kwargs)
+
+        return fan_out
+
+
+class HeldLocks:
+    """Which (lock, instance) pairs this process holds, for a locks-held gauge.
+
+    ``released`` after ``lost`` (a lost lock's row cleaned up on exit) must
+    not count twice: changes are computed from a set, not from the calls.
+    """
+
+    def __init__(self) -> None:
+        self._held: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def add(self, lock_name: str, instance_id: str) -> bool:
+        with self._lock:
+            new = (lock_name, instance_id) not in self._held
+            self._held.add((lock_name, instance_id))
+            return new
+
+    def discard(self, lock_name: str, instance_id: str) -> bool:
+        with self._lock:
+            present = (lock_name, instance_id) in self._held
+            self._held.discard((lock_name, instance_id))
+            return present
+
+
+@dataclass(frozen=True)
+class WatchedLock:
+    observation: LockObservation
+    alert_threshold: float
+    stale_threshold: float
+
+
+class LockTableView:
+    """What watchers last reported, per lock: read by exporters at scrape time."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, WatchedLock] = {}
+        self._up: bool | None = None
+        self._lock = threading.Lock()
+
+    def update(
+        self,
+        observations: Sequence[LockObservation],
+        *,
+        watched: frozenset[str] | None,
+        alert_threshold: float,
+        stale_threshold: float,
+    ) -> None:
+        with self._lock:
+            if watched is None:
+                self._locks.clear()
+            else:
+                for name in watched:
+                    self._locks.pop(name, None)
+            for observation in observations:
+                self._locks[observation.lock_name] = WatchedLock(observation, alert_threshold, stale_threshold)
+            self._up = True
+
+    def failed(self) -> None:
+        with self._lock:
+            self._up = False
+
+    def snapshot(self) -> tuple[list[WatchedLock], bool | None]:
+        """The watched locks, and whether the last read succeeded (None: no watcher reported yet)."""
+        with self._lock:
+            return sorted(self._locks.values(), key=lambda lock: lock.observation.lock_name), self._up

@@ -13,21 +13,22 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
-import psycopg
-from psycopg.conninfo import conninfo_to_dict
-
 from . import _flows as flows
-from ._connections import AsyncConnections, SyncConnections, connect_defaults
 from ._metrics import MetricsDispatch
-from ._runners import AsyncRunner, SyncRunner, _Failures
-from ._secrets import Redactor
-from ._settings import Timing, check_name, check_seconds, default_instance_id
+from ._rules import WatchAlerts
+from ._runners import AsyncRunner, SyncRunner
+from ._settings import Timing, check_name, check_seconds
 from ._sql import Statements
 from ._state import LockState, LostCallback, Status
+from ._tracing import Tracing, database_attributes
+from ._transport import Transport
 from .errors import LockAlreadyHeldError, MutexError
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    from .watcher import StaleWatcher
 
 logger = logging.getLogger("postgres_mutex")
 
@@ -44,78 +45,10 @@ _MAY_HOLD_ROW_LOCK = threading.Lock()
 _ALL: weakref.WeakSet[Mutex] = weakref.WeakSet()
 
 
-class _Transport:
-    """How one Mutex (and the siblings its `singleton` makes) reaches PostgreSQL."""
-
-    def __init__(
-        self,
-        *,
-        dsn: str | None,
-        pool: ConnectionPool[Any] | None,
-        async_pool: AsyncConnectionPool[Any] | None,
-        instance_id: str | None,
-        timing: Timing,
-        statements: Statements,
-        redactor: Redactor,
-    ) -> None:
-        self._dsn = dsn
-        self._timing = timing
-        # Ids chosen by the user must be unique per process; default ones are
-        # renewed in a forked child, so parent and children never share one.
-        self.explicit_id = instance_id is not None
-        self.instance_id = default_instance_id() if instance_id is None else instance_id
-        self.pid = os.getpid()
-        kwargs = self._connect_kwargs()
-        self.sync = (
-            SyncConnections(dsn=dsn, pool=pool, connect_kwargs=kwargs) if dsn is not None or pool is not None else None
-        )
-        self.async_ = (
-            AsyncConnections(dsn=dsn, pool=async_pool, connect_kwargs=kwargs)
-            if dsn is not None or async_pool is not None
-            else None
-        )
-        self.failures = _Failures(table=statements.table_name, redact=redactor.redact)
-
-    def _connect_kwargs(self) -> dict[str, Any]:
-        if self._dsn is None:
-            return {}
-        return connect_defaults(
-            self._dsn, instance_id=self.instance_id, operation_timeout=self._timing.operation_timeout
-        )
-
-    def after_fork(self) -> None:
-        if not self.explicit_id:
-            self.instance_id = default_instance_id()
-        kwargs = self._connect_kwargs()
-        for conns in (self.sync, self.async_):
-            if conns is not None:
-                conns.forget_after_fork(kwargs)
-
-    def check_process(self) -> None:
-        if self.explicit_id and self.pid != os.getpid():
-            raise MutexError(
-                f"this Mutex was created in process {self.pid} with instance_id {self.instance_id!r}; "
-                "a forked child would share that id with its parent and siblings. Create the Mutex "
-                "in the process that uses it, or let it choose its own instance_id"
-            )
-
-    def sync_runner(self, stop: threading.Event | None = None) -> SyncRunner:
-        if self.sync is None:
-            raise MutexError("this Mutex was given only an async_pool: use the *_async methods, or pass pool= as well")
-        return SyncRunner(self.sync, self.failures, stop)
-
-    def async_runner(self, stop: asyncio.Event | None = None) -> AsyncRunner:
-        if self.async_ is None:
-            raise MutexError(
-                "this Mutex was given only a (sync) pool: use the sync methods, or pass async_pool= as well"
-            )
-        return AsyncRunner(self.async_, self.failures, stop)
-
-
 class _SyncHeartbeat:
     """The heartbeat thread of one hold."""
 
-    def __init__(self, transport: _Transport, lock: flows.LockContext, generation: int) -> None:
+    def __init__(self, transport: Transport, lock: flows.LockContext, generation: int) -> None:
         self._stop = threading.Event()
         self._runner = transport.sync_runner(self._stop)
         self._lock = lock
@@ -144,7 +77,7 @@ class _SyncHeartbeat:
 class _AsyncHeartbeat:
     """The heartbeat task of one hold."""
 
-    def __init__(self, transport: _Transport, lock: flows.LockContext, generation: int) -> None:
+    def __init__(self, transport: Transport, lock: flows.LockContext, generation: int) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._runner = transport.async_runner(self._stop)
@@ -174,6 +107,50 @@ class _AsyncHeartbeat:
 _Heartbeat = _SyncHeartbeat | _AsyncHeartbeat
 
 
+class _OwnLockWatch:
+    """``Mutex(..., watch=True)``: a watcher of the Mutex's own lock, through its own hook.
+
+    It shares the Mutex's connections and alert gate (one alert per episode,
+    whether a contender or the watcher saw it first), and starts with the
+    Mutex's first operation: a thread for sync use, a task for async use.
+    """
+
+    def __init__(self, mutex: Mutex) -> None:
+        from .watcher import StaleWatcher
+
+        state = mutex._state
+        timing = state.timing
+        context = flows.WatchContext(
+            statements=mutex._lock.statements,
+            lock_names=frozenset({state.lock_name}),
+            alert_threshold=timing.alert_threshold,
+            stale_threshold=timing.stale_threshold,
+            interval=min(5.0, timing.alert_threshold / 2),
+            operation_timeout=timing.operation_timeout,
+            alerts=WatchAlerts(timing.alert_threshold),
+            metrics=state.metrics,
+        )
+        self.watcher: StaleWatcher = StaleWatcher._for_lock(
+            mutex._transport, context, shared_gate=(state.lock_name, state.alert_gate)
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    def start_sync(self) -> None:
+        self.watcher.start()
+
+    def start_async(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._task = loop.create_task(self.watcher.run(), name="postgres-mutex-watcher")
+
+    def stop(self) -> None:
+        self.watcher.stop()
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # its loop is closed: the task is gone already
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+
 class Mutex:
     """A distributed mutex: one row per lock in a PostgreSQL table.
 
@@ -196,7 +173,7 @@ class Mutex:
     Raises `TypeError` or `ValueError`, naming the argument, on bad input.
     """
 
-    _transport: _Transport
+    _transport: Transport
     _state: LockState
     _lock: flows.LockContext
     _heartbeat: _Heartbeat | None
@@ -219,6 +196,8 @@ class Mutex:
         metrics: object | None = None,
         on_lost: LostCallback | None = None,
         operation_timeout: float = 5.0,
+        watch: bool = False,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         if lock_name is None:
             raise TypeError("Mutex() missing required argument: 'lock_name'")
@@ -233,34 +212,38 @@ class Mutex:
             operation_timeout=operation_timeout,
         )
         statements = Statements(table)
-        redactor = _check_connection_args(dsn, pool, async_pool)
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
-        transport = _Transport(
+        if not isinstance(watch, bool):
+            raise TypeError(f"watch must be a bool, not {type(watch).__name__}")
+        transport = Transport(
             dsn=dsn,
             pool=pool,
             async_pool=async_pool,
             instance_id=instance_id,
-            timing=timing,
-            statements=statements,
-            redactor=redactor,
+            operation_timeout=timing.operation_timeout,
+            table_name=statements.table_name,
         )
+        tracing = Tracing(tracer_provider, database_attributes(transport.conninfo, statements.table_name))
         self._setup(
             transport,
             lock_name=lock_name,
             timing=timing,
             statements=statements,
+            tracing=tracing,
             metrics=MetricsDispatch(metrics),
             on_lost=on_lost,
         )
+        self._watch = _OwnLockWatch(self) if watch else None
 
     def _setup(
         self,
-        transport: _Transport,
+        transport: Transport,
         *,
         lock_name: str,
         timing: Timing,
         statements: Statements,
+        tracing: Tracing,
         metrics: MetricsDispatch,
         on_lost: LostCallback | None,
     ) -> None:
@@ -268,12 +251,14 @@ class Mutex:
         self._state = LockState(
             lock_name=lock_name, instance_id=transport.instance_id, timing=timing, metrics=metrics, on_lost=on_lost
         )
-        self._lock = flows.LockContext(self._state, statements)
+        self._lock = flows.LockContext(self._state, statements, tracing)
         self._heartbeat = None
+        self._watch = None
         self._siblings = {}
         self._options = {
             "timing": timing,
             "statements": statements,
+            "tracing": tracing,
             "metrics": metrics,
             "on_lost": on_lost,
         }
@@ -290,6 +275,23 @@ class Mutex:
             sibling._setup(self._transport, lock_name=lock_name, **self._options)
             self._siblings[lock_name] = sibling
         return sibling
+
+    def _sync_runner(self) -> SyncRunner:
+        runner = self._transport.sync_runner()
+        if self._watch is not None:
+            self._watch.start_sync()
+        return runner
+
+    def _async_runner(self) -> AsyncRunner:
+        runner = self._transport.async_runner()
+        if self._watch is not None:
+            self._watch.start_async()
+        return runner
+
+    @property
+    def watcher(self) -> StaleWatcher | None:
+        """The watcher of this Mutex's own lock (``watch=True``), else None."""
+        return None if self._watch is None else self._watch.watcher
 
     # -- introspection -----------------------------------------------------
 
@@ -335,15 +337,11 @@ class Mutex:
 
         Raises `SchemaError` if the role may not create it.
         """
-        self._transport.sync_runner().run(
-            flows.create_schema(self._lock.statements, self._state.timing.operation_timeout)
-        )
+        self._sync_runner().run(flows.create_schema(self._lock.statements, self._state.timing.operation_timeout))
 
     async def create_schema_async(self) -> None:
         """Async `create_schema`."""
-        await self._transport.async_runner().run(
-            flows.create_schema(self._lock.statements, self._state.timing.operation_timeout)
-        )
+        await self._async_runner().run(flows.create_schema(self._lock.statements, self._state.timing.operation_timeout))
 
     # -- acquire -----------------------------------------------------------
 
@@ -365,7 +363,7 @@ class Mutex:
         """
         timeout = _check_wait(blocking, timeout)
         self._transport.check_process()
-        runner = self._transport.sync_runner()
+        runner = self._sync_runner()
         try:
             acquired = runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout))
         finally:
@@ -386,7 +384,7 @@ class Mutex:
         """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
         timeout = _check_wait(blocking, timeout)
         self._transport.check_process()
-        runner = self._transport.async_runner()
+        runner = self._async_runner()
         try:
             acquired = await runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout))
         finally:
@@ -427,7 +425,7 @@ class Mutex:
                 heartbeat.join(self._state.timing.operation_timeout)
         finally:
             try:
-                self._transport.sync_runner().run(flows.release(self._lock, previous))
+                self._sync_runner().run(flows.release(self._lock, previous))
             finally:
                 self._track_row()
 
@@ -439,7 +437,7 @@ class Mutex:
                 await heartbeat.join(self._state.timing.operation_timeout)
         finally:
             try:
-                await self._transport.async_runner().run(flows.release(self._lock, previous))
+                await self._async_runner().run(flows.release(self._lock, previous))
             finally:
                 self._track_row()
 
@@ -486,11 +484,11 @@ class Mutex:
         Raises `LockNotHeldError` if the lock is not held or turns out lost,
         `DatabaseError` if the heartbeat failed.
         """
-        self._transport.sync_runner().run(flows.heartbeat(self._lock))
+        self._sync_runner().run(flows.heartbeat(self._lock))
 
     async def heartbeat_async(self) -> None:
         """Async `heartbeat`."""
-        await self._transport.async_runner().run(flows.heartbeat(self._lock))
+        await self._async_runner().run(flows.heartbeat(self._lock))
 
     # -- decorators --------------------------------------------------------
 
@@ -578,7 +576,12 @@ class Mutex:
     # -- shutdown ----------------------------------------------------------
 
     def close(self) -> None:
-        """Release any lock held (or row left behind) and close the connections this Mutex opened (never a pool)."""
+        """Release any lock held (or row left behind), stop the watcher, close this Mutex's connections.
+
+        A pool is never closed: it belongs to the application.
+        """
+        if self._watch is not None:
+            self._watch.stop()
         for mutex in (self, *self._siblings.values()):
             if mutex._state.may_have_row:
                 mutex._release_at_exit()
@@ -587,6 +590,8 @@ class Mutex:
 
     async def aclose(self) -> None:
         """Async `close`."""
+        if self._watch is not None:
+            self._watch.stop()
         for mutex in (self, *self._siblings.values()):
             if mutex._state.may_have_row:
                 try:
@@ -624,41 +629,6 @@ def _check_wait(blocking: object, timeout: object) -> float | None:
     return seconds
 
 
-def _check_connection_args(dsn: object, pool: object, async_pool: object) -> Redactor:
-    if dsn is not None and not isinstance(dsn, str):
-        raise TypeError(f"dsn must be a str, not {type(dsn).__name__}")
-    if dsn is not None and (pool is not None or async_pool is not None):
-        raise ValueError("pass either dsn or pool/async_pool, not both: with a pool, the Mutex opens no connection")
-    if dsn is None and pool is None and async_pool is None:
-        raise ValueError("Mutex needs a way to reach PostgreSQL: pass dsn, or pool and/or async_pool")
-    redactor = Redactor(dsn)
-    if dsn is not None:
-        try:
-            conninfo_to_dict(dsn)
-        except psycopg.Error as exc:
-            # libpq quotes the part it could not parse, which may be part of
-            # a password (an unquoted one with a space, say): then say less.
-            detail = redactor.redact(str(exc)) if not _may_hold_password(dsn) else "libpq could not parse it"
-            raise ValueError(
-                f"dsn is not a valid connection string ({detail}); quote values with spaces: password='a b'"
-            ) from None
-    if pool is not None or async_pool is not None:
-        try:
-            from psycopg_pool import AsyncConnectionPool, ConnectionPool
-        except ImportError:  # pragma: no cover - a pool object implies the package
-            raise ImportError("pool mode needs psycopg-pool: pip install 'postgres-mutex[pool]'") from None
-        if pool is not None and not isinstance(pool, ConnectionPool):
-            raise TypeError(f"pool must be a psycopg_pool.ConnectionPool, not {type(pool).__name__}")
-        if async_pool is not None and not isinstance(async_pool, AsyncConnectionPool):
-            raise TypeError(f"async_pool must be a psycopg_pool.AsyncConnectionPool, not {type(async_pool).__name__}")
-    return redactor
-
-
-def _may_hold_password(dsn: str) -> bool:
-    lowered = dsn.lower()
-    return "password" in lowered or "@" in lowered
-
-
 @atexit.register
 def _release_all_at_exit() -> None:
     """A normal interpreter exit deletes every row this process may still have, so nobody waits out stale_threshold."""
@@ -673,11 +643,7 @@ def _forget_after_fork() -> None:
     global _MAY_HOLD_ROW_LOCK
     _MAY_HOLD_ROW.clear()
     _MAY_HOLD_ROW_LOCK = threading.Lock()
-    transports: dict[int, _Transport] = {}
-    for mutex in list(_ALL):
-        transports.setdefault(id(mutex._transport), mutex._transport)
-    for transport in transports.values():
-        transport.after_fork()
+    # Transports (connections, identities) were reset by their own fork hook, which runs first.
     for mutex in list(_ALL):
         mutex._after_fork_in_child()
 

@@ -13,6 +13,7 @@ from datetime import datetime
 
 import psycopg
 
+from ._metrics import LockObservation
 from .errors import DatabaseError, OperationTimeout, SchemaError
 
 
@@ -87,6 +88,54 @@ class AlertGate:
             return False
         self._alerted_holder = holder
         return True
+
+
+class WatchAlerts:
+    """One `AlertGate` per watched lock; a lock that turns free starts afresh.
+
+    A Mutex that watches its own lock shares its gate, so a contender's alert
+    and the watcher's count as one per episode.
+    """
+
+    def __init__(self, threshold: float, shared: dict[str, AlertGate] | None = None) -> None:
+        self._threshold = threshold
+        self._shared = dict(shared or {})
+        self._gates: dict[str, AlertGate] = dict(self._shared)
+
+    def should_alert(self, lock_name: str, holder: str, heartbeat_age: float) -> bool:
+        gate = self._gates.get(lock_name)
+        if gate is None:
+            gate = self._gates[lock_name] = AlertGate(self._threshold)
+        return gate.should_alert(holder, heartbeat_age)
+
+    def held_now(self, lock_names: set[str]) -> None:
+        """Forget the episodes of locks that are no longer held."""
+        for name in list(self._gates):
+            if name not in lock_names:
+                if name in self._shared:
+                    self._gates[name].should_alert(None, None)
+                else:
+                    del self._gates[name]
+
+
+def observe(
+    rows: Sequence[Sequence[object]], *, alert_threshold: float, stale_threshold: float
+) -> list[LockObservation]:
+    """Turn the watcher query's rows into observations, with the thresholds applied."""
+    observations = []
+    for lock_name, holder, age, held_for in rows:
+        heartbeat_age = float(age)  # type: ignore[arg-type]
+        observations.append(
+            LockObservation(
+                lock_name=str(lock_name),
+                holder=str(holder),
+                seconds_since_heartbeat=heartbeat_age,
+                seconds_held=float(held_for),  # type: ignore[arg-type]
+                alerting=heartbeat_age >= alert_threshold,
+                reclaimable=heartbeat_age >= stale_threshold,
+            )
+        )
+    return observations
 
 
 # A read-only transaction: after a failover the connection may have landed on

@@ -74,8 +74,8 @@ class _Failures:
         return None if self._redact(str(exc)) != str(exc) else exc
 
 
-def _result(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], row: Any) -> Result:
-    return Result(cursor.rowcount, None if row is None else tuple(row))
+def _result(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], rows: list[Any]) -> Result:
+    return Result(cursor.rowcount, tuple(tuple(row) for row in rows))
 
 
 class SyncRunner:
@@ -122,7 +122,7 @@ class SyncRunner:
                 try:
                     with Deadline(conn.fileno(), op.timeout) as deadline:
                         cursor = conn.execute(op.query, op.params, prepare=False)
-                        result = _result(cursor, cursor.fetchone() if cursor.description else None)
+                        result = _result(cursor, cursor.fetchall() if cursor.description else [])
                 except _FAILURES as exc:
                     _discard_if_unusable(conn, deadline, exc)
                     raise
@@ -193,7 +193,7 @@ class AsyncRunner:
                 return True
             try:
                 await asyncio.wait_for(self._stop.wait(), op.seconds)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return True
             return False
         if isinstance(op, WaitForRelease):
@@ -234,7 +234,7 @@ class AsyncRunner:
     @staticmethod
     async def _statement(conn: psycopg.AsyncConnection[Any], op: Execute) -> Result:
         cursor = await conn.execute(op.query, op.params, prepare=False)
-        return _result(cursor, await cursor.fetchone() if cursor.description else None)
+        return _result(cursor, await cursor.fetchall() if cursor.description else [])
 
     async def _wait_for_release(self, op: WaitForRelease) -> None:
         started = time.monotonic()

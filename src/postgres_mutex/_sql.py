@@ -119,6 +119,17 @@ SELECT pg_notify(%(channel)s, '') FROM released"""
         # After an unanswered acquire the token is unknown: remove any row of ours.
         self.cleanup = sql.SQL(release).format(table=ident, scope=sql.SQL(""))
 
+        # The watcher's one query per tick: every held lock (or the watched
+        # ones) with its ages by the server's clock.
+        self.watch = sql.SQL(
+            """SELECT lock_name, instance_id,
+       EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age,
+       EXTRACT(EPOCH FROM now() - acquired_at)::float8 AS held_for
+  FROM {table}
+ WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]))
+ ORDER BY lock_name"""
+        ).format(table=ident)
+
     def channel(self, lock_name: str) -> str:
         """The NOTIFY channel for one lock of this table.
 

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
+from opentelemetry.trace import SpanContext
+
 from ._metrics import MetricsDispatch
 from ._rules import AlertGate
 from ._settings import Timing
@@ -78,6 +80,8 @@ class LockState:
         self._generation = 0
         self._token: datetime | None = None
         self._lost_reason = ""
+        # The span of the acquire that began the current hold: heartbeats link to it.
+        self.hold_span_context: SpanContext | None = None
         # A statement that may have inserted our row went unanswered (or was
         # interrupted): the row may exist. The next acquire takes it back;
         # giving up, closing and exiting remove it.

@@ -1,0 +1,92 @@
+"""Spans around every acquire, heartbeat and release, on ``opentelemetry-api`` only.
+
+Without an OpenTelemetry SDK the tracer is a no-op and costs next to nothing;
+with one, the user's provider decides where spans go. Attributes follow
+OpenTelemetry's database conventions (``db.system.name``, ``server.address``,
+``server.port``, ``db.namespace``) plus this library's own under
+``postgres_mutex.``. Nothing from a DSN but host, port and database name ever
+becomes an attribute: never the DSN itself, never a password.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, TracerProvider
+from psycopg.conninfo import conninfo_to_dict
+
+from ._version import __version__ as _version
+
+AttributeValue = str | bool | int | float
+
+LOCK_NAME = "postgres_mutex.lock_name"
+INSTANCE_ID = "postgres_mutex.instance_id"
+OUTCOME = "postgres_mutex.outcome"
+
+
+def database_attributes(conninfo: str | None, table: str) -> dict[str, AttributeValue]:
+    """The OpenTelemetry database attributes for a connection string, with PG* fallbacks.
+
+    Only host, port and database name are read; an unparsable string yields
+    just the system name.
+    """
+    attributes: dict[str, AttributeValue] = {"db.system.name": "postgresql", "db.collection.name": table}
+    try:
+        params = conninfo_to_dict(conninfo or "")
+    except Exception:
+        return attributes
+    host = params.get("host") or os.environ.get("PGHOST")
+    port = params.get("port") or os.environ.get("PGPORT")
+    dbname = params.get("dbname") or os.environ.get("PGDATABASE")
+    if host:
+        attributes["server.address"] = str(host)
+    if port and str(port).isdigit():
+        attributes["server.port"] = int(str(port))
+    if dbname:
+        attributes["db.namespace"] = str(dbname)
+    return attributes
+
+
+class Tracing:
+    """Starts this library's spans with the common attributes already set."""
+
+    def __init__(self, tracer_provider: TracerProvider | None, attributes: Mapping[str, AttributeValue]) -> None:
+        self._tracer = trace.get_tracer("postgres_mutex", _version, tracer_provider)
+        self._attributes = dict(attributes)
+
+    @contextlib.contextmanager
+    def span(
+        self, name: str, attributes: Mapping[str, AttributeValue], *, link: SpanContext | None = None
+    ) -> Iterator[Span]:
+        """A client span, current for its duration; an exception escaping it is recorded as an error."""
+        links = [Link(link)] if link is not None and link.is_valid else None
+        with self._tracer.start_as_current_span(
+            name,
+            kind=SpanKind.CLIENT,
+            links=links,
+            record_exception=True,
+            set_status_on_exception=True,
+        ) as span:
+            if span.is_recording():
+                span.set_attributes({**self._attributes, **attributes})
+            yield span
+
+
+def set_outcome(span: Span, outcome: str, **attributes: Any) -> None:
+    """Record how an operation ended; values that are None are left out."""
+    if not span.is_recording():
+        return
+    span.set_attribute(OUTCOME, outcome)
+    for key, value in attributes.items():
+        if value is not None:
+            span.set_attribute(f"postgres_mutex.{key}", value)
+
+
+def mark_error(span: Span, description: str) -> None:
+    """Mark a span failed without an exception escaping it (for example a lost lock)."""
+    if span.is_recording():
+        span.set_status(Status(StatusCode.ERROR, description))

@@ -1,0 +1,141 @@
+"""Every metric postgres-mutex emits, in one table shared by all exporters.
+
+Each metric has an OpenTelemetry name (dotted, with a UCUM unit) chosen so that
+an OpenTelemetry SDK exporting to Prometheus produces exactly the series name
+`PrometheusMetrics` registers: dots become underscores, the unit ``s`` becomes
+a ``_seconds`` suffix, counters gain ``_total``, and annotation units such as
+``{lock}`` add nothing. One Grafana dashboard and one set of alert rules
+therefore serve both paths. The tests check the mapping with the SDK's own
+Prometheus exporter.
+
+Labels stay bounded: ``lock_name`` everywhere, ``outcome`` on acquire
+durations (`ACQUIRE_OUTCOMES`), ``holder`` only on the watcher's info metric.
+A process's random instance_id never labels a counter or a histogram.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["counter", "histogram", "updowncounter", "gauge"]
+
+
+@dataclass(frozen=True)
+class MetricName:
+    otel: str
+    """The OpenTelemetry instrument name."""
+    kind: Kind
+    unit: str
+    """UCUM unit for OpenTelemetry: ``s`` for seconds, ``{thing}`` for counts."""
+    description: str
+    labels: tuple[str, ...] = ("lock_name",)
+
+    @property
+    def prometheus(self) -> str:
+        """The series name in Prometheus (histograms add ``_bucket``, ``_sum``, ``_count``)."""
+        name = self.otel.replace(".", "_")
+        if self.unit == "s":
+            name += "_seconds"
+        if self.kind == "counter":
+            name += "_total"
+        return name
+
+
+ACQUISITIONS = MetricName(
+    "postgres_mutex.acquisitions", "counter", "{acquisition}", "Locks acquired (reclaims included)."
+)
+RELEASES = MetricName("postgres_mutex.releases", "counter", "{release}", "Locks released (row deleted).")
+CONTENTIONS = MetricName(
+    "postgres_mutex.contentions", "counter", "{attempt}", "Acquire attempts that found the lock held elsewhere."
+)
+STALE_RECLAIMS = MetricName(
+    "postgres_mutex.stale_reclaims", "counter", "{reclaim}", "Locks taken over from a silent holder."
+)
+ALERTS = MetricName(
+    "postgres_mutex.alerts", "counter", "{alert}", "Holders silent past alert_threshold, once per episode."
+)
+LOSSES = MetricName(
+    "postgres_mutex.losses", "counter", "{loss}", "Locks a holder lost: its lease ran out or its row was gone."
+)
+HEARTBEAT_FAILURES = MetricName(
+    "postgres_mutex.heartbeat.failures", "counter", "{failure}", "Heartbeats that failed (and were retried)."
+)
+HEARTBEAT_DURATION = MetricName(
+    "postgres_mutex.heartbeat.duration", "histogram", "s", "Round-trip time of successful heartbeats."
+)
+ACQUIRE_DURATION = MetricName(
+    "postgres_mutex.acquire.duration",
+    "histogram",
+    "s",
+    "Time an acquire took, waiting included, by outcome.",
+    ("lock_name", "outcome"),
+)
+LOCKS_HELD = MetricName("postgres_mutex.locks.held", "updowncounter", "{lock}", "Locks held by this process.")
+
+# The stale-holder watcher's view of the table, computed with the server's clock.
+HEARTBEAT_AGE = MetricName(
+    "postgres_mutex.heartbeat.age", "gauge", "s", "Seconds since the holder's last heartbeat (server clock)."
+)
+HELD_DURATION = MetricName("postgres_mutex.held.duration", "gauge", "s", "Seconds the holder has held the lock.")
+HOLDER_INFO = MetricName(
+    "postgres_mutex.holder.info", "gauge", "", "The current holder of each lock (value 1).", ("lock_name", "holder")
+)
+ALERTING = MetricName("postgres_mutex.alerting", "gauge", "", "1 while the holder is silent past alert_threshold.")
+RECLAIMABLE = MetricName(
+    "postgres_mutex.reclaimable", "gauge", "", "1 while the holder is silent past stale_threshold."
+)
+ALERT_THRESHOLD = MetricName(
+    "postgres_mutex.threshold.alert", "gauge", "s", "The watcher's alert_threshold, for drawing on graphs."
+)
+STALE_THRESHOLD = MetricName(
+    "postgres_mutex.threshold.stale", "gauge", "s", "The watcher's stale_threshold, for drawing on graphs."
+)
+WATCHER_UP = MetricName(
+    "postgres_mutex.watcher.up", "gauge", "", "1 if the watcher's last read of the lock table succeeded.", ()
+)
+WATCHER_ERRORS = MetricName(
+    "postgres_mutex.watcher.errors", "counter", "{error}", "Watcher reads of the lock table that failed.", ()
+)
+
+HEARTBEAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Histogram buckets for heartbeat round trips: milliseconds when healthy, seconds when not."""
+
+WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0)
+"""Histogram buckets for acquire durations: an instant when free, up to the stale threshold and beyond."""
+
+ACQUIRE_OUTCOMES = ("acquired", "reclaimed", "contended", "timeout", "error")
+"""Values of the ``outcome`` label of `ACQUIRE_DURATION`."""
+
+ALL: tuple[MetricName, ...] = (
+    ACQUISITIONS,
+    RELEASES,
+    CONTENTIONS,
+    STALE_RECLAIMS,
+    ALERTS,
+    LOSSES,
+    HEARTBEAT_FAILURES,
+    HEARTBEAT_DURATION,
+    ACQUIRE_DURATION,
+    LOCKS_HELD,
+    HEARTBEAT_AGE,
+    HELD_DURATION,
+    HOLDER_INFO,
+    ALERTING,
+    RECLAIMABLE,
+    ALERT_THRESHOLD,
+    STALE_THRESHOLD,
+    WATCHER_UP,
+    WATCHER_ERRORS,
+)
+
+
+def prometheus_series() -> frozenset[str]:
+    """Every series name that can appear in Prometheus, histogram suffixes included."""
+    names: set[str] = set()
+    for metric in ALL:
+        if metric.kind == "histogram":
+            names.update(metric.prometheus + suffix for suffix in ("_bucket", "_sum", "_count"))
+        else:
+            names.add(metric.prometheus)
+    return frozenset(names)

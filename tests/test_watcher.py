@@ -1,0 +1,162 @@
+"""The stale-holder watcher: alerts on a silent holder with nobody contending, rides out outages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+
+from postgres_mutex import Mutex
+from postgres_mutex.watcher import StaleWatcher
+from tests.conftest import FAST, RecordingMetrics, freeze, wait_until
+from tests.faultproxy import FaultProxy
+
+INTERVAL = 0.1
+
+
+@pytest.fixture
+def make_watcher(dsn: str) -> Iterator[Callable[..., StaleWatcher]]:
+    made: list[StaleWatcher] = []
+
+    def make(*args: Any, **kwargs: Any) -> StaleWatcher:
+        kwargs.setdefault("alert_threshold", FAST["alert_threshold"])
+        kwargs.setdefault("stale_threshold", FAST["stale_threshold"])
+        kwargs.setdefault("interval", INTERVAL)
+        watcher = StaleWatcher(*(args or (dsn,)), **kwargs)
+        made.append(watcher)
+        return watcher
+
+    yield make
+    for watcher in made:
+        watcher.close()
+
+
+@contextmanager
+def row_locked(dsn: str, lock_name: str) -> Iterator[None]:
+    """Another session holds the lock row, so the holder's heartbeats cannot land."""
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
+        yield
+        blocker.rollback()
+
+
+def test_a_silent_holder_is_alerted_on_once_with_nobody_contending(
+    make_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher], metrics: RecordingMetrics
+) -> None:
+    holder = make_mutex()
+    watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics)
+    watcher.start()
+    acquire = holder.acquire()
+    assert acquire.__enter__()
+    freeze(holder)
+    frozen_at = time.monotonic()
+    wait_until(lambda: metrics.named("alert"), timeout=10)
+    alerted_after = time.monotonic() - frozen_at
+    assert alerted_after < FAST["alert_threshold"] + INTERVAL + 0.5, "within alert_threshold + interval"
+    (alert,) = metrics.named("alert")
+    assert alert["holder"] == holder.instance_id
+    assert FAST["alert_threshold"] <= alert["seconds_since_heartbeat"] < FAST["stale_threshold"]
+    # Many more reads while the holder stays silent: still one alert.
+    reads = len(metrics.named("observed"))
+    wait_until(lambda: len(metrics.named("observed")) > reads + 5)
+    assert len(metrics.named("alert")) == 1
+    (seen,) = watcher.observations
+    assert seen.holder == holder.instance_id
+    assert seen.alerting
+    assert watcher.healthy is True
+    wait_until(lambda: watcher.observations and watcher.observations[0].reclaimable)
+    holder.close()
+
+
+def test_the_alert_re_arms_when_the_heartbeat_resumes(
+    make_mutex: Callable[..., Mutex],
+    make_watcher: Callable[..., StaleWatcher],
+    metrics: RecordingMetrics,
+    dsn: str,
+) -> None:
+    holder = make_mutex(operation_timeout=0.2)
+    watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics)
+    watcher.start()
+    with holder.acquire():
+        for episode in (1, 2):
+            with row_locked(dsn, holder.lock_name):
+                wait_until(lambda n=episode: len(metrics.named("alert")) == n, timeout=10)  # type: ignore[misc]
+            # Heartbeats land again: the watcher sees the holder fresh before the next stall.
+            wait_until(lambda: watcher.observations and not watcher.observations[0].alerting)
+        assert holder.held, "the stalls were shorter than the lease"
+    assert [alert["holder"] for alert in metrics.named("alert")] == [holder.instance_id] * 2
+
+
+def test_the_watcher_reports_every_held_lock_or_only_those_it_is_given(
+    make_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher]
+) -> None:
+    first, second = make_mutex(), make_mutex(lock_name=f"other-{time.monotonic_ns()}")
+    everything, only_first = make_watcher(), make_watcher(lock_names=[first.lock_name])
+    with first.acquire(), second.acquire():
+        seen = {o.lock_name: o for o in everything.check()}
+        assert {first.lock_name, second.lock_name} <= set(seen)
+        assert seen[first.lock_name].holder == first.instance_id
+        assert [o.lock_name for o in only_first.check()] == [first.lock_name]
+        time.sleep(0.3)
+        (later,) = only_first.check()
+        assert later.seconds_held >= 0.3
+        assert later.seconds_since_heartbeat < FAST["alert_threshold"]
+    assert only_first.check() == [], "a released lock is free"
+
+
+def test_the_watcher_keeps_running_through_a_database_outage(
+    make_mutex: Callable[..., Mutex],
+    make_watcher: Callable[..., StaleWatcher],
+    metrics: RecordingMetrics,
+    proxy: FaultProxy,
+    proxy_dsn: str,
+) -> None:
+    holder = make_mutex()
+    watcher = make_watcher(proxy_dsn, lock_names=[holder.lock_name], metrics=metrics, operation_timeout=0.3)
+    watcher.start()
+    with holder.acquire():
+        wait_until(lambda: watcher.healthy is True)
+        proxy.silence()
+        wait_until(lambda: watcher.healthy is False, timeout=15)
+        assert metrics.named("watcher_failed")
+        proxy.heal()
+        proxy.reset()  # drop the silenced connections: the watcher must reconnect
+        wait_until(lambda: watcher.healthy is True, timeout=15)
+        assert [o.holder for o in watcher.observations] == [holder.instance_id]
+
+
+async def test_the_watcher_runs_as_a_task_in_async_code(
+    amake_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher], metrics: RecordingMetrics
+) -> None:
+    holder = amake_mutex()
+    watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics)
+    task = asyncio.create_task(watcher.run())
+    try:
+        async with holder.acquire_async():
+            freeze(holder)  # silent, though its lease still runs when the alert comes
+            for _ in range(200):
+                if metrics.named("alert"):
+                    break
+                await asyncio.sleep(0.05)
+        assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await watcher.aclose()
+
+
+def test_a_mutex_can_watch_its_own_lock(make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, dsn: str) -> None:
+    holder = make_mutex(watch=True, metrics=metrics, operation_timeout=0.2)
+    assert holder.watcher is not None
+    with holder.acquire(), row_locked(dsn, holder.lock_name):
+        wait_until(lambda: metrics.named("alert"), timeout=10)
+    assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+    assert metrics.named("observed")
+    holder.close()
+    assert holder.watcher._thread is None, "close() stops the watcher"
