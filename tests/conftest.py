@@ -3,9 +3,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -211,6 +214,44 @@ class RecordingMetrics:
 @pytest.fixture
 def metrics() -> RecordingMetrics:
     return RecordingMetrics()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_worker(*args: str) -> subprocess.Popen[str]:
+    """Run ``python -m tests.workers ARGS`` (see tests/workers.py) as a separate process."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.workers", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_held(proc: subprocess.Popen[str]) -> str:
+    """Wait for a worker's first line, "held <instance_id>" (or "ready"), and return its second word."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(("held ", "ready")), (
+        f"worker did not start: {line!r} {proc.stderr.read() if proc.stderr else ''}"
+    )
+    return [*line.split(), ""][1]
+
+
+@pytest.fixture
+def workers() -> Iterator[list[subprocess.Popen[str]]]:
+    """Worker processes started by a test; killed at its end if still running."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
 
 @pytest.fixture(autouse=True)

@@ -8,47 +8,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from postgres_mutex import Mutex
-from tests.conftest import FAST, RecordingMetrics
+from tests.conftest import FAST, ROOT, RecordingMetrics, read_held, start_worker
 
-ROOT = Path(__file__).resolve().parent.parent
 Holder = Callable[..., str | None]
-
-
-def start_worker(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.workers", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def read_held(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("held "), f"worker did not acquire: {line!r} {proc.stderr.read() if proc.stderr else ''}"
-    return line.split()[1]
-
-
-@pytest.fixture
-def workers() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
 
 
 def test_a_killed_holder_is_alerted_on_then_reclaimed_no_sooner_than_the_stale_threshold(

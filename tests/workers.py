@@ -4,6 +4,8 @@
     python -m tests.workers exit-holding DSN LOCK       acquire, print "held <id>", exit without releasing
     python -m tests.workers contend DSN LOCK N OUT MODE acquire N times (MODE sync|async), log intervals to OUT
     python -m tests.workers fork DSN LOCK ID            hold, fork a child that tries the same Mutex, report JSON
+    python -m tests.workers fleet DSN PREFIX PORT       contend, wait to reclaim, stall; /metrics on PORT
+    python -m tests.workers watcher DSN - PORT          a stale-holder watcher; /metrics on PORT
 
 Thresholds come from the FAST settings the tests use. Critical sections are
 logged as "pid enter exit" on CLOCK_MONOTONIC, which every process on the
@@ -17,6 +19,7 @@ import json
 import os
 import random
 import sys
+import threading
 import time
 
 from postgres_mutex import Mutex
@@ -100,12 +103,94 @@ def fork_check(dsn: str, lock: str, instance_id: str) -> None:
     print(json.dumps(report), flush=True)
 
 
+def fleet(dsn: str, prefix: str, port: int) -> None:
+    """A process using the library the ways a dashboard must show, exporting its metrics.
+
+    Three instances contend for PREFIX-contended; one waits to reclaim
+    PREFIX-reclaimed from a holder the test kills; one holds PREFIX-stalled,
+    whose heartbeats the test blocks until the lock is lost; one holds
+    PREFIX-flaky, whose heartbeats the test keeps failing now and then.
+    """
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from postgres_mutex import MutexError
+    from postgres_mutex.prometheus import PrometheusMetrics
+
+    registry = CollectorRegistry()
+    hook = PrometheusMetrics(registry)
+    start_http_server(port, addr="127.0.0.1", registry=registry)
+
+    def contend() -> None:
+        mutex = Mutex(dsn, f"{prefix}-contended", metrics=hook, **FAST)  # type: ignore[arg-type]
+        while True:
+            with mutex.acquire(blocking=True, timeout=60):
+                time.sleep(0.1)
+            time.sleep(0.05)
+
+    def reclaim() -> None:
+        mutex = Mutex(dsn, f"{prefix}-reclaimed", metrics=hook, **FAST)  # type: ignore[arg-type]
+        with mutex.acquire(blocking=True, timeout=120):
+            while True:
+                time.sleep(1)
+
+    def stall(name: str) -> None:
+        options = {**FAST, "operation_timeout": 0.3}
+        mutex = Mutex(dsn, f"{prefix}-{name}", metrics=hook, **options)  # type: ignore[arg-type]
+        try:
+            with mutex.acquire(blocking=True, timeout=60):
+                while True:
+                    mutex.ensure_held()
+                    time.sleep(0.05)
+        except MutexError:
+            pass  # the loss is what the test is after; keep serving metrics
+        while True:
+            time.sleep(1)
+
+    for target, args in (
+        (contend, ()),
+        (contend, ()),
+        (contend, ()),
+        (reclaim, ()),
+        (stall, ("stalled",)),
+        (stall, ("flaky",)),
+    ):
+        threading.Thread(target=target, args=args, daemon=True).start()
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+
+
+def watcher(dsn: str, port: int) -> None:
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from postgres_mutex.prometheus import PrometheusMetrics
+    from postgres_mutex.watcher import StaleWatcher
+
+    registry = CollectorRegistry()
+    stale = StaleWatcher(
+        dsn,
+        alert_threshold=FAST["alert_threshold"],
+        stale_threshold=FAST["stale_threshold"],
+        interval=0.5,
+        metrics=PrometheusMetrics(registry),
+    )
+    start_http_server(port, addr="127.0.0.1", registry=registry)
+    stale.start()
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+
+
 def main(argv: list[str]) -> None:
     command, dsn, lock, *rest = argv
     if command == "hold":
         hold(dsn, lock, exit_at_once=False)
     elif command == "exit-holding":
         hold(dsn, lock, exit_at_once=True)
+    elif command == "fleet":
+        fleet(dsn, lock, int(rest[0]))
+    elif command == "watcher":
+        watcher(dsn, int(rest[0]))
     elif command == "fork":
         fork_check(dsn, lock, rest[0] if rest else "")
     elif command == "contend":
