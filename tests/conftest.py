@@ -3,13 +3,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 import pytest
@@ -36,6 +37,21 @@ def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, interv
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s: {predicate}")
         time.sleep(interval)
+
+
+def skip_or_fail_in_ci(reason: str) -> NoReturn:
+    """Skip a test that needs what this machine lacks; in CI (CI=true) such a gap fails instead."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}: CI must run this test, not skip it")
+    pytest.skip(reason)
+
+
+def required_tool(name: str, package: str) -> str:
+    """Path of a command-line tool, or skip (fail in CI) naming the Debian package that has it."""
+    found = shutil.which(name)
+    if found is None:
+        skip_or_fail_in_ci(f"{name} not found: install Debian's {package} package")
+    return found
 
 
 @contextlib.contextmanager
@@ -67,9 +83,7 @@ def pg() -> Iterator[PostgresServer]:
 def own_pg(pg: PostgresServer) -> Iterator[PostgresServer]:
     """A server this test alone may restart; needs a suite-started server."""
     if not pg.controllable:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI must run the suite on a server it starts itself (unset POSTGRES_MUTEX_TEST_DSN)")
-        pytest.skip("restarting PostgreSQL needs a server the suite starts (POSTGRES_MUTEX_TEST_DSN is set)")
+        skip_or_fail_in_ci("restarting PostgreSQL needs a server the suite starts (POSTGRES_MUTEX_TEST_DSN is set)")
     with local_server() as server:
         yield server
 
@@ -78,9 +92,7 @@ def own_pg(pg: PostgresServer) -> Iterator[PostgresServer]:
 def needs_own_server(pg: PostgresServer) -> None:
     """For tests that change roles or authentication on the server."""
     if not pg.controllable:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI must run the suite on a server it starts itself (unset POSTGRES_MUTEX_TEST_DSN)")
-        pytest.skip("needs a server the suite starts: it creates roles and uses password authentication")
+        skip_or_fail_in_ci("needs a server the suite starts: it creates roles and uses password authentication")
 
 
 @pytest.fixture(scope="session")

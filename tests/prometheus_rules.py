@@ -7,15 +7,14 @@ every rule against a real Prometheus; `promtool()` finds the binary or skips
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
+
+from tests.conftest import required_tool
 
 EXPORTERS = Path(__file__).resolve().parent.parent / "exporters"
 ALERTS_FILE = EXPORTERS / "prometheus" / "alerts.yml"
@@ -97,10 +96,4 @@ def metric_names_in(text: str) -> set[str]:
 
 def promtool() -> str:
     """Path of the promtool binary; skips the test without it, or fails it in CI."""
-    found = shutil.which("promtool")
-    if found is not None:
-        return found
-    message = "promtool not found: install Debian's prometheus package (apt-get install prometheus)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{message}; CI must run the Prometheus rule tests, not skip them")
-    pytest.skip(message)
+    return required_tool("promtool", "prometheus")

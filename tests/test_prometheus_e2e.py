@@ -17,7 +17,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -33,23 +32,13 @@ import psycopg
 import pytest
 import yaml
 
-from tests.conftest import ROOT, read_held, start_worker, wait_until
+from tests.conftest import ROOT, read_held, required_tool, start_worker, wait_until
 from tests.postgres_server import free_port
 from tests.prometheus_rules import ALERTS_FILE, rule_expressions
 
 DASHBOARD = ROOT / "grafana" / "postgres-mutex.json"
 # What the dashboard's Grafana variables stand for when Prometheus evaluates a panel alone.
 RATE_INTERVAL = "30s"
-
-
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found is not None:
-        return found
-    message = "the prometheus server is not installed (Debian: apt-get install prometheus)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{message}; CI must run the end-to-end dashboard test, not skip it")
-    pytest.skip(message)
 
 
 def panel_queries() -> list[tuple[str, str]]:
@@ -89,7 +78,7 @@ class Prometheus:
 
 @pytest.fixture
 def prometheus(tmp_path: Path) -> Iterator[tuple[Prometheus, Path]]:
-    binary = prometheus_binary()
+    binary = required_tool("prometheus", "prometheus")
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text("global: {}\n")  # replaced by the test before Prometheus reloads it

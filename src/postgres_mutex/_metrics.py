@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import metric_names as names
+
 logger = logging.getLogger("postgres_mutex")
 
 
@@ -150,6 +152,77 @@ class FanOutMetrics:
                 dispatch(method, *args, **kwargs)
 
         return fan_out
+
+
+class ExporterHook(MetricsHook):
+    """The hook calls, mapped once onto metrics; the built-in exporters supply three primitives.
+
+    Subclasses create their instruments and implement `_add` (a counter),
+    `_record` (a histogram) and `_held_changed` (the locks-held gauge). The
+    watcher's per-lock gauges are read from `view` at collection time.
+    """
+
+    def __init__(self) -> None:
+        self._held = HeldLocks()
+        self.view = LockTableView()
+
+    def _add(self, metric: names.MetricName, labels: dict[str, str]) -> None:
+        raise NotImplementedError
+
+    def _record(self, metric: names.MetricName, value: float, labels: dict[str, str]) -> None:
+        raise NotImplementedError
+
+    def _held_changed(self, lock_name: str, delta: int) -> None:
+        raise NotImplementedError
+
+    def acquired(self, lock_name: str, *, instance_id: str) -> None:
+        self._add(names.ACQUISITIONS, {"lock_name": lock_name})
+        if self._held.add(lock_name, instance_id):
+            self._held_changed(lock_name, +1)
+
+    def released(self, lock_name: str, *, instance_id: str) -> None:
+        self._add(names.RELEASES, {"lock_name": lock_name})
+        if self._held.discard(lock_name, instance_id):
+            self._held_changed(lock_name, -1)
+
+    def lost(self, lock_name: str, *, instance_id: str, reason: str) -> None:
+        self._add(names.LOSSES, {"lock_name": lock_name})
+        if self._held.discard(lock_name, instance_id):
+            self._held_changed(lock_name, -1)
+
+    def contended(self, lock_name: str, *, instance_id: str) -> None:
+        self._add(names.CONTENTIONS, {"lock_name": lock_name})
+
+    def stale_reclaimed(self, lock_name: str, *, instance_id: str, previous_holder: str) -> None:
+        self._add(names.STALE_RECLAIMS, {"lock_name": lock_name})
+
+    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
+        self._add(names.ALERTS, {"lock_name": lock_name})
+
+    def heartbeat_latency(self, lock_name: str, *, instance_id: str, seconds: float) -> None:
+        self._record(names.HEARTBEAT_DURATION, seconds, {"lock_name": lock_name})
+
+    def heartbeat_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
+        self._add(names.HEARTBEAT_FAILURES, {"lock_name": lock_name})
+
+    def acquire_wait(self, lock_name: str, *, instance_id: str, seconds: float, outcome: str) -> None:
+        self._record(names.ACQUIRE_DURATION, seconds, {"lock_name": lock_name, "outcome": outcome})
+
+    def observed(
+        self,
+        observations: Sequence[LockObservation],
+        *,
+        watched: frozenset[str] | None,
+        alert_threshold: float,
+        stale_threshold: float,
+    ) -> None:
+        self.view.update(
+            observations, watched=watched, alert_threshold=alert_threshold, stale_threshold=stale_threshold
+        )
+
+    def watcher_failed(self, *, error: BaseException) -> None:
+        self._add(names.WATCHER_ERRORS, {})
+        self.view.failed()
 
 
 class HeldLocks:

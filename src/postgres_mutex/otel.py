@@ -14,13 +14,13 @@ as `PrometheusMetrics`: one dashboard serves both paths.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from . import metric_names as names
-from ._metrics import HeldLocks, LockObservation, LockTableView, MetricsHook, WatchedLock
+from ._metrics import ExporterHook, WatchedLock
 from ._version import __version__
 
 __all__ = ["OtelMetrics"]
@@ -29,37 +29,29 @@ _Read = Callable[[WatchedLock], float]
 _Callback = Callable[[CallbackOptions], Iterable[Observation]]
 
 
-class OtelMetrics(MetricsHook):
+class OtelMetrics(ExporterHook):
     """Counters, histograms and gauges for every hook call, on an OpenTelemetry meter."""
 
     def __init__(self, meter_provider: MeterProvider | None = None) -> None:
+        super().__init__()
         meter = metrics.get_meter("postgres_mutex", __version__, meter_provider)
-        self._held = HeldLocks()
-        self._view = LockTableView()
-
-        def counter(metric: names.MetricName) -> metrics.Counter:
-            return meter.create_counter(metric.otel, unit=metric.unit, description=metric.description)
-
-        self._acquisitions = counter(names.ACQUISITIONS)
-        self._releases = counter(names.RELEASES)
-        self._contentions = counter(names.CONTENTIONS)
-        self._reclaims = counter(names.STALE_RECLAIMS)
-        self._alerts = counter(names.ALERTS)
-        self._losses = counter(names.LOSSES)
-        self._heartbeat_failures = counter(names.HEARTBEAT_FAILURES)
-        self._watcher_errors = counter(names.WATCHER_ERRORS)
-        self._heartbeat_duration = meter.create_histogram(
-            names.HEARTBEAT_DURATION.otel,
-            unit=names.HEARTBEAT_DURATION.unit,
-            description=names.HEARTBEAT_DURATION.description,
-            explicit_bucket_boundaries_advisory=list(names.HEARTBEAT_BUCKETS),
-        )
-        self._acquire_duration = meter.create_histogram(
-            names.ACQUIRE_DURATION.otel,
-            unit=names.ACQUIRE_DURATION.unit,
-            description=names.ACQUIRE_DURATION.description,
-            explicit_bucket_boundaries_advisory=list(names.WAIT_BUCKETS),
-        )
+        self._counters = {
+            metric: meter.create_counter(metric.otel, unit=metric.unit, description=metric.description)
+            for metric in names.ALL
+            if metric.kind == "counter"
+        }
+        self._histograms = {
+            metric: meter.create_histogram(
+                metric.otel,
+                unit=metric.unit,
+                description=metric.description,
+                explicit_bucket_boundaries_advisory=list(buckets),
+            )
+            for metric, buckets in (
+                (names.HEARTBEAT_DURATION, names.HEARTBEAT_BUCKETS),
+                (names.ACQUIRE_DURATION, names.WAIT_BUCKETS),
+            )
+        }
         self._locks_held = meter.create_up_down_counter(
             names.LOCKS_HELD.otel, unit=names.LOCKS_HELD.unit, description=names.LOCKS_HELD.description
         )
@@ -74,88 +66,36 @@ class OtelMetrics(MetricsHook):
             meter.create_observable_gauge(
                 metric.otel, callbacks=[self._per_lock(read)], unit=metric.unit, description=metric.description
             )
-        meter.create_observable_gauge(
-            names.HOLDER_INFO.otel,
-            callbacks=[self._holders],
-            unit=names.HOLDER_INFO.unit,
-            description=names.HOLDER_INFO.description,
-        )
-        meter.create_observable_gauge(
-            names.WATCHER_UP.otel,
-            callbacks=[self._watcher_up],
-            unit=names.WATCHER_UP.unit,
-            description=names.WATCHER_UP.description,
-        )
+        for metric, callback in ((names.HOLDER_INFO, self._holders), (names.WATCHER_UP, self._watcher_up)):
+            meter.create_observable_gauge(
+                metric.otel, callbacks=[callback], unit=metric.unit, description=metric.description
+            )
 
-    # -- the Mutex's calls ---------------------------------------------------
+    def _add(self, metric: names.MetricName, labels: dict[str, str]) -> None:
+        self._counters[metric].add(1, labels)
 
-    def acquired(self, lock_name: str, *, instance_id: str) -> None:
-        self._acquisitions.add(1, {"lock_name": lock_name})
-        if self._held.add(lock_name, instance_id):
-            self._locks_held.add(1, {"lock_name": lock_name})
+    def _record(self, metric: names.MetricName, value: float, labels: dict[str, str]) -> None:
+        self._histograms[metric].record(value, labels)
 
-    def released(self, lock_name: str, *, instance_id: str) -> None:
-        self._releases.add(1, {"lock_name": lock_name})
-        if self._held.discard(lock_name, instance_id):
-            self._locks_held.add(-1, {"lock_name": lock_name})
-
-    def lost(self, lock_name: str, *, instance_id: str, reason: str) -> None:
-        self._losses.add(1, {"lock_name": lock_name})
-        if self._held.discard(lock_name, instance_id):
-            self._locks_held.add(-1, {"lock_name": lock_name})
-
-    def contended(self, lock_name: str, *, instance_id: str) -> None:
-        self._contentions.add(1, {"lock_name": lock_name})
-
-    def stale_reclaimed(self, lock_name: str, *, instance_id: str, previous_holder: str) -> None:
-        self._reclaims.add(1, {"lock_name": lock_name})
-
-    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
-        self._alerts.add(1, {"lock_name": lock_name})
-
-    def heartbeat_latency(self, lock_name: str, *, instance_id: str, seconds: float) -> None:
-        self._heartbeat_duration.record(seconds, {"lock_name": lock_name})
-
-    def heartbeat_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
-        self._heartbeat_failures.add(1, {"lock_name": lock_name})
-
-    def acquire_wait(self, lock_name: str, *, instance_id: str, seconds: float, outcome: str) -> None:
-        self._acquire_duration.record(seconds, {"lock_name": lock_name, "outcome": outcome})
-
-    # -- a watcher's calls ---------------------------------------------------
-
-    def observed(
-        self,
-        observations: Sequence[LockObservation],
-        *,
-        watched: frozenset[str] | None,
-        alert_threshold: float,
-        stale_threshold: float,
-    ) -> None:
-        self._view.update(
-            observations, watched=watched, alert_threshold=alert_threshold, stale_threshold=stale_threshold
-        )
-
-    def watcher_failed(self, *, error: BaseException) -> None:
-        self._watcher_errors.add(1)
-        self._view.failed()
+    def _held_changed(self, lock_name: str, delta: int) -> None:
+        self._locks_held.add(delta, {"lock_name": lock_name})
 
     # -- gauges, read at collection time -----------------------------------------
 
     def _per_lock(self, read: _Read) -> _Callback:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
-            locks, _ = self._view.snapshot()
+            locks, _ = self.view.snapshot()
             return [Observation(read(lock), {"lock_name": lock.observation.lock_name}) for lock in locks]
 
         return observe
 
     def _holders(self, options: CallbackOptions) -> Iterable[Observation]:
-        locks, _ = self._view.snapshot()
+        locks, _ = self.view.snapshot()
         return [
             Observation(1, {"lock_name": lock.observation.lock_name, "holder": lock.observation.holder})
             for lock in locks
         ]
 
     def _watcher_up(self, options: CallbackOptions) -> Iterable[Observation]:
-        _, up = self._view.snapshot()
+        _, up = self.view.snapshot()
         return [] if up is None else [Observation(int(up))]

@@ -15,7 +15,7 @@ exporters) apart.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("PrometheusMetrics needs prometheus-client: pip install 'postgres-mutex[prometheus]'") from exc
 
 from . import metric_names as names
-from ._metrics import HeldLocks, LockObservation, LockTableView, MetricsHook
+from ._metrics import ExporterHook, LockTableView
 
 __all__ = ["PrometheusMetrics"]
 
@@ -35,96 +35,38 @@ def _base(metric: names.MetricName) -> str:
     return metric.prometheus.removesuffix("_total")
 
 
-class PrometheusMetrics(MetricsHook):
+class PrometheusMetrics(ExporterHook):
     """Counters, histograms and gauges for every hook call, on ``registry`` (default: the global one)."""
 
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
-        self._held = HeldLocks()
-        self._view = LockTableView()
-
-        def counter(metric: names.MetricName) -> Counter:
-            return Counter(_base(metric), metric.description, metric.labels, registry=registry)
-
-        self._acquisitions = counter(names.ACQUISITIONS)
-        self._releases = counter(names.RELEASES)
-        self._contentions = counter(names.CONTENTIONS)
-        self._reclaims = counter(names.STALE_RECLAIMS)
-        self._alerts = counter(names.ALERTS)
-        self._losses = counter(names.LOSSES)
-        self._heartbeat_failures = counter(names.HEARTBEAT_FAILURES)
-        self._watcher_errors = counter(names.WATCHER_ERRORS)
-        self._heartbeat_duration = Histogram(
-            names.HEARTBEAT_DURATION.prometheus,
-            names.HEARTBEAT_DURATION.description,
-            names.HEARTBEAT_DURATION.labels,
-            buckets=names.HEARTBEAT_BUCKETS,
-            registry=registry,
-        )
-        self._acquire_duration = Histogram(
-            names.ACQUIRE_DURATION.prometheus,
-            names.ACQUIRE_DURATION.description,
-            names.ACQUIRE_DURATION.labels,
-            buckets=names.WAIT_BUCKETS,
-            registry=registry,
-        )
+        super().__init__()
+        self._counters = {
+            metric: Counter(_base(metric), metric.description, metric.labels, registry=registry)
+            for metric in names.ALL
+            if metric.kind == "counter"
+        }
+        self._histograms = {
+            metric: Histogram(metric.prometheus, metric.description, metric.labels, buckets=buckets, registry=registry)
+            for metric, buckets in (
+                (names.HEARTBEAT_DURATION, names.HEARTBEAT_BUCKETS),
+                (names.ACQUIRE_DURATION, names.WAIT_BUCKETS),
+            )
+        }
         self._locks_held = Gauge(
             names.LOCKS_HELD.prometheus, names.LOCKS_HELD.description, names.LOCKS_HELD.labels, registry=registry
         )
         if registry is not None:
-            registry.register(_WatchedLocksCollector(self._view))
+            registry.register(_WatchedLocksCollector(self.view))
 
-    # -- the Mutex's calls ---------------------------------------------------
+    def _add(self, metric: names.MetricName, labels: dict[str, str]) -> None:
+        counter = self._counters[metric]
+        (counter.labels(**labels) if labels else counter).inc()
 
-    def acquired(self, lock_name: str, *, instance_id: str) -> None:
-        self._acquisitions.labels(lock_name).inc()
-        if self._held.add(lock_name, instance_id):
-            self._locks_held.labels(lock_name).inc()
+    def _record(self, metric: names.MetricName, value: float, labels: dict[str, str]) -> None:
+        self._histograms[metric].labels(**labels).observe(value)
 
-    def released(self, lock_name: str, *, instance_id: str) -> None:
-        self._releases.labels(lock_name).inc()
-        if self._held.discard(lock_name, instance_id):
-            self._locks_held.labels(lock_name).dec()
-
-    def lost(self, lock_name: str, *, instance_id: str, reason: str) -> None:
-        self._losses.labels(lock_name).inc()
-        if self._held.discard(lock_name, instance_id):
-            self._locks_held.labels(lock_name).dec()
-
-    def contended(self, lock_name: str, *, instance_id: str) -> None:
-        self._contentions.labels(lock_name).inc()
-
-    def stale_reclaimed(self, lock_name: str, *, instance_id: str, previous_holder: str) -> None:
-        self._reclaims.labels(lock_name).inc()
-
-    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
-        self._alerts.labels(lock_name).inc()
-
-    def heartbeat_latency(self, lock_name: str, *, instance_id: str, seconds: float) -> None:
-        self._heartbeat_duration.labels(lock_name).observe(seconds)
-
-    def heartbeat_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
-        self._heartbeat_failures.labels(lock_name).inc()
-
-    def acquire_wait(self, lock_name: str, *, instance_id: str, seconds: float, outcome: str) -> None:
-        self._acquire_duration.labels(lock_name, outcome).observe(seconds)
-
-    # -- a watcher's calls ---------------------------------------------------
-
-    def observed(
-        self,
-        observations: Sequence[LockObservation],
-        *,
-        watched: frozenset[str] | None,
-        alert_threshold: float,
-        stale_threshold: float,
-    ) -> None:
-        self._view.update(
-            observations, watched=watched, alert_threshold=alert_threshold, stale_threshold=stale_threshold
-        )
-
-    def watcher_failed(self, *, error: BaseException) -> None:
-        self._watcher_errors.inc()
-        self._view.failed()
+    def _held_changed(self, lock_name: str, delta: int) -> None:
+        self._locks_held.labels(lock_name).inc(delta)
 
 
 class _WatchedLocksCollector(Collector):
