@@ -304,6 +304,7 @@ def _record_acquired(lock: LockContext, result: AcquireResult, sent_at: float, *
 
 def _record_contended(lock: LockContext, result: AcquireResult) -> None:
     state = lock.state
+    state.last_holder = result.holder
     state.metrics("contended", state.lock_name, instance_id=state.instance_id)
     if state.alert_gate.should_alert(result.holder, result.heartbeat_age):
         logger.warning(
@@ -528,6 +529,20 @@ def watch_forever(context: WatchContext) -> Flow[None]:
         keep_going = yield Pause(context.interval)
         if not keep_going:
             return
+
+
+def force_release(statements: Statements, lock_name: str, timeout: float) -> Flow[tuple[str, float] | None]:
+    """Delete a lock's row whoever holds it; return (holder, seconds since its heartbeat), or None if free."""
+    reply = yield Execute(
+        statements.force_release,
+        {"lock_name": lock_name, "channel": statements.channel(lock_name)},
+        timeout,
+        f"forced release of lock {lock_name!r}",
+    )
+    if reply.row is None:
+        return None
+    holder, age, _ = reply.row
+    return str(holder), float(age)
 
 
 _CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})

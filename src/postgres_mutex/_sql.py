@@ -130,6 +130,16 @@ SELECT pg_notify(%(channel)s, '') FROM released"""
  ORDER BY lock_name"""
         ).format(table=ident)
 
+        # An operator's override: delete the lock whoever holds it, and say whom.
+        self.force_release = sql.SQL(
+            """WITH released AS (
+  DELETE FROM {table}
+   WHERE locked = 1 AND lock_name = %(lock_name)s
+  RETURNING instance_id, EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
+)
+SELECT instance_id, heartbeat_age, pg_notify(%(channel)s, '')::text FROM released"""
+        ).format(table=ident)
+
     def channel(self, lock_name: str) -> str:
         """The NOTIFY channel for one lock of this table.
 

@@ -80,6 +80,8 @@ class LockState:
         self._generation = 0
         self._token: datetime | None = None
         self._lost_reason = ""
+        # Who held the lock at this Mutex's last contended attempt, for messages.
+        self.last_holder: str | None = None
         # The span of the acquire that began the current hold: heartbeats link to it.
         self.hold_span_context: SpanContext | None = None
         # A statement that may have inserted our row went unanswered (or was

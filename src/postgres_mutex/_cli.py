@@ -1,0 +1,565 @@
+"""The ``postgres-mutex`` command: what flock(1) gives one machine, for a fleet.
+
+Every subcommand reaches PostgreSQL through ``--dsn``, else the environment
+variable ``POSTGRES_MUTEX_DSN``, else libpq's own ``PG*`` variables and
+``.pgpass``. Errors a user can cause end in one line on stderr and a non-zero
+exit, never a traceback, and nothing printed ever contains a password.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, NoReturn, TextIO
+
+from . import _flows as flows
+from ._settings import check_name, check_seconds
+from ._sql import Statements
+from ._transport import Transport
+from ._version import __version__
+from .errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError, MutexError, SchemaError
+
+logger = logging.getLogger("postgres_mutex")
+
+EXIT_BUSY = 75
+"""The lock is held elsewhere (or ``--wait --timeout`` ran out): EX_TEMPFAIL, try again later."""
+EXIT_LOST = 76
+"""The lock was lost while the command ran; the command was stopped."""
+EXIT_UNAVAILABLE = 69
+"""PostgreSQL could not be used (unreachable, table missing, privilege missing): EX_UNAVAILABLE."""
+EXIT_USAGE = 2
+"""Bad arguments."""
+
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _UsageError(Exception):
+    """A mistake on the command line: one line, exit 2."""
+
+
+def _say(message: str, stream: TextIO | None = None) -> None:
+    print(f"postgres-mutex: {message}", file=stream or sys.stderr, flush=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors as one line (and a pointer to --help) instead of the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _seconds(argument: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            return check_seconds(float(text), "it", allow_zero=argument == "--timeout")
+        except ValueError as exc:
+            message = str(exc).replace("could not convert string to float", "not a number")
+            raise argparse.ArgumentTypeError(message) from None
+
+    return parse
+
+
+def _exit_code(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 255:
+        raise argparse.ArgumentTypeError(f"exit codes are 1 to 255, got {value}")
+    return value
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    # An empty string lets libpq take everything from PG* variables and .pgpass.
+    return str(args.dsn or os.environ.get("POSTGRES_MUTEX_DSN", ""))
+
+
+# -- run ----------------------------------------------------------------------
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ._mutex import Mutex
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise _UsageError("run needs a command after --, e.g. postgres-mutex run --lock job -- ./job.sh")
+    lost = threading.Event()
+    # Until the command runs, SIGTERM or SIGHUP ends the wait cleanly (nothing left in the table).
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
+    mutex = Mutex(
+        _dsn(args),
+        args.lock,
+        table=args.table,
+        instance_id=args.instance_id,
+        on_lost=lambda error: lost.set(),
+        heartbeat_interval=args.heartbeat_interval,
+        alert_threshold=args.alert_threshold,
+        stale_threshold=args.stale_threshold,
+    )
+    try:
+        holding = mutex.acquire(blocking=args.wait, timeout=args.timeout)
+        try:
+            acquired = holding.__enter__()
+        except LockAcquisitionTimeout as exc:
+            _say(f"lock {args.lock!r} still held by {exc.holder or 'another instance'} after {args.timeout:g}s")
+            return int(args.conflict_exit_code)
+        if not acquired:
+            _say(f"lock {args.lock!r} is held by {mutex._state.last_holder or 'another instance'}; not running")
+            return int(args.conflict_exit_code)
+        try:
+            code = _supervise(command, lost, args.kill_after, int(args.lost_exit_code))
+        except BaseException:
+            holding.__exit__(*sys.exc_info())
+            raise
+        try:
+            holding.__exit__(None, None, None)
+        except LockNotHeldError as exc:
+            _say(f"lost lock {args.lock!r} while the command ran ({exc.reason})")
+            return int(args.lost_exit_code)
+        except DatabaseError as exc:
+            _say(f"the command ended, but the lock could not be released: {exc}")
+        return code
+    finally:
+        mutex.close()
+
+
+class _Interrupted(BaseException):
+    """SIGTERM or SIGHUP before the command started: unwind like Ctrl-C, releasing everything."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise _Interrupted(signum)
+
+
+def _supervise(command: list[str], lost: threading.Event, kill_after: float, lost_code: int) -> int:
+    """Run the command in its own process group, forward signals to it, stop it if the lock is lost."""
+    try:
+        child = subprocess.Popen(command, process_group=0)
+    except FileNotFoundError:
+        _say(f"command not found: {command[0]}")
+        return 127
+    except PermissionError:
+        _say(f"command not executable: {command[0]}")
+        return 126
+    terminal = _give_terminal(child.pid)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        _signal_group(child.pid, signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED}
+    try:
+        while True:
+            try:
+                returncode = child.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                if lost.is_set():
+                    _say("the lock was lost: stopping the command")
+                    _stop(child, kill_after)
+                    return lost_code
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _take_terminal_back(terminal)
+    if lost.is_set():
+        _say("the lock was lost while the command ran")
+        return lost_code
+    # A command killed by a signal exits 128 + N, as a shell reports it.
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the command has exited already
+        os.killpg(pgid, signum)
+
+
+def _stop(child: subprocess.Popen[Any], kill_after: float) -> None:
+    _signal_group(child.pid, signal.SIGTERM)
+    try:
+        child.wait(timeout=kill_after)
+    except subprocess.TimeoutExpired:
+        _say(f"the command ignored SIGTERM for {kill_after:g}s: killing it")
+        _signal_group(child.pid, signal.SIGKILL)
+        child.wait()
+
+
+def _give_terminal(pgid: int) -> int | None:
+    """Make the command's process group the terminal's foreground one, as a shell would.
+
+    Ctrl-C then reaches the command once, from the terminal, and the command
+    may read the terminal. Returns the terminal's descriptor, if there is one.
+    """
+    try:
+        fd = sys.stdin.fileno()
+        if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
+            return None
+        os.tcsetpgrp(fd, pgid)
+    except (OSError, ValueError):
+        return None
+    _signal_group(pgid, signal.SIGCONT)  # in case it read the terminal before it was its own
+    return fd
+
+
+def _take_terminal_back(fd: int | None) -> None:
+    if fd is None:
+        return
+    # A background process setting the foreground group gets SIGTTOU: ignore it meanwhile.
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(fd, os.getpgrp())
+    except OSError:
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, previous)
+
+
+# -- status, init, release ----------------------------------------------------------
+
+
+def _transport(args: argparse.Namespace, statements: Statements, *, name: str) -> Transport:
+    return Transport(
+        dsn=_dsn(args),
+        pool=None,
+        async_pool=None,
+        instance_id=None,
+        operation_timeout=5.0,
+        table_name=statements.table_name,
+        application_name=f"postgres-mutex {name}",
+    )
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from .watcher import StaleWatcher
+
+    if not args.alert_threshold < args.stale_threshold:
+        raise _UsageError("--alert-threshold must be shorter than --stale-threshold")
+    watcher = StaleWatcher(
+        _dsn(args),
+        table=args.table,
+        lock_names=args.lock or None,
+        alert_threshold=args.alert_threshold,
+        stale_threshold=args.stale_threshold,
+    )
+    try:
+        observations = watcher.check()
+    finally:
+        watcher.close()
+    rows = [
+        {
+            "lock_name": seen.lock_name,
+            "holder": seen.holder,
+            "held_for_seconds": round(seen.seconds_held, 3),
+            "seconds_since_heartbeat": round(seen.seconds_since_heartbeat, 3),
+            "state": "reclaimable" if seen.reclaimable else "alerting" if seen.alerting else "ok",
+        }
+        for seen in observations
+    ]
+    if args.json:
+        json.dump(
+            {
+                "table": args.table,
+                "alert_threshold": args.alert_threshold,
+                "stale_threshold": args.stale_threshold,
+                "locks": rows,
+            },
+            sys.stdout,
+            indent=2,
+        )
+        print()
+        return 0
+    if not rows:
+        print(f"no lock is held in table {args.table}")
+        return 0
+    table: list[tuple[str, ...]] = [("LOCK", "HOLDER", "HELD FOR", "SINCE HEARTBEAT", "STATE")]
+    table += [
+        (
+            str(row["lock_name"]),
+            str(row["holder"]),
+            _duration(float(row["held_for_seconds"])),
+            _duration(float(row["seconds_since_heartbeat"])),
+            str(row["state"]),
+        )
+        for row in rows
+    ]
+    widths = [max(len(str(line[column])) for line in table) for column in range(5)]
+    for line in table:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    statements = Statements(args.table)
+    transport = _transport(args, statements, name="init")
+    try:
+        transport.sync_runner().run(flows.create_schema(statements, 5.0))
+    finally:
+        transport.close()
+    print(f"table {statements.table_name} is ready")
+    return 0
+
+
+def _cmd_release(args: argparse.Namespace) -> int:
+    check_name(args.name, "lock name")
+    if not args.force:
+        raise _UsageError(
+            f"refusing to release lock {args.name!r} without --force: its holder may still be running. "
+            "Use it only when you know the holder is gone"
+        )
+    statements = Statements(args.table)
+    transport = _transport(args, statements, name="release")
+    try:
+        removed = transport.sync_runner().run(flows.force_release(statements, args.name, 5.0))
+    finally:
+        transport.close()
+    if removed is None:
+        print(f"lock {args.name!r} is not held: nothing to release")
+        return 1
+    holder, age = removed
+    print(f"released lock {args.name!r}, held by {holder} (last heartbeat {_duration(age)} ago)")
+    return 0
+
+
+# -- watch ------------------------------------------------------------------------
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise _UsageError("watch needs prometheus-client: pip install 'postgres-mutex[prometheus]'") from None
+    from .prometheus import PrometheusMetrics
+    from .watcher import StaleWatcher
+
+    host, _, port_text = args.listen.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise _UsageError(f"--listen must be HOST:PORT, got {args.listen!r}")
+    if not args.alert_threshold < args.stale_threshold:
+        raise _UsageError("--alert-threshold must be shorter than --stale-threshold")
+    registry = CollectorRegistry()
+    watcher = StaleWatcher(
+        _dsn(args),
+        table=args.table,
+        lock_names=args.lock or None,
+        alert_threshold=args.alert_threshold,
+        stale_threshold=args.stale_threshold,
+        interval=args.interval,
+        metrics=PrometheusMetrics(registry),
+    )
+    try:
+        server, thread = start_http_server(int(port_text), addr=host, registry=registry)
+    except OSError as exc:
+        raise _UsageError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
+    stop = threading.Event()
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
+    _say(f"watching table {args.table} every {args.interval:g}s; metrics on http://{args.listen}/metrics")
+    watcher.start()
+    try:
+        stop.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        watcher.close()
+        server.shutdown()
+        thread.join(5)
+    return 0
+
+
+# -- the parser ---------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    connection = _Parser(add_help=False)
+    group = connection.add_argument_group("connection")
+    group.add_argument(
+        "--dsn",
+        help="libpq connection string (default: $POSTGRES_MUTEX_DSN, else libpq's PG* variables and .pgpass)",
+    )
+    group.add_argument("--table", default="mutex_lock", help="lock table, optionally schema-qualified")
+    group.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+
+    thresholds = _Parser(add_help=False)
+    group = thresholds.add_argument_group("thresholds (seconds)")
+    group.add_argument("--heartbeat-interval", type=_seconds("--heartbeat-interval"), default=10.0)
+    group.add_argument("--alert-threshold", type=_seconds("--alert-threshold"), default=30.0)
+    group.add_argument("--stale-threshold", type=_seconds("--stale-threshold"), default=600.0)
+
+    parser = _Parser(
+        prog="postgres-mutex",
+        description="A distributed mutex on the PostgreSQL you already run.",
+        epilog="Run 'postgres-mutex COMMAND --help' for each command's options and examples.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
+
+    def add(name: str, summary: str, examples: str, parents: Sequence[_Parser]) -> _Parser:
+        sub: _Parser = commands.add_parser(
+            name,
+            help=summary,
+            description=summary,
+            epilog="examples:\n" + examples,
+            parents=list(parents),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        return sub
+
+    run = add(
+        "run",
+        "Run a command while holding a lock; release it when the command ends.",
+        "  postgres-mutex run --lock nightly-report -- ./report.sh --full\n"
+        "  postgres-mutex run --lock nightly-report --wait --timeout 300 -- ./report.sh\n\n"
+        "exit codes:\n"
+        "  the command's own (128+N if it died of signal N)\n"
+        f"  {EXIT_BUSY}   the lock is held elsewhere (or --wait --timeout ran out); see --conflict-exit-code\n"
+        f"  {EXIT_LOST}   the lock was lost while the command ran; the command was stopped; see --lost-exit-code\n"
+        f"  {EXIT_UNAVAILABLE}   PostgreSQL could not be used (unreachable, table missing, no privilege)\n"
+        f"  {EXIT_USAGE}    bad arguments\n"
+        "  126/127 the command could not be run / was not found",
+        [connection, thresholds],
+    )
+    run.add_argument("--lock", required=True, help="the lock's name (1 to 64 characters)")
+    run.add_argument("--wait", action="store_true", help="wait for the lock instead of giving up at once")
+    run.add_argument("--timeout", type=_seconds("--timeout"), help="with --wait: give up after this many seconds")
+    run.add_argument(
+        "--conflict-exit-code",
+        type=_exit_code,
+        default=EXIT_BUSY,
+        help=f"exit code when the lock is busy (default {EXIT_BUSY}), like flock's -E",
+    )
+    run.add_argument(
+        "--lost-exit-code",
+        type=_exit_code,
+        default=EXIT_LOST,
+        help=f"exit code when the lock is lost while the command runs (default {EXIT_LOST})",
+    )
+    run.add_argument(
+        "--kill-after",
+        type=_seconds("--kill-after"),
+        default=10.0,
+        help="after a lost lock: seconds between SIGTERM and SIGKILL (default 10)",
+    )
+    run.add_argument("--instance-id", help="this holder's id in the table (default: <hostname>-<random>)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    run.set_defaults(handler=_cmd_run)
+
+    status = add(
+        "status",
+        "Show every held lock: holder, held for, seconds since heartbeat, state (server clock).",
+        "  postgres-mutex status\n  postgres-mutex status --json | jq '.locks[] | select(.state != \"ok\")'",
+        [connection],
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--lock", action="append", help="only this lock (repeatable)")
+    status.add_argument("--alert-threshold", type=_seconds("--alert-threshold"), default=30.0)
+    status.add_argument("--stale-threshold", type=_seconds("--stale-threshold"), default=600.0)
+    status.set_defaults(handler=_cmd_status)
+
+    watch = add(
+        "watch",
+        "Run the stale-holder watcher and serve its Prometheus metrics until stopped.",
+        "  postgres-mutex watch --listen 127.0.0.1:9464\n  postgres-mutex watch --interval 2 --alert-threshold 60",
+        [connection],
+    )
+    watch.add_argument("--listen", default="127.0.0.1:9464", help="HOST:PORT for /metrics (default 127.0.0.1:9464)")
+    watch.add_argument("--interval", type=_seconds("--interval"), default=5.0, help="seconds between reads")
+    watch.add_argument("--lock", action="append", help="only this lock (repeatable)")
+    watch.add_argument("--alert-threshold", type=_seconds("--alert-threshold"), default=30.0)
+    watch.add_argument("--stale-threshold", type=_seconds("--stale-threshold"), default=600.0)
+    watch.set_defaults(handler=_cmd_watch)
+
+    init = add("init", "Create the lock table if it does not exist.", "  postgres-mutex init", [connection])
+    init.set_defaults(handler=_cmd_init)
+
+    release = add(
+        "release",
+        "Remove a lock's row whoever holds it: for an operator who knows the holder is gone.",
+        "  postgres-mutex release nightly-report --force",
+        [connection],
+    )
+    release.add_argument("name", help="the lock's name")
+    release.add_argument("--force", action="store_true", help="required: confirms the holder is gone")
+    release.set_defaults(handler=_cmd_release)
+
+    demo = add(
+        "demo",
+        "Watch a fleet contend, crash, alert and recover, on a throwaway PostgreSQL (or --dsn).",
+        "  postgres-mutex demo\n  postgres-mutex demo --dsn postgresql://localhost/scratch",
+        [],
+    )
+    demo.add_argument("--dsn", help="use this server instead of a throwaway one")
+    demo.add_argument("--workers", type=int, default=3, choices=range(2, 9), metavar="N", help="2 to 8 (default 3)")
+    demo.add_argument("-v", "--verbose", action="store_true", help=argparse.SUPPRESS)
+    demo.set_defaults(handler=_cmd_demo, table="mutex_lock")
+    return parser
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ._demo import DemoError, run_demo
+
+    try:
+        return run_demo(dsn=args.dsn, workers=args.workers)
+    except DemoError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``postgres-mutex`` command; returns the exit code."""
+    args = _parser().parse_args(argv)
+    # Commands that run on (run, watch) report retries and alerts as they happen;
+    # one-shot commands end in one error line, which those warnings would only repeat.
+    quiet = logging.WARNING if args.subcommand in ("run", "watch") else logging.ERROR
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else quiet,
+        format="postgres-mutex: %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    started = time.monotonic()
+    try:
+        return int(args.handler(args))
+    except _UsageError as exc:
+        _say(f"error: {exc}")
+        return EXIT_USAGE
+    except (ValueError, TypeError) as exc:
+        # The library's own validation: it names the argument.
+        _say(f"error: {exc}")
+        return EXIT_USAGE
+    except SchemaError as exc:
+        _say(
+            "error: " + str(exc).replace("call create_schema() or create it", "run 'postgres-mutex init', or create it")
+        )
+        return EXIT_UNAVAILABLE
+    except DatabaseError as exc:
+        _say(f"error: {exc}")
+        return EXIT_UNAVAILABLE
+    except MutexError as exc:
+        _say(f"error: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        _say(f"interrupted after {time.monotonic() - started:.1f}s")
+        return 128 + signal.SIGINT
+    except _Interrupted as exc:
+        _say(f"stopped by signal {signal.Signals(exc.signum).name} after {time.monotonic() - started:.1f}s")
+        return 128 + exc.signum

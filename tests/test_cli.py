@@ -1,0 +1,434 @@
+"""The postgres-mutex command, end to end, as a subprocess against real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from postgres_mutex import Mutex
+from tests.conftest import ROOT, freeze, wait_until
+from tests.postgres_server import free_port
+
+Holder = Callable[..., str | None]
+FAST_FLAGS = ["--heartbeat-interval", "0.1", "--alert-threshold", "0.6", "--stale-threshold", "1.5"]
+SECRET = "Cli-s3cret-pw"
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "postgres_mutex", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def start(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "postgres_mutex", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+@pytest.fixture
+def running() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+# -- run ----------------------------------------------------------------------
+
+
+def test_run_holds_the_lock_while_the_command_runs_and_passes_its_exit_code_on(
+    dsn: str, lock_name: str, holder_id: Holder, running: list[subprocess.Popen[str]]
+) -> None:
+    proc = start(
+        "run",
+        "--dsn",
+        dsn,
+        "--lock",
+        lock_name,
+        *FAST_FLAGS,
+        "--",
+        *python("""
+        import sys, time
+        print("started", flush=True)
+        time.sleep(0.5)
+        sys.exit(3)
+    """),
+    )
+    running.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "started\n"
+    assert holder_id() is not None, "held while the command runs"
+    assert proc.wait(timeout=30) == 3, "the command's own exit code"
+    assert holder_id() is None, "released when it ends"
+
+
+def test_run_exits_zero_when_the_command_succeeds(dsn: str, lock_name: str) -> None:
+    result = cli("run", "--dsn", dsn, "--lock", lock_name, "--", *python("print('job done')"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "job done\n"
+
+
+def test_a_busy_lock_exits_75_and_says_who_holds_it(make_mutex: Callable[..., Mutex], dsn: str) -> None:
+    holder = make_mutex()
+    with holder.acquire():
+        result = cli("run", "--dsn", dsn, "--lock", holder.lock_name, "--", *python("print('must not run')"))
+        custom = cli("run", "--dsn", dsn, "--lock", holder.lock_name, "--conflict-exit-code", "9", "--", "true")
+    assert result.returncode == 75
+    assert result.stdout == ""
+    assert holder.instance_id in result.stderr
+    assert custom.returncode == 9
+
+
+def test_wait_with_a_timeout_gives_up_with_the_busy_code(make_mutex: Callable[..., Mutex], dsn: str) -> None:
+    holder = make_mutex()
+    with holder.acquire():
+        started = time.monotonic()
+        result = cli("run", "--dsn", dsn, "--lock", holder.lock_name, "--wait", "--timeout", "0.5", "--", "true")
+        elapsed = time.monotonic() - started
+    assert result.returncode == 75
+    assert "still held by" in result.stderr
+    assert elapsed >= 0.5
+
+
+def test_wait_runs_the_command_once_the_holder_releases(
+    make_mutex: Callable[..., Mutex], dsn: str, running: list[subprocess.Popen[str]]
+) -> None:
+    holder = make_mutex()
+    acquire = holder.acquire()
+    assert acquire.__enter__()
+    proc = start("run", "--dsn", dsn, "--lock", holder.lock_name, "--wait", "--timeout", "30", "--", "echo", "ran")
+    running.append(proc)
+    time.sleep(0.5)
+    assert proc.poll() is None, "still waiting"
+    acquire.__exit__(None, None, None)
+    assert proc.wait(timeout=30) == 0
+    assert proc.stdout is not None
+    assert proc.stdout.read() == "ran\n"
+
+
+TRAP = """
+    import signal, sys, time
+    def leave(signum, frame):
+        print(f"got {signal.Signals(signum).name}", flush=True)
+        sys.exit(42)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), leave)
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signals_are_forwarded_to_the_command(
+    dsn: str, lock_name: str, holder_id: Holder, running: list[subprocess.Popen[str]], signum: int
+) -> None:
+    proc = start("run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--", *python(TRAP))
+    running.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signum)
+    assert proc.wait(timeout=30) == 42, "the command's exit code, after it handled the signal"
+    assert proc.stdout.read() == f"got {signal.Signals(signum).name}\n"
+    assert holder_id() is None
+
+
+def test_a_command_killed_by_a_signal_exits_128_plus_n(dsn: str, lock_name: str, holder_id: Holder) -> None:
+    result = cli("run", "--dsn", dsn, "--lock", lock_name, "--", *python("import os; os.kill(os.getpid(), 9)"))
+    assert result.returncode == 128 + 9
+    assert holder_id() is None
+
+
+def test_a_lost_lock_stops_the_command_and_exits_76(
+    dsn: str, lock_name: str, admin: psycopg.Connection[Any], holder_id: Holder, running: list[subprocess.Popen[str]]
+) -> None:
+    proc = start("run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--", *python(TRAP))
+    running.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+    assert proc.wait(timeout=30) == 76
+    assert proc.stdout.read() == "got SIGTERM\n", "stopped with SIGTERM first"
+    assert proc.stderr is not None
+    assert "lock was lost" in proc.stderr.read()
+
+
+def test_a_command_ignoring_sigterm_is_killed_after_the_grace_period(
+    dsn: str, lock_name: str, admin: psycopg.Connection[Any], running: list[subprocess.Popen[str]]
+) -> None:
+    stubborn = """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(60)
+    """
+    proc = start("run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--kill-after", "0.5", "--", *python(stubborn))
+    running.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+    assert proc.wait(timeout=30) == 76
+    assert proc.stderr is not None
+    assert "killing it" in proc.stderr.read()
+
+
+def test_sigterm_while_waiting_for_the_lock_leaves_nothing_behind(
+    make_mutex: Callable[..., Mutex], dsn: str, holder_id: Holder, running: list[subprocess.Popen[str]]
+) -> None:
+    holder = make_mutex()
+    with holder.acquire():
+        proc = start("run", "--dsn", dsn, "--lock", holder.lock_name, "--wait", "--", "echo", "never")
+        running.append(proc)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert holder_id() == holder.instance_id
+
+
+def test_run_needs_a_command(dsn: str, lock_name: str) -> None:
+    result = cli("run", "--dsn", dsn, "--lock", lock_name)
+    assert result.returncode == 2
+    assert "needs a command" in result.stderr
+
+
+def test_a_missing_command_exits_127(dsn: str, lock_name: str, holder_id: Holder) -> None:
+    result = cli("run", "--dsn", dsn, "--lock", lock_name, "--", "/no/such/command")
+    assert result.returncode == 127
+    assert holder_id() is None
+
+
+# -- status ----------------------------------------------------------------------
+
+
+def test_status_shows_each_lock_with_its_state_by_the_server_clock(make_mutex: Callable[..., Mutex], dsn: str) -> None:
+    healthy, silent = make_mutex(), make_mutex(lock_name=f"silent-{time.monotonic_ns()}")
+    thresholds = ["--alert-threshold", "0.6", "--stale-threshold", "1.5"]
+    with healthy.acquire():
+        acquire = silent.acquire()
+        assert acquire.__enter__()
+        freeze(silent)
+        time.sleep(0.8)
+        text = cli("status", "--dsn", dsn, *thresholds)
+        data = cli(
+            "status", "--dsn", dsn, "--json", *thresholds, "--lock", healthy.lock_name, "--lock", silent.lock_name
+        )
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0].split() == ["LOCK", "HOLDER", "HELD", "FOR", "SINCE", "HEARTBEAT", "STATE"]
+    row = {line.split()[0]: line.split() for line in lines[1:]}
+    assert row[healthy.lock_name][1] == healthy.instance_id
+    assert row[healthy.lock_name][-1] == "ok"
+    assert row[silent.lock_name][-1] == "alerting"
+    assert data.returncode == 0, data.stderr
+    report = json.loads(data.stdout)
+    assert report["alert_threshold"] == 0.6
+    states = {lock["lock_name"]: lock for lock in report["locks"]}
+    assert set(states) == {healthy.lock_name, silent.lock_name}
+    assert states[silent.lock_name]["state"] == "alerting"
+    assert states[silent.lock_name]["seconds_since_heartbeat"] >= 0.6
+    assert states[healthy.lock_name]["held_for_seconds"] >= 0.8
+    silent.close()
+
+
+def test_status_of_an_empty_table(dsn: str, admin: psycopg.Connection[Any]) -> None:
+    table = f"empty_{time.monotonic_ns()}"
+    assert cli("init", "--dsn", dsn, "--table", table).returncode == 0
+    result = cli("status", "--dsn", dsn, "--table", table)
+    assert result.stdout == f"no lock is held in table {table}\n"
+    assert json.loads(cli("status", "--dsn", dsn, "--table", table, "--json").stdout)["locks"] == []
+    admin.execute(f'DROP TABLE "{table}"')
+
+
+# -- init, release ----------------------------------------------------------------
+
+
+def test_init_creates_the_table_once(dsn: str, admin: psycopg.Connection[Any]) -> None:
+    table = f"init_{time.monotonic_ns()}"
+    first, second = cli("init", "--dsn", dsn, "--table", table), cli("init", "--dsn", dsn, "--table", table)
+    assert (first.returncode, second.returncode) == (0, 0)
+    assert first.stdout == f"table {table} is ready\n"
+    assert admin.execute("SELECT to_regclass(%s)", (table,)).fetchone() == (table,)
+    admin.execute(f'DROP TABLE "{table}"')
+
+
+def test_release_force_removes_a_dead_holders_row_and_names_it(
+    make_mutex: Callable[..., Mutex], dsn: str, holder_id: Holder
+) -> None:
+    holder = make_mutex()
+    acquire = holder.acquire()
+    assert acquire.__enter__()
+    freeze(holder)
+    refused = cli("release", holder.lock_name, "--dsn", dsn)
+    assert refused.returncode == 2
+    assert "--force" in refused.stderr
+    assert holder_id() == holder.instance_id, "nothing removed without --force"
+    forced = cli("release", holder.lock_name, "--dsn", dsn, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert holder.instance_id in forced.stdout
+    assert holder_id() is None
+    again = cli("release", holder.lock_name, "--dsn", dsn, "--force")
+    assert again.returncode == 1
+    assert "not held" in again.stdout
+    holder.close()
+
+
+# -- watch --------------------------------------------------------------------------
+
+
+def test_watch_serves_metrics_that_show_a_lock_going_stale(
+    make_mutex: Callable[..., Mutex], dsn: str, running: list[subprocess.Popen[str]]
+) -> None:
+    port = free_port()
+    proc = start(
+        "watch",
+        "--dsn",
+        dsn,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--interval",
+        "0.2",
+        "--alert-threshold",
+        "0.6",
+        "--stale-threshold",
+        "1.5",
+    )
+    running.append(proc)
+    holder = make_mutex()
+    acquire = holder.acquire()
+    assert acquire.__enter__()
+    freeze(holder)
+
+    def scrape() -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                return str(reply.read().decode())
+        except OSError:
+            return ""
+
+    series = f'postgres_mutex_reclaimable{{lock_name="{holder.lock_name}"}} 1.0'
+    wait_until(lambda: series in scrape(), timeout=20)
+    text = scrape()
+    assert f'postgres_mutex_alerting{{lock_name="{holder.lock_name}"}} 1.0' in text
+    assert f'postgres_mutex_holder_info{{holder="{holder.instance_id}",lock_name="{holder.lock_name}"}} 1.0' in text
+    assert "postgres_mutex_alerts_total" in text
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert proc.stderr is not None
+    assert "has not heartbeated" in proc.stderr.read(), "the alert is logged"
+    holder.close()
+
+
+# -- demo ---------------------------------------------------------------------------
+
+
+def _story(output: str) -> list[str]:
+    return [word for line in output.splitlines() for word in ("CRASHED", "ALERT", "RECLAIMED") if word in line]
+
+
+def test_demo_on_a_throwaway_server_tells_the_whole_story_and_cleans_up() -> None:
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("postgres-mutex-data-*"))
+    result = cli("demo", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _story(result.stdout) == ["CRASHED", "ALERT", "RECLAIMED"]
+    assert "throwaway PostgreSQL" in result.stdout
+    assert "crash -> reclaim" in result.stdout
+    assert set(tmp.glob("postgres-mutex-data-*")) == before, "its server's files are gone"
+
+
+def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg.Connection[Any]) -> None:
+    result = cli("demo", "--dsn", dsn, "--workers", "2", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _story(result.stdout) == ["CRASHED", "ALERT", "RECLAIMED"]
+    leftovers = admin.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE 'postgres_mutex_demo_%'").fetchall()
+    assert leftovers == []
+
+
+# -- errors, help, secrets -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["run", "--lock", "", "--", "true"], 2, "lock_name must be 1 to 64 characters"),
+        (["run", "--lock", "x", "--alert-threshold", "700", "--", "true"], 2, "alert_threshold"),
+        (["run", "--lock", "x", "--heartbeat-interval", "-1", "--", "true"], 2, "heartbeat-interval"),
+        (["status", "--table", "no_such_table"], 69, "postgres-mutex init"),
+        (["watch", "--listen", "nonsense"], 2, "HOST:PORT"),
+    ],
+)
+def test_user_errors_are_one_line_and_no_traceback(dsn: str, args: list[str], code: int, message: str) -> None:
+    result = cli(*args, "--dsn", dsn)
+    assert result.returncode == code, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("command", ["run --lock x -- true", "status", "init", "release x --force", "watch"])
+def test_no_output_ever_shows_the_password(command: str) -> None:
+    dsn = f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/db?connect_timeout=2"
+    result = cli(*command.split(), "--dsn", dsn, timeout=60) if command != "watch" else None
+    if result is None:
+        proc = start("watch", "--dsn", dsn, "--listen", f"127.0.0.1:{free_port()}", "--interval", "0.2")
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    assert "could not connect" in result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_dsn_can_come_from_the_environment(dsn: str, lock_name: str) -> None:
+    result = cli("run", "--lock", lock_name, "--", "true", env={"POSTGRES_MUTEX_DSN": dsn})
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "status", "watch", "init", "release", "demo"])
+def test_every_subcommand_has_help_with_examples(command: str) -> None:
+    result = cli(command, "--help")
+    assert result.returncode == 0
+    assert "examples:" in result.stdout
+    assert f"postgres-mutex {command}" in result.stdout
+
+
+def test_version_and_the_console_script() -> None:
+    result = cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.startswith("postgres-mutex ")
+    script = Path(sys.executable).parent / "postgres-mutex"
+    if script.exists():
+        assert subprocess.run([str(script), "--version"], capture_output=True, check=False).returncode == 0
