@@ -105,11 +105,11 @@ def test_a_busy_lock_exits_75_and_says_who_holds_it(make_mutex: Callable[..., Mu
     holder = make_mutex()
     with holder.acquire():
         result = cli("run", "--dsn", dsn, "--lock", holder.lock_name, "--", *python("print('must not run')"))
-        custom = cli("run", "--dsn", dsn, "--lock", holder.lock_name, "--conflict-exit-code", "9", "--", "true")
+        custom = cli("run", "--dsn", dsn, "--lock", holder.lock_name, "--conflict-exit-code", "0", "--", "true")
     assert result.returncode == 75
     assert result.stdout == ""
     assert holder.instance_id in result.stderr
-    assert custom.returncode == 9
+    assert custom.returncode == 0, "a busy lock need not be a failure (the README's CronJob)"
 
 
 def test_wait_with_a_timeout_gives_up_with_the_busy_code(make_mutex: Callable[..., Mutex], dsn: str) -> None:

@@ -70,9 +70,12 @@ def _seconds(argument: str) -> Callable[[str], float]:
 
 
 def _exit_code(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 255:
-        raise argparse.ArgumentTypeError(f"exit codes are 1 to 255, got {value}")
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 255:
+        raise argparse.ArgumentTypeError(f"exit codes are 0 to 255, got {value}")
     return value
 
 
