@@ -65,10 +65,11 @@ class FaultProxy:
         with self._lock:
             return self._ready_for_query
 
-    def silence(self) -> None:
+    def silence(self, *, existing: bool = True) -> None:
+        """Hold back all data of new connections, and of existing ones unless ``existing=False``."""
         with self._lock:
             self._silent = True
-            links = list(self._links)
+            links = list(self._links) if existing else []
         for link in links:
             with link.cond:
                 link.hold = True

@@ -328,3 +328,24 @@ def _listening_channels(mutex: Mutex) -> list[str]:
 async def _enter(mutex: Mutex) -> None:
     async with mutex.acquire_async(blocking=False):
         pytest.fail("must not run")
+
+
+def test_a_row_left_by_an_unanswered_acquire_is_removed_as_soon_as_the_network_is_back(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder, dsn: str
+) -> None:
+    slow_stale = {"heartbeat_interval": 0.5, "alert_threshold": 5.0, "stale_threshold": 30.0}
+    mutex = make_mutex(proxy_dsn, operation_timeout=0.5, poll_interval=0.1, **slow_stale)
+    other = make_mutex(dsn, **slow_stale)
+    with mutex.acquire():
+        pass
+    proxy.drop_replies()  # the INSERT lands, its reply is lost...
+    proxy.silence(existing=False)  # ...and no new connection gets through to clean up
+    with pytest.raises(DatabaseError), mutex.acquire():
+        pytest.fail("must not run")
+    assert holder_id() == mutex.instance_id, "the row the unanswered acquire left"
+    healed_at = time.monotonic()
+    proxy.heal()
+    wait_until(lambda: holder_id() is None, timeout=10)
+    assert time.monotonic() - healed_at < 5.0, "swept up once the network came back, not after stale_threshold"
+    with other.acquire() as acquired:
+        assert acquired

@@ -333,6 +333,31 @@ def remove_orphan(lock: LockContext) -> Flow[None]:
     state.orphan_suspected = False
 
 
+def sweep_orphan(lock: LockContext) -> Flow[None]:
+    """Keep deleting a row an unanswered statement may have left, until it is gone.
+
+    Runs in the background after an acquire or release gave up on a broken
+    network: the lock comes back as soon as the database is reachable again,
+    not after ``stale_threshold``. Gives up once the row could be reclaimed
+    anyway, or when this Mutex acquires again (which takes the row back).
+    """
+    state = lock.state
+    timing = state.timing
+    give_up_at = time.monotonic() + timing.stale_threshold
+    while time.monotonic() < give_up_at:
+        keep_going = yield Pause(timing.poll_interval)
+        if not keep_going or not state.orphan_suspected or state.status is not Status.IDLE:
+            return
+        try:
+            yield Execute(lock.statements.cleanup, lock.params(), timing.operation_timeout, lock.describe("cleanup"))
+        except DatabaseError as exc:
+            logger.debug("%s; retrying", exc)
+            continue
+        state.orphan_suspected = False
+        logger.info("lock %r: removed the row an unanswered statement may have left", state.lock_name)
+        return
+
+
 def heartbeat(lock: LockContext) -> Flow[None]:
     """Renew the lease once: one UPDATE, scoped to this hold.
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from . import _flows as flows
+from ._background import AsyncBackground, Background, SyncBackground
 from ._metrics import MetricsDispatch
 from ._rules import WatchAlerts
 from ._runners import AsyncRunner, SyncRunner
@@ -45,68 +46,6 @@ _MAY_HOLD_ROW_LOCK = threading.Lock()
 _ALL: weakref.WeakSet[Mutex] = weakref.WeakSet()
 
 
-class _SyncHeartbeat:
-    """The heartbeat thread of one hold."""
-
-    def __init__(self, transport: Transport, lock: flows.LockContext, generation: int) -> None:
-        self._stop = threading.Event()
-        self._runner = transport.sync_runner(self._stop)
-        self._lock = lock
-        self._generation = generation
-        self._thread = threading.Thread(
-            target=self._run, name=f"postgres-mutex-heartbeat:{lock.state.lock_name}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._runner.run(flows.keep_alive(self._lock, self._generation))
-        except BaseException as exc:
-            # Never die silently: a holder that stopped heartbeating must hear it.
-            logger.exception("heartbeat thread for lock %r failed", self._lock.state.lock_name)
-            self._lock.state.lose(f"the heartbeat thread failed: {exc!r}", self._generation)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-
-class _AsyncHeartbeat:
-    """The heartbeat task of one hold."""
-
-    def __init__(self, transport: Transport, lock: flows.LockContext, generation: int) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        self._runner = transport.async_runner(self._stop)
-        self._lock = lock
-        self._generation = generation
-        self._task = self._loop.create_task(self._run(), name=f"postgres-mutex-heartbeat:{lock.state.lock_name}")
-
-    async def _run(self) -> None:
-        try:
-            await self._runner.run(flows.keep_alive(self._lock, self._generation))
-        except asyncio.CancelledError:
-            raise  # the loop is shutting down; the lease covers the rest
-        except BaseException as exc:
-            logger.exception("heartbeat task for lock %r failed", self._lock.state.lock_name)
-            self._lock.state.lose(f"the heartbeat task failed: {exc!r}", self._generation)
-
-    def stop(self) -> None:
-        # A closed loop raises RuntimeError: its task is gone already.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._stop.set)
-
-    async def join(self, timeout: float) -> None:
-        if asyncio.get_running_loop() is self._loop and self._task is not asyncio.current_task():
-            await asyncio.wait([self._task], timeout=timeout)
-
-
-_Heartbeat = _SyncHeartbeat | _AsyncHeartbeat
-
-
 class _OwnLockWatch:
     """``Mutex(..., watch=True)``: a watcher of the Mutex's own lock, through its own hook.
 
@@ -133,22 +72,26 @@ class _OwnLockWatch:
         self.watcher: StaleWatcher = StaleWatcher._for_lock(
             mutex._transport, context, shared_gate=(state.lock_name, state.alert_gate)
         )
-        self._task: asyncio.Task[None] | None = None
+        self._mutex = mutex
+        self._task: AsyncBackground | None = None
 
     def start_sync(self) -> None:
         self.watcher.start()
 
     def start_async(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
-            self._task = loop.create_task(self.watcher.run(), name="postgres-mutex-watcher")
+        if self._task is None or not self._task.running:
+            self._task = AsyncBackground(
+                self._mutex._transport,
+                flows.watch_forever(self.watcher._context),
+                name="postgres-mutex-watcher",
+                on_crash=lambda exc: None,
+            )
 
     def stop(self) -> None:
         self.watcher.stop()
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            with contextlib.suppress(RuntimeError):  # its loop is closed: the task is gone already
-                task.get_loop().call_soon_threadsafe(task.cancel)
+        if task is not None:
+            task.stop()
 
 
 class Mutex:
@@ -176,7 +119,8 @@ class Mutex:
     _transport: Transport
     _state: LockState
     _lock: flows.LockContext
-    _heartbeat: _Heartbeat | None
+    _heartbeat: Background | None
+    _sweeper: Background | None
     _siblings: dict[str, Mutex]
     _options: dict[str, Any]
 
@@ -253,6 +197,7 @@ class Mutex:
         )
         self._lock = flows.LockContext(self._state, statements, tracing)
         self._heartbeat = None
+        self._sweeper = None
         self._watch = None
         self._siblings = {}
         self._options = {
@@ -364,14 +309,15 @@ class Mutex:
         timeout = _check_wait(blocking, timeout)
         self._transport.check_process()
         runner = self._sync_runner()
+        self._stop_sweeper()
         try:
             acquired = runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout))
         finally:
-            self._track_row()
+            self._track_row(SyncBackground)
         if not acquired:
             yield False
             return
-        self._heartbeat = _SyncHeartbeat(self._transport, self._lock, self._state.generation)
+        self._heartbeat = self._keep_alive(SyncBackground)
         try:
             yield True
         except BaseException:
@@ -385,14 +331,15 @@ class Mutex:
         timeout = _check_wait(blocking, timeout)
         self._transport.check_process()
         runner = self._async_runner()
+        await self._stop_sweeper_async()
         try:
             acquired = await runner.run(flows.acquire(self._lock, blocking=blocking, timeout=timeout))
         finally:
-            self._track_row()
+            self._track_row(AsyncBackground)
         if not acquired:
             yield False
             return
-        self._heartbeat = _AsyncHeartbeat(self._transport, self._lock, self._state.generation)
+        self._heartbeat = self._keep_alive(AsyncBackground)
         try:
             yield True
         except BaseException:
@@ -401,13 +348,51 @@ class Mutex:
         # Shielded too: a cancellation arriving now must not leave the row behind.
         await _shielded(self.release_async())
 
-    def _track_row(self) -> None:
-        """Keep `_MAY_HOLD_ROW` true to the state: exit and close delete what may be ours."""
+    def _keep_alive(self, kind: type[Background]) -> Background:
+        state, generation = self._state, self._state.generation
+        return kind(
+            self._transport,
+            flows.keep_alive(self._lock, generation),
+            name=f"postgres-mutex-heartbeat:{state.lock_name}",
+            # Never die silently: a holder that stopped heartbeating must hear it.
+            on_crash=lambda exc: state.lose(f"the heartbeat failed unexpectedly: {exc!r}", generation),
+        )
+
+    def _track_row(self, kind: type[Background]) -> None:
+        """Keep `_MAY_HOLD_ROW` true to the state, and sweep up a row an unanswered statement left.
+
+        Exit and close delete what may be ours; meanwhile a sweeper keeps
+        trying, so the lock comes back as soon as the database does rather
+        than after ``stale_threshold``.
+        """
         with _MAY_HOLD_ROW_LOCK:
             if self._state.may_have_row:
                 _MAY_HOLD_ROW.add(self)
             else:
                 _MAY_HOLD_ROW.discard(self)
+        idle_with_orphan = self._state.orphan_suspected and self._state.status is Status.IDLE
+        if idle_with_orphan and (self._sweeper is None or not self._sweeper.running):
+            self._sweeper = kind(
+                self._transport,
+                flows.sweep_orphan(self._lock),
+                name=f"postgres-mutex-cleanup:{self.lock_name}",
+                on_crash=lambda exc: None,
+            )
+
+    def _stop_sweeper(self) -> None:
+        # An acquire takes the row back itself; a cleanup racing it could delete the new hold.
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None:
+            sweeper.stop()
+            if isinstance(sweeper, SyncBackground):
+                sweeper.join(self._state.timing.operation_timeout + 1.0)
+
+    async def _stop_sweeper_async(self) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None:
+            sweeper.stop()
+            if isinstance(sweeper, AsyncBackground):
+                await sweeper.join(self._state.timing.operation_timeout + 1.0)
 
     # -- release -----------------------------------------------------------
 
@@ -421,27 +406,29 @@ class Mutex:
         """
         previous, heartbeat = self._begin_release()
         try:
-            if isinstance(heartbeat, _SyncHeartbeat):
+            if isinstance(heartbeat, SyncBackground):
                 heartbeat.join(self._state.timing.operation_timeout)
+            self._stop_sweeper()
         finally:
             try:
                 self._sync_runner().run(flows.release(self._lock, previous))
             finally:
-                self._track_row()
+                self._track_row(SyncBackground)
 
     async def release_async(self) -> None:
         """Async `release`."""
         previous, heartbeat = self._begin_release()
         try:
-            if isinstance(heartbeat, _AsyncHeartbeat):
+            if isinstance(heartbeat, AsyncBackground):
                 await heartbeat.join(self._state.timing.operation_timeout)
+            await self._stop_sweeper_async()
         finally:
             try:
                 await self._async_runner().run(flows.release(self._lock, previous))
             finally:
-                self._track_row()
+                self._track_row(AsyncBackground)
 
-    def _begin_release(self) -> tuple[Status, _Heartbeat | None]:
+    def _begin_release(self) -> tuple[Status, Background | None]:
         # Stop holding first, so nothing an interruption leaves half done can
         # look held: the heartbeat stops renewing, the row stays tracked.
         previous = self._state.begin_release()
@@ -602,7 +589,7 @@ class Mutex:
             await self._transport.async_.aclose()
 
     def _after_fork_in_child(self) -> None:
-        self._heartbeat = None
+        self._heartbeat = self._sweeper = None
         self._state.reset_after_fork(self._transport.instance_id)
 
 

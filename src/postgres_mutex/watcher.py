@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import _flows as flows
+from ._background import SyncBackground
 from ._metrics import LockObservation, MetricsDispatch
 from ._rules import AlertGate, WatchAlerts
 from ._settings import check_name, check_seconds
@@ -97,8 +98,7 @@ class StaleWatcher:
     def _setup(self, transport: Transport, context: flows.WatchContext) -> None:
         self._transport = transport
         self._context = context
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._thread: SyncBackground | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -133,27 +133,20 @@ class StaleWatcher:
     def start(self) -> None:
         """Watch in a daemon thread until `stop`; does nothing if already started."""
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._stop = threading.Event()
-            runner = self._transport.sync_runner(self._stop)
-            self._thread = threading.Thread(
-                target=self._run_thread, args=(runner,), name="postgres-mutex-watcher", daemon=True
-            )
-            self._thread.start()
-
-    def _run_thread(self, runner: Any) -> None:
-        try:
-            runner.run(flows.watch_forever(self._context))
-        except BaseException:
-            logger.exception("the postgres-mutex watcher stopped on an unexpected error")
+            if self._thread is None or not self._thread.running:
+                self._thread = SyncBackground(
+                    self._transport,
+                    flows.watch_forever(self._context),
+                    name="postgres-mutex-watcher",
+                    on_crash=lambda exc: None,
+                )
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop the thread, waiting up to ``timeout`` seconds (None: its current read's deadline)."""
         with self._lock:
             thread, self._thread = self._thread, None
-        self._stop.set()
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None:
+            thread.stop()
             thread.join(self._context.operation_timeout + 1.0 if timeout is None else timeout)
 
     async def run(self) -> None:
