@@ -1,6 +1,6 @@
 """Fixtures for the chaos suite: one Toxiproxy server a session, a clean client a test.
 
-PostgreSQL fixtures live in tests/conftest.py; scenarios wire the two together.
+PostgreSQL fixtures live in tests/fixtures.py (loaded for both suites by the root conftest.py).
 """
 
 from __future__ import annotations

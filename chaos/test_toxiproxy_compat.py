@@ -207,8 +207,7 @@ def test_proxy_is_created_listed_forwards_and_is_deleted(
     assert fetched.listen == proxy.listen
 
     sock = connect(proxy)
-    # More than one read's worth, both ways.
-    assert round_trip(sock, bytes(range(256)) * 1024) >= 0
+    round_trip(sock, bytes(range(256)) * 1024)  # More than one read's worth, both ways.
 
     assert proxy.destroy()
     assert toxiproxy.get_proxy("chaos_lifecycle") is None
@@ -245,6 +244,7 @@ def test_duplicate_unknown_and_invalid_requests_map_to_client_errors(
 
 
 def test_toxic_defaults_are_downstream_full_toxicity_named_by_type(echo_proxy: Proxy) -> None:
+    # Posted directly: toxiproxy-python's add_toxic fills in these defaults itself.
     APIConsumer.post(f"/proxies/{echo_proxy.name}/toxics", json={"type": "latency", "attributes": {"latency": 100}})
     APIConsumer.post(
         f"/proxies/{echo_proxy.name}/toxics", json={"type": "bandwidth", "stream": "upstream", "toxicity": 0.5}

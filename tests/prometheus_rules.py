@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from tests.conftest import required_tool
+from tests.fixtures import required_tool
 
 EXPORTERS = Path(__file__).resolve().parent.parent / "exporters"
 ALERTS_FILE = EXPORTERS / "prometheus" / "alerts.yml"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, Mutex
-from tests.conftest import RecordingMetrics, frozen_holder, wait_until
+from tests.fixtures import RecordingMetrics, frozen_holder, wait_until
 
 Row = Callable[..., tuple[Any, ...] | None]
 Holder = Callable[..., str | None]

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import Mutex
-from tests.conftest import ROOT, freeze, wait_until
+from tests.fixtures import ROOT, freeze, wait_until
 from tests.postgres_server import free_port
 
 Holder = Callable[..., str | None]

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import Mutex
-from tests.conftest import wait_until
+from tests.fixtures import wait_until
 from tests.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer
 
 

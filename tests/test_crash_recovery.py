@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from postgres_mutex import Mutex
-from tests.conftest import FAST, ROOT, RecordingMetrics, read_held, start_worker
+from tests.fixtures import FAST, ROOT, RecordingMetrics, read_held, start_worker
 
 Holder = Callable[..., str | None]
 

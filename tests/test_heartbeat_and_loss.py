@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, Mutex
-from tests.conftest import FAST, RecordingMetrics, wait_until
+from tests.fixtures import FAST, RecordingMetrics, wait_until
 
 Row = Callable[..., tuple[Any, ...] | None]
 Holder = Callable[..., str | None]

@@ -22,7 +22,7 @@ from postgres_mutex import DatabaseError, FanOutMetrics, LockNotHeldError, Mutex
 from postgres_mutex.otel import OtelMetrics
 from postgres_mutex.prometheus import PrometheusMetrics
 from postgres_mutex.watcher import StaleWatcher
-from tests.conftest import FAST, frozen_holder, wait_until
+from tests.fixtures import FAST, frozen_holder, wait_until
 
 
 def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_name: str, admin: Any) -> None:

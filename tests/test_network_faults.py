@@ -14,8 +14,8 @@ import psycopg
 import pytest
 
 from postgres_mutex import DatabaseError, LockNotHeldError, Mutex, OperationTimeout
-from tests.conftest import FAST, RecordingMetrics, freeze, wait_until
 from tests.faultproxy import FaultProxy
+from tests.fixtures import FAST, RecordingMetrics, freeze, wait_until
 from tests.postgres_server import PostgresServer
 
 Holder = Callable[..., str | None]

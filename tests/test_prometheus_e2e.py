@@ -32,7 +32,7 @@ import psycopg
 import pytest
 import yaml
 
-from tests.conftest import ROOT, read_held, required_tool, start_worker, wait_until
+from tests.fixtures import ROOT, read_held, required_tool, start_worker, wait_until
 from tests.postgres_server import free_port
 from tests.prometheus_rules import ALERTS_FILE, rule_expressions
 

@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from postgres_mutex import Mutex, SchemaError
-from tests.conftest import FAST, frozen_holder
+from tests.fixtures import FAST, frozen_holder
 from tests.postgres_server import PostgresServer
 
 

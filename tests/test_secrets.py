@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import DatabaseError, Mutex
-from tests.conftest import FAST, RecordingMetrics
+from tests.fixtures import FAST, RecordingMetrics
 from tests.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer, free_port
 
 SECRET = "Hunter2-is-not-a-password"

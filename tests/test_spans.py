@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex, SchemaError
-from tests.conftest import frozen_holder, wait_until
+from tests.fixtures import frozen_holder, wait_until
 from tests.postgres_server import PostgresServer
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from postgres_mutex import Mutex
 from postgres_mutex.watcher import StaleWatcher
-from tests.conftest import FAST, RecordingMetrics, freeze, wait_until
 from tests.faultproxy import FaultProxy
+from tests.fixtures import FAST, RecordingMetrics, freeze, wait_until
 
 INTERVAL = 0.1
 
