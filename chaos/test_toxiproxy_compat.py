@@ -446,8 +446,8 @@ def test_reset_enables_proxies_and_removes_toxics(toxiproxy: Toxiproxy, echo_pro
 def _api(url: str, method: str, path: str, body: object = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
     # The URL is the in-process server's own http://127.0.0.1 address.
-    request = urllib.request.Request(url + path, data=data, method=method)  # noqa: S310
-    with urllib.request.urlopen(request, timeout=_PROMPT) as response:  # noqa: S310
+    request = urllib.request.Request(url + path, data=data, method=method)
+    with urllib.request.urlopen(request, timeout=_PROMPT) as response:
         raw = response.read()
     return json.loads(raw) if raw else None
 

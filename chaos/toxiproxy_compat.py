@@ -128,7 +128,7 @@ _MAX_HEADERS: Final = 100
 _DEFAULT_LISTEN: Final = "127.0.0.1:0"
 
 # Toxicity and jitter are chances, not secrets.
-_random = random.Random()  # noqa: S311
+_random = random.Random()
 
 Emit = Callable[[bytes, float], Awaitable[None]]
 

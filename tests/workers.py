@@ -2,6 +2,7 @@
 
     python -m tests.workers hold DSN LOCK               acquire, print "held <id>", sleep until killed
     python -m tests.workers exit-holding DSN LOCK       acquire, print "held <id>", exit without releasing
+    python -m tests.workers wait DSN LOCK               print "waiting", acquire (blocking), print "held <id> <t>", hold
     python -m tests.workers contend DSN LOCK N OUT MODE acquire N times (MODE sync|async), log intervals to OUT
     python -m tests.workers fork DSN LOCK ID            hold, fork a child that tries the same Mutex, report JSON
     python -m tests.workers fleet DSN PREFIX PORT       contend, wait to reclaim, stall; /metrics on PORT
@@ -33,12 +34,15 @@ FAST = {
 }
 
 
-def hold(dsn: str, lock: str, *, exit_at_once: bool) -> None:
+def hold(dsn: str, lock: str, *, exit_at_once: bool, announce_wait: bool = False) -> None:
     mutex = Mutex(dsn, lock, **FAST)  # type: ignore[arg-type]
-    held = mutex.acquire(blocking=True, timeout=30)
+    held = mutex.acquire(blocking=True, timeout=60)
+    if announce_wait:
+        print("waiting", flush=True)
     if not held.__enter__():
         sys.exit(3)
-    print(f"held {mutex.instance_id}", flush=True)
+    # The moment of the acquisition on CLOCK_MONOTONIC, which every process shares.
+    print(f"held {mutex.instance_id} {time.monotonic()!r} {time.time()!r}", flush=True)
     if exit_at_once:
         return  # a normal interpreter exit, lock still held
     while True:
@@ -181,12 +185,33 @@ def watcher(dsn: str, port: int) -> None:
         time.sleep(1)
 
 
+def skew_wall_clock(offset: float) -> None:
+    """Make this process's wall clock wrong by ``offset`` seconds (time.time and friends).
+
+    The library must not care: leases run on the monotonic clock and every
+    staleness decision on the server's. (libfaketime would skew it below
+    Python too, but it breaks Python 3.11's sleeps.)
+    """
+    real_time, real_time_ns, real_clock = time.time, time.time_ns, time.clock_gettime
+
+    def clock_gettime(clock: int) -> float:
+        return real_clock(clock) + (offset if clock == time.CLOCK_REALTIME else 0.0)
+
+    time.time = lambda: real_time() + offset
+    time.time_ns = lambda: real_time_ns() + int(offset * 1e9)
+    time.clock_gettime = clock_gettime
+
+
 def main(argv: list[str]) -> None:
+    if offset := os.environ.get("WORKER_WALL_CLOCK_OFFSET"):
+        skew_wall_clock(float(offset))
     command, dsn, lock, *rest = argv
     if command == "hold":
         hold(dsn, lock, exit_at_once=False)
     elif command == "exit-holding":
         hold(dsn, lock, exit_at_once=True)
+    elif command == "wait":
+        hold(dsn, lock, exit_at_once=False, announce_wait=True)
     elif command == "fleet":
         fleet(dsn, lock, int(rest[0]))
     elif command == "watcher":

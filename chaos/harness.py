@@ -1,0 +1,256 @@
+"""What every chaos scenario shares: proxies, faults, the mutual-exclusion checker, the report.
+
+Timings are shortened (heartbeat 0.2 s, alert 1 s, stale 3 s) so each fault
+plays out in seconds; their ratios are what the library cares about.
+
+Where proxies listen and what they forward to can be set for setups where
+Toxiproxy runs elsewhere (a container): ``CHAOS_PROXY_LISTEN_HOST`` (default
+127.0.0.1), ``CHAOS_PROXY_PORTS`` (a range such as ``20000-20039``; default:
+any free port), ``CHAOS_PROXY_CONNECT_HOST`` (how clients reach the proxies;
+default the listen host) and ``CHAOS_UPSTREAM`` (PostgreSQL as Toxiproxy sees
+it; default the test server's host:port).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from postgres_mutex import LockNotHeldError, MetricsHook, Mutex
+
+HEARTBEAT, ALERT, STALE = 0.2, 1.0, 3.0
+LEASE = STALE - HEARTBEAT
+POLL = 0.1
+OPERATION_TIMEOUT = 0.5
+WATCH_INTERVAL = 0.1
+
+TIMING: dict[str, float] = {
+    "heartbeat_interval": HEARTBEAT,
+    "alert_threshold": ALERT,
+    "stale_threshold": STALE,
+    "poll_interval": POLL,
+    "operation_timeout": OPERATION_TIMEOUT,
+}
+
+
+def _port_range() -> Iterator[int] | None:
+    text = os.environ.get("CHAOS_PROXY_PORTS")
+    if not text:
+        return None
+    low, _, high = text.partition("-")
+    return itertools.cycle(range(int(low), int(high or low) + 1))
+
+
+_PORTS = _port_range()
+_PORTS_LOCK = threading.Lock()
+
+
+def listen_address() -> str:
+    host = os.environ.get("CHAOS_PROXY_LISTEN_HOST", "127.0.0.1")
+    with _PORTS_LOCK:
+        port = 0 if _PORTS is None else next(_PORTS)
+    return f"{host}:{port}"
+
+
+def client_dsn(base: dict[str, Any], listen: str) -> str:
+    """A DSN reaching PostgreSQL through a proxy listening at ``listen``."""
+    host, _, port = listen.rpartition(":")
+    wildcard = host in ("", "0.0.0.0", "[::]")  # noqa: S104 - a listen address, read, never bound here
+    host = os.environ.get("CHAOS_PROXY_CONNECT_HOST") or ("127.0.0.1" if wildcard else host)
+    params = {**base, "host": host, "port": port, "sslmode": "disable", "gssencmode": "disable"}
+    return " ".join(f"{key}={value}" for key, value in params.items() if value is not None)
+
+
+class Net:
+    """The network path of one client: a Toxiproxy proxy, and the faults it can inject."""
+
+    def __init__(self, client: Any, upstream: str, base_dsn: dict[str, Any], name: str) -> None:
+        self.proxy = client.create(upstream=upstream, name=f"{name}-{uuid.uuid4().hex[:6]}", listen=listen_address())
+        self.dsn = client_dsn(base_dsn, self.proxy.listen)
+        self._toxics: list[str] = []
+
+    def toxic(self, kind: str, stream: str = "downstream", **attributes: int) -> str:
+        name = f"{kind}_{stream}_{len(self._toxics)}"
+        self.proxy.add_toxic(type=kind, stream=stream, name=name, attributes=attributes)
+        self._toxics.append(name)
+        return name
+
+    def remove(self, name: str) -> None:
+        self.proxy.destroy_toxic(name)
+        self._toxics.remove(name)
+
+    def clear(self) -> None:
+        for name in list(self._toxics):
+            self.remove(name)
+
+    def partition(self) -> None:
+        """A silent partition: nothing gets through either way, no RST, no FIN."""
+        self.toxic("timeout", "upstream", timeout=0)
+        self.toxic("timeout", "downstream", timeout=0)
+
+    @contextmanager
+    def partitioned(self) -> Iterator[None]:
+        """Partitioned for the duration of the block, healed after (Toxiproxy closes the cut connections)."""
+        self.partition()
+        try:
+            yield
+        finally:
+            self.clear()
+
+
+@dataclass
+class Event:
+    at: float
+    name: str
+    lock_name: str
+    fields: dict[str, Any]
+
+
+class Events:
+    """A metrics hook that timestamps every call (monotonic clock), for assertions and figures."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _HOOK_METHODS:
+            raise AttributeError(name)
+
+        def record(*args: Any, **kwargs: Any) -> None:
+            lock_name = args[0] if args and isinstance(args[0], str) else ""
+            with self._lock:
+                self.events.append(Event(time.monotonic(), name, lock_name, kwargs))
+
+        return record
+
+    def named(self, name: str) -> list[Event]:
+        with self._lock:
+            return [event for event in self.events if event.name == name]
+
+    def first(self, name: str) -> Event | None:
+        found = self.named(name)
+        return found[0] if found else None
+
+
+_HOOK_METHODS = frozenset(name for name in vars(MetricsHook) if not name.startswith("_"))
+
+
+@dataclass
+class Section:
+    who: str
+    enter: float
+    exit: float | None = None
+
+
+class Sections:
+    """Critical sections on the machine-wide monotonic clock; no two may ever overlap.
+
+    A section runs from the moment a holder's acquire returned to the moment
+    it stopped believing it held the lock: it released, or its lease ran out
+    (``on_lost`` fired). Worker processes log theirs to files in the same
+    form, "who enter exit".
+    """
+
+    def __init__(self) -> None:
+        self._sections: list[Section] = []
+        self._lock = threading.Lock()
+
+    def enter(self, who: str, at: float | None = None) -> Section:
+        section = Section(who, time.monotonic() if at is None else at)
+        with self._lock:
+            self._sections.append(section)
+        return section
+
+    def leave(self, section: Section) -> None:
+        if section.exit is None:
+            section.exit = time.monotonic()
+
+    @contextmanager
+    def holding(self, mutex: Mutex, who: str, **acquire: Any) -> Iterator[bool]:
+        """``with mutex.acquire(...)`` recording the section; a lost lock ends it when it is lost."""
+        with mutex.acquire(**acquire) as acquired:
+            if not acquired:
+                yield False
+                return
+            section = self.enter(who)
+            try:
+                yield True
+            finally:
+                self.leave(section)
+
+    def on_lost(self, who: str) -> Any:
+        """An ``on_lost`` callback that ends ``who``'s open section at the moment of the loss."""
+
+        def lost(error: LockNotHeldError) -> None:
+            with self._lock:
+                for section in self._sections:
+                    if section.who == who and section.exit is None:
+                        section.exit = time.monotonic()
+
+        return lost
+
+    def add_log(self, path: Path) -> None:
+        for line in path.read_text().splitlines():
+            who, enter, leave = line.split()
+            with self._lock:
+                self._sections.append(Section(who, float(enter), float(leave)))
+
+    def all(self) -> list[Section]:
+        with self._lock:
+            return list(self._sections)
+
+    def overlaps(self) -> list[tuple[Section, Section]]:
+        """Sections that began before an earlier one had ended; an open section lasts until now."""
+        found: list[tuple[Section, Section]] = []
+        latest: Section | None = None
+        now = time.monotonic()
+        for section in sorted(self.all(), key=lambda s: s.enter):
+            if latest is not None and section.enter < (latest.exit if latest.exit is not None else now):
+                found.append((latest, section))
+            if latest is None or (section.exit if section.exit is not None else now) > (
+                latest.exit if latest.exit is not None else now
+            ):
+                latest = section
+        return found
+
+
+@dataclass
+class Report:
+    """Measured figures per scenario, written as JSON and a markdown table at the end of the session."""
+
+    directory: Path
+    scenarios: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def record(self, scenario: str, **figures: Any) -> None:
+        self.scenarios.setdefault(scenario, {}).update(
+            {key: round(value, 3) if isinstance(value, float) else value for key, value in figures.items()}
+        )
+
+    def write(self, toxiproxy: str) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "timing": {"heartbeat_interval": HEARTBEAT, "alert_threshold": ALERT, "stale_threshold": STALE},
+            "toxiproxy": toxiproxy,
+            "scenarios": self.scenarios,
+        }
+        (self.directory / "chaos-report.json").write_text(json.dumps(payload, indent=2) + "\n")
+        lines = [
+            f"Chaos report: heartbeat {HEARTBEAT:g}s, alert {ALERT:g}s, stale {STALE:g}s; Toxiproxy: {toxiproxy}",
+            "",
+            "| scenario | overlaps | measured |",
+            "|---|---|---|",
+        ]
+        for scenario, figures in self.scenarios.items():
+            measured = "; ".join(f"{key}: {value}" for key, value in figures.items() if key != "overlaps")
+            lines.append(f"| {scenario} | {figures.get('overlaps', '')} | {measured} |")
+        (self.directory / "chaos-report.md").write_text("\n".join(lines) + "\n")
