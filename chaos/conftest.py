@@ -79,7 +79,7 @@ class Chaos:
 
     def net(self, name: str, server: PostgresServer | None = None) -> Net:
         target = server or self.pg
-        upstream = self._upstream if server is None else f"{server.host}:{server.port}"
+        upstream = self._upstream if target is self.pg else f"{target.host}:{target.port}"
         base = {"user": target.user, "dbname": target.dbname, "password": target.password}
         return Net(self.toxiproxy, upstream, base, name)
 
@@ -107,9 +107,10 @@ class Chaos:
         return watcher
 
     def holder_id(self) -> str | None:
-        found = self.admin.execute(
-            "SELECT instance_id FROM mutex_lock WHERE lock_name = %s", (self.lock_name,)
-        ).fetchone()
+        # A connection of its own each time: a scenario may have restarted the server.
+        with psycopg.connect(self.pg.dsn(), autocommit=True, connect_timeout=5) as conn:
+            query = "SELECT instance_id FROM mutex_lock WHERE lock_name = %s"
+            found = conn.execute(query, (self.lock_name,)).fetchone()
         return None if found is None else str(found[0])
 
     def close(self) -> None:

@@ -81,18 +81,21 @@ def pg() -> Iterator[PostgresServer]:
 
 @pytest.fixture
 def own_pg(pg: PostgresServer) -> Iterator[PostgresServer]:
-    """A server this test alone may restart; needs a suite-started server."""
-    if not pg.controllable:
-        skip_or_fail_in_ci("restarting PostgreSQL needs a server the suite starts (POSTGRES_MUTEX_TEST_DSN is set)")
-    with local_server() as server:
-        yield server
+    """A server this test may restart: a fresh one when the suite starts servers, else a restartable one."""
+    if pg.started_by_suite:
+        with local_server() as server:
+            yield server
+        return
+    if not pg.restartable:
+        skip_or_fail_in_ci("restarting PostgreSQL needs POSTGRES_MUTEX_TEST_RESTART with POSTGRES_MUTEX_TEST_DSN")
+    yield pg
 
 
 @pytest.fixture
-def needs_own_server(pg: PostgresServer) -> None:
-    """For tests that change roles or authentication on the server."""
-    if not pg.controllable:
-        skip_or_fail_in_ci("needs a server the suite starts: it creates roles and uses password authentication")
+def needs_superuser(pg: PostgresServer) -> None:
+    """For tests that create roles and log in with passwords."""
+    if not pg.superuser:
+        skip_or_fail_in_ci("needs a superuser DSN: it creates roles and uses password authentication")
 
 
 @pytest.fixture(scope="session")
@@ -101,10 +104,20 @@ def dsn(pg: PostgresServer) -> str:
 
 
 @pytest.fixture(scope="session")
-def admin(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    """A superuser connection for inspecting the table from outside any Mutex."""
+def schema(dsn: str) -> None:
+    """The default lock table exists."""
+    bootstrap = Mutex(dsn, "schema-bootstrap")
+    bootstrap.create_schema()
+    bootstrap.close()
+
+
+@pytest.fixture
+def admin(dsn: str, schema: None) -> Iterator[psycopg.Connection[Any]]:
+    """A connection of the suite's own, for inspecting the table from outside any Mutex.
+
+    One per test: a test that restarts the server must not break the next one's.
+    """
     with psycopg.connect(dsn, autocommit=True) as conn:
-        Mutex(dsn, "schema-bootstrap").create_schema()
         yield conn
 
 

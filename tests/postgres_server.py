@@ -2,8 +2,11 @@
 
 Where the server comes from, in order:
 
-1. ``POSTGRES_MUTEX_TEST_DSN``: a server you run yourself (superuser DSN).
-   Tests that must restart the server or change its authentication skip.
+1. ``POSTGRES_MUTEX_TEST_DSN``: a server you run yourself. With a superuser
+   DSN the tests that create roles run too (give them password authentication
+   for TCP, as the postgres image does). ``POSTGRES_MUTEX_TEST_RESTART``, a
+   shell command restarting that server (``docker restart <container>``), lets
+   the restart tests run; without it they skip.
 2. ``POSTGRES_MUTEX_TEST_DOCKER=1``: a ``postgres`` container via testcontainers.
 3. Otherwise a throwaway server from local binaries, listening on 127.0.0.1
    over TCP: ``POSTGRES_MUTEX_TEST_PG_BIN`` (a directory holding initdb,
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -38,10 +43,17 @@ class PostgresServer:
     user: str
     dbname: str
     password: str | None = None
-    controllable: bool = False
-    """True when the suite owns the server and may restart it or edit its config."""
+    started_by_suite: bool = False
+    """The suite started it: it may start others like it, and trusts local connections."""
+    restart_command: str | None = None
+    superuser: bool = False
+    """The DSN's role may create roles (set by `_bootstrap`)."""
     version: int = 0
     _local: EmbeddedPostgres | None = field(default=None, repr=False)
+
+    @property
+    def restartable(self) -> bool:
+        return self._local is not None or self.restart_command is not None
 
     def dsn(self, **overrides: str | int) -> str:
         params: dict[str, str | int] = {
@@ -56,18 +68,37 @@ class PostgresServer:
         return " ".join(f"{key}={value}" for key, value in params.items())
 
     def restart(self) -> None:
-        assert self._local is not None, "only a server the suite started can be restarted"
-        self._local.restart()
+        """Restart the server and wait until it takes connections again."""
+        if self._local is not None:
+            self._local.restart()
+            return
+        assert self.restart_command is not None, "set POSTGRES_MUTEX_TEST_RESTART to restart your server"
+        subprocess.run(self.restart_command, shell=True, check=True, timeout=120)  # noqa: S602 - the user's own command
+        import psycopg
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with psycopg.connect(self.dsn(), connect_timeout=2):
+                    return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 def _bootstrap(server: PostgresServer) -> None:
-    """Create the password role (if the server is ours) and read the server version."""
+    """Read the server's version and powers; as a superuser, make sure the password role exists."""
     import psycopg
 
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
         server.version = int(conn.info.server_version) // 10000
-        if server.controllable:
-            conn.execute(f"CREATE ROLE {PASSWORD_ROLE} LOGIN PASSWORD '{PASSWORD}'")
+        found = conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
+        server.superuser = bool(found and found[0])
+        if server.superuser:
+            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (PASSWORD_ROLE,)).fetchone()
+            if not exists:
+                conn.execute(f"CREATE ROLE {PASSWORD_ROLE} LOGIN PASSWORD '{PASSWORD}'")
 
 
 @contextlib.contextmanager
@@ -75,7 +106,9 @@ def local_server() -> Iterator[PostgresServer]:
     # One role must use a password, so the secrets tests see real authentication.
     hba = [f"host all {PASSWORD_ROLE} 127.0.0.1/32 scram-sha-256"]
     with EmbeddedPostgres(os.environ.get("POSTGRES_MUTEX_TEST_PG_BIN") or None, hba_lines=hba) as cluster:
-        server = PostgresServer(cluster.host, cluster.port, "postgres", "postgres", controllable=True, _local=cluster)
+        server = PostgresServer(
+            cluster.host, cluster.port, "postgres", "postgres", started_by_suite=True, _local=cluster
+        )
         _bootstrap(server)
         yield server
 
@@ -110,6 +143,7 @@ def configured_server() -> Iterator[PostgresServer]:
             str(params.get("user", os.environ.get("PGUSER", "postgres"))),
             str(params.get("dbname", os.environ.get("PGDATABASE", "postgres"))),
             password=None if params.get("password") is None else str(params["password"]),
+            restart_command=os.environ.get("POSTGRES_MUTEX_TEST_RESTART") or None,
         )
         _bootstrap(server)
         yield server

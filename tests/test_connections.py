@@ -30,8 +30,9 @@ def _works(mutex: Mutex) -> None:
 
 
 def test_uri_and_keyword_dsns(pg: PostgresServer, lock_name: str, clean_pg_env: None) -> None:
-    _works(Mutex(f"postgresql://{pg.user}@{pg.host}:{pg.port}/{pg.dbname}?sslmode=disable", lock_name))
-    _works(Mutex(f"host={pg.host} port={pg.port} user={pg.user} dbname={pg.dbname}", lock_name))
+    credentials = pg.user + (f":{pg.password}" if pg.password else "")
+    _works(Mutex(f"postgresql://{credentials}@{pg.host}:{pg.port}/{pg.dbname}?sslmode=disable", lock_name))
+    _works(Mutex(pg.dsn(), lock_name))
 
 
 def test_a_partial_dsn_is_completed_from_pg_environment_variables(
@@ -41,12 +42,14 @@ def test_a_partial_dsn_is_completed_from_pg_environment_variables(
     monkeypatch.setenv("PGPORT", str(pg.port))
     monkeypatch.setenv("PGUSER", pg.user)
     monkeypatch.setenv("PGDATABASE", pg.dbname)
+    if pg.password:
+        monkeypatch.setenv("PGPASSWORD", pg.password)
     _works(Mutex("", lock_name))
     _works(Mutex("sslmode=disable", lock_name))
 
 
 @pytest.fixture
-def password_role(admin: psycopg.Connection[Any], needs_own_server: None) -> Iterator[str]:
+def password_role(admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
     admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON mutex_lock TO {PASSWORD_ROLE}")
     yield PASSWORD_ROLE
     admin.execute(f"REVOKE ALL ON mutex_lock FROM {PASSWORD_ROLE}")

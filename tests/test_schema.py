@@ -13,7 +13,7 @@ from psycopg import sql
 
 from postgres_mutex import Mutex, SchemaError
 from tests.fixtures import FAST, frozen_holder
-from tests.postgres_server import PostgresServer
+from tests.postgres_server import PASSWORD, PostgresServer
 
 
 def fresh_table() -> str:
@@ -144,14 +144,14 @@ def test_create_schema_in_a_missing_schema_is_a_clear_error(make_mutex: Callable
 
 
 @pytest.fixture
-def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_own_server: None) -> Iterator[str]:
+def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
     """A login role granted only SELECT, INSERT, UPDATE, DELETE on the lock table."""
     role = f"mutex_app_{uuid.uuid4().hex[:8]}"
-    admin.execute(f"CREATE ROLE {role} LOGIN")
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
     # PostgreSQL 14 and older let everyone create tables in public: not here.
     admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
     admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON mutex_lock TO {role}")
-    yield pg.dsn(user=role)
+    yield pg.dsn(user=role, password=PASSWORD)
     admin.execute(f"DROP OWNED BY {role}")
     admin.execute(f"DROP ROLE {role}")
 
@@ -176,12 +176,12 @@ def test_a_role_with_only_dml_privileges_can_do_everything_but_create(
 
 
 def test_a_role_without_privileges_gets_a_clear_error(
-    pg: PostgresServer, admin: psycopg.Connection[Any], needs_own_server: None, lock_name: str
+    pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None, lock_name: str
 ) -> None:
     role = f"mutex_nobody_{uuid.uuid4().hex[:8]}"
-    admin.execute(f"CREATE ROLE {role} LOGIN")
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
     try:
-        mutex = Mutex(pg.dsn(user=role), lock_name)
+        mutex = Mutex(pg.dsn(user=role, password=PASSWORD), lock_name)
         with (
             pytest.raises(
                 SchemaError, match=r"may not use the lock table mutex_lock.*grant SELECT, INSERT, UPDATE, DELETE"
