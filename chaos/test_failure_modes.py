@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import pytest
-from tests.fixtures import FAST, ROOT, read_held, start_worker, wait_until
+from tests.fixtures import FAST, read_held, start_worker, wait_until
 from tests.postgres_server import PostgresServer
 
 from chaos.conftest import Chaos
@@ -322,14 +321,7 @@ def test_11_clients_with_skewed_clocks_get_correct_staleness(
     """A holder whose wall clock is three hours fast, a waiter three hours slow: only the server's clock counts."""
 
     def skewed(offset: float, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "tests.workers", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "WORKER_WALL_CLOCK_OFFSET": str(offset)},
-        )
+        return start_worker(*args, env={"WORKER_WALL_CLOCK_OFFSET": str(offset)})
 
     holder = skewed(3 * 3600, "hold", chaos.pg.dsn(), chaos.lock_name)
     workers.append(holder)

@@ -244,7 +244,16 @@ def metrics() -> RecordingMetrics:
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_worker(*args: str) -> subprocess.Popen[str]:
+@contextlib.contextmanager
+def row_locked(dsn: str, lock_name: str) -> Iterator[None]:
+    """Another session holds the lock row (SELECT ... FOR UPDATE): its holder's heartbeats cannot land."""
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
+        yield
+        blocker.rollback()
+
+
+def start_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """Run ``python -m tests.workers ARGS`` (see tests/workers.py) as a separate process."""
     return subprocess.Popen(
         [sys.executable, "-m", "tests.workers", *args],
@@ -252,6 +261,7 @@ def start_worker(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=None if env is None else {**os.environ, **env},
     )
 
 

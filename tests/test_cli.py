@@ -11,7 +11,7 @@ import tempfile
 import textwrap
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,24 +53,11 @@ def python(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]
 
 
-@pytest.fixture
-def running() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-
-
 # -- run ----------------------------------------------------------------------
 
 
 def test_run_holds_the_lock_while_the_command_runs_and_passes_its_exit_code_on(
-    dsn: str, lock_name: str, holder_id: Holder, running: list[subprocess.Popen[str]]
+    dsn: str, lock_name: str, holder_id: Holder, workers: list[subprocess.Popen[str]]
 ) -> None:
     proc = start(
         "run",
@@ -87,7 +74,7 @@ def test_run_holds_the_lock_while_the_command_runs_and_passes_its_exit_code_on(
         sys.exit(3)
     """),
     )
-    running.append(proc)
+    workers.append(proc)
     assert proc.stdout is not None
     assert proc.stdout.readline() == "started\n"
     assert holder_id() is not None, "held while the command runs"
@@ -124,13 +111,13 @@ def test_wait_with_a_timeout_gives_up_with_the_busy_code(make_mutex: Callable[..
 
 
 def test_wait_runs_the_command_once_the_holder_releases(
-    make_mutex: Callable[..., Mutex], dsn: str, running: list[subprocess.Popen[str]]
+    make_mutex: Callable[..., Mutex], dsn: str, workers: list[subprocess.Popen[str]]
 ) -> None:
     holder = make_mutex()
     acquire = holder.acquire()
     assert acquire.__enter__()
     proc = start("run", "--dsn", dsn, "--lock", holder.lock_name, "--wait", "--timeout", "30", "--", "echo", "ran")
-    running.append(proc)
+    workers.append(proc)
     time.sleep(0.5)
     assert proc.poll() is None, "still waiting"
     acquire.__exit__(None, None, None)
@@ -153,10 +140,10 @@ TRAP = """
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_signals_are_forwarded_to_the_command(
-    dsn: str, lock_name: str, holder_id: Holder, running: list[subprocess.Popen[str]], signum: int
+    dsn: str, lock_name: str, holder_id: Holder, workers: list[subprocess.Popen[str]], signum: int
 ) -> None:
     proc = start("run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--", *python(TRAP))
-    running.append(proc)
+    workers.append(proc)
     assert proc.stdout is not None
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signum)
@@ -172,10 +159,10 @@ def test_a_command_killed_by_a_signal_exits_128_plus_n(dsn: str, lock_name: str,
 
 
 def test_a_lost_lock_stops_the_command_and_exits_76(
-    dsn: str, lock_name: str, admin: psycopg.Connection[Any], holder_id: Holder, running: list[subprocess.Popen[str]]
+    dsn: str, lock_name: str, admin: psycopg.Connection[Any], holder_id: Holder, workers: list[subprocess.Popen[str]]
 ) -> None:
     proc = start("run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--", *python(TRAP))
-    running.append(proc)
+    workers.append(proc)
     assert proc.stdout is not None
     assert proc.stdout.readline() == "ready\n"
     admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
@@ -186,7 +173,7 @@ def test_a_lost_lock_stops_the_command_and_exits_76(
 
 
 def test_a_command_ignoring_sigterm_is_killed_after_the_grace_period(
-    dsn: str, lock_name: str, admin: psycopg.Connection[Any], running: list[subprocess.Popen[str]]
+    dsn: str, lock_name: str, admin: psycopg.Connection[Any], workers: list[subprocess.Popen[str]]
 ) -> None:
     stubborn = """
         import signal, time
@@ -195,7 +182,7 @@ def test_a_command_ignoring_sigterm_is_killed_after_the_grace_period(
         time.sleep(60)
     """
     proc = start("run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--kill-after", "0.5", "--", *python(stubborn))
-    running.append(proc)
+    workers.append(proc)
     assert proc.stdout is not None
     assert proc.stdout.readline() == "ready\n"
     admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
@@ -205,12 +192,12 @@ def test_a_command_ignoring_sigterm_is_killed_after_the_grace_period(
 
 
 def test_sigterm_while_waiting_for_the_lock_leaves_nothing_behind(
-    make_mutex: Callable[..., Mutex], dsn: str, holder_id: Holder, running: list[subprocess.Popen[str]]
+    make_mutex: Callable[..., Mutex], dsn: str, holder_id: Holder, workers: list[subprocess.Popen[str]]
 ) -> None:
     holder = make_mutex()
     with holder.acquire():
         proc = start("run", "--dsn", dsn, "--lock", holder.lock_name, "--wait", "--", "echo", "never")
-        running.append(proc)
+        workers.append(proc)
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
@@ -308,7 +295,7 @@ def test_release_force_removes_a_dead_holders_row_and_names_it(
 
 
 def test_watch_serves_metrics_that_show_a_lock_going_stale(
-    make_mutex: Callable[..., Mutex], dsn: str, running: list[subprocess.Popen[str]]
+    make_mutex: Callable[..., Mutex], dsn: str, workers: list[subprocess.Popen[str]]
 ) -> None:
     port = free_port()
     proc = start(
@@ -324,7 +311,7 @@ def test_watch_serves_metrics_that_show_a_lock_going_stale(
         "--stale-threshold",
         "1.5",
     )
-    running.append(proc)
+    workers.append(proc)
     holder = make_mutex()
     acquire = holder.acquire()
     assert acquire.__enter__()

@@ -6,15 +6,15 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, Mutex
-from tests.fixtures import FAST, RecordingMetrics, wait_until
+from tests.fixtures import FAST, RecordingMetrics, row_locked, wait_until
 
 Row = Callable[..., tuple[Any, ...] | None]
 Holder = Callable[..., str | None]
@@ -115,15 +115,6 @@ def test_a_deleted_row_is_noticed_by_the_next_heartbeat(
     assert [call["reason"] for call in metrics.named("lost")] == [lost.errors[0].reason]
 
 
-@contextmanager
-def row_locked_by_another_session(dsn: str, lock_name: str) -> Iterator[None]:
-    """Block every UPDATE of the lock row, as a stuck database would."""
-    with psycopg.connect(dsn) as blocker:
-        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
-        yield
-        blocker.rollback()
-
-
 def test_the_lease_runs_out_before_anyone_may_reclaim_the_row(
     make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, row: Row, metrics: RecordingMetrics
 ) -> None:
@@ -140,7 +131,7 @@ def test_the_lease_runs_out_before_anyone_may_reclaim_the_row(
 
     holder = make_mutex(on_lost=on_lost, metrics=metrics, operation_timeout=0.3)
     with pytest.raises(LockNotHeldError, match="lease ran out"), holder.acquire():
-        with row_locked_by_another_session(dsn, lock_name):
+        with row_locked(dsn, lock_name):
             wait_until(lambda: bool(heartbeat_age_at_loss), timeout=10)
             assert not holder.held
         assert row() is not None, "the row is still there: nobody could reclaim it yet"
@@ -155,7 +146,7 @@ def test_heartbeats_recover_from_a_stall_shorter_than_the_lease(
     lost = LostRecorder()
     holder = make_mutex(on_lost=lost, metrics=metrics, operation_timeout=0.2)
     with holder.acquire():
-        with row_locked_by_another_session(dsn, lock_name):
+        with row_locked(dsn, lock_name):
             wait_until(lambda: len(metrics.named("heartbeat_failed")) >= 1)
         failures = len(metrics.named("heartbeat_failed"))
         latencies = len(metrics.named("heartbeat_latency"))

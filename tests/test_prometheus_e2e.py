@@ -13,7 +13,6 @@ Needs Debian's ``prometheus`` package: skipped locally without it, failed in CI.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -32,7 +31,7 @@ import psycopg
 import pytest
 import yaml
 
-from tests.fixtures import ROOT, read_held, required_tool, start_worker, wait_until
+from tests.fixtures import ROOT, read_held, required_tool, row_locked, start_worker, wait_until
 from tests.postgres_server import free_port
 from tests.prometheus_rules import ALERTS_FILE, rule_expressions
 
@@ -159,7 +158,7 @@ def test_every_panel_query_and_alert_rule_returns_data(
     os.kill(doomed.pid, signal.SIGKILL)
     # Block the stalled holder's heartbeats until its lease runs out: failures, then a loss.
     wait_until(lambda: _holds(admin, f"{prefix}-stalled") and _holds(admin, f"{prefix}-flaky"), timeout=30)
-    with _blocked(dsn, f"{prefix}-stalled"):
+    with row_locked(dsn, f"{prefix}-stalled"):
         time.sleep(3.0)  # longer than the stalled holder's lease (1.4 s): the point is that it runs out
     # Keep the flaky holder's heartbeats failing now and then, never for a whole lease.
     done = threading.Event()
@@ -188,18 +187,9 @@ def _has_data(server: Prometheus, what: str, expr: str, before_any_sample: float
     return bool(server.query(expr))
 
 
-@contextlib.contextmanager
-def _blocked(dsn: str, lock_name: str) -> Iterator[None]:
-    """Hold the lock row in another session, so its holder's heartbeats cannot land."""
-    with psycopg.connect(dsn) as blocker:
-        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
-        yield
-        blocker.rollback()
-
-
 def _stall_now_and_then(dsn: str, lock_name: str, done: threading.Event) -> None:
     while not done.is_set():
-        with _blocked(dsn, lock_name):
+        with row_locked(dsn, lock_name):
             done.wait(0.7)
         done.wait(0.5)
 

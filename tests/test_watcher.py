@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import psycopg
 import pytest
 
 from postgres_mutex import Mutex
 from postgres_mutex.watcher import StaleWatcher
 from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, RecordingMetrics, freeze, wait_until
+from tests.fixtures import FAST, RecordingMetrics, freeze, row_locked, wait_until
 
 INTERVAL = 0.1
 
@@ -34,15 +32,6 @@ def make_watcher(dsn: str) -> Iterator[Callable[..., StaleWatcher]]:
     yield make
     for watcher in made:
         watcher.close()
-
-
-@contextmanager
-def row_locked(dsn: str, lock_name: str) -> Iterator[None]:
-    """Another session holds the lock row, so the holder's heartbeats cannot land."""
-    with psycopg.connect(dsn) as blocker:
-        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
-        yield
-        blocker.rollback()
 
 
 def test_a_silent_holder_is_alerted_on_once_with_nobody_contending(
