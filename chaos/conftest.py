@@ -14,14 +14,14 @@ from typing import Any
 
 import psycopg
 import pytest
-from tests.fixtures import wait_until
-from tests.postgres_server import PostgresServer
 from toxiproxy import Toxiproxy
 
 from chaos.harness import ALERT, STALE, TIMING, WATCH_INTERVAL, Events, Net, Report, Sections
 from chaos.toxiproxy import ToxiproxyEndpoint, toxiproxy_client, toxiproxy_endpoint
 from postgres_mutex import Mutex
 from postgres_mutex.watcher import StaleWatcher
+from tests.fixtures import wait_until
+from tests.postgres_server import PostgresServer
 
 log = logging.getLogger(__name__)
 

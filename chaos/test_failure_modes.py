@@ -15,12 +15,15 @@ import time
 from typing import Any
 
 import pytest
-from tests.fixtures import FAST, read_held, start_worker, wait_until
-from tests.postgres_server import PostgresServer
 
 from chaos.conftest import Chaos
 from chaos.harness import ALERT, HEARTBEAT, LEASE, STALE, Events, Report
 from postgres_mutex import DatabaseError, LockNotHeldError, Mutex
+from tests.fixtures import FAST, read_held, start_worker, wait_until
+from tests.postgres_server import PostgresServer
+
+# How late a heartbeat may come on a busy machine: bounds "not before the threshold" checks.
+SLACK = 0.3
 
 
 def beats(events: Events, who: str, since: float = 0.0) -> int:
@@ -210,8 +213,11 @@ def test_6_a_crashed_holder_is_alerted_on_then_reclaimed_at_the_stale_threshold(
     assert reclaim_event is not None
     assert reclaim_event.fields["previous_holder"] == dead_id
     dead_heartbeat = FAST["heartbeat_interval"]
-    assert ALERT - dead_heartbeat - 0.05 <= alert.at - killed < ALERT + 1.0
-    assert reclaimed - killed >= STALE - dead_heartbeat - 0.05, "no reclaim before the stale threshold"
+    # The watcher measured the silence with the server's clock; the kill came at most a
+    # heartbeat (plus scheduling delay on a busy machine) after the last heartbeat.
+    assert alert.fields["seconds_since_heartbeat"] >= ALERT
+    assert ALERT - dead_heartbeat - SLACK <= alert.at - killed < ALERT + 1.0
+    assert reclaimed - killed >= STALE - dead_heartbeat - SLACK, "no reclaim before the stale threshold"
     assert reclaimed - killed < STALE + 1.5
     report.record(
         "6. holder crash (SIGKILL)",
@@ -348,7 +354,7 @@ def test_11_clients_with_skewed_clocks_get_correct_staleness(
     waiter.kill()
     waiter.wait(10)
     chaos.sections.leave(waiter_section)
-    assert FAST["stale_threshold"] - FAST["heartbeat_interval"] - 0.05 <= reclaimed_at - killed
+    assert FAST["stale_threshold"] - FAST["heartbeat_interval"] - SLACK <= reclaimed_at - killed
     assert reclaimed_at - killed < FAST["stale_threshold"] + 1.5
     chaos.admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (chaos.lock_name,))  # the killed waiter's row
     report.record(

@@ -9,10 +9,9 @@ import sys
 import threading
 from pathlib import Path
 
-from tests.fixtures import ROOT
-
 from chaos.conftest import Chaos
 from chaos.harness import LEASE, Net, Report
+from tests.fixtures import ROOT
 
 WORKERS = 4
 SECONDS = 20.0
