@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from chaos.conftest import Chaos
@@ -15,15 +16,24 @@ from tests.fixtures import ROOT
 
 WORKERS = 4
 SECONDS = 20.0
+# Faults stop this long before the workers do, so they end (and clean up) on a sound network.
+QUIET_END = 5.0
 
 
-def inject_faults(nets: list[Net], stop: threading.Event, injected: list[str]) -> None:
-    """Random toxics on random workers' paths, each for a while; never a partition as long as a lease."""
-    rng = random.Random(12)
-    while not stop.wait(rng.uniform(0.2, 0.6)):
-        net = rng.choice(nets)
-        kind = rng.choice(["latency", "partition", "reset_peer", "bandwidth", "slicer"])
-        if kind == "partition":
+def inject_faults(net: Net, seed: int, until: float, injected: list[str]) -> None:
+    """Random toxics on one worker's path, one after another, until ``until`` (monotonic).
+
+    Now and then a partition outlasts the lease: its holder loses the lock and
+    another reclaims it, which is where the overlap checker earns its keep.
+    """
+    rng = random.Random(seed)
+    while True:
+        time.sleep(rng.uniform(0.2, 1.0))
+        kind = rng.choice(["latency", "partition", "long partition", "reset_peer", "bandwidth", "slicer"])
+        duration = LEASE * 1.5 if kind == "long partition" else rng.uniform(0.1, LEASE / 2)
+        if time.monotonic() + duration >= until:
+            return
+        if kind in ("partition", "long partition"):
             net.partition()
         elif kind == "latency":
             net.toxic("latency", rng.choice(["upstream", "downstream"]), latency=rng.randint(50, 600))
@@ -34,7 +44,7 @@ def inject_faults(nets: list[Net], stop: threading.Event, injected: list[str]) -
         else:
             net.toxic("slicer", "downstream", average_size=8, size_variation=4, delay=rng.randint(0, 2000))
         injected.append(kind)
-        stop.wait(rng.uniform(0.1, LEASE / 2))
+        time.sleep(duration)
         net.clear()
 
 
@@ -51,15 +61,19 @@ def test_12_soak_no_overlap_no_orphan_every_process_finishes(chaos: Chaos, repor
         )
         for n in range(WORKERS)
     ]
-    stop = threading.Event()
     injected: list[str] = []
-    chaos_thread = threading.Thread(target=inject_faults, args=(nets, stop, injected))
-    chaos_thread.start()
+    faults_until = time.monotonic() + SECONDS - QUIET_END
+    injectors = [
+        threading.Thread(target=inject_faults, args=(net, seed, faults_until, injected))
+        for seed, net in enumerate(nets)
+    ]
+    for injector in injectors:
+        injector.start()
     try:
         codes = [proc.wait(timeout=SECONDS + 60) for proc in procs]
     finally:
-        stop.set()
-        chaos_thread.join(10)
+        for injector in injectors:
+            injector.join(30)
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
@@ -78,5 +92,6 @@ def test_12_soak_no_overlap_no_orphan_every_process_finishes(chaos: Chaos, repor
         seconds=SECONDS,
         critical_sections=len(sections),
         faults_injected=len(injected),
+        long_partitions=injected.count("long partition"),
         overlaps=len(chaos.sections.overlaps()),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -181,7 +182,7 @@ def test_a_command_ignoring_sigterm_is_killed_after_the_grace_period(
         print("ready", flush=True)
         time.sleep(60)
     """
-    proc = start("run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--kill-after", "0.5", "--", *python(stubborn))
+    proc = start("run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--kill-after", "0.05", "--", *python(stubborn))
     workers.append(proc)
     assert proc.stdout is not None
     assert proc.stdout.readline() == "ready\n"
@@ -420,3 +421,132 @@ def test_version_and_the_console_script() -> None:
     script = Path(sys.executable).parent / "postgres-mutex"
     if script.exists():
         assert subprocess.run([str(script), "--version"], capture_output=True, check=False).returncode == 0
+
+
+# -- the command's process group, job control, environment ---------------------------
+
+
+def test_the_lock_is_kept_until_the_commands_background_processes_exit(
+    dsn: str, lock_name: str, holder_id: Holder, workers: list[subprocess.Popen[str]]
+) -> None:
+    proc = start("run", "--dsn", dsn, "--lock", lock_name, "--", "sh", "-c", "sleep 1.5 & echo started")
+    workers.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "started\n"
+    time.sleep(0.5)
+    assert proc.poll() is None, "the shell exited, its background sleep runs on: still holding"
+    assert holder_id() is not None
+    assert proc.wait(timeout=30) == 0
+    assert holder_id() is None
+
+
+def _processes_with(marker: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True, check=False)
+    return found.stdout.split()
+
+
+def test_a_lost_lock_stops_the_whole_process_group(
+    dsn: str, lock_name: str, admin: psycopg.Connection[Any], workers: list[subprocess.Popen[str]]
+) -> None:
+    marker = f"pm-group-{time.monotonic_ns()}"
+    script = f'(trap "" TERM; exec sleep 40 {marker}) 2>/dev/null & echo started; sleep 40 {marker}'
+    proc = start(
+        "run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--kill-after", "0.05", "--", "sh", "-c", script
+    )
+    workers.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "started\n"
+    admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+    assert proc.wait(timeout=30) == 76
+    assert _processes_with(marker) == [], "nothing the command started outlives the lock"
+
+
+def test_kill_after_must_leave_the_command_gone_before_anyone_may_reclaim(dsn: str, lock_name: str) -> None:
+    result = cli("run", "--dsn", dsn, "--lock", lock_name, *FAST_FLAGS, "--kill-after", "0.5", "--", "true")
+    assert result.returncode == 2
+    assert "must be shorter than --heartbeat-interval" in result.stderr
+
+
+def test_the_command_does_not_inherit_the_connection_string(dsn: str, lock_name: str) -> None:
+    code = "import os; print('POSTGRES_MUTEX_DSN' in os.environ)"
+    result = cli("run", "--lock", lock_name, "--", *python(code), env={"POSTGRES_MUTEX_DSN": dsn})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "False\n"
+
+
+def test_run_works_with_stdin_closed(dsn: str, lock_name: str) -> None:
+    result = subprocess.run(
+        [
+            "sh",
+            "-c",
+            f'exec 0<&-; exec "{sys.executable}" -m postgres_mutex run --dsn "{dsn}" --lock {lock_name} -- true',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_ctrl_z_stops_the_command_and_gives_the_terminal_back_and_fg_resumes_it(dsn: str, lock_name: str) -> None:
+    import pty
+
+    code = "import sys; print('ready', flush=True); sys.stdin.readline(); print('done', flush=True)"
+    argv = [sys.executable, "-m", "postgres_mutex", "run", "--dsn", dsn, "--lock", lock_name, "--", *python(code)]
+    pid, master = pty.fork()
+    if pid == 0:  # the child: postgres-mutex, leading a session on the pty
+        os.chdir(ROOT)
+        os.execv(sys.executable, argv)  # noqa: S606 - a fixed argument list
+    output = b""
+    try:
+        output += _read_until(master, b"ready")
+        os.write(master, b"\x1a")  # Ctrl-Z
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), "postgres-mutex stopped with its command, as a shell expects"
+        os.kill(pid, signal.SIGCONT)  # fg
+        os.write(master, b"go on\n")
+        output += _read_until(master, b"done")
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status)
+        assert os.WEXITSTATUS(status) == 0, output
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        os.close(master)
+
+
+def _read_until(fd: int, wanted: bytes, timeout: float = 30) -> bytes:
+    import select
+
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while wanted not in seen:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"never saw {wanted!r}: {seen!r}"
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            seen += os.read(fd, 1024)
+    return seen
+
+
+def test_a_terminated_demo_still_removes_its_server_and_files(workers: list[subprocess.Popen[str]]) -> None:
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("postgres-mutex-data-*"))
+    proc = start("demo")
+    workers.append(proc)
+    assert proc.stdout is not None
+    line = ""
+    for _ in range(20):
+        line = proc.stdout.readline()
+        if "started a throwaway PostgreSQL" in line:
+            break
+    port = line.rsplit(":", 1)[1].strip()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert set(tmp.glob("postgres-mutex-data-*")) - before == set()
+    assert _processes_with(f"-p {port} ") == [], "its PostgreSQL is stopped"
+    assert _processes_with("postgres_mutex._demo") == [], "no worker left behind"

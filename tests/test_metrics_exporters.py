@@ -22,6 +22,7 @@ from postgres_mutex import DatabaseError, FanOutMetrics, LockNotHeldError, Mutex
 from postgres_mutex.otel import OtelMetrics
 from postgres_mutex.prometheus import PrometheusMetrics
 from postgres_mutex.watcher import StaleWatcher
+from tests.faultproxy import FaultProxy
 from tests.fixtures import FAST, frozen_holder, wait_until
 
 
@@ -184,3 +185,37 @@ def test_fan_out_reaches_every_hook_even_past_a_broken_one(make_mutex: Callable[
     with mutex.acquire():
         pass
     assert seen == [mutex.lock_name]
+
+
+def test_one_prometheus_metrics_per_registry_serves_every_mutex(make_mutex: Callable[..., Mutex]) -> None:
+    registry = CollectorRegistry()
+    first, second = PrometheusMetrics(registry), PrometheusMetrics(registry)
+    assert first is second, "a second Mutex's PrometheusMetrics() must not clash with the first's series"
+    with make_mutex(metrics=first).acquire(), make_mutex(lock_name="another-lock", metrics=second).acquire():
+        pass
+    assert registry.get_sample_value("postgres_mutex_acquisitions_total", {"lock_name": "another-lock"}) == 1
+
+
+def test_a_stopped_watcher_stops_exporting_what_it_saw(make_mutex: Callable[..., Mutex], dsn: str) -> None:
+    registry = CollectorRegistry()
+    holder = make_mutex()
+    watcher = StaleWatcher(dsn, lock_names=[holder.lock_name], interval=0.05, metrics=PrometheusMetrics(registry))
+    with holder.acquire():
+        watcher.start()
+        wait_until(lambda: registry.get_sample_value("postgres_mutex_watcher_up") == 1)
+        watcher.stop()
+    assert registry.get_sample_value("postgres_mutex_heartbeat_age_seconds", {"lock_name": holder.lock_name}) is None
+    assert registry.get_sample_value("postgres_mutex_watcher_up") is None, "not a frozen 'up'"
+    watcher.close()
+
+
+def test_a_failed_release_no_longer_counts_as_held(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, lock_name: str
+) -> None:
+    registry = CollectorRegistry()
+    mutex = make_mutex(proxy_dsn, operation_timeout=0.3, metrics=PrometheusMetrics(registry))
+    with pytest.raises(DatabaseError), mutex.acquire():
+        assert registry.get_sample_value("postgres_mutex_locks_held", {"lock_name": lock_name}) == 1
+        proxy.silence()
+    proxy.heal()
+    assert registry.get_sample_value("postgres_mutex_locks_held", {"lock_name": lock_name}) == 0

@@ -349,3 +349,37 @@ def test_a_row_left_by_an_unanswered_acquire_is_removed_as_soon_as_the_network_i
     assert time.monotonic() - healed_at < 5.0, "swept up once the network came back, not after stale_threshold"
     with other.acquire() as acquired:
         assert acquired
+
+
+def test_the_loss_is_declared_when_the_lease_runs_out_even_while_a_heartbeat_hangs_connecting(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, metrics: RecordingMetrics
+) -> None:
+    lost_at: list[float] = []
+    mutex = make_mutex(
+        proxy_dsn, operation_timeout=0.3, metrics=metrics, on_lost=lambda e: lost_at.append(time.monotonic())
+    )
+    with pytest.raises(LockNotHeldError), mutex.acquire():
+        wait_until(lambda: len(metrics.named("heartbeat_latency")) >= 2)
+        proxy.silence()  # the heartbeat times out, then hangs reconnecting (libpq waits at least 2 s)
+        silenced = time.monotonic()
+        wait_until(lambda: lost_at, timeout=10)
+    proxy.heal()
+    assert lost_at[0] - silenced < FAST["stale_threshold"], "declared before anyone may reclaim"
+
+
+def test_a_cleanup_begun_before_an_acquire_is_never_sent_after_it(
+    make_mutex: Callable[..., Mutex], holder_id: Holder
+) -> None:
+    from postgres_mutex._flows import CleanupSuperseded, Execute
+
+    mutex = make_mutex()
+    guard = mutex._state.cleanup_guard()  # a clean-up begins...
+    with mutex.acquire():  # ...an acquire supersedes it...
+        cleanup = Execute(mutex._lock.statements.cleanup, mutex._lock.params(), 2.0, "cleanup", guard)
+
+        def late_cleanup() -> Any:
+            yield cleanup
+
+        with pytest.raises(CleanupSuperseded):
+            mutex._transport.sync_runner().run(late_cleanup())
+        assert holder_id() == mutex.instance_id, "...so it cannot delete the new hold's row"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -147,5 +148,12 @@ def test_a_mutex_can_watch_its_own_lock(make_mutex: Callable[..., Mutex], metric
         wait_until(lambda: metrics.named("alert"), timeout=10)
     assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
     assert metrics.named("observed")
+    watcher = holder.watcher
     holder.close()
-    assert holder.watcher._thread is None, "close() stops the watcher"
+    assert watcher._thread is None, "close() stops the watcher..."
+    assert _watcher_of(holder) is None, "...for good: releasing on close does not start it again"
+    assert not any(t.name == "postgres-mutex-watcher" and t.is_alive() for t in threading.enumerate())
+
+
+def _watcher_of(mutex: Mutex) -> StaleWatcher | None:
+    return mutex.watcher

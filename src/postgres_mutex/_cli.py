@@ -9,18 +9,16 @@ exit, never a traceback, and nothing printed ever contains a password.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any, NoReturn, TextIO
+from typing import NoReturn, TextIO
 
 from . import _flows as flows
 from ._settings import check_name, check_seconds
@@ -39,8 +37,6 @@ EXIT_UNAVAILABLE = 69
 """PostgreSQL could not be used (unreachable, table missing, privilege missing): EX_UNAVAILABLE."""
 EXIT_USAGE = 2
 """Bad arguments."""
-
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _UsageError(Exception):
@@ -89,12 +85,21 @@ def _dsn(args: argparse.Namespace) -> str:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from ._mutex import Mutex
+    from ._supervisor import Supervisor
 
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise _UsageError("run needs a command after --, e.g. postgres-mutex run --lock job -- ./job.sh")
+    # A lost lock is declared one heartbeat interval before anyone may reclaim
+    # it: the command must be gone (SIGKILL included) within that interval.
+    kill_after = args.heartbeat_interval / 2 if args.kill_after is None else args.kill_after
+    if kill_after >= args.heartbeat_interval:
+        raise _UsageError(
+            f"--kill-after ({kill_after:g}s) must be shorter than --heartbeat-interval "
+            f"({args.heartbeat_interval:g}s): the command must be gone before anyone may reclaim the lock"
+        )
     lost = threading.Event()
     # Until the command runs, SIGTERM or SIGHUP ends the wait cleanly (nothing left in the table).
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -119,18 +124,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not acquired:
             _say(f"lock {args.lock!r} is held by {mutex._state.last_holder or 'another instance'}; not running")
             return int(args.conflict_exit_code)
+        # The command does not need our connection string (nor its password).
+        env = {key: value for key, value in os.environ.items() if key != "POSTGRES_MUTEX_DSN"}
+        supervisor = Supervisor(command, env=env, lock_lost=lambda: lost.is_set() or not mutex.held)
         try:
-            code = _supervise(command, lost, args.kill_after, int(args.lost_exit_code))
+            code, lost_it = supervisor.run(kill_after, _say)
         except BaseException:
             holding.__exit__(*sys.exc_info())
             raise
         try:
             holding.__exit__(None, None, None)
-        except LockNotHeldError as exc:
-            _say(f"lost lock {args.lock!r} while the command ran ({exc.reason})")
-            return int(args.lost_exit_code)
+        except LockNotHeldError:
+            lost_it = True
         except DatabaseError as exc:
-            _say(f"the command ended, but the lock could not be released: {exc}")
+            _say(f"the lock's row could not be deleted ({exc})")
+        if lost_it:
+            _say(f"lost lock {args.lock!r} while the command ran; exiting {args.lost_exit_code}")
+            return int(args.lost_exit_code)
         return code
     finally:
         mutex.close()
@@ -146,88 +156,6 @@ class _Interrupted(BaseException):
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise _Interrupted(signum)
-
-
-def _supervise(command: list[str], lost: threading.Event, kill_after: float, lost_code: int) -> int:
-    """Run the command in its own process group, forward signals to it, stop it if the lock is lost."""
-    try:
-        child = subprocess.Popen(command, process_group=0)
-    except FileNotFoundError:
-        _say(f"command not found: {command[0]}")
-        return 127
-    except PermissionError:
-        _say(f"command not executable: {command[0]}")
-        return 126
-    terminal = _give_terminal(child.pid)
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        _signal_group(child.pid, signum)
-
-    previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED}
-    try:
-        while True:
-            try:
-                returncode = child.wait(timeout=0.1)
-                break
-            except subprocess.TimeoutExpired:
-                if lost.is_set():
-                    _say("the lock was lost: stopping the command")
-                    _stop(child, kill_after)
-                    return lost_code
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _take_terminal_back(terminal)
-    if lost.is_set():
-        _say("the lock was lost while the command ran")
-        return lost_code
-    # A command killed by a signal exits 128 + N, as a shell reports it.
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the command has exited already
-        os.killpg(pgid, signum)
-
-
-def _stop(child: subprocess.Popen[Any], kill_after: float) -> None:
-    _signal_group(child.pid, signal.SIGTERM)
-    try:
-        child.wait(timeout=kill_after)
-    except subprocess.TimeoutExpired:
-        _say(f"the command ignored SIGTERM for {kill_after:g}s: killing it")
-        _signal_group(child.pid, signal.SIGKILL)
-        child.wait()
-
-
-def _give_terminal(pgid: int) -> int | None:
-    """Make the command's process group the terminal's foreground one, as a shell would.
-
-    Ctrl-C then reaches the command once, from the terminal, and the command
-    may read the terminal. Returns the terminal's descriptor, if there is one.
-    """
-    try:
-        fd = sys.stdin.fileno()
-        if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
-            return None
-        os.tcsetpgrp(fd, pgid)
-    except (OSError, ValueError):
-        return None
-    _signal_group(pgid, signal.SIGCONT)  # in case it read the terminal before it was its own
-    return fd
-
-
-def _take_terminal_back(fd: int | None) -> None:
-    if fd is None:
-        return
-    # A background process setting the foreground group gets SIGTTOU: ignore it meanwhile.
-    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-    try:
-        os.tcsetpgrp(fd, os.getpgrp())
-    except OSError:
-        pass
-    finally:
-        signal.signal(signal.SIGTTOU, previous)
 
 
 # -- status, init, release ----------------------------------------------------------
@@ -461,8 +389,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--kill-after",
         type=_seconds("--kill-after"),
-        default=10.0,
-        help="after a lost lock: seconds between SIGTERM and SIGKILL (default 10)",
+        help="after a lost lock: seconds between SIGTERM and SIGKILL "
+        "(default half the heartbeat interval; must be shorter than it)",
     )
     run.add_argument("--instance-id", help="this holder's id in the table (default: <hostname>-<random>)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")

@@ -140,6 +140,9 @@ def run_demo(*, dsn: str | None, workers: int, out: TextIO | None = None) -> int
 
     stream = out or sys.stdout
     timeline = _Timeline(stream)
+    # SIGTERM or SIGHUP unwinds like Ctrl-C: the server, the workers and the table go too.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _leave)
     table = f"postgres_mutex_demo_{secrets.token_hex(4)}"
     print(
         f"postgres-mutex demo: {workers} workers take turns at lock {LOCK!r} "
@@ -175,6 +178,10 @@ def run_demo(*, dsn: str | None, workers: int, out: TextIO | None = None) -> int
         watcher.start()
         stack.callback(watcher.close)
         return _tell_the_story(timeline, events, procs)
+
+
+def _leave(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _drop_table(setup: Any, table: str) -> None:
@@ -264,6 +271,7 @@ def _tell_the_story(
                 timeline.line(at, who, f"heartbeat ({float(event['seconds']) * 1000:.1f} ms)")
             elif kind == "released":
                 released_at = at
+                holder = None
                 waiting.clear()
                 timeline.line(at, who, f"finished its job and released {LOCK!r}")
             elif kind == "contended" and who not in waiting and who != holder:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from psycopg import sql
 from ._metrics import LockObservation, MetricsDispatch
 from ._rules import AcquireResult, Outcome, WatchAlerts, interpret_acquire, observe
 from ._sql import Statements
-from ._state import ROW_GONE, LockState, Status, lease_clock
+from ._state import ROW_GONE, CleanupGuard, LockState, Status, lease_clock
 from ._tracing import INSTANCE_ID, LOCK_NAME, OUTCOME, AttributeValue, Tracing, mark_error, set_outcome
 from .errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError, OperationTimeout, SchemaError
 
@@ -42,6 +43,13 @@ class Execute:
     params: Mapping[str, object]
     timeout: float
     action: str
+    guard: CleanupGuard | None = None
+    """For a clean-up: the runner holds the guard's lock while it runs, and does
+    not send it (raising `CleanupSuperseded`) if an acquire began since."""
+
+
+class CleanupSuperseded(Exception):
+    """A clean-up was not sent: an acquire began after it, and takes the row back itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,21 +347,26 @@ def sweep_orphan(lock: LockContext) -> Flow[None]:
     Runs in the background after an acquire or release gave up on a broken
     network: the lock comes back as soon as the database is reachable again,
     not after ``stale_threshold``. Gives up once the row could be reclaimed
-    anyway, or when this Mutex acquires again (which takes the row back).
+    anyway, or as soon as this Mutex acquires again (which takes the row back).
     """
     state = lock.state
     timing = state.timing
+    guard = state.cleanup_guard()
     give_up_at = time.monotonic() + timing.stale_threshold
     while time.monotonic() < give_up_at:
         keep_going = yield Pause(timing.poll_interval)
-        if not keep_going or not state.orphan_suspected or state.status is not Status.IDLE:
+        if not keep_going or guard.superseded or not state.orphan_suspected:
             return
         try:
-            yield Execute(lock.statements.cleanup, lock.params(), timing.operation_timeout, lock.describe("cleanup"))
+            yield Execute(
+                lock.statements.cleanup, lock.params(), timing.operation_timeout, lock.describe("cleanup"), guard
+            )
+        except CleanupSuperseded:
+            return
         except DatabaseError as exc:
             logger.debug("%s; retrying", exc)
             continue
-        state.orphan_suspected = False
+        state.orphan_cleaned(guard)
         logger.info("lock %r: removed the row an unanswered statement may have left", state.lock_name)
         return
 
@@ -436,7 +449,14 @@ def release(lock: LockContext, previous: Status) -> Flow[bool]:
         # Nothing of ours, or another thread is acquiring: its row is not ours to touch.
         return False
     with lock.tracing.span("postgres_mutex.release", lock.span_attributes()) as span:
-        deleted = yield from _delete_row(lock, previous, holding=holding)
+        try:
+            deleted = yield from _delete_row(lock, previous, holding=holding)
+        except DatabaseError as exc:
+            if previous is not Status.LOST:
+                raise
+            # The loss is what the caller must hear; the row is swept up later.
+            set_outcome(span, "lost")
+            raise state.not_held_error() from exc
         set_outcome(span, "released" if deleted else "not_found")
         if previous is Status.LOST:
             set_outcome(span, "lost")
@@ -448,14 +468,19 @@ def release(lock: LockContext, previous: Status) -> Flow[bool]:
 def _delete_row(lock: LockContext, previous: Status, *, holding: bool) -> Flow[bool]:
     state = lock.state
     statement = lock.statements.release if holding else lock.statements.cleanup
+    # Deleting any row of ours (no hold to scope it to) must not race a new acquire.
+    guard = None if holding else state.cleanup_guard()
     action = lock.describe("release")
     unknown = False
     finished = False
     try:
         for attempt in (1, 2):
             try:
-                result = yield Execute(statement, lock.params(), state.timing.operation_timeout, action)
+                result = yield Execute(statement, lock.params(), state.timing.operation_timeout, action, guard)
                 break
+            except CleanupSuperseded:
+                # An acquire began meanwhile: it takes the row back itself.
+                return False
             except DatabaseError as exc:
                 unknown = unknown or exc.outcome_unknown
                 if attempt == 2 or not exc.transient:
@@ -471,6 +496,8 @@ def _delete_row(lock: LockContext, previous: Status, *, holding: bool) -> Flow[b
     finally:
         # An interrupted or failed release may leave our row: remember to retry.
         state.orphan_suspected = not finished
+        if not finished and previous is Status.HELD:
+            state.metrics("release_failed", state.lock_name, instance_id=state.instance_id, error=sys.exc_info()[1])
         deleted: bool = finished and result.rowcount > 0
         if previous is Status.HELD and finished and not deleted and not unknown:
             # Held by our lease, yet the row was gone: someone deleted or took it.
@@ -547,13 +574,21 @@ def watch(context: WatchContext) -> Flow[list[LockObservation]]:
 
 
 def watch_forever(context: WatchContext) -> Flow[None]:
-    """Read the table every ``interval`` seconds until the runner is stopped; outages are ridden out."""
-    while True:
-        with contextlib.suppress(DatabaseError):
-            yield from watch(context)
-        keep_going = yield Pause(context.interval)
-        if not keep_going:
-            return
+    """Read the table every ``interval`` seconds until the runner is stopped; outages are ridden out.
+
+    When it ends (stopped or cancelled), the hook hears ``watcher_stopped``, so
+    exporters stop reporting a state nobody watches any more.
+    """
+    try:
+        while True:
+            with contextlib.suppress(DatabaseError):
+                yield from watch(context)
+            keep_going = yield Pause(context.interval)
+            if not keep_going:
+                return
+    finally:
+        context.healthy = None
+        context.metrics("watcher_stopped", watched=context.lock_names)
 
 
 def force_release(statements: Statements, lock_name: str, timeout: float) -> Flow[tuple[str, float] | None]:

@@ -94,6 +94,12 @@ class MetricsHook:
     def watcher_failed(self, *, error: BaseException) -> None:
         """A watcher could not read the lock table (it keeps trying)."""
 
+    def watcher_stopped(self, *, watched: frozenset[str] | None) -> None:
+        """A watcher stopped: what it last reported about ``watched`` (None: every lock) is no longer known."""
+
+    def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
+        """A release could not delete the row: this process no longer holds the lock, but the row may remain."""
+
 
 HOOK_METHODS = frozenset(name for name in vars(MetricsHook) if not name.startswith("_"))
 
@@ -224,6 +230,13 @@ class ExporterHook(MetricsHook):
         self._add(names.WATCHER_ERRORS, {})
         self.view.failed()
 
+    def watcher_stopped(self, *, watched: frozenset[str] | None) -> None:
+        self.view.forget(watched)
+
+    def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
+        if self._held.discard(lock_name, instance_id):
+            self._held_changed(lock_name, -1)
+
 
 class HeldLocks:
     """Which (lock, instance) pairs this process holds, for a locks-held gauge.
@@ -285,6 +298,17 @@ class LockTableView:
     def failed(self) -> None:
         with self._lock:
             self._up = False
+
+    def forget(self, watched: frozenset[str] | None) -> None:
+        """A watcher stopped: stop exporting what it saw, rather than freeze it."""
+        with self._lock:
+            if watched is None:
+                self._locks.clear()
+            else:
+                for name in watched:
+                    self._locks.pop(name, None)
+            if not self._locks:
+                self._up = None
 
     def snapshot(self) -> tuple[list[WatchedLock], bool | None]:
         """The watched locks, and whether the last read succeeded (None: no watcher reported yet)."""

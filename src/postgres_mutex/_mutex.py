@@ -17,7 +17,7 @@ from . import _flows as flows
 from ._background import AsyncBackground, Background, SyncBackground
 from ._metrics import MetricsDispatch
 from ._rules import WatchAlerts
-from ._runners import AsyncRunner, SyncRunner
+from ._runners import AsyncRunner, SyncRunner, acquire_without_blocking
 from ._settings import Timing, check_name, check_seconds
 from ._sql import Statements
 from ._state import LockState, LostCallback, Status
@@ -380,19 +380,25 @@ class Mutex:
             )
 
     def _stop_sweeper(self) -> None:
-        # An acquire takes the row back itself; a cleanup racing it could delete the new hold.
+        """Before an acquire: no clean-up may send from now on, and one in flight is waited for.
+
+        The acquire takes our row back itself; a clean-up landing after it
+        would delete the new hold.
+        """
+        in_flight = self._state.supersede_cleanups()
         sweeper, self._sweeper = self._sweeper, None
         if sweeper is not None:
             sweeper.stop()
-            if isinstance(sweeper, SyncBackground):
-                sweeper.join(self._state.timing.operation_timeout + 1.0)
+        with in_flight:
+            pass
 
     async def _stop_sweeper_async(self) -> None:
+        in_flight = self._state.supersede_cleanups()
         sweeper, self._sweeper = self._sweeper, None
         if sweeper is not None:
             sweeper.stop()
-            if isinstance(sweeper, AsyncBackground):
-                await sweeper.join(self._state.timing.operation_timeout + 1.0)
+        await acquire_without_blocking(in_flight)
+        in_flight.release()
 
     # -- release -----------------------------------------------------------
 
@@ -567,8 +573,10 @@ class Mutex:
 
         A pool is never closed: it belongs to the application.
         """
-        if self._watch is not None:
-            self._watch.stop()
+        # Stopped for good: the release below must not start it again.
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
         for mutex in (self, *self._siblings.values()):
             if mutex._state.may_have_row:
                 mutex._release_at_exit()
@@ -577,8 +585,9 @@ class Mutex:
 
     async def aclose(self) -> None:
         """Async `close`."""
-        if self._watch is not None:
-            self._watch.stop()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
         for mutex in (self, *self._siblings.values()):
             if mutex._state.may_have_row:
                 try:

@@ -7,6 +7,7 @@ a database failure means for the lock are decided here and nowhere else.
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -79,15 +80,18 @@ class AlertGate:
     def __init__(self, threshold: float) -> None:
         self._threshold = threshold
         self._alerted_holder: str | None = None
+        # Shared by a Mutex's contender path and its watcher thread.
+        self._lock = threading.Lock()
 
     def should_alert(self, holder: str | None, heartbeat_age: float | None) -> bool:
-        if holder is None or heartbeat_age is None or heartbeat_age < self._threshold:
-            self._alerted_holder = None
-            return False
-        if holder == self._alerted_holder:
-            return False
-        self._alerted_holder = holder
-        return True
+        with self._lock:
+            if holder is None or heartbeat_age is None or heartbeat_age < self._threshold:
+                self._alerted_holder = None
+                return False
+            if holder == self._alerted_holder:
+                return False
+            self._alerted_holder = holder
+            return True
 
 
 class WatchAlerts:

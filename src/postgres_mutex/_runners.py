@@ -23,7 +23,7 @@ import psycopg
 from psycopg import sql
 
 from ._connections import AsyncConnections, SyncConnections
-from ._flows import Execute, Flow, Op, Pause, Result, StopListening, WaitForRelease
+from ._flows import CleanupSuperseded, Execute, Flow, Op, Pause, Result, StopListening, WaitForRelease
 from ._rules import READ_ONLY, classify_failure
 from ._watchdog import Deadline
 from .errors import DatabaseError
@@ -113,6 +113,14 @@ class SyncRunner:
         return self._stop_listening(op)
 
     def _execute(self, op: Execute) -> Result:
+        if op.guard is None:
+            return self._execute_now(op)
+        with op.guard.lock:
+            if op.guard.superseded:
+                raise CleanupSuperseded
+            return self._execute_now(op)
+
+    def _execute_now(self, op: Execute) -> Result:
         conns = self._conns
         retryable = conns.connected_before
         sent, deadline, used = False, None, None
@@ -201,6 +209,17 @@ class AsyncRunner:
         return await self._stop_listening(op)
 
     async def _execute(self, op: Execute) -> Result:
+        if op.guard is None:
+            return await self._execute_now(op)
+        await acquire_without_blocking(op.guard.lock)
+        try:
+            if op.guard.superseded:
+                raise CleanupSuperseded
+            return await self._execute_now(op)
+        finally:
+            op.guard.lock.release()
+
+    async def _execute_now(self, op: Execute) -> Result:
         conns = self._conns
         retryable = conns.connected_before
         sent, deadline, used = False, None, None
@@ -278,6 +297,17 @@ def _discard_if_unusable(
     fired = deadline is not None and deadline.fired
     if fired or getattr(exc, "sqlstate", None) == READ_ONLY:
         conn.pgconn.finish()
+
+
+async def acquire_without_blocking(lock: threading.Lock) -> None:
+    """Take a thread lock from async code without blocking the event loop.
+
+    The lock is shared between threads and event loops, and its holder may be
+    a task on this very loop: polling is the one way that never deadlocks.
+    Holders keep it for one statement at most, acquires for an instant.
+    """
+    while not lock.acquire(blocking=False):  # noqa: ASYNC110 - a thread lock; see the docstring
+        await asyncio.sleep(0.01)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -18,11 +18,32 @@ from opentelemetry.trace import SpanContext
 from ._metrics import MetricsDispatch
 from ._rules import AlertGate
 from ._settings import Timing
+from ._watchdog import Timer
 from .errors import LockAlreadyHeldError, LockNotHeldError
 
 logger = logging.getLogger("postgres_mutex")
 
 LostCallback = Callable[[LockNotHeldError], object]
+
+
+class CleanupGuard:
+    """Keeps a delete-any-row-of-ours statement from racing a new acquire of the same Mutex.
+
+    Such a clean-up (of a row an unanswered statement left) is scoped by
+    instance_id alone, so if it reached the server after a new acquire it
+    would delete the new hold. Each acquire supersedes the clean-ups begun
+    before it and waits for one in flight; a superseded clean-up never sends.
+    """
+
+    def __init__(self, lock: threading.Lock, epoch: int, current: Callable[[], int]) -> None:
+        self.lock = lock
+        self.epoch = epoch
+        self._current = current
+
+    @property
+    def superseded(self) -> bool:
+        return self._current() != self.epoch
+
 
 LEASE_EXPIRED = "its lease ran out: no heartbeat succeeded for stale_threshold - heartbeat_interval"
 ROW_GONE = "its row was deleted or taken over by another instance"
@@ -77,6 +98,7 @@ class LockState:
         self._lock = threading.Lock()
         self._status = Status.IDLE
         self._lease_deadline = 0.0
+        self._lease_timer: Timer | None = None
         self._generation = 0
         self._token: datetime | None = None
         self._lost_reason = ""
@@ -84,6 +106,8 @@ class LockState:
         self.last_holder: str | None = None
         # The span of the acquire that began the current hold: heartbeats link to it.
         self.hold_span_context: SpanContext | None = None
+        self._cleanup_lock = threading.Lock()
+        self._cleanup_epoch = 0
         # A statement that may have inserted our row went unanswered (or was
         # interrupted): the row may exist. The next acquire takes it back;
         # giving up, closing and exiting remove it.
@@ -122,6 +146,21 @@ class LockState:
 
     # -- transitions -------------------------------------------------------
 
+    def cleanup_guard(self) -> CleanupGuard:
+        """A guard for a clean-up beginning now: superseded by any later acquire."""
+        return CleanupGuard(self._cleanup_lock, self._cleanup_epoch, lambda: self._cleanup_epoch)
+
+    def supersede_cleanups(self) -> threading.Lock:
+        """Before an acquire: no clean-up begun earlier may send; returns the lock one in flight holds."""
+        self._cleanup_epoch += 1
+        return self._cleanup_lock
+
+    def orphan_cleaned(self, guard: CleanupGuard) -> None:
+        """A clean-up ran: nothing of ours is left, unless an acquire began since (it may leave a new one)."""
+        with guard.lock:
+            if not guard.superseded:
+                self.orphan_suspected = False
+
     def begin_acquire(self) -> None:
         self.check_lease()
         with self._lock:
@@ -146,6 +185,7 @@ class LockState:
             self._token = token
             self._lost_reason = ""
             self.orphan_suspected = False
+            self._arm_lease_timer()
             return self._generation
 
     def renewed(self, generation: int, sent_at: float) -> bool:
@@ -154,7 +194,21 @@ class LockState:
             if self._status is not Status.HELD or self._generation != generation:
                 return False
             self._lease_deadline = max(self._lease_deadline, sent_at + self.timing.lease)
+            self._arm_lease_timer()
             return True
+
+    def _arm_lease_timer(self) -> None:
+        # The loss is declared when the lease runs out, whatever the heartbeat
+        # is doing (it may be stuck connecting): on_lost and the metrics call
+        # then come before anyone else may reclaim the row.
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+        self._lease_timer = Timer(max(0.0, self._lease_deadline - lease_clock()), self.check_lease)
+
+    def _cancel_lease_timer(self) -> None:
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
 
     def require_held(self) -> int:
         """Return the current generation, or raise `LockNotHeldError` (marking a run-out lease lost)."""
@@ -167,19 +221,25 @@ class LockState:
     def check_lease(self) -> None:
         """Mark the lock lost if its lease has run out."""
         if self._status is Status.HELD and lease_clock() >= self._lease_deadline:
-            self.lose(LEASE_EXPIRED)
+            self.lose(LEASE_EXPIRED, only_if_expired=True)
 
-    def lose(self, reason: str, generation: int | None = None) -> LockNotHeldError | None:
+    def lose(
+        self, reason: str, generation: int | None = None, *, only_if_expired: bool = False
+    ) -> LockNotHeldError | None:
         """Mark a held lock lost, once; fire ``on_lost`` and the metrics call.
 
         Returns the error describing the loss, or None if the lock was not held
-        (already lost, being released, or a newer hold than ``generation``).
+        (already lost, being released, or a newer hold than ``generation``), or
+        if ``only_if_expired`` and a heartbeat renewed the lease meanwhile.
         """
         with self._lock:
             if self._status is not Status.HELD or (generation is not None and generation != self._generation):
                 return None
+            if only_if_expired and lease_clock() < self._lease_deadline:
+                return None
             self._status = Status.LOST
             self._lost_reason = reason
+            self._cancel_lease_timer()
             error = self._not_held_error()
         self._report_lost(error)
         return error
@@ -211,6 +271,7 @@ class LockState:
             previous = self._status
             if previous in (Status.HELD, Status.LOST):
                 self._status = Status.RELEASING
+                self._cancel_lease_timer()
             return previous
 
     def released(self) -> None:
@@ -221,8 +282,10 @@ class LockState:
     def reset_after_fork(self, instance_id: str) -> None:
         """In a forked child: nothing inherited is held by this process."""
         self._lock = threading.Lock()
+        self._cleanup_lock = threading.Lock()
         self._status = Status.IDLE
         self._lease_deadline = 0.0
+        self._lease_timer = None
         self._token = None
         self.orphan_suspected = False
         self.instance_id = instance_id

@@ -19,6 +19,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 logger = logging.getLogger("postgres_mutex")
@@ -78,16 +79,43 @@ class Deadline:
         self.disarm()
 
 
+class Timer:
+    """Run ``callback`` (in a thread of its own) after ``seconds``, unless cancelled first.
+
+    Used for what must happen on time whatever the I/O is doing, such as a
+    lease running out while a heartbeat is stuck connecting.
+    """
+
+    __slots__ = ("_callback", "_lock", "at")
+
+    def __init__(self, seconds: float, callback: Callable[[], object]) -> None:
+        self.at = time.monotonic() + seconds
+        self._callback: Callable[[], object] | None = callback
+        self._lock = threading.Lock()
+        _watchdog().arm(self)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._callback = None
+
+    def fire(self) -> None:
+        with self._lock:
+            callback, self._callback = self._callback, None
+        if callback is not None:
+            # Off the watchdog's thread: a slow callback must not delay a deadline.
+            threading.Thread(target=callback, name="postgres-mutex-timer", daemon=True).start()
+
+
 class _Watchdog:
-    """One thread, one heap of deadlines; fires each that is still armed when due."""
+    """One thread, one heap of deadlines and timers; fires each that is still armed when due."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Deadline]] = []
+        self._heap: list[tuple[float, int, Deadline | Timer]] = []
         self._counter = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def arm(self, deadline: Deadline) -> None:
+    def arm(self, deadline: Deadline | Timer) -> None:
         with self._cond:
             heapq.heappush(self._heap, (deadline.at, next(self._counter), deadline))
             if self._thread is None:

@@ -15,7 +15,10 @@ exporters) apart.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
+from typing import ClassVar
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -36,9 +39,33 @@ def _base(metric: names.MetricName) -> str:
 
 
 class PrometheusMetrics(ExporterHook):
-    """Counters, histograms and gauges for every hook call, on ``registry`` (default: the global one)."""
+    """Counters, histograms and gauges for every hook call, on ``registry`` (default: the global one).
+
+    One per registry: ``PrometheusMetrics()`` again (say, for another Mutex)
+    returns the same instance, since a registry holds each series once.
+    ``registry=None`` registers nothing (each call then makes a new one).
+    """
+
+    _by_registry: ClassVar[weakref.WeakKeyDictionary[CollectorRegistry, PrometheusMetrics]] = (
+        weakref.WeakKeyDictionary()
+    )
+    _by_registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __new__(cls, registry: CollectorRegistry | None = REGISTRY) -> PrometheusMetrics:
+        if registry is None:
+            return super().__new__(cls)
+        with cls._by_registry_lock:
+            existing = cls._by_registry.get(registry)
+            if existing is None:
+                existing = cls._by_registry[registry] = super().__new__(cls)
+            return existing
 
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+        with self._by_registry_lock:
+            if getattr(self, "_counters", None) is None:  # not the registry's existing instance
+                self._setup(registry)
+
+    def _setup(self, registry: CollectorRegistry | None) -> None:
         super().__init__()
         self._counters = {
             metric: Counter(_base(metric), metric.description, metric.labels, registry=registry)
