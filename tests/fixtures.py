@@ -43,7 +43,7 @@ def skip_or_fail_in_ci(reason: str) -> NoReturn:
     """Skip a test that needs what this machine lacks; in CI (CI=true) such a gap fails instead."""
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason}: CI must run this test, not skip it")
-    pytest.skip(reason)
+    pytest.skip(reason=reason)
 
 
 def required_tool(name: str, package: str) -> str:
