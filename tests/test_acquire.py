@@ -44,12 +44,14 @@ def test_positional_and_keyword_construction_are_equivalent(dsn: str, lock_name:
 
 def test_blocking_acquire_waits_for_the_holder(make_mutex: Callable[..., Mutex]) -> None:
     holder, waiter = make_mutex(), make_mutex()
-    released = threading.Event()
+    # Set as the holder's work ends, just before it releases: a waiter that got
+    # the lock any earlier would have run alongside the holder.
+    done = threading.Event()
 
     def hold() -> None:
         with holder.acquire():
             time.sleep(0.4)
-        released.set()
+            done.set()
 
     with holder.acquire():
         pass  # warm the holder's connection so the thread starts holding at once
@@ -58,7 +60,7 @@ def test_blocking_acquire_waits_for_the_holder(make_mutex: Callable[..., Mutex])
     wait_until(lambda: holder.held)
     with waiter.acquire(blocking=True, timeout=10) as acquired:
         assert acquired is True
-        assert released.is_set(), "the waiter got the lock only after the holder released it"
+        assert done.is_set(), "the waiter got the lock only once the holder was done with it"
     thread.join()
 
 

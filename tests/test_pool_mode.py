@@ -61,12 +61,14 @@ def test_pool_mode_locks_through_the_pool_and_opens_nothing_else(
 ) -> None:
     started = server_now(admin)
     holder, waiter = make_mutex(pool=pool), make_mutex(pool=pool)
-    released = threading.Event()
+    # Set as the holder's work ends, just before it releases: a waiter that got
+    # the lock any earlier would have run alongside the holder.
+    done = threading.Event()
 
     def hold_briefly() -> None:
         with holder.acquire():
             time.sleep(0.3)
-        released.set()
+            done.set()
 
     with holder.acquire():
         assert holder_id() == holder.instance_id
@@ -78,7 +80,7 @@ def test_pool_mode_locks_through_the_pool_and_opens_nothing_else(
     wait_until(lambda: holder.held)
     with waiter.acquire(blocking=True, timeout=10) as acquired:
         assert acquired
-        assert released.is_set()
+        assert done.is_set()
     thread.join()
     assert sessions_opened_since(admin, started) == [], "no connection of the Mutex's own"
     assert backends(admin, APP) == 2, "only the pool's connections"
