@@ -56,6 +56,7 @@ class FaultProxy:
         self._links: list[_Link] = []
         self._silent = False
         self._ready_for_query = 0
+        self._accepted = 0
         self._running = True
         threading.Thread(target=self._accept, daemon=True, name="faultproxy-accept").start()
 
@@ -102,6 +103,12 @@ class FaultProxy:
         for link in links:
             link.close(rst=True)
 
+    @property
+    def accepted(self) -> int:
+        """Connections opened through the proxy so far."""
+        with self._lock:
+            return self._accepted
+
     def connections(self) -> int:
         with self._lock:
             return sum(not link.closed for link in self._links)
@@ -127,6 +134,7 @@ class FaultProxy:
             with self._lock:
                 link.hold = self._silent
                 self._links.append(link)
+                self._accepted += 1
             threading.Thread(target=self._pump, args=(link, client, server, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(link, server, client, True), daemon=True).start()
 

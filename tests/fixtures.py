@@ -68,9 +68,10 @@ def frozen_holder(mutex: Mutex) -> Iterator[None]:
 
 
 def freeze(mutex: Mutex) -> None:
-    """Stop a holder's heartbeat, as if its process froze."""
-    assert mutex._heartbeat is not None
-    mutex._heartbeat.stop()
+    """Stop a holder's heartbeats, as if its process froze (its lease still runs out, and is noticed)."""
+    hold = mutex._lock.hold
+    assert hold is not None
+    hold.paused = True
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, Mutex
+from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, LockNotHeldError, Mutex
 from tests.fixtures import RecordingMetrics, frozen_holder, wait_until
 
 Row = Callable[..., tuple[Any, ...] | None]
@@ -159,10 +159,17 @@ async def test_async_and_sync_api_share_one_lock_state(amake_mutex: Callable[...
     assert not mutex.held
 
 
-def test_release_is_a_no_op_when_nothing_is_held(make_mutex: Callable[..., Mutex], metrics: RecordingMetrics) -> None:
+def test_release_without_holding_raises_lock_not_held_as_threading_lock_does(
+    make_mutex: Callable[..., Mutex], metrics: RecordingMetrics
+) -> None:
     mutex = make_mutex(metrics=metrics)
-    mutex.release()
-    assert metrics.named("released") == []
+    with pytest.raises(LockNotHeldError, match="does not hold the lock"):
+        mutex.release()
+    with mutex.acquire():
+        pass
+    with pytest.raises(LockNotHeldError):
+        mutex.release()
+    assert len(metrics.named("released")) == 1
 
 
 def test_explicit_release_inside_the_block_lets_others_in_early(make_mutex: Callable[..., Mutex], row: Row) -> None:

@@ -229,17 +229,18 @@ def test_status_shows_each_lock_with_its_state_by_the_server_clock(make_mutex: C
         assert acquire.__enter__()
         freeze(silent)
         time.sleep(0.8)
+        tokens = {healthy.lock_name: healthy.token, silent.lock_name: silent.token}
         text = cli("status", "--dsn", dsn, *thresholds)
         data = cli(
             "status", "--dsn", dsn, "--json", *thresholds, "--lock", healthy.lock_name, "--lock", silent.lock_name
         )
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
-    assert lines[0].split() == ["LOCK", "HOLDER", "HELD", "FOR", "SINCE", "HEARTBEAT", "STATE"]
+    assert lines[0].split() == ["LOCK", "HOLDER", "HELD", "FOR", "SINCE", "HEARTBEAT", "STATE", "TOKEN"]
     row = {line.split()[0]: line.split() for line in lines[1:]}
     assert row[healthy.lock_name][1] == healthy.instance_id
-    assert row[healthy.lock_name][-1] == "ok"
-    assert row[silent.lock_name][-1] == "alerting"
+    assert row[healthy.lock_name][-2:] == ["ok", str(tokens[healthy.lock_name])]
+    assert row[silent.lock_name][-2:] == ["alerting", str(tokens[silent.lock_name])]
     assert data.returncode == 0, data.stderr
     report = json.loads(data.stdout)
     assert report["alert_threshold"] == 0.6
@@ -248,6 +249,7 @@ def test_status_shows_each_lock_with_its_state_by_the_server_clock(make_mutex: C
     assert states[silent.lock_name]["state"] == "alerting"
     assert states[silent.lock_name]["seconds_since_heartbeat"] >= 0.6
     assert states[healthy.lock_name]["held_for_seconds"] >= 0.8
+    assert states[healthy.lock_name]["token"] == tokens[healthy.lock_name] is not None
     silent.close()
 
 
@@ -371,8 +373,8 @@ def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        (["run", "--lock", "", "--", "true"], 2, "lock_name must be 1 to 64 characters"),
-        (["run", "--lock", "x", "--alert-threshold", "700", "--", "true"], 2, "alert_threshold"),
+        (["run", "--lock", "", "--", "true"], 2, "--lock must be 1 to 64 characters"),
+        (["run", "--lock", "x", "--alert-threshold", "700", "--", "true"], 2, "--alert-threshold (700s) must be"),
         (["run", "--lock", "x", "--heartbeat-interval", "-1", "--", "true"], 2, "heartbeat-interval"),
         (["status", "--table", "no_such_table"], 69, "postgres-mutex init"),
         (["watch", "--listen", "nonsense"], 2, "HOST:PORT"),

@@ -39,12 +39,16 @@ def test_a_killed_holder_is_alerted_on_then_reclaimed_no_sooner_than_the_stale_t
         acquired_at = time.monotonic()
         assert acquired
         assert holder_id() == contender.instance_id
+        token = contender.token
 
     # The last heartbeat came at most one interval before the kill.
     earliest = FAST["stale_threshold"] - FAST["heartbeat_interval"] - 0.3  # a heartbeat may be late on a busy machine
     assert acquired_at - killed_at >= earliest, "reclaimed before the holder could be presumed dead"
     assert acquired_at - killed_at < FAST["stale_threshold"] + 3.0, "reclaimed on time"
-    assert metrics.named("stale_reclaimed") == [{"instance_id": contender.instance_id, "previous_holder": dead_id}]
+    assert metrics.named("stale_reclaimed") == [
+        {"instance_id": contender.instance_id, "previous_holder": dead_id, "token": token}
+    ]
+    assert isinstance(token, int)
     alerts = metrics.named("alert")
     assert len(alerts) == 1, "one alert per stale episode, however often the contender polls"
     assert alerts[0]["holder"] == dead_id

@@ -1,110 +1,296 @@
-"""The flows' bookkeeping under interruption, driven step by step without a database.
+"""The flows' bookkeeping, driven step by step without a database (unit tests: no server involved).
 
 These pin down what must hold whatever the I/O does: an acquire or a release
-cut short by cancellation or Ctrl-C leaves the Mutex knowing its row may
-remain, so it is cleaned up, and never leaves it stuck looking held.
+cut short by cancellation, Ctrl-C or a job runner's exception leaves the Mutex
+idle and hands any row it may have left to the background; a heartbeat
+statement's rows decide, hold by hold, which locks carry on and which are lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from postgres_mutex._flows import Execute, Flow, LockContext, Result, StopListening, WaitForRelease
+from postgres_mutex import LockNotHeldError
+from postgres_mutex._clock import now
+from postgres_mutex._events import LockEvents
+from postgres_mutex._flows import (
+    Cleanup,
+    Execute,
+    Flow,
+    Forget,
+    Keep,
+    Listen,
+    Result,
+    Schedule,
+    Settle,
+    Shape,
+    StopListening,
+    Tell,
+    WaitForRelease,
+    clean_up,
+    heartbeat,
+)
 from postgres_mutex._flows import acquire as acquire_flow
 from postgres_mutex._flows import release as release_flow
-from postgres_mutex._metrics import MetricsDispatch
+from postgres_mutex._metrics import guard
 from postgres_mutex._settings import Timing
-from postgres_mutex._sql import Statements
-from postgres_mutex._state import LockState, Status, lease_clock
+from postgres_mutex._sql import CURRENT, Names, Statements
+from postgres_mutex._state import LEASE_EXPIRED, ROW_GONE, Hold, HoldStatus, LockState, Phase
 from postgres_mutex._tracing import Tracing
 from postgres_mutex.errors import OperationTimeout
 
 TIMING = Timing.validate(
     heartbeat_interval=0.1, alert_threshold=0.6, stale_threshold=1.5, poll_interval=0.05, operation_timeout=2.0
 )
-TOKEN = datetime(2026, 12, 2, tzinfo=UTC)
+STAMP = datetime(2026, 12, 2, tzinfo=UTC)
+NAMES = Names("mutex_lock")
+STATEMENTS = Statements(NAMES, CURRENT)
+TRACING = Tracing(None, {})
+ME = object()
 
 
-def lock() -> LockContext:
-    state = LockState(lock_name="job", instance_id="me", timing=TIMING, metrics=MetricsDispatch(None), on_lost=None)
-    return LockContext(state, Statements("mutex_lock"), Tracing(None, {}))
+def lock(name: str = "job", instance_id: str = "me") -> LockState:
+    events = LockEvents(
+        lock_name=name,
+        instance_id=instance_id,
+        hook=guard(None),
+        on_lost=None,
+        alert_threshold=TIMING.alert_threshold,
+        stale_threshold=TIMING.stale_threshold,
+    )
+    return LockState(
+        names=NAMES,
+        lock_name=name,
+        instance_id=instance_id,
+        timing=TIMING,
+        events=events,
+        tracing=TRACING,
+        state_lock=threading.Lock(),
+    )
 
 
 def step(flow: Flow[Any], reply: Any = None) -> Any:
     return flow.send(reply)
 
 
-def test_an_acquire_cancelled_mid_statement_cleans_up_before_ending() -> None:
-    context = lock()
-    flow = acquire_flow(context, blocking=False, timeout=None)
-    first = step(flow)
-    assert isinstance(first, Execute)
-    assert first.query is context.statements.acquire
-    cleanup = flow.throw(asyncio.CancelledError())
-    assert isinstance(cleanup, Execute), "the statement may have inserted our row: remove it"
-    assert cleanup.query is context.statements.cleanup
-    with pytest.raises(asyncio.CancelledError):
-        step(flow, Result(1))
-    assert context.state.status is Status.IDLE
-    assert not context.state.orphan_suspected
+def until_execute(flow: Flow[Any], first: Any = None) -> Execute:
+    """Answer the preliminary steps (Settle, Shape) the way an engine would, up to the first statement."""
+    op = step(flow, first)
+    while not isinstance(op, Execute):
+        op = step(flow, STATEMENTS if isinstance(op, Shape) else None)
+    return op
 
 
-def test_an_acquire_whose_cleanup_fails_keeps_the_row_suspected() -> None:
-    context = lock()
-    flow = acquire_flow(context, blocking=False, timeout=None)
-    step(flow)
-    flow.throw(KeyboardInterrupt())
-    with pytest.raises(KeyboardInterrupt):
-        flow.throw(OperationTimeout("cleanup passed its deadline", transient=True, outcome_unknown=True))
-    assert context.state.orphan_suspected, "so the next acquire, close() and exit still remove it"
-    assert context.state.may_have_row
+def acquired_row(token: int = 7) -> Result:
+    return Result(1, ((True, None, None, STAMP, token),))
 
 
-def test_a_blocking_acquire_stops_listening_when_done() -> None:
-    context = lock()
-    flow = acquire_flow(context, blocking=True, timeout=10)
-    step(flow)
-    wait = step(flow, Result(1, ((None, "other", 0.1, None),)))
+def contended_row(holder: str = "other") -> Result:
+    return Result(1, ((None, holder, 0.1, None, None),))
+
+
+def held(state: LockState) -> Hold:
+    state.begin_acquire()
+    return state.won(acquired_at=STAMP, token=7, sent_at=now(), owner=ME, span_context=None)
+
+
+@pytest.mark.parametrize(
+    "interruption",
+    [asyncio.CancelledError(), KeyboardInterrupt(), type("JobTimeout", (BaseException,), {})()],
+    ids=["cancelled", "ctrl-c", "job-runner-exception"],
+)
+def test_an_acquire_interrupted_mid_statement_hands_its_possible_row_to_the_background(
+    interruption: BaseException,
+) -> None:
+    state = lock()
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    attempt = until_execute(flow)
+    assert attempt.statement is STATEMENTS.acquire
+    scheduled = flow.throw(interruption)
+    assert isinstance(scheduled, Schedule), "the statement may have inserted our row: remove it, later"
+    assert scheduled.cleanup.acquired_at is None, "its stamp is unknown: any row of ours"
+    assert scheduled.cleanup.settled_at > now(), "and once more after it can no longer land"
+    with pytest.raises(type(interruption)):
+        step(flow)
+    assert state.phase is Phase.IDLE, "not stuck acquiring"
+    assert state.row_suspected
+
+
+def test_an_unanswered_acquire_hands_its_possible_row_to_the_background() -> None:
+    state = lock()
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    until_execute(flow)
+    unanswered = OperationTimeout("no reply", transient=True, outcome_unknown=True)
+    assert isinstance(flow.throw(unanswered), Schedule)
+    with pytest.raises(OperationTimeout):
+        step(flow)
+    assert state.phase is Phase.IDLE
+
+
+def test_a_refused_acquire_leaves_nothing_to_clean() -> None:
+    state = lock()
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    until_execute(flow)
+    from postgres_mutex.errors import SchemaError
+
+    with pytest.raises(SchemaError):
+        flow.throw(SchemaError("no table", sqlstate="42P01"))
+    assert not state.row_suspected, "the server answered: the statement did nothing"
+
+
+def test_a_blocking_acquire_listens_tries_again_at_once_then_stops_listening() -> None:
+    state = lock()
+    flow = acquire_flow(state, TRACING, blocking=True, timeout=10, owner=ME)
+    until_execute(flow)
+    listen = step(flow, contended_row())
+    assert isinstance(listen, Listen)
+    retry = step(flow, True)
+    assert isinstance(retry, Execute), "listening now: one more attempt, so no release is missed"
+    wait = step(flow, contended_row())
     assert isinstance(wait, WaitForRelease)
     again = step(flow)
     assert isinstance(again, Execute)
-    stop = step(flow, Result(1, ((True, None, None, TOKEN),)))
+    keep = step(flow, acquired_row())
+    assert isinstance(keep, Keep)
+    stop = step(flow)
     assert isinstance(stop, StopListening)
     with pytest.raises(StopIteration) as done:
         step(flow)
-    assert done.value.value is True
-    assert context.state.held
+    assert done.value.value is keep.hold
+    assert state.held
+    assert state.hold is not None
+    assert state.hold.token == 7
 
 
-def held(context: LockContext) -> LockContext:
-    context.state.begin_acquire()
-    context.state.acquired(lease_clock(), TOKEN)
-    return context
+def test_an_acquire_waits_for_a_clean_up_on_the_wire_before_sending() -> None:
+    state = lock()
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    assert isinstance(step(flow), Settle), "a clean-up of rows carrying our id must not cross the acquire"
 
 
-def test_a_release_interrupted_mid_statement_leaves_the_mutex_idle_and_the_row_suspected() -> None:
-    context = held(lock())
-    previous = context.state.begin_release()
-    flow = release_flow(context, previous)
-    delete = step(flow)
-    assert isinstance(delete, Execute)
-    assert delete.params["token"] == TOKEN, "the DELETE is scoped to this hold"
+def test_a_release_interrupted_mid_statement_leaves_the_mutex_idle_and_the_row_to_the_background() -> None:
+    state = lock()
+    held(state)
+    flow = release_flow(state, TRACING, caller=ME)
+    assert isinstance(step(flow), Forget), "heartbeats stop first"
+    delete = until_execute(flow)
+    assert delete.params["acquired_at"] == STAMP, "the DELETE is scoped to this hold"
+    scheduled = flow.throw(KeyboardInterrupt())
+    assert isinstance(scheduled, Schedule)
+    assert scheduled.cleanup.acquired_at == STAMP
     with pytest.raises(KeyboardInterrupt):
-        flow.throw(KeyboardInterrupt())
-    assert context.state.status is Status.IDLE, "not stuck looking held"
-    assert context.state.orphan_suspected
-    context.state.begin_acquire()  # a later acquire is allowed (and takes the row back)
-
-
-def test_a_release_does_not_touch_the_table_while_another_thread_acquires() -> None:
-    context = lock()
-    context.state.begin_acquire()
-    context.state.orphan_suspected = True
-    flow = release_flow(context, context.state.begin_release())
-    with pytest.raises(StopIteration) as done:
         step(flow)
-    assert done.value.value is False
+    assert state.phase is Phase.IDLE, "not stuck looking held"
+    assert not state.held
+
+
+def test_releasing_what_is_not_held_raises_without_a_statement() -> None:
+    flow = release_flow(lock(), TRACING, caller=ME)
+    with pytest.raises(LockNotHeldError, match="does not hold"):
+        step(flow)
+
+
+def test_releasing_a_lost_lock_sends_nothing_in_the_callers_time() -> None:
+    state = lock()
+    hold = held(state)
+    hold.lease_deadline = now() - 0.01  # its lease ran out while nobody looked
+    flow = release_flow(state, TRACING, caller=ME)
+    assert isinstance(step(flow), Forget)
+    tell = step(flow)
+    assert isinstance(tell, Tell), "the loss is reported, once"
+    assert tell.error.reason == LEASE_EXPIRED
+    scheduled = step(flow)
+    assert isinstance(scheduled, Schedule), "the row may still be ours: delete it in the background"
+    with pytest.raises(LockNotHeldError, match="lease ran out"):
+        step(flow)
+
+
+def test_a_release_from_another_thread_is_recorded_for_the_holding_block() -> None:
+    state = lock()
+    hold = held(state)
+    flow = release_flow(state, TRACING, caller=object())
+    step(flow)
+    until_execute(flow)
+    with pytest.raises(StopIteration):
+        step(flow, Result(1, (("",),)))
+    assert hold.reason.startswith("release() was called from another thread")
+    with pytest.raises(LockNotHeldError, match="another thread"):
+        state.require_held()
+
+
+def test_one_heartbeat_statement_decides_hold_by_hold() -> None:
+    kept, gone = lock("kept", "a"), lock("gone", "b")
+    holds = [held(kept), held(gone)]
+    flow = heartbeat(holds, STATEMENTS, TRACING, 1.0)
+    beat = step(flow)
+    assert isinstance(beat, Execute)
+    assert beat.urgent, "heartbeats go before other statements"
+    assert beat.params["lock_names"] == ["kept", "gone"]
+    with pytest.raises(StopIteration) as done:
+        step(flow, Result(2, (("kept", "a", True, True), ("gone", "b", False, False))))
+    outcome = done.value.value
+    assert outcome.renewed == [holds[0]]
+    assert [hold for hold, _ in outcome.lost] == [holds[1]]
+    assert holds[1].status is HoldStatus.LOST
+    assert holds[1].reason == ROW_GONE
+    assert kept.held
+    assert not gone.held
+
+
+def test_a_row_locked_by_another_session_is_busy_not_lost() -> None:
+    state = lock()
+    hold = held(state)
+    flow = heartbeat([hold], STATEMENTS, TRACING, 1.0)
+    step(flow)
+    with pytest.raises(StopIteration) as done:
+        step(flow, Result(1, (("job", "me", False, True),)))
+    assert done.value.value.busy == [hold]
+    assert state.held, "retried soon; lost only if its lease runs out"
+
+
+def test_a_failed_heartbeat_renews_nothing_and_loses_nothing() -> None:
+    state = lock()
+    hold = held(state)
+    deadline = hold.lease_deadline
+    flow = heartbeat([hold], STATEMENTS, TRACING, 1.0)
+    step(flow)
+    with pytest.raises(StopIteration) as done:
+        flow.throw(OperationTimeout("no reply", transient=True, outcome_unknown=True))
+    assert done.value.value.error is not None
+    assert hold.lease_deadline == deadline
+    assert state.held
+
+
+@pytest.fixture
+def suspected() -> LockState:
+    state = lock()
+    state.row_suspected = True
+    return state
+
+
+def test_a_clean_up_superseded_by_an_acquire_is_dropped(suspected: LockState) -> None:
+    cleanup = Cleanup(
+        suspected, acquired_at=None, epoch=suspected.cleanup_epoch, settled_at=now(), give_up_at=now() + 9
+    )
+    suspected.begin_acquire()  # an acquire began: it takes any row of ours back itself
+    with pytest.raises(StopIteration) as done:
+        step(clean_up(cleanup))
+    assert done.value.value is True
+
+
+def test_a_clean_up_before_an_unanswered_statement_could_land_runs_again_later(suspected: LockState) -> None:
+    later = now() + 60
+    cleanup = Cleanup(suspected, acquired_at=None, epoch=suspected.cleanup_epoch, settled_at=later, give_up_at=later)
+    flow = clean_up(cleanup)
+    delete = until_execute(flow)
+    assert delete.statement is STATEMENTS.cleanup
+    assert delete.guard is not None
+    with pytest.raises(StopIteration) as done:
+        step(flow, Result(1, (("",),)))
+    assert done.value.value is False, "the unanswered statement may still land: not settled"
+    assert suspected.row_suspected

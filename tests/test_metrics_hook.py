@@ -26,15 +26,21 @@ def test_the_readme_calls_arrive_with_their_arguments(
     names = {name for name, _, _ in metrics.calls}
     assert {"acquired", "released", "contended", "alert", "stale_reclaimed", "heartbeat_latency"} <= names
     assert all(name == lock_name for _, name, _ in metrics.calls)
-    assert metrics.named("acquired")[0] == {"instance_id": contender.instance_id}
+    first = metrics.named("acquired")[0]
+    assert first == {"instance_id": contender.instance_id, "token": first["token"]}
+    assert isinstance(first["token"], int), "the hold's fencing token, to hooks that take it"
     assert metrics.named("released")[0] == {"instance_id": contender.instance_id}
     assert metrics.named("contended")[0] == {"instance_id": contender.instance_id}
     alert = metrics.named("alert")[0]
     assert alert["holder"] == holder.instance_id
     assert alert["seconds_since_heartbeat"] >= 0.6
-    assert metrics.named("stale_reclaimed") == [
-        {"instance_id": contender.instance_id, "previous_holder": holder.instance_id}
-    ]
+    (reclaimed,) = metrics.named("stale_reclaimed")
+    assert reclaimed == {
+        "instance_id": contender.instance_id,
+        "previous_holder": holder.instance_id,
+        "token": reclaimed["token"],
+    }
+    assert reclaimed["token"] > first["token"]
 
 
 class Exploding:

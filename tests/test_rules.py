@@ -21,12 +21,12 @@ NOW = datetime(2026, 12, 2, tzinfo=UTC)
 @pytest.mark.parametrize(
     ("row", "outcome", "holder"),
     [
-        ((True, None, None, NOW), Outcome.ACQUIRED, None),
-        ((True, "host-gone", 0.5, NOW), Outcome.ACQUIRED, None),  # the holder released meanwhile
-        ((False, "host-dead", 700.0, NOW), Outcome.RECLAIMED, "host-dead"),
-        ((False, ME, 0.2, NOW), Outcome.REACQUIRED, ME),
-        ((None, "host-other", 3.0, None), Outcome.CONTENDED, "host-other"),
-        ((None, None, None, None), Outcome.CONTENDED, None),  # inserted after our snapshot
+        ((True, None, None, NOW, 7), Outcome.ACQUIRED, None),
+        ((True, "host-gone", 0.5, NOW, 7), Outcome.ACQUIRED, None),  # the holder released meanwhile
+        ((False, "host-dead", 700.0, NOW, 7), Outcome.RECLAIMED, "host-dead"),
+        ((False, ME, 0.2, NOW, 7), Outcome.REACQUIRED, ME),
+        ((None, "host-other", 3.0, None, None), Outcome.CONTENDED, "host-other"),
+        ((None, None, None, None, None), Outcome.CONTENDED, None),  # inserted after our snapshot
     ],
 )
 def test_interpret_acquire(row: tuple[object, ...], outcome: Outcome, holder: str | None) -> None:
@@ -34,10 +34,19 @@ def test_interpret_acquire(row: tuple[object, ...], outcome: Outcome, holder: st
     assert result.outcome is outcome
     assert result.holder == holder
     assert outcome.acquired is (outcome is not Outcome.CONTENDED)
-    assert result.token == (NOW if outcome.acquired else None)
+    assert result.acquired_at == (NOW if outcome.acquired else None)
+    assert result.token == (7 if outcome.acquired else None)
 
 
-@pytest.mark.parametrize("row", [None, (True, None, None), (True, None, None, None)])
+def test_a_table_without_tokens_acquires_without_one() -> None:
+    result = interpret_acquire((True, None, None, NOW, None), ME)
+    assert result.outcome is Outcome.ACQUIRED
+    assert result.token is None
+
+
+@pytest.mark.parametrize(
+    "row", [None, (True, None, None, NOW), (True, None, None, None, None), (True, None, None, NOW, "7")]
+)
 def test_interpret_acquire_refuses_a_malformed_row(row: tuple[object, ...] | None) -> None:
     with pytest.raises(ValueError, match="unexpected"):
         interpret_acquire(row, ME)

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from postgres_mutex import Mutex, SchemaError
+from postgres_mutex import LockTable, Mutex, MutexClient, SchemaError
 from tests.fixtures import FAST, frozen_holder
 from tests.postgres_server import PASSWORD, PostgresServer
 
@@ -31,12 +31,24 @@ def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) ->
         ("instance_id", "character varying", 64, "NO", None),
         ("last_heartbeat", "timestamp with time zone", None, "NO", None),
         ("acquired_at", "timestamp with time zone", None, "NO", None),
+        ("token", "bigint", None, "YES", "nextval('mutex_lock_token_seq'::regclass)"),
     ]
     constraints = admin.execute(
         """SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
             WHERE conrelid = 'mutex_lock'::regclass AND contype IN ('u', 'c') ORDER BY conname"""
     ).fetchall()
     assert constraints == [("chk_locked", "CHECK ((locked = 1))"), ("uq_mutex_lock", "UNIQUE (locked, lock_name)")]
+    # The token column is uniquely indexed (what lets a fence block a reclaim but not a heartbeat),
+    # and its sequence hands out tokens in the order sessions draw them.
+    (index,) = admin.execute(
+        "SELECT indexdef FROM pg_indexes WHERE tablename = 'mutex_lock' AND indexname = 'mutex_lock_token_key'"
+    ).fetchone() or (None,)
+    assert index is not None
+    assert "UNIQUE INDEX" in index
+    assert "(token)" in index
+    assert admin.execute(
+        "SELECT seqcache, seqcycle FROM pg_sequence WHERE seqrelid = 'mutex_lock_token_seq'::regclass"
+    ).fetchone() == (1, False)
 
 
 def test_the_table_allows_one_row_per_lock(admin: psycopg.Connection[Any], lock_name: str) -> None:
@@ -54,36 +66,32 @@ def test_the_table_allows_one_row_per_lock(admin: psycopg.Connection[Any], lock_
 
 def test_create_schema_is_safe_when_many_instances_start_at_once(dsn: str, admin: psycopg.Connection[Any]) -> None:
     table = fresh_table()
-    mutexes = [Mutex(dsn, "job", table=table) for _ in range(8)]
-    for mutex in mutexes:
-        _open_connection(mutex)  # so the threads race on CREATE, not on connecting
-    barrier = threading.Barrier(len(mutexes))
+    # A client each, as separate processes would have, each connected before the race.
+    clients = [MutexClient(dsn) for _ in range(8)]
+    tables = [client.table(table) for client in clients]
+    for each in tables:
+        assert not each.has_tokens()  # so the threads race on CREATE, not on connecting
+    barrier = threading.Barrier(len(tables))
     errors: list[BaseException] = []
 
-    def create(mutex: Mutex) -> None:
+    def create(each: LockTable) -> None:
         barrier.wait(timeout=10)
         try:
-            mutex.create_schema()
+            each.create()
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=create, args=(mutex,)) for mutex in mutexes]
+    threads = [threading.Thread(target=create, args=(each,)) for each in tables]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=30)
     assert errors == []
-    with mutexes[0].acquire() as acquired:
+    with clients[0].mutex("job", table=table).acquire() as acquired:
         assert acquired
-    for mutex in mutexes:
-        mutex.close()
+    for client in clients:
+        client.close()
     admin.execute(f'DROP TABLE "{table}"')
-
-
-def _open_connection(mutex: Mutex) -> None:
-    assert mutex._transport.sync is not None
-    with mutex._transport.sync.connection(5):
-        pass
 
 
 def test_create_schema_is_idempotent(make_mutex: Callable[..., Mutex]) -> None:
@@ -151,6 +159,7 @@ def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser
     # PostgreSQL 14 and older let everyone create tables in public: not here.
     admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
     admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON mutex_lock TO {role}")
+    admin.execute(f"GRANT USAGE ON SEQUENCE mutex_lock_token_seq TO {role}")
     yield pg.dsn(user=role, password=PASSWORD)
     admin.execute(f"DROP OWNED BY {role}")
     admin.execute(f"DROP ROLE {role}")
@@ -168,8 +177,9 @@ def test_a_role_with_only_dml_privileges_can_do_everything_but_create(
             assert not second
     with frozen_holder(holder), rival.acquire(blocking=True, timeout=10) as reclaimed:
         assert reclaimed
+    holder.create_schema()  # the table exists: nothing to create, nothing refused
     with pytest.raises(SchemaError, match="may not create it") as caught:
-        holder.create_schema()
+        Mutex(dml_role, lock_name, table=fresh_table()).create_schema()
     assert caught.value.sqlstate == "42501"
     holder.close()
     rival.close()

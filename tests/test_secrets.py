@@ -69,6 +69,7 @@ def test_connection_failures_never_show_the_password(
 @pytest.fixture
 def password_server(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
     admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON mutex_lock TO {PASSWORD_ROLE}")
+    admin.execute(f"GRANT USAGE ON SEQUENCE mutex_lock_token_seq TO {PASSWORD_ROLE}")
     yield f"postgresql://{PASSWORD_ROLE}:{PASSWORD}@{pg.host}:{pg.port}/{pg.dbname}"
     admin.execute(f"REVOKE ALL ON mutex_lock FROM {PASSWORD_ROLE}")
 

@@ -1,12 +1,14 @@
 """postgres-mutex: a distributed mutex on the PostgreSQL you already run.
 
 One table, heartbeat-based liveness, an alert before any reclaim, automatic
-recovery from crashed holders. See the README for the full contract.
+recovery from crashed holders, fencing tokens. See the README for the full
+contract.
 """
 
-from ._metrics import FanOutMetrics, LockObservation, MetricsHook
+from ._metrics import FanOutMetrics, LockObservation, MetricsHook, NullMetrics
 from ._mutex import Mutex
 from ._version import __version__
+from .client import MutexClient
 from .errors import (
     DatabaseError,
     LockAcquisitionTimeout,
@@ -14,20 +16,27 @@ from .errors import (
     LockNotHeldError,
     MutexError,
     OperationTimeout,
+    PgMutexError,
     SchemaError,
 )
+from .table import ForcedRelease, LockTable
 
 __all__ = [
     "DatabaseError",
     "FanOutMetrics",
+    "ForcedRelease",
     "LockAcquisitionTimeout",
     "LockAlreadyHeldError",
     "LockNotHeldError",
     "LockObservation",
+    "LockTable",
     "MetricsHook",
     "Mutex",
+    "MutexClient",
     "MutexError",
+    "NullMetrics",
     "OperationTimeout",
+    "PgMutexError",
     "SchemaError",
     "__version__",
 ]

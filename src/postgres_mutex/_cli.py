@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -20,12 +22,9 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import NoReturn, TextIO
 
-from . import _flows as flows
-from ._settings import check_name, check_seconds
-from ._sql import Statements
-from ._transport import Transport
 from ._version import __version__
-from .errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError, MutexError, SchemaError
+from .errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError, MutexError
+from .table import LockTable
 
 logger = logging.getLogger("postgres_mutex")
 
@@ -55,14 +54,56 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _seconds(argument: str) -> Callable[[str], float]:
+    """A number of seconds on the command line: finite, positive (zero allowed for --timeout).
+
+    Ranges (thresholds that must nest, upper bounds) are the library's to
+    check; its messages are put in the flags' words by `_in_cli_words`.
+    """
+
     def parse(text: str) -> float:
         try:
-            return check_seconds(float(text), "it", allow_zero=argument == "--timeout")
-        except ValueError as exc:
-            message = str(exc).replace("could not convert string to float", "not a number")
-            raise argparse.ArgumentTypeError(message) from None
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and argument != "--timeout"):
+            raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+        return value
 
     return parse
+
+
+# The library names its arguments; a user of the command knows the flags.
+_FLAG_WORDS = [
+    (re.compile(r"\bcall create_schema\(\) or create it\b"), "run 'postgres-mutex init', or create it"),
+    (re.compile(r"\bcreate_schema\(\)"), "'postgres-mutex init'"),
+    (re.compile(r"\bLockTable\.migrate\(\)(?: \(or 'postgres-mutex migrate'\))?"), "'postgres-mutex migrate'"),
+    (re.compile(r"\bpass blocking=True\b"), "pass --wait"),
+    (re.compile(r"\bdrop timeout\b"), "drop --timeout"),
+    (
+        re.compile(r"^dsn is not a valid connection string"),
+        "the connection string (--dsn or POSTGRES_MUTEX_DSN) is not valid",
+    ),
+    (re.compile(r"^table must be"), "--table must be"),
+    (re.compile(r"^timeout must be"), "--timeout must be"),
+    *(
+        (re.compile(rf"\b{name}\b"), flag)
+        for name, flag in (
+            ("lock_name", "--lock"),
+            ("instance_id", "--instance-id"),
+            ("heartbeat_interval", "--heartbeat-interval"),
+            ("alert_threshold", "--alert-threshold"),
+            ("stale_threshold", "--stale-threshold"),
+            ("operation_timeout", "--operation-timeout"),
+            ("lock_names", "--lock"),
+        )
+    ),
+]
+
+
+def _in_cli_words(message: str) -> str:
+    for pattern, words in _FLAG_WORDS:
+        message = pattern.sub(words, message)
+    return message
 
 
 def _exit_code(text: str) -> int:
@@ -84,7 +125,7 @@ def _dsn(args: argparse.Namespace) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ._mutex import Mutex
+    from . import Mutex
     from ._supervisor import Supervisor
 
     command = list(args.command)
@@ -113,6 +154,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         alert_threshold=args.alert_threshold,
         stale_threshold=args.stale_threshold,
+        operation_timeout=args.operation_timeout,
     )
     try:
         holding = mutex.acquire(blocking=args.wait, timeout=args.timeout)
@@ -122,10 +164,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
             _say(f"lock {args.lock!r} still held by {exc.holder or 'another instance'} after {args.timeout:g}s")
             return int(args.conflict_exit_code)
         if not acquired:
-            _say(f"lock {args.lock!r} is held by {mutex._state.last_holder or 'another instance'}; not running")
+            _say(f"lock {args.lock!r} is held by {mutex.last_holder or 'another instance'}; not running")
             return int(args.conflict_exit_code)
-        # The command does not need our connection string (nor its password).
+        # The command does not need our connection string (nor its password);
+        # it gets the hold's fencing token, to pass on to what it writes to.
         env = {key: value for key, value in os.environ.items() if key != "POSTGRES_MUTEX_DSN"}
+        if mutex.token is not None:
+            env["POSTGRES_MUTEX_TOKEN"] = str(mutex.token)
         supervisor = Supervisor(command, env=env, lock_lost=lambda: lost.is_set() or not mutex.held)
         try:
             code, lost_it = supervisor.run(kill_after, _say)
@@ -158,37 +203,19 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise _Interrupted(signum)
 
 
-# -- status, init, release ----------------------------------------------------------
+# -- status, init, migrate, release ----------------------------------------------------
 
 
-def _transport(args: argparse.Namespace, statements: Statements, *, name: str) -> Transport:
-    return Transport(
-        dsn=_dsn(args),
-        pool=None,
-        async_pool=None,
-        instance_id=None,
-        operation_timeout=5.0,
-        table_name=statements.table_name,
-        application_name=f"postgres-mutex {name}",
-    )
+def _table(args: argparse.Namespace) -> LockTable:
+    return LockTable(_dsn(args), table=args.table, operation_timeout=args.operation_timeout)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .watcher import StaleWatcher
-
     if not args.alert_threshold < args.stale_threshold:
         raise _UsageError("--alert-threshold must be shorter than --stale-threshold")
-    watcher = StaleWatcher(
-        _dsn(args),
-        table=args.table,
-        lock_names=args.lock or None,
-        alert_threshold=args.alert_threshold,
-        stale_threshold=args.stale_threshold,
+    observations = _table(args).holders(
+        args.lock or None, alert_threshold=args.alert_threshold, stale_threshold=args.stale_threshold
     )
-    try:
-        observations = watcher.check()
-    finally:
-        watcher.close()
     rows = [
         {
             "lock_name": seen.lock_name,
@@ -196,6 +223,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             "held_for_seconds": round(seen.seconds_held, 3),
             "seconds_since_heartbeat": round(seen.seconds_since_heartbeat, 3),
             "state": "reclaimable" if seen.reclaimable else "alerting" if seen.alerting else "ok",
+            "token": seen.token,
         }
         for seen in observations
     ]
@@ -215,18 +243,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no lock is held in table {args.table}")
         return 0
-    table: list[tuple[str, ...]] = [("LOCK", "HOLDER", "HELD FOR", "SINCE HEARTBEAT", "STATE")]
+    table: list[tuple[str, ...]] = [("LOCK", "HOLDER", "HELD FOR", "SINCE HEARTBEAT", "STATE", "TOKEN")]
     table += [
         (
             str(row["lock_name"]),
             str(row["holder"]),
-            _duration(float(row["held_for_seconds"])),
-            _duration(float(row["seconds_since_heartbeat"])),
+            _duration(float(row["held_for_seconds"])),  # type: ignore[arg-type]
+            _duration(float(row["seconds_since_heartbeat"])),  # type: ignore[arg-type]
             str(row["state"]),
+            "-" if row["token"] is None else str(row["token"]),
         )
         for row in rows
     ]
-    widths = [max(len(str(line[column])) for line in table) for column in range(5)]
+    widths = [max(len(str(line[column])) for line in table) for column in range(len(table[0]))]
     for line in table:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
     return 0
@@ -243,34 +272,36 @@ def _duration(seconds: float) -> str:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    statements = Statements(args.table)
-    transport = _transport(args, statements, name="init")
-    try:
-        transport.sync_runner().run(flows.create_schema(statements, 5.0))
-    finally:
-        transport.close()
-    print(f"table {statements.table_name} is ready")
+    table = _table(args)
+    tokens = table.create()
+    print(
+        f"table {table.name} is ready" + ("" if tokens else " (without fencing tokens: run 'postgres-mutex migrate')")
+    )
+    return 0
+
+
+def _cmd_migrate(args: argparse.Namespace) -> int:
+    table = _table(args)
+    changed = table.migrate()
+    print(f"table {table.name} {'now has' if changed else 'already had'} fencing tokens")
     return 0
 
 
 def _cmd_release(args: argparse.Namespace) -> int:
-    check_name(args.name, "lock name")
     if not args.force:
         raise _UsageError(
             f"refusing to release lock {args.name!r} without --force: its holder may still be running. "
             "Use it only when you know the holder is gone"
         )
-    statements = Statements(args.table)
-    transport = _transport(args, statements, name="release")
-    try:
-        removed = transport.sync_runner().run(flows.force_release(statements, args.name, 5.0))
-    finally:
-        transport.close()
+    removed = _table(args).force_release(args.name)
     if removed is None:
         print(f"lock {args.name!r} is not held: nothing to release")
         return 1
-    holder, age = removed
-    print(f"released lock {args.name!r}, held by {holder} (last heartbeat {_duration(age)} ago)")
+    token = "" if removed.token is None else f", token {removed.token}"
+    print(
+        f"released lock {args.name!r}, held by {removed.holder}{token} "
+        f"(last heartbeat {_duration(removed.seconds_since_heartbeat)} ago)"
+    )
     return 0
 
 
@@ -298,6 +329,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         alert_threshold=args.alert_threshold,
         stale_threshold=args.stale_threshold,
         interval=args.interval,
+        operation_timeout=args.operation_timeout,
         metrics=PrometheusMetrics(registry),
     )
     try:
@@ -330,6 +362,11 @@ def _parser() -> argparse.ArgumentParser:
         help="libpq connection string (default: $POSTGRES_MUTEX_DSN, else libpq's PG* variables and .pgpass)",
     )
     group.add_argument("--table", default="mutex_lock", help="lock table, optionally schema-qualified")
+    group.add_argument(
+        "--operation-timeout",
+        type=_seconds("--operation-timeout"),
+        help="deadline of each database statement, seconds (default: the library's: 5, or less for short thresholds)",
+    )
     group.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
 
     thresholds = _Parser(add_help=False)
@@ -424,6 +461,14 @@ def _parser() -> argparse.ArgumentParser:
     init = add("init", "Create the lock table if it does not exist.", "  postgres-mutex init", [connection])
     init.set_defaults(handler=_cmd_init)
 
+    migrate = add(
+        "migrate",
+        "Add fencing tokens to a lock table made without them; online, idempotent, as the table's owner.",
+        "  postgres-mutex migrate\n  postgres-mutex migrate --table ops.mutex_lock",
+        [connection],
+    )
+    migrate.set_defaults(handler=_cmd_migrate)
+
     release = add(
         "release",
         "Remove a lock's row whoever holds it: for an operator who knows the holder is gone.",
@@ -443,7 +488,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dsn", help="use this server instead of a throwaway one")
     demo.add_argument("--workers", type=int, default=3, choices=range(2, 9), metavar="N", help="2 to 8 (default 3)")
     demo.add_argument("-v", "--verbose", action="store_true", help=argparse.SUPPRESS)
-    demo.set_defaults(handler=_cmd_demo, table="mutex_lock")
+    demo.set_defaults(handler=_cmd_demo, table="mutex_lock", operation_timeout=None)
     return parser
 
 
@@ -474,19 +519,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"error: {exc}")
         return EXIT_USAGE
     except (ValueError, TypeError) as exc:
-        # The library's own validation: it names the argument.
-        _say(f"error: {exc}")
+        # The library's own validation: it names the argument, which is a flag here.
+        _say(f"error: {_in_cli_words(str(exc))}")
         return EXIT_USAGE
-    except SchemaError as exc:
-        _say(
-            "error: " + str(exc).replace("call create_schema() or create it", "run 'postgres-mutex init', or create it")
-        )
-        return EXIT_UNAVAILABLE
     except DatabaseError as exc:
-        _say(f"error: {exc}")
+        _say(f"error: {_in_cli_words(str(exc))}")
         return EXIT_UNAVAILABLE
     except MutexError as exc:
-        _say(f"error: {exc}")
+        _say(f"error: {_in_cli_words(str(exc))}")
         return 1
     except KeyboardInterrupt:
         _say(f"interrupted after {time.monotonic() - started:.1f}s")

@@ -53,7 +53,7 @@ class _EventLine(MetricsHook):
         with self._lock:
             print(line, flush=True)
 
-    def acquired(self, lock_name: str, *, instance_id: str) -> None:
+    def acquired(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
         self.emit("acquired")
 
     def released(self, lock_name: str, *, instance_id: str) -> None:
@@ -62,7 +62,9 @@ class _EventLine(MetricsHook):
     def contended(self, lock_name: str, *, instance_id: str) -> None:
         self.emit("contended")
 
-    def stale_reclaimed(self, lock_name: str, *, instance_id: str, previous_holder: str) -> None:
+    def stale_reclaimed(
+        self, lock_name: str, *, instance_id: str, previous_holder: str, token: int | None = None
+    ) -> None:
         self.emit("reclaimed", previous_holder=previous_holder)
 
     def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
@@ -77,7 +79,7 @@ class _EventLine(MetricsHook):
 
 def worker_main(table: str, name: str) -> None:
     """Take turns at the lock, forever; SIGTERM leaves cleanly (the lock is released)."""
-    from ._mutex import Mutex
+    from . import Mutex
 
     def leave(signum: int, frame: object) -> None:
         raise SystemExit(0)
@@ -134,8 +136,8 @@ class _WatcherEvents(MetricsHook):
 
 def run_demo(*, dsn: str | None, workers: int, out: TextIO | None = None) -> int:
     """Run the demo; returns 0 when the whole story (crash, alert, reclaim) was seen."""
+    from . import Mutex
     from ._embedded import EmbeddedPostgres, EmbeddedPostgresError
-    from ._mutex import Mutex
     from .watcher import StaleWatcher
 
     stream = out or sys.stdout
@@ -164,7 +166,7 @@ def run_demo(*, dsn: str | None, workers: int, out: TextIO | None = None) -> int
             )
         setup = Mutex(dsn, LOCK, table=table)
         setup.create_schema()
-        stack.callback(_drop_table, setup, table)
+        stack.callback(_drop_table, dsn, setup, table)
         events: queue.Queue[dict[str, Any]] = queue.Queue()
         procs = stack.enter_context(_workers(dsn, table, workers, events))
         watcher = StaleWatcher(
@@ -184,17 +186,14 @@ def _leave(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _drop_table(setup: Any, table: str) -> None:
+def _drop_table(dsn: str, setup: Any, table: str) -> None:
+    import psycopg
     from psycopg import sql
 
-    from ._sql import parse_table
-
-    with contextlib.suppress(Exception):
-        import psycopg
-
-        with psycopg.connect(setup._transport.conninfo, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(*parse_table(table))))
     setup.close()
+    with contextlib.suppress(Exception), psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        # The demo's table is a plain name of its own; its token sequence goes with it.
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
 
 
 @contextlib.contextmanager

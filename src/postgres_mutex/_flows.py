@@ -1,51 +1,69 @@
 """What each lock operation does, written once for the sync and async paths.
 
 Each flow is a generator that yields the I/O it needs (`Execute`, `Pause`,
-`WaitForRelease`) and receives the result; a runner (`_runners`) performs
-those steps with a sync or an async connection. Retries, deadlines, the
-meaning of every result and every metrics call live here, so the sync and
-async methods of `Mutex` cannot drift apart.
+`Listen`, ...) and receives the result; an engine (`_engine_async`, and
+`_engine` generated from it) performs those steps on a connection. Retries,
+deadlines and the meaning of every result live here; what each event means
+to the outside world is told by `LockEvents`. Nothing here does I/O.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import sys
-import time
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, TypeVar
 
-from opentelemetry.trace import Span
-from psycopg import sql
-
-from ._metrics import LockObservation, MetricsDispatch
-from ._rules import AcquireResult, Outcome, WatchAlerts, interpret_acquire, observe
-from ._sql import Statements
-from ._state import ROW_GONE, CleanupGuard, LockState, Status, lease_clock
-from ._tracing import INSTANCE_ID, LOCK_NAME, OUTCOME, AttributeValue, Tracing, mark_error, set_outcome
+from . import _sql
+from ._clock import now
+from ._rules import (
+    CANCELLED,
+    PRIVILEGE,
+    SERIALIZATION_FAILURE,
+    UNDEFINED_COLUMN,
+    AcquireResult,
+    Outcome,
+    interpret_acquire,
+    observe,
+)
+from ._sql import Names, Statement, Statements
+from ._state import LEASE_EXPIRED, NOT_HELD, ROW_GONE, Hold, HoldStatus, LockState
+from ._tracing import INSTANCE_ID, LOCK_NAME, AttributeValue, Tracing, mark_error, set_outcome
 from .errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError, OperationTimeout, SchemaError
-
-logger = logging.getLogger("postgres_mutex")
 
 T = TypeVar("T")
 
 
+# -- the steps a flow asks for ---------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
 class Execute:
-    """Run one statement within ``timeout`` seconds; the runner sends back a `Result`.
+    """Run one statement within ``timeout`` seconds; the engine sends back a `Result`.
 
-    Failures come back as `DatabaseError` thrown into the flow.
+    Failures come back as `DatabaseError` thrown into the flow. ``urgent``
+    statements (heartbeats) go before others waiting for the connection.
     """
 
-    query: sql.Composed
+    statement: Statement
     params: Mapping[str, object]
     timeout: float
     action: str
+    urgent: bool = False
     guard: CleanupGuard | None = None
-    """For a clean-up: the runner holds the guard's lock while it runs, and does
-    not send it (raising `CleanupSuperseded`) if an acquire began since."""
+    """For a clean-up of rows carrying our id: the engine holds the Mutex's
+    sending lock while it runs, and does not send it (raising
+    `CleanupSuperseded`) if an acquire began since."""
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupGuard:
+    lock: LockState
+    epoch: int
+
+    @property
+    def superseded(self) -> bool:
+        return self.lock.cleanup_epoch != self.epoch
 
 
 class CleanupSuperseded(Exception):
@@ -64,65 +82,102 @@ class Result:
 
 @dataclass(frozen=True, slots=True)
 class Pause:
-    """Wait ``seconds``; the runner sends back False if it was asked to stop meanwhile."""
+    """Wait ``seconds``; the engine sends back False if it is shutting down."""
 
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The statements for a table, in the shape it has; the engine inspects the table once and remembers."""
+
+    names: Names
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    """Start hearing releases on ``channel``; the engine sends back True once it listens.
+
+    False where listening is impossible (a pool) or did not come about in
+    ``timeout`` seconds: the flow then polls.
+    """
+
+    channel: str
+    timeout: float
 
 
 @dataclass(frozen=True, slots=True)
 class WaitForRelease:
-    """Wait up to ``seconds`` for the holder's release to be announced on ``channel``.
+    """Wait up to ``seconds`` for the release announced on the channel `Listen` subscribed to (or just wait)."""
 
-    Where LISTEN is possible (a dedicated connection) the runner starts
-    listening the first time and returns at once, so the flow re-checks the
-    lock before waiting and cannot miss a release that happened in between.
-    Elsewhere it simply sleeps: polling is the fallback.
-    """
-
-    channel: str
     seconds: float
-    listen: sql.Composed
-    statement_timeout: float
 
 
 @dataclass(frozen=True, slots=True)
 class StopListening:
-    """Stop listening on ``channel`` if the runner listens there; failures are ignored."""
-
-    channel: str
-    unlisten: sql.Composed
-    statement_timeout: float
+    """Stop hearing the channel `Listen` subscribed to (the engine UNLISTENs when nobody else waits on it)."""
 
 
-Op = Execute | Pause | WaitForRelease | StopListening
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Wait until no clean-up of rows carrying ``lock``'s id is on the wire (it would cross the acquire)."""
+
+    lock: LockState
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """Renew ``hold`` with the engine's heartbeats from now on."""
+
+    hold: Hold
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """Stop renewing ``hold``."""
+
+    hold: Hold
+
+
+@dataclass(eq=False)
+class Cleanup:
+    """A row of ours that may remain in the table, to delete in the background.
+
+    ``acquired_at`` scopes the delete to one hold (a failed release, a lost
+    lease); None means any row carrying our id (an acquire that went
+    unanswered), which is guarded against a newer acquire by ``epoch``. The
+    row is gone once a delete succeeds at or after ``settled_at``, the moment
+    after which no statement of ours can still be running on the server.
+    """
+
+    lock: LockState
+    acquired_at: datetime | None
+    epoch: int
+    settled_at: float
+    give_up_at: float
+    due: float = field(default_factory=now)
+
+
+@dataclass(frozen=True, slots=True)
+class Tell:
+    """Report a loss: the engine hands it to the client's event thread (``on_lost`` runs there)."""
+
+    lock: LockState
+    error: LockNotHeldError
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Hand ``cleanup`` to the background; the flow does not wait for it."""
+
+    cleanup: Cleanup
+
+
+Op = Execute | Pause | Shape | Settle | Listen | WaitForRelease | StopListening | Keep | Forget | Tell | Schedule
 Flow = Generator[Op, Any, T]
 
 
-class LockContext:
-    """One lock as the flows see it: its state, statements, parameters and tracing."""
-
-    def __init__(self, state: LockState, statements: Statements, tracing: Tracing) -> None:
-        self.state = state
-        self.statements = statements
-        self.tracing = tracing
-        self.channel = statements.channel(state.lock_name)
-
-    def params(self) -> dict[str, object]:
-        state = self.state
-        return {
-            "lock_name": state.lock_name,
-            "instance_id": state.instance_id,
-            "stale_seconds": state.timing.stale_threshold,
-            "channel": self.channel,
-            "token": state.token,
-        }
-
-    def describe(self, verb: str) -> str:
-        return f"{verb} of lock {self.state.lock_name!r} (instance_id {self.state.instance_id!r})"
-
-    def span_attributes(self, **extra: AttributeValue) -> dict[str, AttributeValue]:
-        return {LOCK_NAME: self.state.lock_name, INSTANCE_ID: self.state.instance_id, **extra}
-
+# -- acquire -------------------------------------------------------------------
 
 # A statement capped by an acquire's remaining time still gets this long, so
 # that a nearly spent timeout ends in a real attempt rather than a cut-off one.
@@ -135,36 +190,39 @@ class _Progress:
     result: AcquireResult | None = None
 
 
-def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow[bool]:
+def acquire(
+    lock: LockState, tracing: Tracing, *, blocking: bool, timeout: float | None, owner: object
+) -> Flow[Hold | None]:
     """Try to take the lock: once, or until ``timeout`` if ``blocking``.
 
-    Returns True when acquired, False when non-blocking and held elsewhere.
-    Raises `LockAcquisitionTimeout` when a blocking acquire runs out of time,
-    `LockAlreadyHeldError` if this Mutex holds the lock already, and
-    `DatabaseError` for failures it cannot wait out. Whatever way it ends
-    without the lock (including cancellation), a row an unanswered attempt
-    may have left is removed first.
+    Returns the hold when acquired, None when non-blocking and held
+    elsewhere. Raises `LockAcquisitionTimeout` when a blocking acquire runs out
+    of time, `LockAlreadyHeldError` if this Mutex holds the lock already, and
+    `DatabaseError` for failures it cannot wait out. A non-blocking acquire
+    returns within one ``operation_timeout`` (plus a connect). Whatever way it
+    ends without the lock (cancellation included), a row an unanswered
+    attempt may have left is handed to the background to delete.
 
-    The whole acquire is one span, each attempt an event on it; the time it
-    took is reported to the hook's ``acquire_wait`` with its outcome.
+    The whole acquire is one span, each attempt an event on it.
     """
-    state = lock.state
-    state.begin_acquire()
-    started = time.monotonic()
+    epoch = lock.begin_acquire()
+    started = now()
     progress = _Progress()
     extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
     if timeout is not None:
         extra["postgres_mutex.timeout"] = timeout
     outcome = "cancelled"
-    with lock.tracing.span("postgres_mutex.acquire", lock.span_attributes(**extra)) as span:
+    with tracing.span("postgres_mutex.acquire", span_attributes(lock, **extra)) as span:
         try:
-            acquired = yield from _attempt_until_done(lock, span, progress, blocking=blocking, timeout=timeout)
+            hold = yield from _attempt_until_done(
+                lock, tracing, span, progress, blocking=blocking, timeout=timeout, owner=owner, epoch=epoch
+            )
             result = progress.result
-            if acquired:
-                outcome = "reclaimed" if result is not None and result.outcome is Outcome.RECLAIMED else "acquired"
-            else:
+            if hold is None:
                 outcome = "contended"
-            return acquired
+            else:
+                outcome = "reclaimed" if result is not None and result.outcome is Outcome.RECLAIMED else "acquired"
+            return hold
         except LockAcquisitionTimeout:
             outcome = "timeout"
             raise
@@ -172,466 +230,491 @@ def acquire(lock: LockContext, *, blocking: bool, timeout: float | None) -> Flow
             outcome = "error"
             raise
         finally:
-            waited = time.monotonic() - started
             result = progress.result
-            holder = None if result is None else result.holder
-            set_outcome(
+            lock.events.acquire_ended(
                 span,
                 outcome,
                 attempts=progress.attempts,
-                wait_seconds=waited,
-                previous_holder=holder if outcome == "reclaimed" else None,
-                holder=holder if outcome in ("contended", "timeout") else None,
+                waited=now() - started,
+                holder=None if result is None else result.holder,
             )
-            if outcome != "cancelled":
-                state.metrics(
-                    "acquire_wait", state.lock_name, instance_id=state.instance_id, seconds=waited, outcome=outcome
-                )
 
 
 def _attempt_until_done(
-    lock: LockContext, span: Span, progress: _Progress, *, blocking: bool, timeout: float | None
-) -> Flow[bool]:
-    state = lock.state
-    timing = state.timing
-    deadline = None if timeout is None else time.monotonic() + timeout
-    retried_lost_connection = False
+    lock: LockState,
+    tracing: Tracing,
+    span: Any,
+    progress: _Progress,
+    *,
+    blocking: bool,
+    timeout: float | None,
+    owner: object,
+    epoch: int,
+) -> Flow[Hold | None]:
+    timing = lock.timing
+    events = lock.events
+    started = now()
+    deadline = None if timeout is None else started + timeout
+    # Without blocking, the whole acquire fits in one operation_timeout.
+    budget = deadline if blocking else started + timing.operation_timeout
+    quick_retry_spent = False
     listening = False
     try:
+        yield Settle(lock)
+        statements: Statements = yield Shape(lock.names)
         while True:
             statement_timeout = timing.operation_timeout
-            if deadline is not None:
-                statement_timeout = min(statement_timeout, max(_MIN_STATEMENT_TIMEOUT, deadline - time.monotonic()))
-            suspected_before = state.orphan_suspected
+            if budget is not None:
+                statement_timeout = min(statement_timeout, max(_MIN_STATEMENT_TIMEOUT, budget - now()))
+            suspected_before = lock.row_suspected
             # Until a reply says otherwise, this attempt may leave our row behind:
-            # an interruption (cancellation, Ctrl-C) must clean up too.
-            state.orphan_suspected = True
-            sent_at = lease_clock()
+            # an interruption (cancellation, a signal's exception) must clean up too.
+            lock.row_suspected = True
+            sent_at = now()
             progress.attempts += 1
             try:
-                reply = yield Execute(
-                    lock.statements.acquire, lock.params(), statement_timeout, lock.describe("acquire")
-                )
-            except DatabaseError as exc:
-                _attempt_event(span, "error", error=type(exc).__name__)
-                if not exc.outcome_unknown:
-                    state.orphan_suspected = suspected_before
-                if _died_while_idle(exc) and not retried_lost_connection:
-                    # A connection that died while idle (server restart, idle
-                    # timeout) fails its next statement: one prompt retry on a
-                    # fresh connection, even when not blocking.
-                    retried_lost_connection = True
+                reply = yield Execute(statements.acquire, lock.params(), statement_timeout, lock.describe("acquire"))
+            except BaseException as exc:
+                if not isinstance(exc, DatabaseError):
+                    # Interrupted mid-statement (cancelled, a signal's exception): it may still land.
+                    lock.unanswered_until = max(lock.unanswered_until, sent_at + 2 * statement_timeout)
+                    raise
+                if exc.outcome_unknown:
+                    lock.unanswered_until = max(lock.unanswered_until, sent_at + 2 * statement_timeout)
+                else:
+                    lock.row_suspected = suspected_before
+                if exc.sqlstate == CANCELLED and not blocking:
+                    # The server gave up waiting for the row: another session has it
+                    # locked (an acquire in flight, a holder's fenced transaction).
+                    busy = AcquireResult(Outcome.CONTENDED, None, None)
+                    progress.result = busy
+                    events.contended(span, busy, alert=False)
+                    lock.abort_acquire()
+                    return None
+                if _retry_at_once(exc) and not quick_retry_spent and (budget is None or now() < budget):
+                    # A connection the server closed while idle, or a serialization
+                    # failure a session default caused: one prompt retry, even
+                    # when not blocking.
+                    quick_retry_spent = True
+                    events.attempt_failed(span, exc, retrying_in=None)
                     continue
                 if not blocking or not exc.transient or _passed(deadline):
+                    events.attempt_failed(span, exc, retrying_in=None)
                     raise
-                logger.warning("%s; retrying in %.3gs", exc, timing.poll_interval)
-                yield Pause(_until(deadline, timing.poll_interval))
+                pause = _until(deadline, timing.poll_interval)
+                events.attempt_failed(span, exc, retrying_in=pause)
+                yield Pause(pause)
                 continue
 
-            result = interpret_acquire(reply.row, state.instance_id)
+            result = interpret_acquire(reply.row, lock.instance_id)
             progress.result = result
-            _attempt_event(span, result.outcome.value, holder=result.holder, heartbeat_age=result.heartbeat_age)
             if result.outcome.acquired:
-                _record_acquired(lock, result, sent_at, expected_own_row=suspected_before)
-                state.hold_span_context = span.get_span_context()
-                return True
-            # Our statement ran: whatever an earlier attempt left, the row is not ours.
-            state.orphan_suspected = False
-            _record_contended(lock, result)
+                assert result.acquired_at is not None
+                hold = lock.won(
+                    acquired_at=result.acquired_at,
+                    token=result.token,
+                    sent_at=sent_at,
+                    owner=owner,
+                    span_context=span.get_span_context(),
+                )
+                events.acquired(span, result, expected_own_row=suspected_before)
+                yield Keep(hold)
+                return hold
+            # Our statement ran and the row is someone else's: nothing of ours
+            # is in the table, unless an unanswered attempt lands later.
+            lock.row_suspected = now() < lock.unanswered_until
+            lock.last_holder = result.holder
+            events.contended(span, result, alert=lock.alert_gate.should_alert(result.holder, result.heartbeat_age))
             if not blocking:
-                state.abort_acquire()
-                return False
+                lock.abort_acquire()
+                return None
             if _passed(deadline):
                 raise LockAcquisitionTimeout(
-                    f"lock {state.lock_name!r} still held by {result.holder or 'another instance'} after {timeout:g}s",
-                    lock_name=state.lock_name,
+                    f"lock {lock.lock_name!r} still held by {result.holder or 'another instance'} after {timeout:g}s",
+                    timeout,
+                    lock_name=lock.lock_name,
                     holder=result.holder,
                 )
-            listening = True
-            yield WaitForRelease(
-                lock.channel,
-                _until(deadline, timing.poll_interval),
-                lock.statements.listen(lock.channel),
-                timing.operation_timeout,
-            )
+            if not listening:
+                listening = True
+                if (yield Listen(lock.channel, timing.operation_timeout)):
+                    # Listening now: try once more at once, so that a release
+                    # between the attempt and the LISTEN cannot be missed.
+                    continue
+            yield WaitForRelease(_until(deadline, timing.poll_interval))
     except BaseException:
-        # Timeout, error or cancellation: leave nothing behind.
-        if state.orphan_suspected:
-            yield from remove_orphan(lock)
-        state.abort_acquire()
+        # Timeout, error or interruption: leave nothing behind, in the background.
+        if lock.row_suspected:
+            yield Schedule(unanswered_cleanup(lock, epoch))
+        lock.abort_acquire()
         raise
     finally:
         if listening:
-            # Stop hearing this lock's releases (our own included) once done waiting.
-            yield StopListening(lock.channel, lock.statements.unlisten(lock.channel), timing.operation_timeout)
+            yield StopListening()
 
 
-def _attempt_event(span: Span, outcome: str, **attributes: AttributeValue | None) -> None:
-    if span.is_recording():
-        values = {f"postgres_mutex.{key}": value for key, value in attributes.items() if value is not None}
-        span.add_event("postgres_mutex.attempt", {OUTCOME: outcome, **values})
+def _retry_at_once(exc: DatabaseError) -> bool:
+    """A failure that says nothing about the moment: a connection found dead on use, a serialization failure."""
+    return died_while_idle(exc) or exc.sqlstate == SERIALIZATION_FAILURE
 
 
-def _died_while_idle(exc: DatabaseError) -> bool:
-    """A connection found dead on use, as opposed to a deadline or a failed connect."""
+def died_while_idle(exc: DatabaseError) -> bool:
+    """A connection found dead on use (server restart, idle timeout), as opposed to a deadline or a failed connect."""
     return exc.transient and exc.outcome_unknown and not isinstance(exc, OperationTimeout)
 
 
 def _passed(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
+    return deadline is not None and now() >= deadline
 
 
 def _until(deadline: float | None, pause: float) -> float:
     if deadline is None:
         return pause
-    return max(0.0, min(pause, deadline - time.monotonic()))
+    return max(0.0, min(pause, deadline - now()))
 
 
-def _record_acquired(lock: LockContext, result: AcquireResult, sent_at: float, *, expected_own_row: bool) -> None:
-    state = lock.state
-    if result.outcome is Outcome.RECLAIMED:
-        logger.warning(
-            "reclaimed lock %r from %r, silent for %.1fs (stale_threshold %gs)",
-            state.lock_name,
-            result.holder,
-            result.heartbeat_age or 0.0,
-            state.timing.stale_threshold,
-        )
-        state.metrics("stale_reclaimed", state.lock_name, instance_id=state.instance_id, previous_holder=result.holder)
-    elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
-        logger.warning(
-            "lock %r already carried this Mutex's instance_id %r; took it back. "
-            "A restarted process reusing its id, or an id shared by two live processes?",
-            state.lock_name,
-            state.instance_id,
-        )
-    assert result.token is not None
-    state.acquired(sent_at, result.token)
-    state.metrics("acquired", state.lock_name, instance_id=state.instance_id)
+def unanswered_cleanup(lock: LockState, epoch: int) -> Cleanup:
+    """Delete whatever row of ours an unanswered acquire may have left, once it can no longer land."""
+    current = now()
+    return Cleanup(
+        lock,
+        acquired_at=None,
+        epoch=epoch,
+        settled_at=max(current, lock.unanswered_until),
+        give_up_at=current + lock.timing.stale_threshold,
+    )
 
 
-def _record_contended(lock: LockContext, result: AcquireResult) -> None:
-    state = lock.state
-    state.last_holder = result.holder
-    state.metrics("contended", state.lock_name, instance_id=state.instance_id)
-    if state.alert_gate.should_alert(result.holder, result.heartbeat_age):
-        logger.warning(
-            "lock %r: holder %r has not heartbeated for %.1fs (alert_threshold %gs)",
-            state.lock_name,
-            result.holder,
-            result.heartbeat_age,
-            state.timing.alert_threshold,
-        )
-        state.metrics("alert", state.lock_name, holder=result.holder, seconds_since_heartbeat=result.heartbeat_age)
+def span_attributes(lock: LockState, **extra: AttributeValue) -> dict[str, AttributeValue]:
+    return {LOCK_NAME: lock.lock_name, INSTANCE_ID: lock.instance_id, **extra}
 
 
-def remove_orphan(lock: LockContext) -> Flow[None]:
-    """Delete any row of ours an unanswered acquire may have left. Never raises a `DatabaseError`."""
-    state = lock.state
+# -- release -------------------------------------------------------------------
+
+
+def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
+    """Delete this Mutex's row and wake waiters: one statement, within one ``operation_timeout``.
+
+    Returns True if a row was deleted. Raises `LockNotHeldError` if nothing
+    was held (as ``threading.Lock.release`` does), or if the lock had been
+    lost (its row, if it may still be ours, is deleted in the background:
+    nothing is sent in the caller's time for a lock known to be lost). Raises
+    `DatabaseError` if the row could not be deleted: it is then deleted in
+    the background as soon as the database answers.
+    """
+    hold = lock.begin_release(caller)
+    if hold is None:
+        if lock.row_suspected:
+            yield Schedule(unanswered_cleanup(lock, lock.cleanup_epoch))
+        raise lock.not_held_error(NOT_HELD)
+    yield Forget(hold)
     try:
-        yield Execute(lock.statements.cleanup, lock.params(), state.timing.operation_timeout, lock.describe("cleanup"))
-    except DatabaseError as exc:
-        logger.error(
-            "%s; a row from an unanswered acquire may remain: this Mutex takes it back on its next "
-            "acquire and deletes it at exit; others may reclaim it after stale_threshold (%gs)",
-            exc,
-            state.timing.stale_threshold,
-        )
-        return
-    state.orphan_suspected = False
-
-
-def sweep_orphan(lock: LockContext) -> Flow[None]:
-    """Keep deleting a row an unanswered statement may have left, until it is gone.
-
-    Runs in the background after an acquire or release gave up on a broken
-    network: the lock comes back as soon as the database is reachable again,
-    not after ``stale_threshold``. Gives up once the row could be reclaimed
-    anyway, or as soon as this Mutex acquires again (which takes the row back).
-    """
-    state = lock.state
-    timing = state.timing
-    guard = state.cleanup_guard()
-    give_up_at = time.monotonic() + timing.stale_threshold
-    while time.monotonic() < give_up_at:
-        keep_going = yield Pause(timing.poll_interval)
-        if not keep_going or guard.superseded or not state.orphan_suspected:
-            return
-        try:
-            yield Execute(
-                lock.statements.cleanup, lock.params(), timing.operation_timeout, lock.describe("cleanup"), guard
-            )
-        except CleanupSuperseded:
-            return
-        except DatabaseError as exc:
-            logger.debug("%s; retrying", exc)
-            continue
-        state.orphan_cleaned(guard)
-        logger.info("lock %r: removed the row an unanswered statement may have left", state.lock_name)
-        return
-
-
-def heartbeat(lock: LockContext) -> Flow[None]:
-    """Renew the lease once: one UPDATE, scoped to this hold.
-
-    Raises `LockNotHeldError` if the lock is not held or the row is gone (the
-    lock is then marked lost), `DatabaseError` if the heartbeat failed (the
-    lock stays held until its lease runs out). Each heartbeat is a span of its
-    own, linked to the span of the acquire that began the hold.
-    """
-    state = lock.state
-    generation = state.require_held()
-    with lock.tracing.span("postgres_mutex.heartbeat", lock.span_attributes(), link=state.hold_span_context) as span:
-        sent_at = lease_clock()
-        timeout = min(state.timing.operation_timeout, max(0.0, state.lease_deadline - sent_at))
-        started = time.monotonic()
-        try:
-            result = yield Execute(lock.statements.heartbeat, lock.params(), timeout, lock.describe("heartbeat"))
-        except DatabaseError as exc:
-            set_outcome(span, "failed")
-            logger.warning("%s; retrying until the lease runs out", exc)
-            state.metrics("heartbeat_failed", state.lock_name, instance_id=state.instance_id, error=exc)
-            raise
-        if result.rowcount == 1:
-            latency = time.monotonic() - started
-            state.renewed(generation, sent_at)
-            set_outcome(span, "renewed", latency_seconds=latency)
-            state.metrics("heartbeat_latency", state.lock_name, instance_id=state.instance_id, seconds=latency)
-            return
-        set_outcome(span, "lost")
-        raise state.lose(ROW_GONE, generation) or state.not_held_error()
-
-
-def keep_alive(lock: LockContext, generation: int) -> Flow[None]:
-    """Heartbeat every ``heartbeat_interval`` while hold ``generation`` lasts.
-
-    Failed heartbeats are retried every `Timing.heartbeat_retry`; when the
-    lease runs out first, or a heartbeat finds the row gone, the lock is
-    marked lost and the loop ends. Ends quietly when the runner is stopped.
-    """
-    state = lock.state
-    timing = state.timing
-    next_beat = lease_clock() + timing.heartbeat_interval
-    while state.is_current(generation):
-        wake = min(next_beat, state.lease_deadline)
-        keep_going = yield Pause(max(0.0, wake - lease_clock()))
-        if not keep_going or not state.is_current(generation):
-            return
-        if lease_clock() >= state.lease_deadline:
-            state.check_lease()
-            return
-        if lease_clock() < next_beat:
-            continue
-        started = lease_clock()
-        try:
-            yield from heartbeat(lock)
-        except LockNotHeldError:
-            return
-        except DatabaseError:
-            next_beat = lease_clock() + timing.heartbeat_retry
-            continue
-        next_beat = started + timing.heartbeat_interval
-
-
-def release(lock: LockContext, previous: Status) -> Flow[bool]:
-    """Delete this hold's row and wake waiters: one statement.
-
-    ``previous`` is the status `LockState.begin_release` returned. Returns
-    True if a row was deleted. A transient failure is retried once (the
-    DELETE is scoped to this hold, so repeating it is safe); if that fails
-    too, `DatabaseError` says the row may remain, and the Mutex keeps trying
-    at its next acquire, at close and at exit. Raises `LockNotHeldError`
-    after the clean-up if the lock had been lost.
-    """
-    state = lock.state
-    holding = previous in (Status.HELD, Status.LOST)
-    if not holding and not (previous is Status.IDLE and state.orphan_suspected):
-        # Nothing of ours, or another thread is acquiring: its row is not ours to touch.
-        return False
-    with lock.tracing.span("postgres_mutex.release", lock.span_attributes()) as span:
-        try:
-            deleted = yield from _delete_row(lock, previous, holding=holding)
-        except DatabaseError as exc:
-            if previous is not Status.LOST:
-                raise
-            # The loss is what the caller must hear; the row is swept up later.
-            set_outcome(span, "lost")
-            raise state.not_held_error() from exc
-        set_outcome(span, "released" if deleted else "not_found")
-        if previous is Status.LOST:
-            set_outcome(span, "lost")
-            mark_error(span, "the lock had been lost before it was released")
-            raise state.not_held_error()
-        return deleted
-
-
-def _delete_row(lock: LockContext, previous: Status, *, holding: bool) -> Flow[bool]:
-    state = lock.state
-    statement = lock.statements.release if holding else lock.statements.cleanup
-    # Deleting any row of ours (no hold to scope it to) must not race a new acquire.
-    guard = None if holding else state.cleanup_guard()
-    action = lock.describe("release")
-    unknown = False
-    finished = False
-    try:
-        for attempt in (1, 2):
+        with tracing.span("postgres_mutex.release", span_attributes(lock)) as span:
+            if hold.status is HoldStatus.HELD:
+                # Its lease ran out before anyone noticed: that is a loss, reported once.
+                lost = lock.lose(hold, LEASE_EXPIRED)
+                if lost is not None:
+                    yield Tell(lock, lost)
+            if hold.status is HoldStatus.LOST:
+                lock.events.released_after_loss(span)
+                if hold.reason == LEASE_EXPIRED:
+                    # Nobody may have reclaimed it yet: the row may still be ours.
+                    yield Schedule(_scoped_cleanup(lock, hold))
+                raise hold.error()
+            statements: Statements = yield Shape(lock.names)
+            timeout = lock.timing.operation_timeout
             try:
-                result = yield Execute(statement, lock.params(), state.timing.operation_timeout, action, guard)
-                break
-            except CleanupSuperseded:
-                # An acquire began meanwhile: it takes the row back itself.
-                return False
-            except DatabaseError as exc:
-                unknown = unknown or exc.outcome_unknown
-                if attempt == 2 or not exc.transient:
-                    raise DatabaseError(
-                        f"{exc}; the lock row may remain until another instance reclaims it "
-                        f"after stale_threshold ({state.timing.stale_threshold:g}s)",
-                        transient=exc.transient,
-                        outcome_unknown=exc.outcome_unknown,
-                        sqlstate=exc.sqlstate,
-                    ) from exc
-                logger.warning("%s; retrying once", exc)
-        finished = True
+                result = yield Execute(statements.release, lock.params(), timeout, lock.describe("release"))
+            except BaseException as exc:
+                # Failed, cut off or interrupted: the row may remain. Delete it later.
+                yield Schedule(_scoped_cleanup(lock, hold))
+                if not isinstance(exc, DatabaseError):
+                    raise
+                error = DatabaseError(
+                    f"{exc}; the lock row is deleted in the background as soon as the database answers "
+                    f"(else another instance may reclaim it after stale_threshold, {lock.timing.stale_threshold:g}s)",
+                    transient=exc.transient,
+                    outcome_unknown=exc.outcome_unknown,
+                    sqlstate=exc.sqlstate,
+                )
+                lock.events.release_failed(error, was_held=True)
+                raise error from exc
+            deleted = result.rowcount > 0
+            lock.events.released(span, deleted=deleted)
+            if not deleted:
+                # Held by our lease, yet the row was gone: someone deleted or took it.
+                hold.reason = ROW_GONE
+                gone = hold.error()
+                yield Tell(lock, gone)
+                raise gone
+            return True
     finally:
-        # An interrupted or failed release may leave our row: remember to retry.
-        state.orphan_suspected = not finished
-        if not finished and previous is Status.HELD:
-            state.metrics("release_failed", state.lock_name, instance_id=state.instance_id, error=sys.exc_info()[1])
-        deleted: bool = finished and result.rowcount > 0
-        if previous is Status.HELD and finished and not deleted and not unknown:
-            # Held by our lease, yet the row was gone: someone deleted or took it.
-            gone: LockNotHeldError | None = state.lost_while_releasing(ROW_GONE)
-        else:
-            gone = None
-        state.released()
-    if deleted:
-        state.metrics("released", state.lock_name, instance_id=state.instance_id)
-    if gone is not None:
-        raise gone
-    return deleted
+        lock.end_release()
+        if lock.row_suspected or now() < lock.unanswered_until:
+            # An unanswered acquire of ours may still land: sweep after it no longer can.
+            yield Schedule(unanswered_cleanup(lock, lock.cleanup_epoch))
+
+
+def _scoped_cleanup(lock: LockState, hold: Hold) -> Cleanup:
+    current = now()
+    return Cleanup(
+        lock,
+        acquired_at=hold.acquired_at,
+        epoch=lock.cleanup_epoch,
+        settled_at=current,
+        give_up_at=current + lock.timing.stale_threshold,
+    )
+
+
+# -- heartbeat -------------------------------------------------------------------
 
 
 @dataclass
-class WatchContext:
-    """What a watcher reads and whom it tells: shared by the sync thread and the async task."""
+class Beat:
+    """What one heartbeat statement did for each of the holds it carried."""
 
-    statements: Statements
-    lock_names: frozenset[str] | None
-    alert_threshold: float
-    stale_threshold: float
-    interval: float
-    operation_timeout: float
-    alerts: WatchAlerts
-    metrics: MetricsDispatch
-    latest: list[LockObservation] = field(default_factory=list)
-    healthy: bool | None = None
+    renewed: list[Hold]
+    lost: list[tuple[Hold, LockNotHeldError]]
+    latency: float
+    error: DatabaseError | None = None
+    """The statement failed: nothing was renewed."""
+    busy: list[Hold] = field(default_factory=list)
+    """Not renewed: another session holds the row locked. Tried again soon."""
 
 
-def watch(context: WatchContext) -> Flow[list[LockObservation]]:
-    """Read the lock table once (one query, the server's clock) and report what it shows.
+def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeout: float) -> Flow[Beat]:
+    """Renew ``holds`` (one table, one engine) with one statement, each scoped to its hold.
 
-    Fires ``alert`` once per stale episode, without anyone trying to acquire;
-    reports every held lock to the hook's ``observed``. Raises `DatabaseError`
-    (after reporting ``watcher_failed``) if the table could not be read.
+    A hold whose row is gone (deleted or taken over) is lost; one whose row
+    another session has locked is busy, and tried again; the others are
+    renewed from the moment the statement was sent. A failure of the
+    statement renews nothing: the caller retries until the leases run out.
     """
-    names = None if context.lock_names is None else sorted(context.lock_names)
-    try:
-        reply = yield Execute(
-            context.statements.watch,
-            {"lock_names": names},
-            context.operation_timeout,
-            f"watcher read of table {context.statements.table_name}",
-        )
-    except DatabaseError as exc:
-        context.healthy = False
-        logger.warning("%s; the watcher keeps trying", exc)
-        context.metrics("watcher_failed", error=exc)
-        raise
-    observations = observe(reply.rows, alert_threshold=context.alert_threshold, stale_threshold=context.stale_threshold)
-    for seen in observations:
-        if context.alerts.should_alert(seen.lock_name, seen.holder, seen.seconds_since_heartbeat):
-            logger.warning(
-                "lock %r: holder %r has not heartbeated for %.1fs (alert_threshold %gs)",
-                seen.lock_name,
-                seen.holder,
-                seen.seconds_since_heartbeat,
-                context.alert_threshold,
-            )
-            context.metrics(
-                "alert", seen.lock_name, holder=seen.holder, seconds_since_heartbeat=seen.seconds_since_heartbeat
-            )
-    context.alerts.held_now({seen.lock_name for seen in observations})
-    context.latest, context.healthy = observations, True
-    context.metrics(
-        "observed",
-        observations,
-        watched=context.lock_names,
-        alert_threshold=context.alert_threshold,
-        stale_threshold=context.stale_threshold,
+    names = [hold.lock.lock_name for hold in holds]
+    attributes: dict[str, AttributeValue] = {"postgres_mutex.locks": len(holds)}
+    if len(holds) == 1:
+        attributes.update(span_attributes(holds[0].lock))
+    links = [hold.span_context for hold in holds[:32]]
+    with tracing.span("postgres_mutex.heartbeat", attributes, links=links) as span:
+        sent_at = now()
+        params = {
+            "lock_names": names,
+            "instance_ids": [hold.lock.instance_id for hold in holds],
+            "acquired_ats": [hold.acquired_at for hold in holds],
+        }
+        action = holds[0].lock.describe("heartbeat") if len(holds) == 1 else f"heartbeat of {len(holds)} locks"
+        try:
+            reply = yield Execute(statements.heartbeat, params, timeout, action, urgent=True)
+        except DatabaseError as exc:
+            set_outcome(span, "failed")
+            return Beat([], [], 0.0, exc)
+        latency = now() - sent_at
+        answers = {
+            (str(name), str(instance_id)): (renewed, present) for name, instance_id, renewed, present in reply.rows
+        }
+        beat = Beat([], [], latency)
+        for hold in holds:
+            lock = hold.lock
+            renewed, present = answers.get((lock.lock_name, lock.instance_id), (False, False))
+            if renewed:
+                if lock.renew(hold, sent_at):
+                    beat.renewed.append(hold)
+            elif present:
+                beat.busy.append(hold)
+            else:
+                error = lock.lose(hold, ROW_GONE)
+                if error is not None:
+                    beat.lost.append((hold, error))
+        outcome = "lost" if beat.lost else "busy" if beat.busy else "renewed"
+        set_outcome(span, outcome, latency_seconds=latency, renewed=len(beat.renewed))
+        if beat.lost:
+            mark_error(span, f"{len(beat.lost)} of {len(holds)} locks were lost: their rows were gone")
+        return beat
+
+
+def busy_error(hold: Hold) -> DatabaseError:
+    """What a heartbeat that found its row locked by another session reports."""
+    return DatabaseError(
+        f"{hold.lock.describe('heartbeat')} could not renew it: another session holds its row locked "
+        "(SELECT ... FOR UPDATE or FOR SHARE, or a DELETE in progress)",
+        transient=True,
     )
-    return observations
 
 
-def watch_forever(context: WatchContext) -> Flow[None]:
-    """Read the table every ``interval`` seconds until the runner is stopped; outages are ridden out.
+def heartbeat_now(lock: LockState, tracing: Tracing) -> Flow[None]:
+    """A heartbeat of this Mutex's hold alone, now (``mutex.heartbeat()``).
 
-    When it ends (stopped or cancelled), the hook hears ``watcher_stopped``, so
-    exporters stop reporting a state nobody watches any more.
+    Raises `LockNotHeldError` if the lock is not held or turns out lost,
+    `DatabaseError` if the heartbeat failed (the lock stays held until its
+    lease runs out).
     """
-    try:
+    hold = lock.require_held()
+    statements: Statements = yield Shape(lock.names)
+    timeout = min(lock.timing.operation_timeout, max(0.0, hold.lease_deadline - now()))
+    beat = yield from heartbeat([hold], statements, tracing, timeout)
+    failure = beat.error or (busy_error(hold) if beat.busy else None)
+    if failure is not None:
+        lock.events.heartbeat_failed(failure)
+        raise failure
+    for _, error in beat.lost:
+        yield Tell(lock, error)
+        raise error
+    if not beat.renewed:
+        lock.require_held()  # its lease ran out meanwhile: raises saying so
+    lock.events.heartbeat_renewed(beat.latency)
+
+
+# -- clean-up --------------------------------------------------------------------
+
+
+def clean_up(cleanup: Cleanup) -> Flow[bool]:
+    """Try to delete the row ``cleanup`` describes; True once nothing more needs doing.
+
+    Raises `DatabaseError` (the caller retries later) or `CleanupSuperseded`.
+    """
+    lock = cleanup.lock
+    if cleanup.acquired_at is None and cleanup.epoch != lock.cleanup_epoch:
+        return True  # an acquire began since: it takes any row of ours back itself
+    statements: Statements = yield Shape(lock.names)
+    params = {**lock.params(), "acquired_at": cleanup.acquired_at}
+    if cleanup.acquired_at is None:
+        statement, guard = statements.cleanup, CleanupGuard(lock, cleanup.epoch)
+    else:
+        statement, guard = statements.release, None
+    sent_at = now()
+    result = yield Execute(statement, params, lock.timing.operation_timeout, lock.describe("clean-up"), guard=guard)
+    if result.rowcount:
+        lock.events.row_removed()
+    settled = sent_at >= cleanup.settled_at
+    if settled and cleanup.acquired_at is None and cleanup.epoch == lock.cleanup_epoch:
+        lock.row_suspected = False
+    return settled
+
+
+# -- the table itself ------------------------------------------------------------------
+
+# Errors two sessions creating the same objects at once can get: the loser
+# sees the winner's catalog rows once it commits; one more try sees them exist.
+_CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+def create_table(names: Names, timeout: float) -> Flow[bool]:
+    """CREATE the lock table (with its token column) IF NOT EXISTS, safe when many instances start at once.
+
+    Returns True if the table has a token column. A table that already exists
+    is left as it is (see `migrate` to add tokens to one).
+    """
+    action = f"create_schema of table {names.table_name}"
+    for attempt in range(1, 4):
+        exists, has_token = yield from inspect(names, timeout)
+        if exists:
+            return has_token
+        try:
+            yield Execute(_sql.create_table(names), {}, timeout, action)
+            return True
+        except DatabaseError as exc:
+            if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
+                continue
+            if exc.sqlstate == PRIVILEGE:
+                raise SchemaError(
+                    f"{action} failed: the role may not create it ({_server_words(exc)}). Create the table once "
+                    "as a privileged role (see the README's Permissions section), grant this role "
+                    "SELECT, INSERT, UPDATE, DELETE on it and USAGE on its sequence, and skip create_schema()",
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            if exc.sqlstate == "3F000":
+                raise SchemaError(
+                    f"{action} failed: its schema does not exist; create the schema first ({_server_words(exc)})",
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            if exc.sqlstate == UNDEFINED_COLUMN:
+                continue  # an older table appeared meanwhile (another release created it): look again
+            raise
+    exists, has_token = yield from inspect(names, timeout)
+    return has_token
+
+
+def inspect(names: Names, timeout: float) -> Flow[tuple[bool, bool]]:
+    """Whether the table exists, and whether it has a token column."""
+    reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
+    assert reply.row is not None
+    exists, has_token = reply.row
+    return bool(exists), bool(has_token)
+
+
+def migrate(names: Names, timeout: float) -> Flow[bool]:
+    """Add the token column, its sequence and its unique index to an existing table; idempotent.
+
+    Online: each step is a catalog change that takes the table's lock for an
+    instant, and waits at most a short ``lock_timeout`` for it (so it never
+    queues behind a long transaction with holders' heartbeats queued behind
+    it); a step that could not get the lock is retried until ``timeout``.
+    Safe when many instances run it at once. Returns True if anything changed.
+    """
+    exists, has_token = yield from inspect(names, timeout)
+    if not exists:
+        raise SchemaError(
+            f"the lock table {names.table_name} does not exist: create it with create_schema() "
+            "(it then has tokens already)"
+        )
+    give_up_at = now() + max(timeout, 30.0)
+    for step in _sql.migrate_steps(names):
+        action = f"migration of table {names.table_name}: {step.what}"
         while True:
-            with contextlib.suppress(DatabaseError):
-                yield from watch(context)
-            keep_going = yield Pause(context.interval)
-            if not keep_going:
-                return
-    finally:
-        context.healthy = None
-        context.metrics("watcher_stopped", watched=context.lock_names)
+            try:
+                yield Execute(step, {}, timeout, action)
+                break
+            except DatabaseError as exc:
+                retry = exc.sqlstate in _CONCURRENT_CREATE or exc.sqlstate == _LOCK_NOT_AVAILABLE or exc.transient
+                if not retry or now() >= give_up_at:
+                    if exc.sqlstate == PRIVILEGE:
+                        raise SchemaError(
+                            f"{action} failed: only the table's owner may migrate it ({_server_words(exc)}); "
+                            "run it as that role",
+                            sqlstate=exc.sqlstate,
+                        ) from exc
+                    raise
+                yield Pause(0.05)
+    return not has_token
 
 
-def force_release(statements: Statements, lock_name: str, timeout: float) -> Flow[tuple[str, float] | None]:
-    """Delete a lock's row whoever holds it; return (holder, seconds since its heartbeat), or None if free."""
+def holders(
+    names: Names,
+    lock_names: frozenset[str] | None,
+    timeout: float,
+    *,
+    alert_threshold: float,
+    stale_threshold: float,
+) -> Flow[list[Any]]:
+    """Every held lock (or those named) with its holder and ages by the server's clock: one query."""
+    statements: Statements = yield Shape(names)
+    reply = yield Execute(
+        statements.holders,
+        {"lock_names": None if lock_names is None else sorted(lock_names)},
+        timeout,
+        f"read of the lock table {names.table_name}",
+    )
+    return observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
+
+
+def force_release(names: Names, lock_name: str, timeout: float) -> Flow[tuple[str, float, int | None] | None]:
+    """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free."""
+    statements: Statements = yield Shape(names)
     reply = yield Execute(
         statements.force_release,
-        {"lock_name": lock_name, "channel": statements.channel(lock_name)},
+        {"lock_name": lock_name, "channel": names.channel(lock_name)},
         timeout,
         f"forced release of lock {lock_name!r}",
     )
     if reply.row is None:
         return None
-    holder, age, _ = reply.row
-    return str(holder), float(age)
+    holder, age, token, _ = reply.row
+    return str(holder), float(age), None if token is None else int(token)
 
 
-_CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})
-
-
-def create_schema(statements: Statements, timeout: float) -> Flow[None]:
-    """CREATE TABLE IF NOT EXISTS, safe when many instances start at once.
-
-    Two sessions creating the same table race in the catalog; the loser gets a
-    unique violation once the winner has committed, so one retry sees the
-    table and does nothing.
-    """
-    action = f"create_schema of table {statements.table_name}"
-    for attempt in (1, 2, 3):
-        try:
-            yield Execute(statements.create_table, {}, timeout, action)
-            return
-        except DatabaseError as exc:
-            if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
-                continue
-            if exc.sqlstate == "42501":
-                raise SchemaError(
-                    f"{action} failed: the role may not create it ({exc}). Create the table once as a "
-                    "privileged role (see the README's Permissions section) and skip create_schema()",
-                    sqlstate=exc.sqlstate,
-                ) from exc
-            if exc.sqlstate == "3F000":
-                raise SchemaError(
-                    f"{action} failed: its schema does not exist; create the schema first ({exc})",
-                    sqlstate=exc.sqlstate,
-                ) from exc
-            raise
+def _server_words(exc: DatabaseError) -> str:
+    cause = exc.__cause__
+    diag = getattr(cause, "diag", None)
+    primary = getattr(diag, "message_primary", None)
+    return str(primary) if primary else str(exc)

@@ -1,18 +1,23 @@
-"""The metrics hook: what a Mutex reports, and the guard that keeps it harmless.
+"""The metrics hook: what the library reports, and the guard that keeps it harmless.
 
-A hook is any object with any subset of `MetricsHook`'s methods. Subclass
-`MetricsHook` to get no-op defaults, or write a plain class: missing methods
-are skipped. Every call goes through `MetricsDispatch`, which swallows (and
-logs, once per method) whatever a hook raises: a broken metrics backend must
-never cost a lock or a heartbeat.
+`MetricsHook` is a `typing.Protocol` listing every call. A hook implements any
+subset: subclass `MetricsHook` to get no-op defaults (and have a type checker
+check your signatures), or write a plain class, whose missing methods are
+skipped. Every call goes through `guard`, which swallows (and logs, once per
+method) whatever a hook raises: a broken metrics backend must never cost a
+lock or a heartbeat. Keywords added after a hook was written (``token``) are
+passed only to methods that accept them, so hooks written for earlier
+releases keep working.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, cast, runtime_checkable
 
 from . import metric_names as names
 
@@ -21,7 +26,7 @@ logger = logging.getLogger("postgres_mutex")
 
 @dataclass(frozen=True)
 class LockObservation:
-    """One held lock as a watcher saw it, timed by the server's clock."""
+    """One held lock as a watcher (or `LockTable.holders`) saw it, timed by the server's clock."""
 
     lock_name: str
     holder: str
@@ -31,28 +36,40 @@ class LockObservation:
     """Silent for ``alert_threshold`` or longer."""
     reclaimable: bool
     """Silent for ``stale_threshold`` or longer: any instance may take it over."""
+    token: int | None = None
+    """The hold's fencing token; None on a table without tokens, or for a row written without one."""
 
 
-class MetricsHook:
-    """No-op base class documenting every call a Mutex (or a watcher) makes.
+@runtime_checkable
+class MetricsHook(Protocol):
+    """Every call the library makes to a metrics hook; implement any subset.
 
-    Calls are made from the thread or task that observed the event (the
-    heartbeat thread for heartbeat calls), so they should be quick and must not
-    block. ``instance_id`` is this Mutex's id; ``holder`` and
-    ``previous_holder`` are other instances' ids.
+    Calls are made from the thread or task that observed the event, or from
+    the client's event thread for what happens in the background (heartbeats,
+    losses), so they should be quick and must not block. ``instance_id`` is
+    this Mutex's id; ``holder`` and ``previous_holder`` are other instances'
+    ids. ``token`` (the hold's fencing token, or None on a table without
+    tokens) is passed only to methods that accept it: it must never become a
+    metric label.
     """
 
-    def acquired(self, lock_name: str, *, instance_id: str) -> None:
+    def acquired(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
         """The lock was acquired (fresh, or by reclaiming a stale row)."""
+        return None
 
     def released(self, lock_name: str, *, instance_id: str) -> None:
         """The lock was released and its row deleted."""
+        return None
 
     def contended(self, lock_name: str, *, instance_id: str) -> None:
         """An acquire attempt found the lock held by another instance."""
+        return None
 
-    def stale_reclaimed(self, lock_name: str, *, instance_id: str, previous_holder: str) -> None:
+    def stale_reclaimed(
+        self, lock_name: str, *, instance_id: str, previous_holder: str, token: int | None = None
+    ) -> None:
         """The lock was taken over from ``previous_holder``, silent past ``stale_threshold``."""
+        return None
 
     def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
         """The holder has not heartbeated for ``alert_threshold``: slow, or dead?
@@ -60,15 +77,22 @@ class MetricsHook:
         Fired once per stale episode (by a contender, or a watcher): again only
         after the holder heartbeats or changes.
         """
+        return None
 
     def heartbeat_latency(self, lock_name: str, *, instance_id: str, seconds: float) -> None:
-        """A heartbeat succeeded after ``seconds`` (one round trip)."""
+        """A heartbeat succeeded after ``seconds`` (one round trip, shared by the client's holds)."""
+        return None
 
     def heartbeat_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
-        """A heartbeat failed (it is retried until the local lease runs out)."""
+        """A heartbeat failed, and not merely on a connection the server had closed while idle.
+
+        It is retried until the local lease runs out.
+        """
+        return None
 
     def lost(self, lock_name: str, *, instance_id: str, reason: str) -> None:
         """This Mutex lost a lock it held: its lease ran out, or its row was gone."""
+        return None
 
     def acquire_wait(self, lock_name: str, *, instance_id: str, seconds: float, outcome: str) -> None:
         """An acquire ended after ``seconds``, waiting included.
@@ -76,6 +100,11 @@ class MetricsHook:
         ``outcome`` is one of ``acquired``, ``reclaimed``, ``contended``
         (non-blocking, held elsewhere), ``timeout``, ``error``.
         """
+        return None
+
+    def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
+        """A release could not delete the row: this process no longer holds the lock, but the row may remain."""
+        return None
 
     def observed(
         self,
@@ -90,49 +119,108 @@ class MetricsHook:
         ``watched`` is None when the watcher watches every lock in the table;
         a watched lock missing from ``observations`` is free.
         """
+        return None
 
     def watcher_failed(self, *, error: BaseException) -> None:
         """A watcher could not read the lock table (it keeps trying)."""
+        return None
 
     def watcher_stopped(self, *, watched: frozenset[str] | None) -> None:
         """A watcher stopped: what it last reported about ``watched`` (None: every lock) is no longer known."""
-
-    def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
-        """A release could not delete the row: this process no longer holds the lock, but the row may remain."""
+        return None
 
 
-HOOK_METHODS = frozenset(name for name in vars(MetricsHook) if not name.startswith("_"))
+HOOK_METHODS = frozenset(
+    name for name, value in vars(MetricsHook).items() if not name.startswith("_") and callable(value)
+)
 
 
-class MetricsDispatch:
-    """Calls a user's hook best-effort: never raises, never lets a hook break the lock."""
+class NullMetrics(MetricsHook):
+    """A hook that does nothing: the default when no ``metrics`` is given.
 
-    def __init__(self, hook: object | None) -> None:
-        self.hook = hook
+    Kept for programs written against 0.1.0, which exported it; passing
+    ``metrics=None`` does the same.
+    """
+
+
+class _Guarded:
+    """Calls one hook best-effort: never raises, never lets a hook break the lock."""
+
+    def __init__(self, hook: object) -> None:
+        self._hook = hook
+        self._calls: dict[str, Callable[..., None]] = {}
         self._complained: set[str] = set()
         self._lock = threading.Lock()
 
-    def __call__(self, method: str, *args: object, **kwargs: object) -> None:
-        if self.hook is None:
-            return
-        try:
-            func = getattr(self.hook, method, None)
-            if callable(func):
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        if method not in HOOK_METHODS:
+            raise AttributeError(method)
+        call = self._calls.get(method)
+        if call is None:
+            call = self._calls[method] = self._wrap(method)
+        return call
+
+    def _wrap(self, method: str) -> Callable[..., None]:
+        func = getattr(self._hook, method, None)
+        if not callable(func):
+            return _nothing
+        accepts = _accepted_keywords(func)
+
+        def call(*args: object, **kwargs: object) -> None:
+            if accepts is not None:
+                kwargs = {key: value for key, value in kwargs.items() if key in accepts}
+            try:
                 func(*args, **kwargs)
-        except Exception:
-            with self._lock:
-                first = method not in self._complained
-                self._complained.add(method)
-            name = type(self.hook).__name__
-            if first:
-                logger.warning(
-                    "metrics hook %s.%s raised; ignoring it (further errors from it are logged at debug level)",
-                    name,
-                    method,
-                    exc_info=True,
-                )
-            else:
-                logger.debug("metrics hook %s.%s raised", name, method, exc_info=True)
+            except Exception:
+                self._complain(method)
+
+        return call
+
+    def _complain(self, method: str) -> None:
+        with self._lock:
+            first = method not in self._complained
+            self._complained.add(method)
+        name = type(self._hook).__name__
+        if first:
+            logger.warning(
+                "metrics hook %s.%s raised; ignoring it (further errors from it are logged at debug level)",
+                name,
+                method,
+                exc_info=True,
+            )
+        else:
+            logger.debug("metrics hook %s.%s raised", name, method, exc_info=True)
+
+
+def _nothing(*args: object, **kwargs: object) -> None:
+    pass
+
+
+def _accepted_keywords(func: Callable[..., object]) -> frozenset[str] | None:
+    """The keywords ``func`` takes, or None if it takes any (``**kwargs``, or no signature to read)."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+class _Silent:
+    """The hook of a Mutex without one: every call is a no-op, at no cost."""
+
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        if method not in HOOK_METHODS:
+            raise AttributeError(method)
+        return _nothing
+
+
+def guard(hook: object | None) -> MetricsHook:
+    """``hook`` wrapped so that each call is checked by name (by the type checker) and can never raise."""
+    if hook is None or type(hook) is NullMetrics or type(hook) is MetricsHook:
+        return cast(MetricsHook, _Silent())
+    return cast(MetricsHook, _Guarded(hook))
 
 
 class FanOutMetrics:
@@ -143,19 +231,21 @@ class FanOutMetrics:
     """
 
     def __init__(self, *hooks: object) -> None:
-        self._dispatchers = tuple(MetricsDispatch(hook) for hook in hooks)
+        self._hooks = hooks
+        self._guarded = tuple(guard(hook) for hook in hooks)
 
     @property
     def hooks(self) -> tuple[object, ...]:
-        return tuple(dispatch.hook for dispatch in self._dispatchers)
+        return self._hooks
 
     def __getattr__(self, method: str) -> Callable[..., None]:
         if method not in HOOK_METHODS:
             raise AttributeError(method)
+        targets = [getattr(hook, method) for hook in self._guarded]
 
         def fan_out(*args: object, **kwargs: object) -> None:
-            for dispatch in self._dispatchers:
-                dispatch(method, *args, **kwargs)
+            for target in targets:
+                target(*args, **kwargs)
 
         return fan_out
 
@@ -181,7 +271,7 @@ class ExporterHook(MetricsHook):
     def _held_changed(self, lock_name: str, delta: int) -> None:
         raise NotImplementedError
 
-    def acquired(self, lock_name: str, *, instance_id: str) -> None:
+    def acquired(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
         self._add(names.ACQUISITIONS, {"lock_name": lock_name})
         if self._held.add(lock_name, instance_id):
             self._held_changed(lock_name, +1)
@@ -199,7 +289,9 @@ class ExporterHook(MetricsHook):
     def contended(self, lock_name: str, *, instance_id: str) -> None:
         self._add(names.CONTENTIONS, {"lock_name": lock_name})
 
-    def stale_reclaimed(self, lock_name: str, *, instance_id: str, previous_holder: str) -> None:
+    def stale_reclaimed(
+        self, lock_name: str, *, instance_id: str, previous_holder: str, token: int | None = None
+    ) -> None:
         self._add(names.STALE_RECLAIMS, {"lock_name": lock_name})
 
     def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:

@@ -33,40 +33,42 @@ class Outcome(enum.Enum):
         return self is not Outcome.CONTENDED
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AcquireResult:
     outcome: Outcome
     holder: str | None
     """Contended: the current holder. Reclaimed: the previous holder."""
     heartbeat_age: float | None
     """Seconds since the (previous) holder's last heartbeat, by the server's clock."""
-    token: datetime | None = None
+    acquired_at: datetime | None = None
     """When acquired: the new row's ``acquired_at``, which identifies this hold."""
+    token: int | None = None
+    """When acquired on a table with tokens: this acquisition's fencing token."""
 
 
 def interpret_acquire(row: Sequence[object] | None, instance_id: str) -> AcquireResult:
-    """Read the acquire statement's single row: ``(inserted, holder, heartbeat_age, acquired_at)``.
+    """Read the acquire statement's single row: ``(inserted, holder, heartbeat_age, acquired_at, token)``.
 
     ``inserted`` is NULL when the INSERT neither inserted nor took over the
     row: the lock is held by someone else. ``holder`` and ``heartbeat_age``
     come from the statement's snapshot; they are NULL when the row appeared
     after the snapshot was taken.
     """
-    if row is None or len(row) != 4:
+    if row is None or len(row) != 5:
         raise ValueError(f"unexpected acquire result {row!r}")
-    inserted, holder, age, acquired_at = row
+    inserted, holder, age, acquired_at, token = row
     holder_id = None if holder is None else str(holder)
     heartbeat_age = None if age is None else float(age)  # type: ignore[arg-type]
     if inserted is None:
         return AcquireResult(Outcome.CONTENDED, holder_id, heartbeat_age)
-    if not isinstance(acquired_at, datetime):
+    if not isinstance(acquired_at, datetime) or not (token is None or isinstance(token, int)):
         raise ValueError(f"unexpected acquire result {row!r}")
     if inserted:
         # A holder seen in the snapshot released in the meantime: a plain acquire.
-        return AcquireResult(Outcome.ACQUIRED, None, None, acquired_at)
+        return AcquireResult(Outcome.ACQUIRED, None, None, acquired_at, token)
     if holder_id == instance_id or holder_id is None:
-        return AcquireResult(Outcome.REACQUIRED, instance_id, heartbeat_age, acquired_at)
-    return AcquireResult(Outcome.RECLAIMED, holder_id, heartbeat_age, acquired_at)
+        return AcquireResult(Outcome.REACQUIRED, instance_id, heartbeat_age, acquired_at, token)
+    return AcquireResult(Outcome.RECLAIMED, holder_id, heartbeat_age, acquired_at, token)
 
 
 class AlertGate:
@@ -80,7 +82,7 @@ class AlertGate:
     def __init__(self, threshold: float) -> None:
         self._threshold = threshold
         self._alerted_holder: str | None = None
-        # Shared by a Mutex's contender path and its watcher thread.
+        # Shared by a Mutex's contender path and its watcher.
         self._lock = threading.Lock()
 
     def should_alert(self, holder: str | None, heartbeat_age: float | None) -> bool:
@@ -125,9 +127,9 @@ class WatchAlerts:
 def observe(
     rows: Sequence[Sequence[object]], *, alert_threshold: float, stale_threshold: float
 ) -> list[LockObservation]:
-    """Turn the watcher query's rows into observations, with the thresholds applied."""
+    """Turn the holders query's rows into observations, with the thresholds applied."""
     observations = []
-    for lock_name, holder, age, held_for in rows:
+    for lock_name, holder, age, held_for, _acquired_at, token in rows:
         heartbeat_age = float(age)  # type: ignore[arg-type]
         observations.append(
             LockObservation(
@@ -137,6 +139,7 @@ def observe(
                 seconds_held=float(held_for),  # type: ignore[arg-type]
                 alerting=heartbeat_age >= alert_threshold,
                 reclaimable=heartbeat_age >= stale_threshold,
+                token=None if token is None else int(token),  # type: ignore[call-overload]
             )
         )
     return observations
@@ -145,6 +148,13 @@ def observe(
 # A read-only transaction: after a failover the connection may have landed on
 # a standby. Only a new connection can reach the new primary.
 READ_ONLY = "25006"
+# The server cancelled the statement: our own per-statement statement_timeout,
+# or an administrator's pg_cancel_backend. Rolled back either way.
+CANCELLED = "57014"
+# The role may not do what the statement needs.
+PRIVILEGE = "42501"
+UNDEFINED_COLUMN = "42703"
+SERIALIZATION_FAILURE = "40001"
 
 # SQLSTATE classes that describe the moment, not the statement: connection
 # exceptions, insufficient resources, operator intervention (shutdown,
@@ -152,7 +162,6 @@ READ_ONLY = "25006"
 _TRANSIENT_CLASSES = frozenset({"08", "53", "57", "40"})
 _TRANSIENT_STATES = frozenset({"55P03", "58000", "58030", READ_ONLY})
 _MISSING_TABLE_STATES = frozenset({"42P01", "3F000"})
-_PRIVILEGE_STATE = "42501"
 
 
 def classify_failure(
@@ -165,14 +174,16 @@ def classify_failure(
     connection_lost: bool,
     connect_retryable: bool,
     redact: Callable[[str], str],
+    timeout: float | None = None,
 ) -> DatabaseError:
     """Turn a psycopg failure into the `DatabaseError` the lock logic acts on.
 
     ``sent``: the statement may have reached the server. ``timed_out``: the
-    deadline cut the operation off. ``connection_lost``: the connection is no
-    longer usable. ``connect_retryable``: a failure to connect is worth
-    retrying (this Mutex has connected before, so the DSN and credentials
-    work). ``redact`` masks secrets in the message.
+    client's own deadline (``timeout`` seconds) cut the operation off.
+    ``connection_lost``: the connection is no longer usable.
+    ``connect_retryable``: a failure to connect is worth retrying (this client
+    has connected before, so the DSN and credentials work). ``redact`` masks
+    secrets in the message.
     """
     # The server's primary message, on one line: no SQL excerpt, no caret.
     diag = getattr(exc, "diag", None)
@@ -182,23 +193,40 @@ def classify_failure(
     # The server answered with an error and the connection survived: the
     # statement was rolled back, so its outcome is known.
     unknown = sent and (timed_out or connection_lost or sqlstate is None)
+    within = "" if timeout is None else f" ({timeout:g}s)"
 
     error: DatabaseError
-    if type(exc).__module__ == "psycopg_pool" and type(exc).__name__ != "PoolClosed":
+    if type(exc).__module__ == "psycopg_pool" and type(exc).__name__ == "PoolClosed":
+        # The application closed its pool: nothing to wait out.
+        error = DatabaseError(f"{action} failed: the connection pool is closed ({detail})", transient=False)
+    elif type(exc).__module__ == "psycopg_pool":
         # No pooled connection in time (PoolTimeout, TooManyRequests): a busy pool, not a bad DSN.
         error = DatabaseError(f"{action} failed: no pooled connection available ({detail})", transient=True)
     elif timed_out:
-        error = OperationTimeout(f"{action} passed its deadline ({detail})", transient=True, outcome_unknown=unknown)
+        # The client cut its own statement off: libpq's words ("server closed
+        # the connection unexpectedly") would blame the server.
+        error = OperationTimeout(
+            f"{action} got no reply within operation_timeout{within}; the connection was closed",
+            transient=True,
+            outcome_unknown=unknown,
+        )
+    elif sqlstate == CANCELLED:
+        error = OperationTimeout(
+            f"{action} did not finish within operation_timeout{within} on the server and was cancelled "
+            f"there ({detail}); something held the lock row",
+            transient=True,
+            sqlstate=sqlstate,
+        )
     elif sqlstate in _MISSING_TABLE_STATES:
         error = SchemaError(
             f"{action} failed: the lock table {table} does not exist ({detail}); "
             "call create_schema() or create it as the README shows",
             sqlstate=sqlstate,
         )
-    elif sqlstate == _PRIVILEGE_STATE:
+    elif sqlstate == PRIVILEGE:
         error = SchemaError(
-            f"{action} failed: the role may not use the lock table {table} ({detail}); "
-            "grant SELECT, INSERT, UPDATE, DELETE on it as the README shows",
+            f"{action} failed: the role may not use the lock table {table} ({detail}); grant SELECT, INSERT, "
+            "UPDATE, DELETE on it (and USAGE on its token sequence, if it has one) as the README shows",
             sqlstate=sqlstate,
         )
     elif not sent and sqlstate is None:

@@ -1,4 +1,4 @@
-"""Validation of everything a user passes to `Mutex`, done once at construction.
+"""Validation of everything a user passes in, done once at construction.
 
 Bad input raises `TypeError` (wrong type) or `ValueError` (wrong value) naming
 the argument, so a misconfigured job fails at start-up rather than at 3 a.m.
@@ -15,6 +15,17 @@ from dataclasses import dataclass
 # VARCHAR(64) in the table: PostgreSQL counts characters, not bytes.
 MAX_NAME_LENGTH = 64
 
+MAX_SECONDS = 1e9
+"""Longest threshold, interval or timeout accepted (about 31 years): far inside
+what PostgreSQL's intervals and Python's waits can represent."""
+
+MAX_OPERATION_TIMEOUT = 2_147_483.0
+"""``statement_timeout`` and libpq's ``tcp_user_timeout`` are milliseconds in a
+32-bit integer: about 24.8 days."""
+
+DEFAULT_OPERATION_TIMEOUT = 5.0
+"""The longest default deadline of one statement."""
+
 
 def check_name(value: object, argument: str) -> str:
     """Return ``value`` if it fits a VARCHAR(64) name column, else raise naming ``argument``."""
@@ -25,12 +36,32 @@ def check_name(value: object, argument: str) -> str:
     if "\x00" in value:
         # PostgreSQL text cannot hold NUL; the server would reject it mid-flight.
         raise ValueError(f"{argument} must not contain a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate (say, from a mis-decoded file name) cannot be sent at all.
+        raise ValueError(f"{argument} must be valid text; it contains a lone surrogate: {value!r}") from None
     return value
 
 
-def check_seconds(value: object, argument: str, *, allow_zero: bool = False) -> float:
+def check_names(value: object, argument: str) -> frozenset[str] | None:
+    """A collection of lock names (or None), each checked; a bare str is refused, not iterated."""
+    if value is None:
+        return None
+    if isinstance(value, str | bytes):
+        raise TypeError(
+            f"{argument} must be a list of lock names, not a single {type(value).__name__}: {argument}=[{value!r}]"
+        )
+    try:
+        items = list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{argument} must be a list of lock names, not {type(value).__name__}") from None
+    return frozenset(check_name(item, argument) for item in items)
+
+
+def check_seconds(value: object, argument: str, *, allow_zero: bool = False, maximum: float = MAX_SECONDS) -> float:
     """Return ``value`` as a float number of seconds, or raise naming ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
     seconds = float(value)
     if math.isnan(seconds) or math.isinf(seconds):
@@ -38,7 +69,13 @@ def check_seconds(value: object, argument: str, *, allow_zero: bool = False) -> 
     if seconds < 0 or (seconds == 0 and not allow_zero):
         bound = "zero or more" if allow_zero else "greater than zero"
         raise ValueError(f"{argument} must be {bound}, got {value!r}")
+    if seconds > maximum:
+        raise ValueError(f"{argument} must be at most {maximum:g} seconds, got {value!r}")
     return seconds
+
+
+def check_operation_timeout(value: object) -> float:
+    return check_seconds(value, "operation_timeout", maximum=MAX_OPERATION_TIMEOUT)
 
 
 def default_instance_id() -> str:
@@ -48,9 +85,9 @@ def default_instance_id() -> str:
     return f"{host[: MAX_NAME_LENGTH - len(suffix) - 1]}-{suffix}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Timing:
-    """The validated thresholds of one Mutex, in seconds.
+    """The validated thresholds of one lock, in seconds.
 
     ``lease`` is how long a holder trusts its lock after the last heartbeat it
     *sent*: one heartbeat interval short of ``stale_threshold``. The server
@@ -72,32 +109,34 @@ class Timing:
         alert_threshold: object,
         stale_threshold: object,
         poll_interval: object,
-        operation_timeout: object,
+        operation_timeout: object | None,
     ) -> Timing:
-        timing = cls(
-            heartbeat_interval=check_seconds(heartbeat_interval, "heartbeat_interval"),
-            alert_threshold=check_seconds(alert_threshold, "alert_threshold"),
-            stale_threshold=check_seconds(stale_threshold, "stale_threshold"),
-            poll_interval=check_seconds(poll_interval, "poll_interval"),
-            operation_timeout=check_seconds(operation_timeout, "operation_timeout"),
-        )
-        if not timing.heartbeat_interval < timing.alert_threshold:
+        heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
+        alert = check_seconds(alert_threshold, "alert_threshold")
+        stale = check_seconds(stale_threshold, "stale_threshold")
+        poll = check_seconds(poll_interval, "poll_interval")
+        if not heartbeat < alert:
             raise ValueError(
-                f"heartbeat_interval ({timing.heartbeat_interval:g}s) must be shorter than "
-                f"alert_threshold ({timing.alert_threshold:g}s), or every heartbeat would alert"
+                f"heartbeat_interval ({heartbeat:g}s) must be shorter than "
+                f"alert_threshold ({alert:g}s), or every heartbeat would alert"
             )
-        if not timing.alert_threshold < timing.stale_threshold:
+        if not alert < stale:
             raise ValueError(
-                f"alert_threshold ({timing.alert_threshold:g}s) must be shorter than "
-                f"stale_threshold ({timing.stale_threshold:g}s), so on-call hears before a reclaim"
+                f"alert_threshold ({alert:g}s) must be shorter than "
+                f"stale_threshold ({stale:g}s), so on-call hears before a reclaim"
             )
-        if timing.lease < 2 * timing.heartbeat_interval:
+        if stale - heartbeat < 2 * heartbeat:
             raise ValueError(
-                f"stale_threshold ({timing.stale_threshold:g}s) must be at least three heartbeat_intervals "
-                f"({timing.heartbeat_interval:g}s): the holder's lease (stale_threshold - heartbeat_interval) "
+                f"stale_threshold ({stale:g}s) must be at least three heartbeat_intervals "
+                f"({heartbeat:g}s): the holder's lease (stale_threshold - heartbeat_interval) "
                 "must leave room to retry a failed heartbeat"
             )
-        return timing
+        timeout = (
+            default_operation_timeout(heartbeat, stale)
+            if operation_timeout is None
+            else check_operation_timeout(operation_timeout)
+        )
+        return cls(heartbeat, alert, stale, poll, timeout)
 
     @property
     def lease(self) -> float:
@@ -106,4 +145,24 @@ class Timing:
     @property
     def heartbeat_retry(self) -> float:
         """Pause before retrying a failed heartbeat: soon, but not a busy loop."""
-        return min(self.heartbeat_interval, 1.0)
+        return retry_pause(self.heartbeat_interval)
+
+
+def retry_pause(heartbeat_interval: float) -> float:
+    return min(heartbeat_interval, 1.0)
+
+
+def default_operation_timeout(heartbeat_interval: float, stale_threshold: float) -> float:
+    """The deadline of one statement when the user gives none.
+
+    After its last successful heartbeat, a holder tries again one interval
+    later and has until its lease ends (``stale_threshold - heartbeat_interval``):
+    a window of ``stale_threshold - 2 * heartbeat_interval``. The default fits
+    the heartbeat and two retries, with their pauses, in that window (or, when
+    the thresholds are too tight for that, a quarter of it), and is never more
+    than 5 s: with the defaults (10 s, 600 s) it is 5 s; with heartbeat 0.2 s and
+    stale 3 s it is about 0.73 s.
+    """
+    window = stale_threshold - 2 * heartbeat_interval
+    with_retries = (window - 2 * retry_pause(heartbeat_interval)) / 3
+    return min(DEFAULT_OPERATION_TIMEOUT, max(with_retries, window / 4))

@@ -4,12 +4,26 @@ Identifiers are validated and quoted; every value is bound as a parameter.
 Each lock operation is a single statement, so it costs one round trip, and
 every time comparison uses the server's ``now()``: no client clock is ever
 consulted, so clock skew between instances cannot corrupt the lock.
+
+A statement is sent as one simple-protocol message that first sets, for its
+own transaction only, a server-side ``statement_timeout`` (so a statement the
+client gave up on cannot go on running on the server, blocked behind someone
+else's row lock, and land later) and the ``read committed`` isolation the
+statements are designed for, whatever the role's or database's defaults. It is
+still one round trip, it prepares nothing, and it works behind PgBouncer in
+transaction mode. Parameters are bound on the client (`psycopg.ClientCursor`).
+
+Tables come in two shapes: the README's five columns, and the same plus a
+``token`` column (fencing tokens) fed by a sequence named after the table,
+added by `migrate`. `TableShape` says which one a statement set is for.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
+from dataclasses import dataclass
 
 from psycopg import sql
 
@@ -18,6 +32,10 @@ from psycopg import sql
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
 # PostgreSQL truncates identifiers past NAMEDATALEN - 1 bytes.
 _MAX_IDENTIFIER_BYTES = 63
+
+# Before every statement, in its own transaction: a server-side deadline and
+# the isolation the statements are written for. The timeout is in milliseconds.
+_PREFIX = "SET LOCAL statement_timeout = %(_server_timeout_ms)s; SET LOCAL transaction_isolation = 'read committed'; "
 
 
 def parse_table(table: object) -> tuple[str, ...]:
@@ -28,6 +46,7 @@ def parse_table(table: object) -> tuple[str, ...]:
     if len(parts) > 2:
         raise ValueError(f"table must be 'name' or 'schema.name', got {table!r}")
     for part in parts:
+        # Leave room for the names derived from the table (_token_seq, _history).
         if not _IDENTIFIER.fullmatch(part) or len(part.encode()) > _MAX_IDENTIFIER_BYTES:
             raise ValueError(
                 f"table must be 'name' or 'schema.name' made of letters, digits, '_' or '$' "
@@ -36,109 +55,78 @@ def parse_table(table: object) -> tuple[str, ...]:
     return parts
 
 
-class Statements:
-    """The statements for one lock table.
+@dataclass(frozen=True, slots=True)
+class TableShape:
+    """What a lock table has beyond the README's five columns."""
 
-    Parameters (all bound): ``lock_name``, ``instance_id``, ``stale_seconds``,
-    ``channel``, and ``token``: the ``acquired_at`` of the hold a heartbeat or
-    release belongs to. Scoping those to the token means a statement of an
-    earlier hold that reaches the server late can never touch a later hold.
-    """
+    tokens: bool
+    """A ``token`` column fed by the table's sequence: acquisitions get fencing tokens."""
+
+
+LEGACY = TableShape(tokens=False)
+CURRENT = TableShape(tokens=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One statement, rendered once, with what a failure of it should be called."""
+
+    text: str
+    """The statement, with ``%(name)s`` placeholders, preceded by the per-statement settings."""
+    table: str
+    """The lock table it reads or writes, for messages."""
+    what: str
+    """What it does, for messages: "acquire", "add the token column", ..."""
+
+
+def _render(composed: sql.Composable) -> str:
+    return composed.as_string(None)
+
+
+def _derived(parts: tuple[str, ...], suffix: str) -> tuple[str, ...]:
+    """A name derived from the table's, in the table's schema (truncated as PostgreSQL would)."""
+    name = (parts[-1] + suffix).encode()[:_MAX_IDENTIFIER_BYTES].decode(errors="ignore")
+    return (*parts[:-1], name)
+
+
+class Names:
+    """The identifiers of one lock table and of what belongs to it."""
 
     def __init__(self, table: str) -> None:
-        self.table_parts = parse_table(table)
-        self.table_name = ".".join(self.table_parts)
-        ident = sql.Identifier(*self.table_parts)
+        self.parts = parse_table(table)
+        self.table_name = ".".join(self.parts)
+        self.table = sql.Identifier(*self.parts)
         # Index names share the schema's namespace: derive the unique
         # constraint's name from the table so several lock tables can coexist.
         # For the default table this is exactly the README's uq_mutex_lock.
-        unique_name = sql.Identifier(f"uq_{self.table_parts[-1]}"[:_MAX_IDENTIFIER_BYTES])
+        self.unique = sql.Identifier(f"uq_{self.parts[-1]}"[:_MAX_IDENTIFIER_BYTES])
+        self.sequence_parts = _derived(self.parts, "_token_seq")
+        self.sequence = sql.Identifier(*self.sequence_parts)
+        self.token_index = sql.Identifier(_derived(self.parts, "_token_key")[-1])
+        # nextval() takes the sequence's name as text: quoted, so case and schema are kept.
+        self.sequence_text = sql.Literal(_render(self.sequence))
 
-        self.create_table = sql.SQL(
-            """CREATE TABLE IF NOT EXISTS {table} (
-  lock_name      VARCHAR(64) NOT NULL,
-  locked         INT NOT NULL DEFAULT 1,
-  instance_id    VARCHAR(64) NOT NULL,
-  last_heartbeat TIMESTAMPTZ NOT NULL,
-  acquired_at    TIMESTAMPTZ NOT NULL,
-  CONSTRAINT {unique} UNIQUE (locked, lock_name),
-  CONSTRAINT chk_locked CHECK (locked = 1)
-)"""
-        ).format(table=ident, unique=unique_name)
+    @functools.cached_property
+    def fence(self) -> str:
+        """The fence check, sent on the user's connection in their own transaction (no settings prefix).
 
-        # One statement decides everything an acquire needs:
-        # - `current` reads the holder and its heartbeat age (for `contended`
-        #   and the alert) from the statement's snapshot;
-        # - the INSERT wins if no row exists; ON CONFLICT takes the row over
-        #   only if it is stale or already ours (an earlier attempt whose reply
-        #   was lost, or a restarted process reusing its id). The conflict
-        #   check runs on the latest row version under a row lock, so two
-        #   reclaimers can never both win;
-        # - `xmax = 0` tells a fresh insert from a takeover. It works on every
-        #   supported PostgreSQL; RETURNING OLD would need 18.
-        self.acquire = sql.SQL(
-            """WITH current AS (
-  SELECT instance_id,
-         EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
-    FROM {table}
-   WHERE locked = 1 AND lock_name = %(lock_name)s
-), taken AS (
-  INSERT INTO {table} AS existing (lock_name, locked, instance_id, last_heartbeat, acquired_at)
-  VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now())
-  ON CONFLICT (locked, lock_name) DO UPDATE
-     SET instance_id = EXCLUDED.instance_id,
-         last_heartbeat = EXCLUDED.last_heartbeat,
-         acquired_at = EXCLUDED.acquired_at
-   WHERE existing.instance_id = EXCLUDED.instance_id
-      OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s)
-  RETURNING existing.xmax = 0 AS inserted, existing.acquired_at
+        FOR KEY SHARE on this hold's row: a reclaim (which writes the uniquely
+        indexed token) and a DELETE wait for the user's transaction; a
+        heartbeat, which changes no key column, does not. The second column
+        says who holds the lock now, for the error when the hold is gone.
+        """
+        return _render(
+            sql.SQL(
+                """WITH mine AS (
+  SELECT token FROM {table}
+   WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s
+     AND acquired_at = %(acquired_at)s AND token = %(token)s
+     FOR KEY SHARE
 )
-SELECT taken.inserted, current.instance_id, current.heartbeat_age, taken.acquired_at
-  FROM (VALUES (1)) AS one (x)
-  LEFT JOIN taken ON true
-  LEFT JOIN current ON true"""
-        ).format(table=ident)
-
-        # Only last_heartbeat changes and it is in no index: the UPDATE stays
-        # HOT, so heartbeats never bloat the unique index.
-        self.heartbeat = sql.SQL(
-            """UPDATE {table} SET last_heartbeat = now()
- WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s
-   AND acquired_at = %(token)s"""
-        ).format(table=ident)
-
-        # The DELETE and the wake-up of waiters are one statement: a waiter
-        # LISTENing on the channel retries at once instead of at its next poll.
-        release = """WITH released AS (
-  DELETE FROM {table}
-   WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}
-  RETURNING lock_name
-)
-SELECT pg_notify(%(channel)s, '') FROM released"""
-        self.release = sql.SQL(release).format(table=ident, scope=sql.SQL("\n     AND acquired_at = %(token)s"))
-        # After an unanswered acquire the token is unknown: remove any row of ours.
-        self.cleanup = sql.SQL(release).format(table=ident, scope=sql.SQL(""))
-
-        # The watcher's one query per tick: every held lock (or the watched
-        # ones) with its ages by the server's clock.
-        self.watch = sql.SQL(
-            """SELECT lock_name, instance_id,
-       EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age,
-       EXTRACT(EPOCH FROM now() - acquired_at)::float8 AS held_for
-  FROM {table}
- WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]))
- ORDER BY lock_name"""
-        ).format(table=ident)
-
-        # An operator's override: delete the lock whoever holds it, and say whom.
-        self.force_release = sql.SQL(
-            """WITH released AS (
-  DELETE FROM {table}
-   WHERE locked = 1 AND lock_name = %(lock_name)s
-  RETURNING instance_id, EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
-)
-SELECT instance_id, heartbeat_age, pg_notify(%(channel)s, '')::text FROM released"""
-        ).format(table=ident)
+SELECT (SELECT token FROM mine),
+       (SELECT instance_id FROM {table} WHERE locked = 1 AND lock_name = %(lock_name)s)"""
+            ).format(table=self.table)
+        )
 
     def channel(self, lock_name: str) -> str:
         """The NOTIFY channel for one lock of this table.
@@ -149,10 +137,251 @@ SELECT instance_id, heartbeat_age, pg_notify(%(channel)s, '')::text FROM release
         digest = hashlib.sha256(f"{self.table_name}\x00{lock_name}".encode()).hexdigest()
         return f"postgres_mutex_{digest[:40]}"
 
-    @staticmethod
-    def listen(channel: str) -> sql.Composed:
-        return sql.SQL("LISTEN {}").format(sql.Identifier(channel))
 
-    @staticmethod
-    def unlisten(channel: str) -> sql.Composed:
-        return sql.SQL("UNLISTEN {}").format(sql.Identifier(channel))
+class Statements:
+    """The statements for one lock table of one shape.
+
+    Parameters (all bound): ``lock_name``, ``instance_id``, ``stale_seconds``,
+    ``channel``, and ``acquired_at``: the stamp of the hold a heartbeat or
+    release belongs to. Scoping those to it means a statement of an earlier
+    hold that reaches the server late can never touch a later hold.
+    """
+
+    def __init__(self, names: Names, shape: TableShape) -> None:
+        self.names = names
+        self.shape = shape
+        t = names.table
+        tokens = shape.tokens
+        token_column = sql.SQL(", token") if tokens else sql.SQL("")
+        new_token = sql.SQL(", nextval({})").format(names.sequence_text) if tokens else sql.SQL("")
+        returned_token = sql.SQL("existing.token") if tokens else sql.SQL("NULL::bigint")
+
+        def statement(what: str, composed: sql.Composable) -> Statement:
+            return Statement(_PREFIX + _render(composed), names.table_name, what)
+
+        # One statement decides everything an acquire needs:
+        # - `current` reads the holder and its heartbeat age (for `contended`
+        #   and the alert) from the statement's snapshot;
+        # - the INSERT wins if no row exists; ON CONFLICT takes the row over
+        #   only if it is stale, or if it is ours from an earlier statement (a
+        #   reply that was lost, or a restarted process reusing its id). The
+        #   `acquired_at <` keeps a statement of ours that was cut off but still
+        #   ran on the server from overwriting a later hold of ours. The
+        #   conflict check runs on the latest row version under a row lock, so
+        #   two reclaimers can never both win;
+        # - every acquisition takes a new token from the sequence, drawn when
+        #   the row is written, so it is greater than any token issued before;
+        # - `xmax = 0` tells a fresh insert from a takeover. It works on every
+        #   supported PostgreSQL; RETURNING OLD would need 18.
+        self.acquire = statement(
+            "acquire",
+            sql.SQL(
+                """WITH current AS (
+  SELECT instance_id,
+         EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
+    FROM {table}
+   WHERE locked = 1 AND lock_name = %(lock_name)s
+), taken AS (
+  INSERT INTO {table} AS existing (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column})
+  VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token})
+  ON CONFLICT (locked, lock_name) DO UPDATE
+     SET instance_id = EXCLUDED.instance_id,
+         last_heartbeat = EXCLUDED.last_heartbeat,
+         acquired_at = EXCLUDED.acquired_at{update_token}
+   WHERE (existing.instance_id = EXCLUDED.instance_id AND existing.acquired_at < EXCLUDED.acquired_at)
+      OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s)
+  RETURNING existing.xmax = 0 AS inserted, existing.acquired_at, {returned_token} AS token
+)
+SELECT taken.inserted, current.instance_id, current.heartbeat_age, taken.acquired_at, taken.token
+  FROM (VALUES (1)) AS one (x)
+  LEFT JOIN taken ON true
+  LEFT JOIN current ON true"""
+            ).format(
+                table=t,
+                token_column=token_column,
+                new_token=new_token,
+                update_token=sql.SQL(",\n         token = nextval({})").format(names.sequence_text)
+                if tokens
+                else sql.SQL(""),
+                returned_token=returned_token,
+            ),
+        )
+
+        # Every hold of one client that shares a heartbeat interval, renewed by
+        # one statement, which answers for each: renewed, busy (its row is
+        # locked by another session: try again soon) or gone (deleted or taken
+        # over: lost). SKIP LOCKED keeps one row locked by someone else from
+        # holding up the heartbeats of every other lock of the process; a
+        # fence's FOR KEY SHARE does not conflict, so fenced holds renew. Only
+        # last_heartbeat changes and it is in no index: the UPDATE stays HOT,
+        # so heartbeats never bloat an index.
+        self.heartbeat = statement(
+            "heartbeat",
+            sql.SQL(
+                """WITH hold AS (
+  SELECT * FROM unnest(%(lock_names)s::text[], %(instance_ids)s::text[], %(acquired_ats)s::timestamptz[])
+         AS hold (lock_name, instance_id, acquired_at)
+), free AS (
+  SELECT held.ctid
+    FROM {table} AS held JOIN hold USING (lock_name, instance_id, acquired_at)
+   WHERE held.locked = 1
+     FOR NO KEY UPDATE OF held SKIP LOCKED
+), renewed AS (
+  UPDATE {table} AS held SET last_heartbeat = now()
+    FROM free WHERE held.ctid = free.ctid
+  RETURNING held.lock_name, held.instance_id
+)
+SELECT hold.lock_name, hold.instance_id,
+       EXISTS (SELECT 1 FROM renewed
+                WHERE renewed.lock_name = hold.lock_name AND renewed.instance_id = hold.instance_id),
+       EXISTS (SELECT 1 FROM {table} AS held
+                WHERE held.locked = 1 AND held.lock_name = hold.lock_name
+                  AND held.instance_id = hold.instance_id AND held.acquired_at = hold.acquired_at)
+  FROM hold"""
+            ).format(table=t),
+        )
+
+        # The DELETE and the wake-up of waiters are one statement: a waiter
+        # LISTENing on the channel retries at once instead of at its next poll.
+        release = """WITH released AS (
+  DELETE FROM {table}
+   WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}
+  RETURNING lock_name
+)
+SELECT pg_notify(%(channel)s, '') FROM released"""
+        self.release = statement(
+            "release", sql.SQL(release).format(table=t, scope=sql.SQL("\n     AND acquired_at = %(acquired_at)s"))
+        )
+        # After an unanswered acquire the stamp is unknown: remove any row of ours.
+        self.cleanup = statement("clean-up", sql.SQL(release).format(table=t, scope=sql.SQL("")))
+
+        # Every held lock (or the given ones) with its ages by the server's clock.
+        self.holders = statement(
+            "read of the lock table",
+            sql.SQL(
+                """SELECT lock_name, instance_id,
+       EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age,
+       EXTRACT(EPOCH FROM now() - acquired_at)::float8 AS held_for,
+       acquired_at, {token}
+  FROM {table}
+ WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]))
+ ORDER BY lock_name"""
+            ).format(table=t, token=sql.SQL("token") if tokens else sql.SQL("NULL::bigint")),
+        )
+
+        # An operator's override: delete the lock whoever holds it, and say whom.
+        self.force_release = statement(
+            "forced release",
+            sql.SQL(
+                """WITH released AS (
+  DELETE FROM {table}
+   WHERE locked = 1 AND lock_name = %(lock_name)s
+  RETURNING instance_id, EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {token} AS token
+)
+SELECT instance_id, heartbeat_age, token, pg_notify(%(channel)s, '')::text FROM released"""
+            ).format(table=t, token=sql.SQL("token") if tokens else sql.SQL("NULL::bigint")),
+        )
+
+
+def create_table(names: Names) -> Statement:
+    """The README's table plus the token column, its sequence and its unique index; all IF NOT EXISTS.
+
+    Sent as one message, so it is one transaction: a table never exists without
+    its sequence. ``CACHE 1`` (the default, stated) keeps tokens in the order
+    sessions draw them.
+    """
+    return Statement(
+        _render(
+            sql.SQL(
+                """CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint CACHE 1 NO CYCLE;
+CREATE TABLE IF NOT EXISTS {table} (
+  lock_name      VARCHAR(64) NOT NULL,
+  locked         INT NOT NULL DEFAULT 1,
+  instance_id    VARCHAR(64) NOT NULL,
+  last_heartbeat TIMESTAMPTZ NOT NULL,
+  acquired_at    TIMESTAMPTZ NOT NULL,
+  token          BIGINT DEFAULT nextval({sequence_text}),
+  CONSTRAINT {unique} UNIQUE (locked, lock_name),
+  CONSTRAINT chk_locked CHECK (locked = 1)
+);
+ALTER SEQUENCE {sequence} OWNED BY {table}.token;
+CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)"""
+            ).format(
+                table=names.table,
+                unique=names.unique,
+                sequence=names.sequence,
+                sequence_text=names.sequence_text,
+                token_index=names.token_index,
+            )
+        ),
+        names.table_name,
+        "create_schema",
+    )
+
+
+def inspect_table(names: Names) -> Statement:
+    """Whether the table exists, and whether it has a token column: one row ``(exists, has_token)``."""
+    return Statement(
+        _render(
+            sql.SQL(
+                """SELECT to_regclass({table_text}) IS NOT NULL,
+       EXISTS (SELECT 1 FROM pg_attribute
+                WHERE attrelid = to_regclass({table_text}) AND attname = 'token' AND NOT attisdropped)"""
+            ).format(table_text=sql.Literal(_render(names.table)))
+        ),
+        names.table_name,
+        "inspection",
+    )
+
+
+def migrate_steps(names: Names) -> list[Statement]:
+    """Add the token column to an existing table, online, one short step at a time.
+
+    Each step is idempotent, and takes the table's lock only as long as a
+    catalog change does: ``ADD COLUMN`` without a default and ``SET DEFAULT``
+    rewrite nothing, and the unique index is built on a table of one row per
+    lock. The caller runs each with a short ``lock_timeout`` and retries, so a
+    step never queues behind a long transaction while holders wait behind it.
+    """
+
+    def step(what: str, composed: sql.Composable) -> Statement:
+        return Statement(_render(composed), names.table_name, what)
+
+    fmt = {
+        "table": names.table,
+        "sequence": names.sequence,
+        "sequence_text": names.sequence_text,
+        "token_index": names.token_index,
+    }
+    return [
+        step(
+            "create the token sequence",
+            sql.SQL("CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint CACHE 1 NO CYCLE").format(**fmt),
+        ),
+        step(
+            "add the token column", sql.SQL("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS token BIGINT").format(**fmt)
+        ),
+        step(
+            "tie the sequence to the column", sql.SQL("ALTER SEQUENCE {sequence} OWNED BY {table}.token").format(**fmt)
+        ),
+        step(
+            "feed the token column from the sequence",
+            sql.SQL("ALTER TABLE {table} ALTER COLUMN token SET DEFAULT nextval({sequence_text})").format(**fmt),
+        ),
+        step(
+            "index the token column",
+            sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)").format(**fmt),
+        ),
+    ]
+
+
+def listen(channel: str) -> str:
+    return _render(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+
+def unlisten(channel: str) -> str:
+    return _render(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
+
+
+def notify(channel: str) -> str:
+    return _render(sql.SQL("NOTIFY {}").format(sql.Identifier(channel)))

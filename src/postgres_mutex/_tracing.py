@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -60,14 +60,14 @@ class Tracing:
 
     @contextlib.contextmanager
     def span(
-        self, name: str, attributes: Mapping[str, AttributeValue], *, link: SpanContext | None = None
+        self, name: str, attributes: Mapping[str, AttributeValue], *, links: Sequence[SpanContext | None] = ()
     ) -> Iterator[Span]:
         """A client span, current for its duration; an exception escaping it is recorded as an error."""
-        links = [Link(link)] if link is not None and link.is_valid else None
+        valid = [Link(context) for context in links if context is not None and context.is_valid]
         with self._tracer.start_as_current_span(
             name,
             kind=SpanKind.CLIENT,
-            links=links,
+            links=valid or None,
             record_exception=True,
             set_status_on_exception=True,
         ) as span:

@@ -5,8 +5,12 @@ indefinitely, and cancelling an asyncio task only makes psycopg try a
 server-side cancel over the same dead network. What reliably ends the call is
 shutting the socket down: the blocked read fails at once and psycopg raises
 `OperationalError`. One daemon thread per process does that for every armed
-deadline, for sync and async connections alike; the connection is broken
-afterwards and its owner replaces it.
+deadline, sync and async alike; the connection is broken afterwards and its
+owner replaces it.
+
+Arming a deadline costs a heap push: each connection keeps one duplicate of
+its socket (a `Cutter`) for its whole life, and a deadline that ends normally
+is disarmed by bumping a counter, so the watchdog skips it when it comes due.
 """
 
 from __future__ import annotations
@@ -18,110 +22,92 @@ import os
 import socket
 import struct
 import threading
-import time
-from collections.abc import Callable
-from types import TracebackType
+
+from ._clock import now, slice_until
 
 logger = logging.getLogger("postgres_mutex")
 
 
-class Deadline:
-    """An armed deadline on one socket; use as a context manager around one operation."""
+class Cutter:
+    """Shuts one connection's socket down when an armed deadline passes.
 
-    __slots__ = ("_fired", "_lock", "_sock", "at")
+    Holds a duplicate of the connection's descriptor: shutting it down affects
+    the shared socket, yet stays harmless if the connection closed its own
+    first. `close` must be called when the connection is discarded, or the
+    duplicate would keep the socket open.
+    """
 
-    def __init__(self, fileno: int, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-        # A duplicate of the descriptor: shutting it down affects the shared
-        # socket, yet stays harmless if the connection closes its own first.
+    __slots__ = ("_armed", "_lock", "_sock", "fired")
+
+    def __init__(self, fileno: int) -> None:
         self._sock: socket.socket | None = socket.socket(fileno=os.dup(fileno))
-        self._fired = False
         self._lock = threading.Lock()
+        self._armed = 0
+        self.fired = False
+        """True once a deadline cut the socket: the connection is unusable."""
 
-    @property
-    def fired(self) -> bool:
-        """True if the deadline passed and the socket was shut down."""
-        return self._fired
-
-    def fire(self) -> None:
+    def arm(self, seconds: float) -> int:
+        """Cut the socket in ``seconds`` unless `disarm` is called with the returned ticket first."""
         with self._lock:
-            sock, self._sock = self._sock, None
-            if sock is None:
-                return
-            self._fired = True
+            self._armed += 1
+            ticket = self._armed
+        _watchdog().push(now() + seconds, self, ticket)
+        return ticket
+
+    def disarm(self, ticket: int) -> None:
+        with self._lock:
+            if self._armed == ticket:
+                self._armed += 1
+
+    def due(self, ticket: int) -> None:
+        """Called by the watchdog: cut the socket if this ticket is still armed."""
+        with self._lock:
+            if self._armed == ticket:
+                self._cut()
+
+    def cut(self) -> None:
+        """Shut the socket down now: whatever is blocked on it fails at once."""
+        with self._lock:
+            self._cut()
+
+    def _cut(self) -> None:
+        sock = self._sock
+        if sock is None or self.fired:
+            return
+        self.fired = True
         try:
             # Linger 0: when the connection's own descriptor is closed too, the
-            # kernel resets the connection and discards unsent data, rather
-            # than deliver a cut-off statement late if the network comes back.
+            # kernel resets the connection and discards unsent data, rather than
+            # deliver a cut-off statement late if the network comes back.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # already closed by the peer: the operation is failing anyway
-        finally:
-            sock.close()
 
-    def disarm(self) -> None:
+    def close(self) -> None:
         with self._lock:
             sock, self._sock = self._sock, None
+            self._armed += 1
         if sock is not None:
             sock.close()
 
-    def __enter__(self) -> Deadline:
-        _watchdog().arm(self)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.disarm()
-
-
-class Timer:
-    """Run ``callback`` (in a thread of its own) after ``seconds``, unless cancelled first.
-
-    Used for what must happen on time whatever the I/O is doing, such as a
-    lease running out while a heartbeat is stuck connecting.
-    """
-
-    __slots__ = ("_callback", "_lock", "at")
-
-    def __init__(self, seconds: float, callback: Callable[[], object]) -> None:
-        self.at = time.monotonic() + seconds
-        self._callback: Callable[[], object] | None = callback
-        self._lock = threading.Lock()
-        _watchdog().arm(self)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._callback = None
-
-    def fire(self) -> None:
-        with self._lock:
-            callback, self._callback = self._callback, None
-        if callback is not None:
-            # Off the watchdog's thread: a slow callback must not delay a deadline.
-            threading.Thread(target=callback, name="postgres-mutex-timer", daemon=True).start()
-
 
 class _Watchdog:
-    """One thread, one heap of deadlines and timers; fires each that is still armed when due."""
+    """One thread, one heap of (due time, cutter, ticket); cuts each that is still armed when due."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Deadline | Timer]] = []
+        self._heap: list[tuple[float, int, Cutter, int]] = []
         self._counter = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def arm(self, deadline: Deadline | Timer) -> None:
+    def push(self, at: float, cutter: Cutter, ticket: int) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (deadline.at, next(self._counter), deadline))
+            heapq.heappush(self._heap, (at, next(self._counter), cutter, ticket))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="postgres-mutex-watchdog", daemon=True)
                 self._thread.start()
-            elif self._heap[0][2] is deadline:
+            elif self._heap[0][2] is cutter and self._heap[0][3] == ticket:
                 self._cond.notify()
 
     def _run(self) -> None:
@@ -129,14 +115,13 @@ class _Watchdog:
             with self._cond:
                 while not self._heap:
                     self._cond.wait()
-                at, _, deadline = self._heap[0]
-                delay = at - time.monotonic()
-                if delay > 0:
-                    self._cond.wait(delay)
+                at, _, cutter, ticket = self._heap[0]
+                if now() < at:
+                    self._cond.wait(slice_until(at))
                     continue
                 heapq.heappop(self._heap)
             try:
-                deadline.fire()
+                cutter.due(ticket)
             except Exception:  # never let one deadline stop the others from firing
                 logger.exception("postgres-mutex watchdog could not cut off an operation")
 
@@ -147,10 +132,11 @@ _instance_lock = threading.Lock()
 
 def _watchdog() -> _Watchdog:
     global _instance
-    with _instance_lock:
-        if _instance is None:
-            _instance = _Watchdog()
-        return _instance
+    if _instance is None:
+        with _instance_lock:
+            if _instance is None:
+                _instance = _Watchdog()
+    return _instance
 
 
 def _forget_after_fork() -> None:

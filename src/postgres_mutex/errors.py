@@ -4,7 +4,7 @@ Everything the library raises on purpose derives from `MutexError`, except bad
 arguments, which raise the built-in `ValueError` or `TypeError` at construction
 and name the argument::
 
-    MutexError
+    MutexError (also importable as PgMutexError, its 0.1.0 name)
     ├── LockNotHeldError          the lock was lost, or this Mutex never held it
     ├── LockAcquisitionTimeout    a blocking acquire ran out of time (also TimeoutError)
     ├── LockAlreadyHeldError      acquire on a Mutex that already holds its lock
@@ -25,12 +25,17 @@ __all__ = [
     "LockNotHeldError",
     "MutexError",
     "OperationTimeout",
+    "PgMutexError",
     "SchemaError",
 ]
 
 
 class MutexError(Exception):
     """Base class of every error postgres-mutex raises on purpose."""
+
+
+PgMutexError = MutexError
+"""The name 0.1.0 gave `MutexError`; kept so programs written for it keep working."""
 
 
 class LockNotHeldError(MutexError):
@@ -42,23 +47,42 @@ class LockNotHeldError(MutexError):
     lost. ``lock_name``, ``instance_id`` and ``reason`` say which lock and why.
     """
 
-    def __init__(self, message: str, *, lock_name: str, instance_id: str, reason: str) -> None:
+    def __init__(
+        self, message: str, *, lock_name: str | None = None, instance_id: str | None = None, reason: str = ""
+    ) -> None:
+        if lock_name is None:
+            # 0.1.0 took the lock name alone: LockNotHeldError("job").
+            lock_name = message
+            message = f"lock {lock_name!r} is not held by this instance"
         super().__init__(message)
         self.lock_name = lock_name
         self.instance_id = instance_id
-        self.reason = reason
+        self.reason = reason or "this Mutex does not hold the lock"
 
 
 class LockAcquisitionTimeout(MutexError, TimeoutError):
     """A blocking acquire did not get the lock within its ``timeout``.
 
-    ``holder`` is the instance that held the lock at the last attempt, when known.
+    ``holder`` is the instance that held the lock at the last attempt, when
+    known; ``timeout`` the seconds waited.
     """
 
-    def __init__(self, message: str, *, lock_name: str, holder: str | None) -> None:
+    def __init__(
+        self,
+        message: str,
+        timeout: float | None = None,
+        *,
+        lock_name: str | None = None,
+        holder: str | None = None,
+    ) -> None:
+        if lock_name is None:
+            # 0.1.0 took (lock_name, timeout): LockAcquisitionTimeout("job", 30).
+            lock_name = message
+            message = f"timed out after {timeout}s waiting to acquire lock {lock_name!r}"
         super().__init__(message)
         self.lock_name = lock_name
         self.holder = holder
+        self.timeout = timeout
 
 
 class LockAlreadyHeldError(MutexError):

@@ -3,7 +3,7 @@
 Contenders alert when they find a holder silent past ``alert_threshold``, but
 a nightly job nobody else is waiting for has no contender. A watcher reads the
 lock table every ``interval`` seconds — one query, ages computed with the
-server's clock — and:
+server's clock (`LockTable.holders`) — and:
 
 - fires the hook's ``alert`` once per stale episode (re-armed when the holder
   heartbeats again or changes), within ``alert_threshold + interval`` of the
@@ -21,23 +21,22 @@ watch=True)``.
 
 from __future__ import annotations
 
-import logging
+import asyncio
+import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import _flows as flows
-from ._background import SyncBackground
-from ._metrics import LockObservation, MetricsDispatch
+from ._events import WatcherEvents
+from ._metrics import LockObservation, guard
 from ._rules import AlertGate, WatchAlerts
-from ._settings import check_name, check_seconds
-from ._sql import Statements
-from ._transport import Transport
+from ._settings import check_names, check_seconds
+from .client import MutexClient, shared_client
+from .errors import DatabaseError
+from .table import LockTable
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
-
-logger = logging.getLogger("postgres_mutex")
 
 __all__ = ["StaleWatcher"]
 
@@ -45,11 +44,10 @@ __all__ = ["StaleWatcher"]
 class StaleWatcher:
     """Watch the lock table for holders that stopped heartbeating.
 
-    Give it a ``dsn`` (it opens its own connection, named
-    ``postgres-mutex watcher`` in ``pg_stat_activity``) or a ``pool`` /
-    ``async_pool``. ``lock_names`` limits it to some locks (default: every
-    lock in the table). Raises `TypeError` / `ValueError` naming the argument
-    on bad input.
+    Give it a ``dsn``, a ``pool`` / ``async_pool``, or a ``client``; it reads
+    through the process's shared client for that DSN or pool. ``lock_names``
+    limits it to some locks (a list of names; default: every lock in the
+    table). Raises `TypeError` / `ValueError` naming the argument on bad input.
     """
 
     def __init__(
@@ -58,107 +56,154 @@ class StaleWatcher:
         *,
         pool: ConnectionPool[Any] | None = None,
         async_pool: AsyncConnectionPool[Any] | None = None,
+        client: MutexClient | None = None,
         table: str = "mutex_lock",
         lock_names: Iterable[str] | None = None,
         alert_threshold: float = 30.0,
         stale_threshold: float = 600.0,
         interval: float = 5.0,
-        operation_timeout: float = 5.0,
+        operation_timeout: float | None = None,
         metrics: object | None = None,
+        _shared_gates: Mapping[str, AlertGate] | None = None,
     ) -> None:
-        statements = Statements(table)
         alert = check_seconds(alert_threshold, "alert_threshold")
         stale = check_seconds(stale_threshold, "stale_threshold")
         if not alert < stale:
             raise ValueError(f"alert_threshold ({alert:g}s) must be shorter than stale_threshold ({stale:g}s)")
-        names = None if lock_names is None else frozenset(check_name(name, "lock_names") for name in lock_names)
-        transport = Transport(
-            dsn=dsn,
-            pool=pool,
-            async_pool=async_pool,
-            instance_id=None,
-            operation_timeout=check_seconds(operation_timeout, "operation_timeout"),
-            table_name=statements.table_name,
-            application_name="postgres-mutex watcher",
+        self._lock_names = check_names(lock_names, "lock_names")
+        self._interval = check_seconds(interval, "interval")
+        if client is None:
+            client = shared_client(dsn, pool, async_pool)
+            client.attach()
+            self._owns_attachment = True
+        else:
+            self._owns_attachment = False
+        self._client = client
+        self._table = LockTable(client=client, table=table, operation_timeout=operation_timeout)
+        self._alert_threshold, self._stale_threshold = alert, stale
+        self._alerts = WatchAlerts(alert, dict(_shared_gates or {}))
+        self._events = WatcherEvents(
+            guard(metrics), watched=self._lock_names, alert_threshold=alert, stale_threshold=stale
         )
-        self._setup(
-            transport,
-            flows.WatchContext(
-                statements=statements,
-                lock_names=names,
-                alert_threshold=alert,
-                stale_threshold=stale,
-                interval=check_seconds(interval, "interval"),
-                operation_timeout=operation_timeout,
-                alerts=WatchAlerts(alert),
-                metrics=MetricsDispatch(metrics),
-            ),
-        )
-
-    def _setup(self, transport: Transport, context: flows.WatchContext) -> None:
-        self._transport = transport
-        self._context = context
-        self._thread: SyncBackground | None = None
+        self._latest: list[LockObservation] = []
+        self._healthy: bool | None = None
         self._lock = threading.Lock()
-
-    @classmethod
-    def _for_lock(
-        cls, transport: Transport, context: flows.WatchContext, *, shared_gate: tuple[str, AlertGate]
-    ) -> StaleWatcher:
-        """A watcher of one Mutex's own lock, on its connections, sharing its alert gate."""
-        watcher = object.__new__(cls)
-        name, gate = shared_gate
-        context.alerts = WatchAlerts(context.alert_threshold, {name: gate})
-        watcher._setup(transport, context)
-        return watcher
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def observations(self) -> list[LockObservation]:
         """The held locks seen at the last successful read."""
-        return list(self._context.latest)
+        return list(self._latest)
 
     @property
     def healthy(self) -> bool | None:
         """Whether the last read succeeded; None before the first."""
-        return self._context.healthy
+        return self._healthy
+
+    # -- one read ----------------------------------------------------------------------
 
     def check(self) -> list[LockObservation]:
         """Read the table once now, alerting and reporting as a tick does. Raises `DatabaseError`."""
-        return self._transport.sync_runner().run(flows.watch(self._context))
+        try:
+            observations = self._table.holders(
+                self._lock_names, alert_threshold=self._alert_threshold, stale_threshold=self._stale_threshold
+            )
+        except DatabaseError as exc:
+            self._failed(exc)
+            raise
+        return self._saw(observations)
 
     async def check_async(self) -> list[LockObservation]:
         """Async `check`."""
-        return await self._transport.async_runner().run(flows.watch(self._context))
+        try:
+            observations = await self._table.holders_async(
+                self._lock_names, alert_threshold=self._alert_threshold, stale_threshold=self._stale_threshold
+            )
+        except DatabaseError as exc:
+            self._failed(exc)
+            raise
+        return self._saw(observations)
+
+    def _failed(self, error: DatabaseError) -> None:
+        self._healthy = False
+        self._events.failed(error)
+
+    def _saw(self, observations: list[LockObservation]) -> list[LockObservation]:
+        for seen in observations:
+            if self._alerts.should_alert(seen.lock_name, seen.holder, seen.seconds_since_heartbeat):
+                self._events.alert(seen.lock_name, seen.holder, seen.seconds_since_heartbeat)
+        self._alerts.held_now({seen.lock_name for seen in observations})
+        self._latest, self._healthy = observations, True
+        self._events.observed(observations)
+        return observations
+
+    # -- running -------------------------------------------------------------------------
 
     def start(self) -> None:
         """Watch in a daemon thread until `stop`; does nothing if already started."""
         with self._lock:
-            if self._thread is None or not self._thread.running:
-                self._thread = SyncBackground(
-                    self._transport,
-                    flows.watch_forever(self._context),
-                    name="postgres-mutex-watcher",
-                    on_crash=lambda exc: None,
-                )
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._watch, args=(self._stop,), name="postgres-mutex-watcher", daemon=True
+            )
+            self._thread.start()
+
+    def _watch(self, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(DatabaseError):
+                    self.check()
+                stop.wait(self._interval)
+        finally:
+            self._stopped()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the thread, waiting up to ``timeout`` seconds (None: its current read's deadline)."""
+        """Stop the thread (or task), waiting up to ``timeout`` seconds (None: its current read's deadline)."""
         with self._lock:
             thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.stop()
-            thread.join(self._context.operation_timeout + 1.0 if timeout is None else timeout)
+            task, self._task = self._task, None
+        self._stop.set()
+        if task is not None:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: the task is gone already
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._table_timeout() + 1.0 if timeout is None else timeout)
 
     async def run(self) -> None:
         """Watch until cancelled: ``task = asyncio.create_task(watcher.run())``."""
-        await self._transport.async_runner().run(flows.watch_forever(self._context))
+        try:
+            while True:
+                with contextlib.suppress(DatabaseError):
+                    await self.check_async()
+                await asyncio.sleep(self._interval)
+        finally:
+            self._stopped()
+
+    def start_task(self) -> None:
+        """Watch in a task of the running loop until `stop`; does nothing if already watching there."""
+        with self._lock:
+            if self._task is not None and not self._task.done():
+                return
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="postgres-mutex-watcher")
+
+    def _stopped(self) -> None:
+        self._healthy = None
+        self._events.stopped()
+
+    def _table_timeout(self) -> float:
+        return self._client.operation_timeout
 
     def close(self) -> None:
-        """Stop, and close the connection the watcher opened (never a pool)."""
+        """Stop, and let go of the client (the last user of a shared client closes its connections)."""
         self.stop()
-        self._transport.close()
+        if self._owns_attachment:
+            self._owns_attachment = False
+            self._client.detach()
 
     async def aclose(self) -> None:
-        """Async `close` (also closes the async connection)."""
-        self.stop()
-        await self._transport.aclose()
+        """Async `close`."""
+        self.close()

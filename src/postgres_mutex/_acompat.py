@@ -1,0 +1,354 @@
+"""The paired primitives the engine is written with: one async, one sync, same shape.
+
+`_engine_async.py` is written once, with the async names; `_engine.py` is
+generated from it by ``tools/async_to_sync.py``, which drops ``async`` and
+``await`` and renames each async primitive to its sync twin (``AEvent`` to
+``Event``, ``aspawn`` to ``spawn``, ...). Everything that genuinely differs
+between a thread and a task lives here, side by side, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import select
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+from ._clock import MAX_SLICE, now
+
+T = TypeVar("T")
+
+
+def current_owner() -> object:
+    """Who is running: the asyncio task, if there is one in this thread, else the thread."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        task = None
+    return task if task is not None else threading.current_thread()
+
+
+# -- events ----------------------------------------------------------------------------
+
+
+class AEvent:
+    """An event a task waits on; `set` may be called from any thread."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._event.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                self._loop.call_soon_threadsafe(self._event.set)
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Wait until set or ``timeout`` seconds passed (on the library's clock); returns whether it is set."""
+        if timeout is None:
+            await self._event.wait()
+            return True
+        deadline = now() + timeout
+        while not self._event.is_set():
+            left = deadline - now()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), min(left, MAX_SLICE))
+        return True
+
+
+class Event:
+    """An event a thread waits on; `set` may be called from any thread."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if timeout is None:
+            return self._event.wait()
+        deadline = now() + timeout
+        while not self._event.is_set():
+            left = deadline - now()
+            if left <= 0:
+                return False
+            self._event.wait(min(left, MAX_SLICE))
+        return True
+
+
+# -- the engine's statement connection: one user at a time, heartbeats first ----------
+
+
+class AGate:
+    """Lets one task at a time use a connection; urgent ones (heartbeats) go first.
+
+    Everything runs on one event loop, so the bookkeeping needs no lock; a task
+    cancelled just after being let in passes its turn on, so the gate never
+    stays shut.
+    """
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiting: dict[bool, collections.deque[asyncio.Future[None]]] = {
+            True: collections.deque(),
+            False: collections.deque(),
+        }
+
+    @contextlib.asynccontextmanager
+    async def turn(self, urgent: bool) -> AsyncIterator[None]:
+        await self._enter(urgent)
+        try:
+            yield
+        finally:
+            self._leave()
+
+    async def _enter(self, urgent: bool) -> None:
+        if not self._busy:
+            self._busy = True
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiting[urgent]
+        queue.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self._leave()  # let in, then cancelled: pass the turn on
+            else:
+                with contextlib.suppress(ValueError):
+                    queue.remove(waiter)
+            raise
+
+    def _leave(self) -> None:
+        for queue in (self._waiting[True], self._waiting[False]):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)  # the gate stays busy: it is theirs now
+                    return
+        self._busy = False
+
+
+class Gate:
+    """Lets one thread at a time use a connection; urgent ones (heartbeats) go first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._urgent = 0
+
+    @contextlib.contextmanager
+    def turn(self, urgent: bool) -> Iterator[None]:
+        with self._cond:
+            if urgent:
+                self._urgent += 1
+            try:
+                while self._busy or (not urgent and self._urgent):
+                    self._cond.wait()
+            finally:
+                if urgent:
+                    self._urgent -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+# -- background workers ----------------------------------------------------------------
+
+
+class AWorker:
+    """A task running one of the engine's loops."""
+
+    def __init__(self, target: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        self._task = asyncio.get_running_loop().create_task(target(), name=name)
+
+    @property
+    def running(self) -> bool:
+        return not self._task.done()
+
+    async def join(self, timeout: float) -> None:
+        if self._task is not asyncio.current_task():
+            await asyncio.wait([self._task], timeout=timeout)
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+
+class Worker:
+    """A daemon thread running one of the engine's loops."""
+
+    def __init__(self, target: Callable[[], None], name: str) -> None:
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def cancel(self) -> None:
+        """Threads cannot be cancelled: they end at their next check of the engine's state."""
+
+
+async def asleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+def sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+async def aacquire_lock(lock: threading.Lock) -> None:
+    """Take a thread lock from a task without blocking the event loop.
+
+    The lock is shared with threads (and other loops), and its holder may be
+    a task on this very loop: polling is the one way that never deadlocks.
+    Holders keep it for one statement at most.
+    """
+    while not lock.acquire(blocking=False):  # noqa: ASYNC110 - a thread lock; see the docstring
+        await asyncio.sleep(0.01)
+
+
+def acquire_lock(lock: threading.Lock) -> None:
+    lock.acquire()
+
+
+# -- cancellation ------------------------------------------------------------------------
+
+
+ACancelled = asyncio.CancelledError
+
+
+class Cancelled(BaseException):
+    """Threads are never cancelled: nothing raises this."""
+
+
+async def auncancellable(work: Awaitable[T], on_cancel: Callable[[], object]) -> T:
+    """Await ``work``; if the caller is cancelled meanwhile, call ``on_cancel`` and let the work end first.
+
+    psycopg would answer a cancellation with a server-side cancel over what may
+    be a dead network; cutting the socket (``on_cancel``) ends the statement at
+    once instead.
+    """
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(_retrieve)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        on_cancel()
+        await asyncio.wait([task])
+        raise
+
+
+def uncancellable(work: T, on_cancel: Callable[[], object]) -> T:
+    """Threads are not cancelled: the work has already run."""
+    return work
+
+
+async def ato_the_end(work: Awaitable[T]) -> T:
+    """Run ``work`` to its end even if the awaiting task is cancelled meanwhile (a release, say)."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(_retrieve)
+    return await asyncio.shield(task)
+
+
+def to_the_end(work: T) -> T:
+    return work
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # Mark an abandoned task's outcome as seen, so asyncio does not log it.
+    if not task.cancelled():
+        task.exception()
+
+
+# -- the listener's wait: a socket, or a wake-up ----------------------------------------
+
+
+class AWaker:
+    """Wakes the listener task from any thread."""
+
+    def __init__(self) -> None:
+        self._event = AEvent()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    async def wait_readable(self, fd: int, timeout: float) -> bool:
+        """Wait until ``fd`` is readable, `wake` is called, or ``timeout`` passes; True if ``fd`` is readable."""
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(fd, readable.set)
+        try:
+            if not self._event.is_set():
+                waits = [asyncio.ensure_future(readable.wait()), asyncio.ensure_future(self._event.wait())]
+                try:
+                    await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiting in waits:
+                        waiting.cancel()
+        finally:
+            loop.remove_reader(fd)
+        self._event.clear()
+        return readable.is_set()
+
+    def close(self) -> None:
+        pass
+
+
+class Waker:
+    """Wakes the listener thread from any thread: a pipe it selects on with its socket."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            os.write(self._write, b"\0")
+
+    def wait_readable(self, fd: int, timeout: float) -> bool:
+        ready, _, _ = select.select([fd, self._read], [], [], timeout)
+        if self._read in ready:
+            with contextlib.suppress(OSError):
+                os.read(self._read, 4096)
+        return fd in ready
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,204 @@
+"""Every lock event, reported in one place: the log line, the hook call and the span annotation.
+
+The flows decide *that* something happened (acquired, contended, reclaimed,
+lost, ...); `LockEvents` decides how it is told. Nothing else in the library
+logs a lock event, calls the metrics hook for one, or annotates a span with
+one, so each is reported once, the same way, whichever path saw it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from opentelemetry.trace import Span
+
+from ._metrics import LockObservation, MetricsHook
+from ._rules import AcquireResult, Outcome
+from ._tracing import OUTCOME, AttributeValue, mark_error, set_outcome
+from .errors import LockNotHeldError
+
+logger = logging.getLogger("postgres_mutex")
+
+LostCallback = Callable[[LockNotHeldError], object]
+
+
+class LockEvents:
+    """How the events of one lock, held by one instance, are reported."""
+
+    __slots__ = ("alert_threshold", "hook", "instance_id", "lock_name", "on_lost", "stale_threshold")
+
+    def __init__(
+        self,
+        *,
+        lock_name: str,
+        instance_id: str,
+        hook: MetricsHook,
+        on_lost: LostCallback | None,
+        alert_threshold: float,
+        stale_threshold: float,
+    ) -> None:
+        self.lock_name = lock_name
+        self.instance_id = instance_id
+        self.hook = hook
+        self.on_lost = on_lost
+        self.alert_threshold = alert_threshold
+        self.stale_threshold = stale_threshold
+
+    # -- acquiring -------------------------------------------------------------
+
+    def attempt_failed(self, span: Span, error: BaseException, *, retrying_in: float | None) -> None:
+        """One attempt of an acquire failed; it is retried after ``retrying_in`` seconds (None: not retried)."""
+        _event(span, "error", error=type(error).__name__)
+        if retrying_in is not None:
+            logger.warning("%s; retrying in %.3gs", error, retrying_in)
+
+    def acquired(self, span: Span, result: AcquireResult, *, expected_own_row: bool) -> None:
+        _event(span, result.outcome.value, holder=result.holder, token=result.token)
+        if result.outcome is Outcome.RECLAIMED:
+            assert result.holder is not None
+            logger.warning(
+                "reclaimed lock %r from %r, silent for %.1fs (stale_threshold %gs)",
+                self.lock_name,
+                result.holder,
+                result.heartbeat_age or 0.0,
+                self.stale_threshold,
+            )
+            self.hook.stale_reclaimed(
+                self.lock_name, instance_id=self.instance_id, previous_holder=result.holder, token=result.token
+            )
+        elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
+            logger.warning(
+                "lock %r already carried this Mutex's instance_id %r; took it back. "
+                "A restarted process reusing its id, or an id shared by two live processes?",
+                self.lock_name,
+                self.instance_id,
+            )
+        else:
+            logger.debug("acquired lock %r (instance_id %r)", self.lock_name, self.instance_id)
+        if span.is_recording() and result.token is not None:
+            span.set_attribute("postgres_mutex.token", result.token)
+        self.hook.acquired(self.lock_name, instance_id=self.instance_id, token=result.token)
+
+    def contended(self, span: Span, result: AcquireResult, *, alert: bool) -> None:
+        """The lock is held elsewhere; ``alert``: its holder went silent past the alert threshold (once per episode)."""
+        _event(span, "contended", holder=result.holder, heartbeat_age=result.heartbeat_age)
+        self.hook.contended(self.lock_name, instance_id=self.instance_id)
+        if alert:
+            assert result.holder is not None
+            assert result.heartbeat_age is not None
+            self.alert(result.holder, result.heartbeat_age, span)
+
+    def alert(self, holder: str, seconds_since_heartbeat: float, span: Span | None = None) -> None:
+        if span is not None:
+            _event(span, "alert", holder=holder, heartbeat_age=seconds_since_heartbeat, name="postgres_mutex.alert")
+        report_alert(self.hook, self.lock_name, holder, seconds_since_heartbeat, self.alert_threshold)
+
+    def acquire_ended(self, span: Span, outcome: str, *, attempts: int, waited: float, holder: str | None) -> None:
+        """How a whole acquire ended: acquired, reclaimed, contended, timeout, error or cancelled."""
+        set_outcome(
+            span,
+            outcome,
+            attempts=attempts,
+            wait_seconds=waited,
+            previous_holder=holder if outcome == "reclaimed" else None,
+            holder=holder if outcome in ("contended", "timeout") else None,
+        )
+        if outcome != "cancelled":
+            self.hook.acquire_wait(self.lock_name, instance_id=self.instance_id, seconds=waited, outcome=outcome)
+
+    # -- holding ---------------------------------------------------------------
+
+    def heartbeat_renewed(self, latency: float) -> None:
+        self.hook.heartbeat_latency(self.lock_name, instance_id=self.instance_id, seconds=latency)
+
+    def heartbeat_failed(self, error: BaseException, *, log: bool = True) -> None:
+        """A heartbeat failed; ``log`` is False for all but one of the locks a failed statement carried."""
+        if log:
+            logger.warning("%s; retrying until the lease runs out", error)
+        self.hook.heartbeat_failed(self.lock_name, instance_id=self.instance_id, error=error)
+
+    def lost(self, error: LockNotHeldError) -> None:
+        """Called once per loss, from the client's event thread (never from the heartbeat)."""
+        logger.error("lost lock %r (instance_id %r): %s", self.lock_name, self.instance_id, error.reason)
+        self.hook.lost(self.lock_name, instance_id=self.instance_id, reason=error.reason)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(error)
+            except Exception:
+                logger.warning("on_lost callback for lock %r raised; ignoring it", self.lock_name, exc_info=True)
+
+    # -- releasing -------------------------------------------------------------
+
+    def released(self, span: Span, *, deleted: bool) -> None:
+        set_outcome(span, "released" if deleted else "not_found")
+        if deleted:
+            logger.debug("released lock %r (instance_id %r)", self.lock_name, self.instance_id)
+            self.hook.released(self.lock_name, instance_id=self.instance_id)
+
+    def released_after_loss(self, span: Span) -> None:
+        set_outcome(span, "lost")
+        mark_error(span, "the lock had been lost before it was released")
+
+    def release_failed(self, error: BaseException, *, was_held: bool) -> None:
+        logger.warning("%s", error)
+        if was_held:
+            self.hook.release_failed(self.lock_name, instance_id=self.instance_id, error=error)
+
+    def row_removed(self) -> None:
+        logger.info("lock %r: removed the row an unanswered statement may have left", self.lock_name)
+
+    def row_may_remain(self, error: BaseException) -> None:
+        logger.debug("%s; trying again in the background", error)
+
+
+def report_alert(
+    hook: MetricsHook, lock_name: str, holder: str, seconds_since_heartbeat: float, alert_threshold: float
+) -> None:
+    """A holder silent past the alert threshold, seen by a contender or a watcher: once per episode."""
+    logger.warning(
+        "lock %r: holder %r has not heartbeated for %.1fs (alert_threshold %gs)",
+        lock_name,
+        holder,
+        seconds_since_heartbeat,
+        alert_threshold,
+    )
+    hook.alert(lock_name, holder=holder, seconds_since_heartbeat=seconds_since_heartbeat)
+
+
+class WatcherEvents:
+    """How a stale-holder watcher's events are reported."""
+
+    def __init__(
+        self, hook: MetricsHook, *, watched: frozenset[str] | None, alert_threshold: float, stale_threshold: float
+    ) -> None:
+        self.hook = hook
+        self.watched = watched
+        self.alert_threshold = alert_threshold
+        self.stale_threshold = stale_threshold
+
+    def alert(self, lock_name: str, holder: str, seconds_since_heartbeat: float) -> None:
+        report_alert(self.hook, lock_name, holder, seconds_since_heartbeat, self.alert_threshold)
+
+    def observed(self, observations: Sequence[LockObservation]) -> None:
+        self.hook.observed(
+            observations,
+            watched=self.watched,
+            alert_threshold=self.alert_threshold,
+            stale_threshold=self.stale_threshold,
+        )
+
+    def failed(self, error: BaseException) -> None:
+        logger.warning("%s; the watcher keeps trying", error)
+        self.hook.watcher_failed(error=error)
+
+    def stopped(self) -> None:
+        self.hook.watcher_stopped(watched=self.watched)
+
+
+def _event(
+    span: Span, outcome: str, *, name: str = "postgres_mutex.attempt", **attributes: AttributeValue | None
+) -> None:
+    if span.is_recording():
+        values = {f"postgres_mutex.{key}": value for key, value in attributes.items() if value is not None}
+        span.add_event(name, {OUTCOME: outcome, **values})

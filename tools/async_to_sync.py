@@ -1,0 +1,157 @@
+"""Generate the sync engine (``_engine.py``) from the async one (``_engine_async.py``).
+
+The async module is the one written by hand; the sync one is derived from it
+token by token, so the two cannot drift apart:
+
+- the ``async`` and ``await`` keywords are dropped;
+- names are renamed: ``AsyncFoo`` becomes ``Foo`` (psycopg's classes and
+  ours), ``foo_async`` becomes ``foo``, and the paired primitives of
+  ``_acompat.py`` take their sync twin's name (`RENAMES`);
+- a line ending in a ``# sync: <code>`` comment is replaced by ``<code>``,
+  for the rare place where the two genuinely differ.
+
+Comments, docstrings and layout are kept; ``ruff format`` then settles the
+layout. ``--check`` exits 1 if the committed file is not what this generates
+(CI runs it).
+
+    python tools/async_to_sync.py          # rewrite src/postgres_mutex/_engine.py
+    python tools/async_to_sync.py --check  # fail if it is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "postgres_mutex"
+PAIRS = [(PACKAGE / "_engine_async.py", PACKAGE / "_engine.py")]
+
+RENAMES = {
+    "ACancelled": "Cancelled",
+    "AEvent": "Event",
+    "AGate": "Gate",
+    "AWorker": "Worker",
+    "AWaker": "Waker",
+    "asleep": "sleep",
+    "aacquire_lock": "acquire_lock",
+    "auncancellable": "uncancellable",
+    "ato_the_end": "to_the_end",
+    "asynccontextmanager": "contextmanager",
+    "__aenter__": "__enter__",
+    "__aexit__": "__exit__",
+    "aclose": "close",
+    "_engine_async": "_engine",
+    "engine_async": "engine",
+}
+
+_ASYNC_CLASS = re.compile(r"Async([A-Z]\w*)")
+_SYNC_DIRECTIVE = re.compile(r"^(?P<indent>\s*).*#\s*sync:\s*(?P<code>.*?)\s*$")
+
+HEADER = (
+    "# Generated from {source} by tools/async_to_sync.py: do not edit.\n"
+    "# Change the async module and run `python tools/async_to_sync.py`.\n"
+)
+
+
+def rename(name: str) -> str:
+    if name in RENAMES:
+        return RENAMES[name]
+    if match := _ASYNC_CLASS.fullmatch(name):
+        return match.group(1)
+    if name.endswith("_async") and len(name) > len("_async"):
+        return name.removesuffix("_async")
+    return name
+
+
+def convert(source: str, source_name: str) -> str:
+    lines = []
+    for line in source.splitlines(keepends=True):
+        directive = _SYNC_DIRECTIVE.match(line)
+        lines.append(f"{directive['indent']}{directive['code']}\n" if directive else line)
+    text = "".join(lines)
+
+    # Edits as (row, start column, end column, replacement), applied right to left.
+    edits: list[tuple[int, int, int, str]] = []
+    tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    for index, token in enumerate(tokens):
+        if token.type != tokenize.NAME:
+            continue
+        (row, col), (_, end) = token.start, token.end
+        if token.string in ("async", "await"):
+            following = tokens[index + 1] if index + 1 < len(tokens) else None
+            # Drop the keyword and the blank that follows it on the same line.
+            if following is not None and following.start[0] == row:
+                end = following.start[1]
+            edits.append((row, col, end, ""))
+            continue
+        renamed = rename(token.string)
+        if renamed != token.string:
+            edits.append((row, col, end, renamed))
+
+    rows = text.splitlines(keepends=True)
+    for row, start, end, replacement in sorted(edits, reverse=True):
+        line = rows[row - 1]
+        rows[row - 1] = line[:start] + replacement + line[end:]
+    header = HEADER.format(source=source_name)
+    return header + "".join(rows)
+
+
+def formatted(code: str, path: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(path), "-"],
+        input=code,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    fixed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--fix-only",
+            "--quiet",
+            "--select",
+            "I,F401",
+            "--stdin-filename",
+            str(path),
+            "-",
+        ],
+        input=result.stdout,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+    return fixed.stdout or result.stdout
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if a generated module is out of date")
+    args = parser.parse_args()
+    stale = []
+    for source, target in PAIRS:
+        generated = formatted(convert(source.read_text(), source.name), target)
+        if args.check:
+            if not target.exists() or target.read_text() != generated:
+                stale.append(target)
+        else:
+            target.write_text(generated)
+    if stale:
+        for target in stale:
+            print(f"{target.relative_to(ROOT)} is out of date: run python tools/async_to_sync.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
