@@ -47,7 +47,7 @@ from ._acompat import (
 )
 from ._clock import MAX_SLICE, now
 from ._connections import closed_while_idle, discard, unusable
-from ._rules import classify_failure
+from ._rules import READ_ONLY, classify_failure
 from ._settings import retry_pause
 from ._sql import Names, Statements
 from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, HeartbeatGroup, Hold, LockState, Phase
@@ -66,6 +66,13 @@ T = TypeVar("T")
 # What a failing psycopg call can raise: its own errors (pool errors derive
 # from them) and OS errors from a socket the watchdog shut down.
 _FAILURES = (psycopg.Error, OSError)
+
+# A connection idle for longer than this is checked before use: did the server close it?
+_IDLE_CHECK = 0.5
+
+# How long the heartbeat worker stays once nothing is held: locks come and go
+# in bursts, and a thread started per acquire would cost more than the lock.
+_WORKER_LINGER = 10.0
 
 # How long the listener keeps its connection once nobody waits: waiters come
 # in bursts, and each new connection costs the first waiter of a burst a moment.
@@ -137,12 +144,21 @@ class AsyncEngine:
         sent = False
         conn: psycopg.AsyncConnection[Any] | None = None
         cutter: Cutter | None = None
+        lost = True
         try:
             async with self._gate.turn(op.urgent), source.connection(op.timeout) as (conn, cutter):
                 sent = True
                 ticket = cutter.arm(op.timeout)
                 try:
                     return await auncancellable(_statement(conn, op), cutter.cut)
+                except _FAILURES as exc:
+                    # As the statement left it, before the connection is put away.
+                    lost = conn.closed or conn.broken
+                    if getattr(exc, "sqlstate", None) == READ_ONLY:
+                        # On a read-only node (a standby after a failover): only a
+                        # new connection can reach the primary.
+                        source.replace()
+                    raise
                 finally:
                     cutter.disarm(ticket)
         except _FAILURES as exc:
@@ -152,7 +168,7 @@ class AsyncEngine:
                 table=op.statement.table,
                 sent=sent,
                 timed_out=cutter is not None and cutter.fired,
-                connection_lost=conn is None or conn.closed or conn.broken,
+                connection_lost=lost,
                 connect_retryable=connect_retryable,
                 redact=self.client.redact,
                 timeout=op.timeout,
@@ -187,13 +203,15 @@ class AsyncEngine:
         key = (lock.names.table_name, lock.timing.heartbeat_interval, id(lock.tracing))
         with self.client.state_lock:
             group = self.groups.get(key)
+            new_group = group is None
             if group is None:
                 group = self.groups[key] = HeartbeatGroup(key, lock.timing.heartbeat_interval, lock.tracing)
             group.holds[hold] = None
             hold.group = group
             self._start_worker()
-        self.client.leases_changed()
-        self._wake.set()
+        self.client.lease_added(hold.lease_deadline)
+        if new_group:
+            self._wake.set()  # its first heartbeat may be due before the worker would look again
 
     def schedule(self, cleanup: flows.Cleanup) -> None:
         """Delete a row that may remain, in the background, as soon as the database answers."""
@@ -222,11 +240,15 @@ class AsyncEngine:
 
     async def _background(self) -> None:
         """Renew the holds and delete left rows until there is nothing left to do."""
+        idle_since: float | None = None
         try:
             while True:
                 self._wake.clear()
                 with self.client.state_lock:
-                    if self.closed or (not self.groups and not self._cleanups):
+                    busy = any(group.holds for group in self.groups.values()) or bool(self._cleanups)
+                    idle_since = None if busy else idle_since if idle_since is not None else now()
+                    if self.closed or (idle_since is not None and now() - idle_since >= _WORKER_LINGER):
+                        # Nothing to renew or delete for a while: end until there is.
                         self._worker = None
                         return
                     groups = list(self.groups.values())
@@ -289,7 +311,6 @@ class AsyncEngine:
         if beat.busy:
             group.next_beat = min(group.next_beat, now() + retry_pause(group.interval))
             self.client.post(_failed(beat.busy, None))
-        self.client.leases_changed()
         self.client.post(_renewed(beat))
 
     async def _clean(self, cleanup: flows.Cleanup) -> None:
@@ -445,19 +466,29 @@ class _OwnConnection:
         self._kwargs = connect_kwargs
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._cutter: Cutter | None = None
+        self._used_at = 0.0
+        self._replace = False
         self.connected_before = False
+
+    def replace(self) -> None:
+        """Drop the connection in use once the statement is over."""
+        self._replace = True
 
     @contextlib.asynccontextmanager
     async def connection(self, timeout: float) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], Cutter]]:
         conn, cutter = await self._open(timeout)
+        self._replace = False
         try:
             yield conn, cutter
         finally:
-            if cutter.fired or unusable(conn):
+            self._used_at = now()
+            if cutter.fired or self._replace or unusable(conn):
                 self._drop()
 
     async def _open(self, timeout: float) -> tuple[psycopg.AsyncConnection[Any], Cutter]:
-        if self._conn is not None and closed_while_idle(self._conn):
+        # A connection used a moment ago was not closed for idling; one that sat
+        # idle may have been (idle_session_timeout, a restart, a proxy).
+        if self._conn is not None and now() - self._used_at > _IDLE_CHECK and closed_while_idle(self._conn):
             logger.debug("the server closed the library's idle connection; opening a new one")
             self._drop()
         if self._conn is None or self._cutter is None:
@@ -495,7 +526,12 @@ class _PooledConnection:
 
     def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
         self._pool = pool
+        self._replace = False
         self.connected_before = False
+
+    def replace(self) -> None:
+        """Hand the connection in use back closed, so the pool replaces it."""
+        self._replace = True
 
     @contextlib.asynccontextmanager
     async def connection(self, timeout: float) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], Cutter]]:
@@ -503,13 +539,14 @@ class _PooledConnection:
             self.connected_before = True
             cutter = Cutter(conn.fileno())
             autocommit = conn.autocommit
+            self._replace = False
             try:
                 if not autocommit:
                     await conn.set_autocommit(True)
                 yield conn, cutter
             finally:
                 cutter.close()
-                if cutter.fired or unusable(conn):
+                if cutter.fired or self._replace or unusable(conn):
                     # The pool must not hand it out again: it sees it closed and replaces it.
                     discard(conn)
                 elif not autocommit:

@@ -56,13 +56,27 @@ class Tracing:
 
     def __init__(self, tracer_provider: TracerProvider | None, attributes: Mapping[str, AttributeValue]) -> None:
         self._tracer = trace.get_tracer("postgres_mutex", _version, tracer_provider)
+        self._provider = tracer_provider
         self._attributes = dict(attributes)
+
+    def _silent(self) -> bool:
+        """No SDK anywhere: spans would be dropped, so none is made (a lock cycle is a fraction of a ms).
+
+        Checked at each span, since an application may configure its SDK after
+        creating its Mutexes.
+        """
+        if self._provider is not None:
+            return isinstance(self._provider, trace.NoOpTracerProvider)
+        return isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
     @contextlib.contextmanager
     def span(
         self, name: str, attributes: Mapping[str, AttributeValue], *, links: Sequence[SpanContext | None] = ()
     ) -> Iterator[Span]:
         """A client span, current for its duration; an exception escaping it is recorded as an error."""
+        if self._silent():
+            yield trace.INVALID_SPAN
+            return
         valid = [Link(context) for context in links if context is not None and context.is_valid]
         with self._tracer.start_as_current_span(
             name,

@@ -37,7 +37,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from . import _flows as flows
-from ._clock import now, slice_until
+from ._clock import MAX_SLICE, now, slice_until
 from ._connections import connect_defaults
 from ._engine import Engine
 from ._engine_async import AsyncEngine
@@ -233,9 +233,12 @@ class MutexClient:
         """Run ``report`` on the client's event thread (user callbacks, in order, off the heartbeat)."""
         self._events.post(report)
 
-    def leases_changed(self) -> None:
-        """A lease was added or renewed: the event thread recomputes when the next one ends."""
-        self._events.nudge()
+    def lease_added(self, deadline: float) -> None:
+        """A hold was added: the event thread keeps its lease (it looks again at least every second)."""
+        if deadline - now() < MAX_SLICE:
+            self._events.nudge()
+        else:
+            self._events.ensure()
 
     def forget(self, hold: Hold) -> None:
         """Stop renewing ``hold`` (released, or being released)."""
@@ -466,6 +469,10 @@ class _EventThread:
         self._queue.put(None)
         self._ensure()
 
+    def ensure(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._ensure()
+
     def stop(self) -> None:
         self._queue.put(_Stop())
 
@@ -476,6 +483,7 @@ class _EventThread:
                 self._thread.start()
 
     def _run(self) -> None:
+        idle_since: float | None = None
         while True:
             client = self._client()
             if client is None:
@@ -483,7 +491,7 @@ class _EventThread:
             deadline = client.earliest_lease()
             del client
             try:
-                item = self._queue.get(timeout=None if deadline is None else max(slice_until(deadline), 0.001))
+                item = self._queue.get(timeout=MAX_SLICE if deadline is None else max(slice_until(deadline), 0.001))
             except queue.Empty:
                 item = None
             if isinstance(item, _Stop):
@@ -497,13 +505,22 @@ class _EventThread:
             if client is None:
                 return
             client.expire_leases()
-            idle = client.earliest_lease() is None and self._queue.empty()
+            holding = client.earliest_lease() is not None
             del client
-            if idle:
+            if holding or not self._queue.empty():
+                idle_since = None
+                continue
+            # Nothing held, nothing to tell: end after a while (locks come and go in bursts).
+            idle_since = idle_since if idle_since is not None else now()
+            if now() - idle_since >= _LINGER:
                 with self._lock:
                     if self._queue.empty():
                         self._thread = None
                         return
+
+
+_LINGER = 10.0
+"""How long the event thread stays once nothing is held (holds come and go in bursts)."""
 
 
 class _Stop:
