@@ -33,6 +33,25 @@ POLL = 0.1
 OPERATION_TIMEOUT = 0.5
 WATCH_INTERVAL = 0.1
 
+SCENARIOS = (
+    "1. partition < alert",
+    "2. partition > alert, < stale",
+    "3. partition > stale",
+    "4. slow holder < alert",
+    "5. slow holder > alert",
+    "6. holder crash (SIGKILL)",
+    "7. reset while acquiring",
+    "8. reset during release",
+    "9. PostgreSQL restart",
+    "10. waiter partitioned at release",
+    "11. clock skew (+3h / -3h)",
+    "12. soak",
+)
+"""Every scenario the report names, in its order; the docs' copy is rewritten only by a run that measured them all."""
+
+DOCS_FIGURE = Path(__file__).resolve().parent.parent / "docs" / "figures" / "chaos-report.md"
+"""The copy docs/failure-modes.md includes: committed, and rewritten by every whole run of the suite."""
+
 TIMING: dict[str, float] = {
     "heartbeat_interval": HEARTBEAT,
     "alert_threshold": ALERT,
@@ -232,25 +251,37 @@ class Report:
     scenarios: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def record(self, scenario: str, **figures: Any) -> None:
+        assert scenario in SCENARIOS, f"add {scenario!r} to SCENARIOS: the docs' copy lists every scenario"
         self.scenarios.setdefault(scenario, {}).update(
             {key: round(value, 3) if isinstance(value, float) else value for key, value in figures.items()}
         )
 
-    def write(self, toxiproxy: str) -> None:
+    def write(self, toxiproxy: str, postgres: int, *, docs_copy: bool) -> None:
+        """Write this session's figures; with ``docs_copy``, the docs' copy too if every scenario ran."""
         self.directory.mkdir(parents=True, exist_ok=True)
         payload = {
             "timing": {"heartbeat_interval": HEARTBEAT, "alert_threshold": ALERT, "stale_threshold": STALE},
             "toxiproxy": toxiproxy,
+            "postgres": postgres,
             "scenarios": self.scenarios,
         }
         (self.directory / "chaos-report.json").write_text(json.dumps(payload, indent=2) + "\n")
+        table = self.markdown(toxiproxy, postgres)
+        (self.directory / "chaos-report.md").write_text(table)
+        # A partial run (-k, one file) would leave the docs with half a table: only a whole one replaces it.
+        if docs_copy and set(self.scenarios) == set(SCENARIOS):
+            DOCS_FIGURE.write_text(table)
+
+    def markdown(self, toxiproxy: str, postgres: int) -> str:
         lines = [
-            f"Chaos report: heartbeat {HEARTBEAT:g}s, alert {ALERT:g}s, stale {STALE:g}s; Toxiproxy: {toxiproxy}",
+            f"Chaos report: heartbeat {HEARTBEAT:g}s, alert {ALERT:g}s, stale {STALE:g}s; "
+            f"PostgreSQL {postgres}; Toxiproxy: {toxiproxy}",
             "",
             "| scenario | overlaps | measured |",
             "|---|---|---|",
         ]
-        for scenario, figures in self.scenarios.items():
+        order = {name: index for index, name in enumerate(SCENARIOS)}
+        for scenario, figures in sorted(self.scenarios.items(), key=lambda item: order[item[0]]):
             measured = "; ".join(f"{key}: {value}" for key, value in figures.items() if key != "overlaps")
             lines.append(f"| {scenario} | {figures.get('overlaps', '')} | {measured} |")
-        (self.directory / "chaos-report.md").write_text("\n".join(lines) + "\n")
+        return "\n".join(lines) + "\n"
