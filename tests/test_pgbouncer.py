@@ -382,7 +382,7 @@ def _waiting_on_a_lock(conn: psycopg.Connection[Any]) -> bool:
 
 @pytest.mark.parametrize("via", ["dsn", "pool"])
 def test_transaction_mode_a_waiter_with_a_timeout_never_hangs(
-    pg: PostgresServer, via: str, lock_name: str, schema: None
+    pg: PostgresServer, via: str, lock_name: str, schema: None, figures: Figures
 ) -> None:
     with PgBouncer(pg, pool_mode="transaction", default_pool_size=2) as bouncer:
         world = Through(bouncer, via, lock_name)
@@ -397,6 +397,7 @@ def test_transaction_mode_a_waiter_with_a_timeout_never_hangs(
             assert 1.0 <= waited < 1.0 + OPERATION_TIMEOUT + SLACK
         finally:
             world.close()
+    figures.record(f"transaction mode, {via} mode: blocking acquire, timeout 1 s, lock held", gave_up_after_s=waited)
 
 
 # -- session mode: one server connection per client connection -----------------------------------
