@@ -147,6 +147,9 @@ class Events:
 
         def record(*args: Any, **kwargs: Any) -> None:
             lock_name = args[0] if args and isinstance(args[0], str) else ""
+            if args and not isinstance(args[0], str):
+                # A watcher's "observed" passes its observations first: keep them.
+                kwargs = {"observations": args[0], **kwargs}
             with self._lock:
                 self.events.append(Event(time.monotonic(), name, lock_name, kwargs))
 

@@ -1,0 +1,541 @@
+"""The lock through a real PgBouncer (Debian's 1.18), in transaction mode and in session mode.
+
+Every combination a user can pick — PgBouncer's transaction or session
+pooling, and the Mutex's dsn mode (a connection of its own, through
+PgBouncer) or pool mode (a psycopg_pool in front of PgBouncer) — is driven
+through contention, hand-off, heartbeats, lock loss and release, and a
+restart of PgBouncer under a held lock. Critical sections go through the
+chaos suite's overlap checker; the figures go to
+``chaos/report/pgbouncer-report.{json,md}``, which docs/how-to/pgbouncer.md
+quotes.
+
+What PgBouncer changes, and what these tests pin down:
+
+- transaction mode hands each transaction to any server connection, so a
+  LISTEN lands on a connection the waiter no longer has: waiters get the lock
+  by polling (within ``poll_interval``), and a notification PgBouncer passes
+  to another client only makes that client re-check its own lock early;
+- session mode pins one server connection per client connection: a dsn-mode
+  Mutex holds one for its lifetime, so clients beyond ``default_pool_size``
+  wait inside PgBouncer, and their statements pass ``operation_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from chaos.harness import Events, Sections
+from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex, MutexError, OperationTimeout
+from tests.figures import Figures
+from tests.fixtures import row_locked, wait_until
+from tests.pgbouncer import PgBouncer
+from tests.postgres_server import PostgresServer
+from tests.test_cli import cli
+
+pytestmark = pytest.mark.pgbouncer
+
+HEARTBEAT, ALERT, STALE = 0.2, 1.0, 3.0
+LEASE = STALE - HEARTBEAT
+POLL = 0.1
+OPERATION_TIMEOUT = 1.0
+# Any: unpacked into Mutex(...) next to other keyword arguments.
+TIMING: dict[str, Any] = {
+    "heartbeat_interval": HEARTBEAT,
+    "alert_threshold": ALERT,
+    "stale_threshold": STALE,
+    "poll_interval": POLL,
+    "operation_timeout": OPERATION_TIMEOUT,
+}
+# How late a thread may run on a busy two-core machine: bounds "within" checks.
+SLACK = 0.5
+
+Holder = Callable[..., str | None]
+
+
+@pytest.fixture(scope="module")
+def figures() -> Iterator[Figures]:
+    collected = Figures(
+        "pgbouncer-report",
+        "postgres-mutex through PgBouncer (measured by tests/test_pgbouncer.py)",
+        {**TIMING, "pgbouncer": "1.18 (Debian 12)"},
+    )
+    yield collected
+    if collected.scenarios:
+        collected.write()
+
+
+@pytest.fixture(scope="module", params=["transaction", "session"])
+def bouncer(request: pytest.FixtureRequest, pg: PostgresServer) -> Iterator[PgBouncer]:
+    """One PgBouncer per pool mode for the module, with room for every test's clients."""
+    with PgBouncer(pg, pool_mode=request.param, default_pool_size=20) as started:
+        yield started
+
+
+class Through:
+    """Mutexes reaching PostgreSQL through a PgBouncer in one of the library's two connection modes."""
+
+    def __init__(self, bouncer: PgBouncer, via: str, lock_name: str) -> None:
+        self.bouncer = bouncer
+        self.via = via
+        self.lock_name = lock_name
+        self.events = Events()
+        self.sections = Sections()
+        self.pool: ConnectionPool[Any] | None = None
+        self._mutexes: list[Mutex] = []
+        if via == "pool":
+            self.pool = ConnectionPool(bouncer.dsn(), min_size=1, max_size=4, open=True)
+            self.pool.wait(timeout=10)
+
+    @property
+    def label(self) -> str:
+        return f"{self.bouncer.pool_mode} mode, {self.via} mode"
+
+    def mutex(self, who: str, lock_name: str | None = None, **options: Any) -> Mutex:
+        """A Mutex named ``who`` whose loss ends its critical section, reporting to `events`."""
+        settings: dict[str, Any] = {**TIMING, "instance_id": who, "metrics": self.events}
+        settings["on_lost"] = self.sections.on_lost(who)
+        settings.update(options)
+        connect: dict[str, Any] = {"pool": self.pool} if self.pool is not None else {"dsn": self.bouncer.dsn()}
+        mutex = Mutex(lock_name=lock_name or self.lock_name, **connect, **settings)
+        self._mutexes.append(mutex)
+        return mutex
+
+    def count(self, event: str, who: str, since: float = 0.0) -> int:
+        return sum(1 for e in self.events.named(event) if e.fields.get("instance_id") == who and e.at > since)
+
+    def close(self) -> None:
+        # Closed before the next test: in session mode each open connection pins a server connection.
+        for mutex in self._mutexes:
+            with contextlib.suppress(Exception):
+                mutex.close()
+        if self.pool is not None:
+            self.pool.close()
+
+
+@pytest.fixture(params=["dsn", "pool"])
+def through(request: pytest.FixtureRequest, bouncer: PgBouncer, lock_name: str, schema: None) -> Iterator[Through]:
+    world = Through(bouncer, request.param, lock_name)
+    try:
+        yield world
+    finally:
+        world.close()
+    assert world.sections.overlaps() == [], "two holders at once"
+
+
+def beats(through: Through, who: str, since: float = 0.0) -> list[float]:
+    return [e.at for e in through.events.named("heartbeat_latency") if e.fields["instance_id"] == who and e.at > since]
+
+
+# -- contention, hand-off, heartbeats, loss, release: every mode ------------------------------------
+
+
+def test_contention_and_hand_off(through: Through, holder_id: Holder, figures: Figures) -> None:
+    """A second instance is refused while the lock is held; a waiter gets it once the holder releases."""
+    holder, other = through.mutex("holder"), through.mutex("other")
+    # A long poll interval tells a wake-up by notification (milliseconds) from one by polling.
+    waiter_poll = 0.5
+    waiter = through.mutex("waiter", poll_interval=waiter_poll)
+    hand_offs: list[float] = []
+    for _ in range(3):
+        got: list[float] = []
+
+        def wait() -> None:
+            with through.sections.holding(waiter, "waiter", blocking=True, timeout=10) as acquired:
+                got.append(time.monotonic())  # noqa: B023
+                assert acquired
+
+        with through.sections.holding(holder, "holder") as acquired:
+            assert acquired
+            assert holder_id() == "holder"
+            with other.acquire() as second:
+                assert not second, "refused while held"
+            thread = threading.Thread(target=wait)
+            contended = through.count("contended", "waiter")
+            thread.start()
+            # Waiting, and past its first re-check (where a dsn-mode waiter starts to LISTEN).
+            wait_until(lambda: through.count("contended", "waiter") >= contended + 2)  # noqa: B023
+        released = time.monotonic()
+        thread.join(10)
+        assert got, "the waiter got the lock"
+        hand_offs.append(got[0] - released)
+        assert holder_id() is None, "the waiter released in turn"
+    assert max(hand_offs) < waiter_poll + SLACK, "the waiter polled at worst"
+    if through.bouncer.pool_mode == "session" and through.via == "dsn":
+        # Session mode keeps the waiter's LISTEN on its own server connection.
+        assert max(hand_offs) < waiter_poll / 2, f"woken by the release's notification: {hand_offs}"
+    assert through.count("released", "holder") == 3
+    woken_by = "notification" if max(hand_offs) < waiter_poll / 2 else "polling"
+    figures.record(
+        f"{through.label}: hand-off",
+        waiter_poll_interval_s=waiter_poll,
+        hand_off_s=[round(h, 3) for h in hand_offs],
+        woken_by=woken_by,
+    )
+
+
+def test_heartbeats_keep_the_row_fresh(
+    through: Through, row: Callable[..., tuple[Any, ...] | None], figures: Figures
+) -> None:
+    holder = through.mutex("holder")
+    ages: list[float] = []
+    with through.sections.holding(holder, "holder"):
+        start = time.monotonic()
+        while time.monotonic() - start < HEARTBEAT * 8:
+            found = row()
+            assert found is not None
+            ages.append(found[1])
+            time.sleep(0.05)
+        assert holder.held
+    latencies = [e.fields["seconds"] for e in through.events.named("heartbeat_latency")]
+    assert len(latencies) >= 5, "heartbeats went through"
+    assert max(ages) < HEARTBEAT * 3, f"the row's heartbeat never went stale: worst age {max(ages):.3f}s"
+    assert through.events.named("heartbeat_failed") == []
+    figures.record(
+        f"{through.label}: heartbeats",
+        median_heartbeat_s=statistics.median(latencies),
+        worst_row_age_s=max(ages),
+    )
+
+
+def test_a_deleted_row_is_a_lost_lock_at_the_next_heartbeat(
+    through: Through, admin: psycopg.Connection[Any], holder_id: Holder, figures: Figures
+) -> None:
+    holder, successor = through.mutex("holder"), through.mutex("successor")
+    with pytest.raises(LockNotHeldError), through.sections.holding(holder, "holder"):
+        wait_until(lambda: len(beats(through, "holder")) >= 1)
+        # An operator's `postgres-mutex release --force`, straight on the server.
+        admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (through.lock_name,))
+        deleted = time.monotonic()
+        wait_until(lambda: through.events.first("lost") is not None, timeout=HEARTBEAT + OPERATION_TIMEOUT + SLACK)
+        assert not holder.held
+        with pytest.raises(LockNotHeldError):
+            holder.ensure_held()
+    lost = through.events.first("lost")
+    assert lost is not None
+    assert "deleted" in lost.fields["reason"]
+    with through.sections.holding(successor, "successor") as acquired:
+        assert acquired, "the lock is free for the next instance"
+        assert holder_id() == "successor"
+    figures.record(f"{through.label}: row deleted under the holder", holder_told_after_s=lost.at - deleted)
+
+
+def test_release_deletes_the_row(through: Through, holder_id: Holder) -> None:
+    holder = through.mutex("holder")
+    with holder.acquire() as acquired:
+        assert acquired
+        assert holder_id() == "holder"
+    assert holder_id() is None
+    assert through.count("released", "holder") == 1
+    holder.release()  # nothing held: a no-op
+    assert through.count("released", "holder") == 1
+
+
+async def test_async_contention_and_hand_off(bouncer: PgBouncer, lock_name: str, schema: None) -> None:
+    """acquire_async through PgBouncer, on a dedicated connection and on an AsyncConnectionPool."""
+    sections = Sections()
+    async with AsyncConnectionPool(bouncer.dsn(), min_size=1, max_size=4, open=False) as pool:
+        await pool.wait(timeout=10)
+        connects: list[dict[str, Any]] = [{"dsn": bouncer.dsn()}, {"async_pool": pool}]
+        for connect in connects:
+            holder = Mutex(lock_name=lock_name, instance_id="holder", **connect, **TIMING)
+            waiter = Mutex(lock_name=lock_name, instance_id="waiter", **connect, **TIMING)
+            done = asyncio.Event()
+
+            async def wait(waiter: Mutex = waiter, done: asyncio.Event = done) -> None:
+                async with waiter.acquire_async(timeout=10) as acquired:
+                    section = sections.enter("waiter")
+                    assert acquired
+                    assert done.is_set(), "the holder had finished"
+                    sections.leave(section)
+
+            async with holder.acquire_async(blocking=False) as acquired:
+                section = sections.enter("holder")
+                assert acquired
+                task = asyncio.create_task(wait())
+                await asyncio.sleep(HEARTBEAT * 3)
+                assert not task.done()
+                done.set()
+                sections.leave(section)
+            await asyncio.wait_for(task, 10)
+            await holder.aclose()
+            await waiter.aclose()
+    assert sections.overlaps() == []
+
+
+# -- transaction mode: LISTEN does not survive, waiters poll --------------------------------------
+
+
+@pytest.fixture
+def one_server_connection(pg: PostgresServer) -> Iterator[PgBouncer]:
+    """Transaction mode with a single server connection: every client shares it, LISTENs included."""
+    with PgBouncer(pg, pool_mode="transaction", default_pool_size=1) as started:
+        yield started
+
+
+def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_does_no_harm(
+    one_server_connection: PgBouncer, pg: PostgresServer, lock_name: str, schema: None, figures: Figures
+) -> None:
+    """Two waiters share PgBouncer's one server connection; each lock's release is announced on that connection.
+
+    Waiter 1 LISTENs through PgBouncer, but its LISTEN stays on the server
+    connection, which PgBouncer hands to whichever client runs a transaction.
+    Lock 1's release notification therefore reaches waiter 2 (busy on that
+    connection at the time) instead: waiter 2 must not take lock 2, still
+    held, and waiter 1 must get lock 1 by polling.
+    """
+    events = Events()
+    lock1, lock2 = lock_name, f"{lock_name}-2"
+    sections = {lock1: Sections(), lock2: Sections()}  # one overlap check per lock
+    waiter_poll = 0.5
+    made: list[Mutex] = []
+
+    def mutex(who: str, name: str, dsn: str, **options: Any) -> Mutex:
+        settings: dict[str, Any] = {**TIMING, "instance_id": who, "metrics": events, **options}
+        made.append(Mutex(dsn, name, on_lost=sections[name].on_lost(who), **settings))
+        return made[-1]
+
+    direct = pg.dsn()
+    holder1, holder2 = mutex("holder-1", lock1, direct), mutex("holder-2", lock2, direct)
+    through = one_server_connection.dsn()
+    waiter1 = mutex("waiter-1", lock1, through, poll_interval=waiter_poll)
+    waiter2 = mutex("waiter-2", lock2, through, poll_interval=waiter_poll)
+    got: dict[str, float] = {}
+
+    def wait(waiter: Mutex, who: str) -> None:
+        with sections[waiter.lock_name].holding(waiter, who, blocking=True, timeout=20) as acquired:
+            got[who] = time.monotonic()
+            assert acquired
+
+    def contended(who: str) -> int:
+        return sum(1 for e in events.named("contended") if e.fields["instance_id"] == who)
+
+    threads = [
+        threading.Thread(target=wait, args=(waiter1, "waiter-1")),
+        threading.Thread(target=wait, args=(waiter2, "waiter-2")),
+    ]
+    try:
+        with sections[lock2].holding(holder2, "holder-2"), contextlib.ExitStack() as stack:
+            # Entered by hand, released by hand below: its release is the moment under test.
+            assert stack.enter_context(holder1.acquire())
+            section1 = sections[lock1].enter("holder-1")
+            for thread in threads:
+                thread.start()
+            # Both past their first re-check: both have sent LISTEN through PgBouncer.
+            wait_until(lambda: contended("waiter-1") >= 2 and contended("waiter-2") >= 2)
+            with psycopg.connect(direct, autocommit=True) as watch:
+                with row_locked(direct, lock2):
+                    # Waiter 2's next attempt blocks on the row lock, holding the one server connection.
+                    wait_until(lambda: _waiting_on_a_lock(watch), timeout=waiter_poll + 2)
+                    before = contended("waiter-2")
+                    # Lock 1's release: its notification goes to the busy server connection, so to waiter 2.
+                    sections[lock1].leave(section1)
+                    stack.close()
+                    released = time.monotonic()
+                    time.sleep(0.2)
+                # Waiter 2's statement finishes (contended: lock 2 is still held) and it re-checks.
+                wait_until(lambda: "waiter-1" in got, timeout=waiter_poll + OPERATION_TIMEOUT + SLACK)
+            woken = [e.at for e in events.named("contended") if e.fields["instance_id"] == "waiter-2"]
+            assert "waiter-2" not in got, "a stray notification did not hand waiter 2 a held lock"
+            time.sleep(waiter_poll * 2)
+            assert "waiter-2" not in got
+            assert holder2.held
+        for thread in threads:
+            thread.join(20)
+        assert set(got) == {"waiter-1", "waiter-2"}, "both waiters got their lock; nothing hung"
+    finally:
+        for each in made:
+            with contextlib.suppress(Exception):
+                each.close()
+    assert sections[lock1].overlaps() == []
+    assert sections[lock2].overlaps() == []
+    # The blocked attempt ended (contended); a wake-up by the stray notification re-checks at once.
+    after = [at for at in woken[before:] if at > released]
+    assert len(after) >= 2
+    rechecked = after[1] - after[0]
+    assert rechecked < waiter_poll / 2, "the scenario happened: lock 1's notification woke waiter 2 early"
+    figures.record(
+        "transaction mode, dsn mode: release notification landed on another client",
+        waiter_poll_interval_s=waiter_poll,
+        waiter_1_got_its_lock_after_s=got["waiter-1"] - released,
+        waiter_2_rechecked_after_s=rechecked,
+        waiter_2_wrongly_acquired=False,
+    )
+
+
+def _waiting_on_a_lock(conn: psycopg.Connection[Any]) -> bool:
+    found = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%%INSERT INTO%%'"
+    ).fetchone()
+    return bool(found and found[0])
+
+
+@pytest.mark.parametrize("via", ["dsn", "pool"])
+def test_transaction_mode_a_waiter_with_a_timeout_never_hangs(
+    pg: PostgresServer, via: str, lock_name: str, schema: None, figures: Figures
+) -> None:
+    with PgBouncer(pg, pool_mode="transaction", default_pool_size=2) as bouncer:
+        world = Through(bouncer, via, lock_name)
+        try:
+            holder, waiter = world.mutex("holder"), world.mutex("waiter")
+            with holder.acquire():
+                started = time.monotonic()
+                with pytest.raises(LockAcquisitionTimeout) as caught, waiter.acquire(blocking=True, timeout=1.0):
+                    pytest.fail("must not run")
+                waited = time.monotonic() - started
+            assert caught.value.holder == "holder"
+            assert 1.0 <= waited < 1.0 + OPERATION_TIMEOUT + SLACK
+        finally:
+            world.close()
+    figures.record(f"transaction mode, {via} mode: blocking acquire, timeout 1 s, lock held", gave_up_after_s=waited)
+
+
+# -- session mode: one server connection per client connection -----------------------------------
+
+
+def test_session_mode_a_client_beyond_the_pool_size_times_out_instead_of_hanging(
+    pg: PostgresServer, lock_name: str, schema: None, figures: Figures
+) -> None:
+    """Each dsn-mode Mutex pins a server connection; the next one waits inside PgBouncer, within its deadlines."""
+    with PgBouncer(pg, pool_mode="session", default_pool_size=2) as bouncer:
+        world = Through(bouncer, "dsn", lock_name)
+        try:
+            first, second = world.mutex("first", f"{lock_name}-a"), world.mutex("second", f"{lock_name}-b")
+            third = world.mutex("third", f"{lock_name}-c")
+            with first.acquire() as a, second.acquire() as b:
+                assert a
+                assert b
+                started = time.monotonic()
+                with pytest.raises(OperationTimeout) as caught, third.acquire():
+                    pytest.fail("must not run")
+                refused_after = time.monotonic() - started
+                assert caught.value.transient
+                assert refused_after < OPERATION_TIMEOUT * 2 + SLACK, "the statement's deadline held"
+                started = time.monotonic()
+                with pytest.raises(MutexError), third.acquire(blocking=True, timeout=1.5):
+                    pytest.fail("must not run")
+                gave_up_after = time.monotonic() - started
+                assert gave_up_after < 1.5 + OPERATION_TIMEOUT * 2 + SLACK, "a blocking acquire gives up on time"
+                assert world.events.named("lost") == [], "the holders were not disturbed"
+                assert first.held
+                assert second.held
+            first.close()  # its server connection goes back to PgBouncer's pool
+            with third.acquire(blocking=True, timeout=10) as acquired:
+                assert acquired
+        finally:
+            world.close()
+    figures.record(
+        "session mode, dsn mode: a third Mutex with default_pool_size 2",
+        statement_gave_up_after_s=refused_after,
+        blocking_acquire_timeout_1_5s_gave_up_after_s=gave_up_after,
+    )
+
+
+# -- PgBouncer restarted, or gone, under a held lock ------------------------------------------------
+
+
+def test_a_pgbouncer_restart_under_a_held_lock(through: Through, holder_id: Holder, figures: Figures) -> None:
+    holder, waiter = through.mutex("holder"), through.mutex("waiter")
+    got: list[float] = []
+
+    def wait() -> None:
+        with through.sections.holding(waiter, "waiter", blocking=True, timeout=20) as acquired:
+            got.append(time.monotonic())
+            assert acquired
+
+    thread = threading.Thread(target=wait)
+    with through.sections.holding(holder, "holder"):
+        wait_until(lambda: len(beats(through, "holder")) >= 2)
+        thread.start()
+        wait_until(lambda: through.count("contended", "waiter") >= 2)
+        before = max(beats(through, "holder"))
+        restart_took = through.bouncer.restart()
+        restarted = time.monotonic()
+        wait_until(lambda: len(beats(through, "holder", since=restarted)) >= 2, timeout=LEASE)
+        after = min(beats(through, "holder", since=restarted))
+        assert holder.held, "the holder kept its lock"
+        assert holder_id() == "holder"
+        assert not got, "the waiter still waits"
+    released = time.monotonic()
+    thread.join(20)
+    assert got, "the waiter got the lock after the restart"
+    assert through.events.named("lost") == []
+    assert through.events.named("stale_reclaimed") == []
+    failed = sum(1 for e in through.events.named("heartbeat_failed") if e.at > before)
+    figures.record(
+        f"{through.label}: PgBouncer restarted under a held lock",
+        restart_s=restart_took,
+        heartbeat_gap_s=after - before,
+        heartbeats_failed=failed,
+        lock_kept=True,
+        waiter_acquired_after_release_s=got[0] - released,
+    )
+
+
+@pytest.mark.parametrize("via", ["dsn", "pool"])
+def test_pgbouncer_down_past_the_lease_the_holder_knows_before_anyone_reclaims(
+    pg: PostgresServer, via: str, lock_name: str, schema: None, holder_id: Holder, figures: Figures
+) -> None:
+    with PgBouncer(pg, pool_mode="transaction", default_pool_size=4) as bouncer:
+        world = Through(bouncer, via, lock_name)
+        try:
+            holder = world.mutex("holder")
+            # The reclaimer reaches PostgreSQL directly: only the holder's path is down.
+            reclaimer = Mutex(pg.dsn(), lock_name, instance_id="reclaimer", metrics=world.events, **TIMING)
+            with pytest.raises(LockNotHeldError), world.sections.holding(holder, "holder"):
+                wait_until(lambda: len(beats(world, "holder")) >= 2)
+                bouncer.stop()
+                silent_from = max(beats(world, "holder"))
+                with world.sections.holding(reclaimer, "reclaimer", blocking=True, timeout=STALE * 3) as acquired:
+                    assert acquired
+                    assert not holder.held
+                    bouncer.start()
+                    with pytest.raises(LockNotHeldError):
+                        holder.heartbeat()
+                    assert holder_id() == "reclaimer"
+            assert holder_id() is None, "the old holder's release did not delete the reclaimer's row"
+            reclaimer.close()
+        finally:
+            world.close()
+    lost, reclaimed = world.events.first("lost"), world.events.first("stale_reclaimed")
+    assert lost is not None
+    assert reclaimed is not None
+    assert lost.at < reclaimed.at, "the holder knew before the reclaim"
+    assert world.sections.overlaps() == []
+    figures.record(
+        f"transaction mode, {via} mode: PgBouncer down past the lease",
+        last_heartbeat_to_loss_s=lost.at - silent_from,
+        last_heartbeat_to_reclaim_s=reclaimed.at - silent_from,
+        knew_before_reclaim_s=reclaimed.at - lost.at,
+    )
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_the_command_line_through_transaction_mode(pg: PostgresServer, lock_name: str, schema: None) -> None:
+    with PgBouncer(pg, pool_mode="transaction", default_pool_size=2) as bouncer:
+        holder = Mutex(bouncer.dsn(), lock_name, **TIMING)
+        with holder.acquire():
+            status = cli("status", "--dsn", bouncer.dsn(), "--json", "--lock", lock_name)
+            assert status.returncode == 0, status.stderr
+            [lock] = json.loads(status.stdout)["locks"]
+            assert lock["holder"] == holder.instance_id
+            busy = cli("run", "--dsn", bouncer.dsn(), "--lock", lock_name, "--", "true")
+            assert busy.returncode == 75, busy.stderr
+        holder.close()
+        ran = cli("run", "--dsn", bouncer.dsn(), "--lock", lock_name, "--", "true")
+        assert ran.returncode == 0, ran.stderr
+        bouncer.stop()
+        down = cli("status", "--dsn", bouncer.dsn())
+        assert down.returncode == 69, "PgBouncer gone: PostgreSQL could not be used"
