@@ -382,7 +382,7 @@ def test_a_holder_whose_statements_land_on_a_read_only_node_neither_loses_nor_re
             stack.close()  # leaves the `with acquire()`: the release lands on the standby
     assert not isinstance(release_refused.value, LockNotHeldError), "refused, not lost"
     assert release_refused.value.transient
-    assert "may remain" in str(release_refused.value), "the caller is told the row stays"
+    assert "deleted in the background" in str(release_refused.value), "the caller is told the row stays for now"
     assert ha.named("released", "pinned") == [], "a refused release is not a release"
     assert ha.events.named("lost") == []
     assert ha.holder_id() == "pinned"
@@ -417,12 +417,6 @@ def test_an_acquire_on_a_standby_is_refused_as_a_transient_failure(sync_cluster:
     assert ha.holder_id() is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an acquire refused by a read-only node (SQLSTATE 25006, the server's answer) comes back with "
-    "outcome_unknown=True: the Mutex then logs an ERROR that 'a row from an unanswered acquire may remain' "
-    "and sweeps for a row that was never written",
-)
 def test_an_acquire_refused_by_a_standby_has_a_known_outcome(
     sync_cluster: PatroniCluster, ha: HA, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -87,7 +87,7 @@ def until_execute(flow: Flow[Any], first: Any = None) -> Execute:
 
 
 def acquired_row(token: int = 7) -> Result:
-    return Result(1, ((True, None, None, STAMP, token),))
+    return Result(1, ((True, None, None, STAMP, token),), now())
 
 
 def contended_row(holder: str = "other") -> Result:
@@ -232,7 +232,7 @@ def test_one_heartbeat_statement_decides_hold_by_hold() -> None:
     assert beat.urgent, "heartbeats go before other statements"
     assert beat.params["lock_names"] == ["kept", "gone"]
     with pytest.raises(StopIteration) as done:
-        step(flow, Result(2, (("kept", "a", True, True), ("gone", "b", False, False))))
+        step(flow, Result(2, (("kept", "a", True, True), ("gone", "b", False, False)), now()))
     outcome = done.value.value
     assert outcome.renewed == [holds[0]]
     assert [hold for hold, _ in outcome.lost] == [holds[1]]
@@ -242,14 +242,20 @@ def test_one_heartbeat_statement_decides_hold_by_hold() -> None:
     assert not gone.held
 
 
-def test_a_row_locked_by_another_session_is_busy_not_lost() -> None:
-    state = lock()
-    hold = held(state)
-    flow = heartbeat([hold], STATEMENTS, TRACING, 1.0)
-    step(flow)
+def test_a_row_locked_by_another_session_is_waited_for_briefly_then_busy_not_lost() -> None:
+    state, other = lock(), lock("other", "b")
+    holds = [held(state), held(other)]
+    flow = heartbeat(holds, STATEMENTS, TRACING, 1.0)
+    assert step(flow).statement is STATEMENTS.heartbeat
+    again = step(flow, Result(2, (("job", "me", False, True), ("other", "b", True, True)), now()))
+    assert isinstance(again, Execute)
+    assert again.statement is STATEMENTS.heartbeat_waiting, "the skipped row gets a second, waiting try"
+    assert again.params["lock_names"] == ["job"], "only the skipped one"
     with pytest.raises(StopIteration) as done:
-        step(flow, Result(1, (("job", "me", False, True),)))
-    assert done.value.value.busy == [hold]
+        step(flow, Result(1, (("job", "me", False, True),), now()))
+    outcome = done.value.value
+    assert outcome.busy == [holds[0]]
+    assert outcome.renewed == [holds[1]]
     assert state.held, "retried soon; lost only if its lease runs out"
 
 

@@ -323,7 +323,7 @@ def test_a_connection_closed_by_the_server_while_idle_does_not_fail_the_next_acq
 
 def test_a_waiter_stops_listening_once_it_has_the_lock(make_mutex: Callable[..., Mutex]) -> None:
     holder, waiter = make_mutex(), make_mutex()
-    listener = waiter.client.engine().listener
+    listener = waiter.client._get_engine().listener
     assert listener is not None
     holding = holder.acquire()
     assert holding.__enter__()
@@ -403,9 +403,9 @@ def test_a_cleanup_begun_before_an_acquire_is_never_sent_after_it(
     with mutex.acquire():  # ...an acquire supersedes it...
 
         def late_cleanup() -> Any:
-            statements = yield Shape(lock.names)
+            statements = yield Shape(lock.names, 2.0)
             yield Execute(statements.cleanup, lock.params(), 2.0, "cleanup", guard=guard)
 
         with pytest.raises(CleanupSuperseded):
-            mutex.client.engine().run(late_cleanup())
+            mutex.client._get_engine().run(late_cleanup())
         assert holder_id() == mutex.instance_id, "...so it cannot delete the new hold's row"

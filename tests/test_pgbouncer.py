@@ -36,7 +36,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from chaos.harness import Events, Sections
-from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex, MutexError, OperationTimeout
+from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex, MutexClient, MutexError, OperationTimeout
 from tests.figures import Figures
 from tests.fixtures import row_locked, wait_until
 from tests.pgbouncer import PgBouncer
@@ -237,7 +237,8 @@ def test_release_deletes_the_row(through: Through, holder_id: Holder) -> None:
         assert holder_id() == "holder"
     assert holder_id() is None
     assert through.count("released", "holder") == 1
-    holder.release()  # nothing held: a no-op
+    with pytest.raises(LockNotHeldError):
+        holder.release()  # nothing held: refused, as threading.Lock.release refuses
     assert through.count("released", "holder") == 1
 
 
@@ -301,8 +302,10 @@ def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_doe
     made: list[Mutex] = []
 
     def mutex(who: str, name: str, dsn: str, **options: Any) -> Mutex:
+        # A client each, as separate processes would have: a notification meant for one
+        # must reach the other's connection to be "meant for another client".
         settings: dict[str, Any] = {**TIMING, "instance_id": who, "metrics": events, **options}
-        made.append(Mutex(dsn, name, on_lost=sections[name].on_lost(who), **settings))
+        made.append(MutexClient(dsn).mutex(name, on_lost=sections[name].on_lost(who), **settings))
         return made[-1]
 
     direct = pg.dsn()
@@ -356,19 +359,17 @@ def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_doe
     finally:
         for each in made:
             with contextlib.suppress(Exception):
-                each.close()
+                each.client.close()
     assert sections[lock1].overlaps() == []
     assert sections[lock2].overlaps() == []
-    # The blocked attempt ended (contended); a wake-up by the stray notification re-checks at once.
+    # The blocked attempt ended, contended: lock 1's notification, delivered to the server
+    # connection waiter 2 was using, reached no listener of its, and handed it nothing.
     after = [at for at in woken[before:] if at > released]
-    assert len(after) >= 2
-    rechecked = after[1] - after[0]
-    assert rechecked < waiter_poll / 2, "the scenario happened: lock 1's notification woke waiter 2 early"
+    assert len(after) >= 1
     figures.record(
         "transaction mode, dsn mode: release notification landed on another client",
         waiter_poll_interval_s=waiter_poll,
         waiter_1_got_its_lock_after_s=got["waiter-1"] - released,
-        waiter_2_rechecked_after_s=rechecked,
         waiter_2_wrongly_acquired=False,
     )
 
@@ -406,15 +407,22 @@ def test_transaction_mode_a_waiter_with_a_timeout_never_hangs(
 def test_session_mode_a_client_beyond_the_pool_size_times_out_instead_of_hanging(
     pg: PostgresServer, lock_name: str, schema: None, figures: Figures
 ) -> None:
-    """Each dsn-mode Mutex pins a server connection; the next one waits inside PgBouncer, within its deadlines."""
+    """Each client (a process, in real life) pins a server connection; the next one waits inside PgBouncer.
+
+    The Mutexes of one client share its connection, however many there are:
+    two clients fill a pool of two, a third waits, within its deadlines.
+    """
     with PgBouncer(pg, pool_mode="session", default_pool_size=2) as bouncer:
-        world = Through(bouncer, "dsn", lock_name)
+        clients = [MutexClient(bouncer.dsn()) for _ in range(3)]
         try:
-            first, second = world.mutex("first", f"{lock_name}-a"), world.mutex("second", f"{lock_name}-b")
-            third = world.mutex("third", f"{lock_name}-c")
-            with first.acquire() as a, second.acquire() as b:
+            first, second = (client.mutex(f"{lock_name}-{n}", **TIMING) for n, client in enumerate(clients[:2]))
+            siblings = [clients[0].mutex(f"{lock_name}-sibling-{n}", **TIMING) for n in range(5)]
+            third = clients[2].mutex(f"{lock_name}-c", **TIMING)
+            with first.acquire() as a, second.acquire() as b, contextlib.ExitStack() as stack:
                 assert a
                 assert b
+                for sibling in siblings:
+                    assert stack.enter_context(sibling.acquire()), "on the first client's server connection"
                 started = time.monotonic()
                 with pytest.raises(OperationTimeout) as caught, third.acquire():
                     pytest.fail("must not run")
@@ -426,16 +434,17 @@ def test_session_mode_a_client_beyond_the_pool_size_times_out_instead_of_hanging
                     pytest.fail("must not run")
                 gave_up_after = time.monotonic() - started
                 assert gave_up_after < 1.5 + OPERATION_TIMEOUT * 2 + SLACK, "a blocking acquire gives up on time"
-                assert world.events.named("lost") == [], "the holders were not disturbed"
                 assert first.held
                 assert second.held
-            first.close()  # its server connection goes back to PgBouncer's pool
+                assert all(sibling.held for sibling in siblings)
+            clients[0].close()  # its server connection goes back to PgBouncer's pool
             with third.acquire(blocking=True, timeout=10) as acquired:
                 assert acquired
         finally:
-            world.close()
+            for client in clients:
+                client.close()
     figures.record(
-        "session mode, dsn mode: a third Mutex with default_pool_size 2",
+        "session mode, dsn mode: a third client with default_pool_size 2",
         statement_gave_up_after_s=refused_after,
         blocking_acquire_timeout_1_5s_gave_up_after_s=gave_up_after,
     )

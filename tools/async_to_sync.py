@@ -47,7 +47,6 @@ RENAMES = {
     "__aexit__": "__exit__",
     "aclose": "close",
     "_engine_async": "_engine",
-    "engine_async": "engine",
 }
 
 _ASYNC_CLASS = re.compile(r"Async([A-Z]\w*)")

@@ -156,31 +156,55 @@ class AGate:
 
 
 class Gate:
-    """Lets one thread at a time use a connection; urgent ones (heartbeats) go first."""
+    """Lets one thread at a time use a connection; urgent ones (heartbeats) go first, the others in turn.
+
+    First come, first served: a thread that gives the connection back and asks
+    again at once (an acquire polling) queues behind those already waiting
+    (the release of the lock it polls for, say).
+    """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._busy = False
-        self._urgent = 0
+        self._waiting: dict[bool, collections.deque[threading.Lock]] = {
+            True: collections.deque(),
+            False: collections.deque(),
+        }
 
     @contextlib.contextmanager
     def turn(self, urgent: bool) -> Iterator[None]:
-        with self._cond:
-            if urgent:
-                self._urgent += 1
-            try:
-                while self._busy or (not urgent and self._urgent):
-                    self._cond.wait()
-            finally:
-                if urgent:
-                    self._urgent -= 1
-            self._busy = True
+        self._enter(urgent)
         try:
             yield
         finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+            self._leave()
+
+    def _enter(self, urgent: bool) -> None:
+        with self._lock:
+            if not self._busy:
+                self._busy = True
+                return
+            turn = threading.Lock()
+            turn.acquire()
+            self._waiting[urgent].append(turn)
+        try:
+            turn.acquire()  # released by _leave when it is this thread's turn
+        except BaseException:
+            with self._lock:
+                queue = self._waiting[urgent]
+                if turn in queue:
+                    queue.remove(turn)
+                    raise
+            self._leave()  # let in, then interrupted: pass the turn on
+            raise
+
+    def _leave(self) -> None:
+        with self._lock:
+            for queue in (self._waiting[True], self._waiting[False]):
+                if queue:
+                    queue.popleft().release()  # the gate stays busy: it is theirs now
+                    return
+            self._busy = False
 
 
 # -- background workers ----------------------------------------------------------------
@@ -256,19 +280,19 @@ class Cancelled(BaseException):
     """Threads are never cancelled: nothing raises this."""
 
 
-async def auncancellable(work: Awaitable[T], on_cancel: Callable[[], object]) -> T:
-    """Await ``work``; if the caller is cancelled meanwhile, call ``on_cancel`` and let the work end first.
+async def auncancellable(work: Awaitable[T], on_cancel: Callable[[], Awaitable[object]]) -> T:
+    """Await ``work``; if the caller is cancelled meanwhile, await ``on_cancel`` and let the work end first.
 
-    psycopg would answer a cancellation with a server-side cancel over what may
-    be a dead network; cutting the socket (``on_cancel``) ends the statement at
-    once instead.
+    psycopg would answer a cancellation with a server-side cancel bounded only
+    by its own timeouts, over what may be a dead network; ``on_cancel`` stops
+    the statement within the library's deadlines instead.
     """
     task = asyncio.ensure_future(work)
     task.add_done_callback(_retrieve)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        on_cancel()
+        await on_cancel()
         await asyncio.wait([task])
         raise
 

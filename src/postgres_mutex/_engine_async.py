@@ -23,6 +23,7 @@ on goes on running there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -67,6 +68,9 @@ T = TypeVar("T")
 # from them) and OS errors from a socket the watchdog shut down.
 _FAILURES = (psycopg.Error, OSError)
 
+# The longest wait for the server to take a cancel request for an interrupted statement.
+_CANCEL_TIMEOUT = 1.0
+
 # A connection idle for longer than this is checked before use: did the server close it?
 _IDLE_CHECK = 0.5
 
@@ -91,8 +95,8 @@ class AsyncEngine:
         self.client = client
         self._source: _OwnConnection | _PooledConnection
         if dsn is not None:
-            self._source = _OwnConnection(dsn, client.connect_kwargs("postgres-mutex"))
-            self._listener: _Listener | None = _Listener(self, dsn, client.connect_kwargs("postgres-mutex listener"))
+            self._source = _OwnConnection(dsn, client._connect_kwargs("postgres-mutex"))
+            self._listener: _Listener | None = _Listener(self, dsn, client._connect_kwargs("postgres-mutex listener"))
         else:
             assert pool is not None
             self._source = _PooledConnection(pool)
@@ -150,7 +154,9 @@ class AsyncEngine:
                 sent = True
                 ticket = cutter.arm(op.timeout)
                 try:
-                    return await auncancellable(_statement(conn, op), cutter.cut)
+                    return await auncancellable(
+                        _statement(conn, op), functools.partial(_interrupt, conn, cutter, op.timeout)
+                    )
                 except _FAILURES as exc:
                     # As the statement left it, before the connection is put away.
                     lost = conn.closed or conn.broken
@@ -158,6 +164,11 @@ class AsyncEngine:
                         # On a read-only node (a standby after a failover): only a
                         # new connection can reach the primary.
                         source.replace()
+                    raise
+                except BaseException:
+                    # Interrupted mid-statement: a signal handler's exception (a job
+                    # runner's timeout, SIGTERM), or a cancelled task.
+                    await _interrupt(conn, cutter, op.timeout)
                     raise
                 finally:
                     cutter.disarm(ticket)
@@ -170,18 +181,16 @@ class AsyncEngine:
                 timed_out=cutter is not None and cutter.fired,
                 connection_lost=lost,
                 connect_retryable=connect_retryable,
-                redact=self.client.redact,
+                redact=self.client._redact,
                 timeout=op.timeout,
             )
-            raise error from self.client.shown_cause(exc)
+            raise error from self.client._shown_cause(exc)
 
-    async def shape(self, names: Names) -> Statements:
+    async def shape(self, names: Names, timeout: float) -> Statements:
         """The statements for this table's shape; the table is inspected once per client."""
-        statements = self.client.shapes.get(names.table_name)
+        statements = self.client._shapes.get(names.table_name)
         if statements is None:
-            op = flows.Execute(
-                _sql.inspect_table(names), {}, self.client.operation_timeout, f"inspection of table {names.table_name}"
-            )
+            op = flows.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
             row = (await self.execute(op)).row
             assert row is not None
             exists, has_token = row
@@ -192,7 +201,7 @@ class AsyncEngine:
                     sqlstate="42P01",
                 )
             statements = Statements(names, _sql.CURRENT if has_token else _sql.LEGACY)
-            self.client.shapes[names.table_name] = statements
+            self.client._shapes[names.table_name] = statements
         return statements
 
     # -- holds and their heartbeats ------------------------------------------------
@@ -201,7 +210,7 @@ class AsyncEngine:
         """Renew ``hold`` from now on, with the other holds of its table and interval."""
         lock = hold.lock
         key = (lock.names.table_name, lock.timing.heartbeat_interval, id(lock.tracing))
-        with self.client.state_lock:
+        with self.client._state_lock:
             group = self.groups.get(key)
             new_group = group is None
             if group is None:
@@ -209,19 +218,19 @@ class AsyncEngine:
             group.holds[hold] = None
             hold.group = group
             self._start_worker()
-        self.client.lease_added(hold.lease_deadline)
+        self.client._lease_added(hold.lease_deadline)
         if new_group:
             self._wake.set()  # its first heartbeat may be due before the worker would look again
 
     def schedule(self, cleanup: flows.Cleanup) -> None:
         """Delete a row that may remain, in the background, as soon as the database answers."""
-        with self.client.state_lock:
+        with self.client._state_lock:
             closed = self.closed
             if not closed:
                 self._cleanups.append(cleanup)
                 self._start_worker()
         if closed:
-            self.client.adopt_cleanup(cleanup)
+            self.client._adopt_cleanup(cleanup)
         else:
             self._wake.set()
 
@@ -229,7 +238,7 @@ class AsyncEngine:
         return bool(self._cleanups)
 
     def take_cleanups(self) -> list[flows.Cleanup]:
-        with self.client.state_lock:
+        with self.client._state_lock:
             pending, self._cleanups = self._cleanups, []
             return pending
 
@@ -244,7 +253,7 @@ class AsyncEngine:
         try:
             while True:
                 self._wake.clear()
-                with self.client.state_lock:
+                with self.client._state_lock:
                     busy = any(group.holds for group in self.groups.values()) or bool(self._cleanups)
                     idle_since = None if busy else idle_since if idle_since is not None else now()
                     if self.closed or (idle_since is not None and now() - idle_since >= _WORKER_LINGER):
@@ -268,19 +277,19 @@ class AsyncEngine:
                     await self._wake.wait(min(wake_at - now(), MAX_SLICE))
         except ACancelled:
             # The event loop is shutting down: its holds end with it (the exit releases them).
-            with self.client.state_lock:
+            with self.client._state_lock:
                 self._worker = None
             raise
         except BaseException:
             # Never die silently: the leases of the holds then run out, and
             # the client's event thread declares them lost on time.
             logger.exception("postgres-mutex heartbeat worker failed")
-            with self.client.state_lock:
+            with self.client._state_lock:
                 self._worker = None
             raise
 
     async def _beat(self, group: HeartbeatGroup) -> None:
-        with self.client.state_lock:
+        with self.client._state_lock:
             holds = group.live()
             if not holds:
                 if not group.holds:
@@ -289,7 +298,7 @@ class AsyncEngine:
                 return
         timeout = min(hold.lock.timing.operation_timeout for hold in holds)
         try:
-            statements = await self.shape(holds[0].lock.names)
+            statements = await self.shape(holds[0].lock.names, timeout)
             beat = await self.run(flows.heartbeat(holds, statements, group.tracing, timeout))
         except DatabaseError as exc:  # the inspection failed
             beat = flows.Beat([], [], 0.0, exc)
@@ -304,14 +313,14 @@ class AsyncEngine:
                 return
             group.quiet_retry = False
             group.next_beat = now() + retry_pause(group.interval)
-            self.client.post(_failed(holds, error))
+            self.client._post(_failed(holds, error))
             return
         group.quiet_retry = False
         group.next_beat = now() - beat.latency + group.interval
         if beat.busy:
             group.next_beat = min(group.next_beat, now() + retry_pause(group.interval))
-            self.client.post(_failed(beat.busy, None))
-        self.client.post(_renewed(beat))
+            self.client._post(_failed(beat.busy, None))
+        self.client._post(_renewed(beat))
 
     async def _clean(self, cleanup: flows.Cleanup) -> None:
         lock = cleanup.lock
@@ -325,7 +334,7 @@ class AsyncEngine:
             # A failure that will not pass (a closed pool, a revoked privilege): give up;
             # the row is reclaimable after stale_threshold anyway.
             done, retry_at = not exc.transient, now() + lock.timing.poll_interval
-        with self.client.state_lock:
+        with self.client._state_lock:
             if done or now() >= cleanup.give_up_at:
                 with contextlib.suppress(ValueError):
                     self._cleanups.remove(cleanup)
@@ -342,7 +351,7 @@ class AsyncEngine:
 
     async def close(self) -> None:
         """Stop the workers and close the engine's connections (never a pool); pending clean-ups go to the client."""
-        with self.client.state_lock:
+        with self.client._state_lock:
             self.closed = True
             worker, self._worker = self._worker, None
         self._wake.set()
@@ -351,7 +360,7 @@ class AsyncEngine:
         if self._listener is not None:
             await self._listener.close()
         for cleanup in self.take_cleanups():
-            self.client.adopt_cleanup(cleanup)
+            self.client._adopt_cleanup(cleanup)
         await self._source.close()
 
     def close_connections(self) -> None:
@@ -386,15 +395,30 @@ def _renewed(beat: flows.Beat) -> Any:
     return report
 
 
+async def _interrupt(conn: psycopg.AsyncConnection[Any], cutter: Cutter, timeout: float) -> None:
+    """Stop a statement the caller gave up on: on the server first, then on the socket.
+
+    Left alone, it could go on waiting on the server (behind another session's
+    row lock, say) and land later: an orphan row, or a lock taken by nobody.
+    A cancel request (bounded, and skipped when the network is known dead)
+    stops it there; the connection is then cut and replaced either way.
+    """
+    if not cutter.fired and conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+        with contextlib.suppress(Exception):
+            await conn.cancel_safe(timeout=min(_CANCEL_TIMEOUT, timeout))
+    cutter.cut()
+
+
 async def _statement(conn: psycopg.AsyncConnection[Any], op: flows.Execute) -> flows.Result:
     params = {**op.params, "_server_timeout_ms": max(1, int(op.timeout * _SERVER_SHARE * 1000))}
     cursor = psycopg.AsyncClientCursor(conn)
+    sent_at = now()
     await cursor.execute(op.statement.text, params)
     # The settings that precede the statement answer first: its own result is the last.
     while cursor.nextset():
         pass
     rows = await cursor.fetchall() if cursor.description else []
-    return flows.Result(cursor.rowcount, tuple(tuple(row) for row in rows))
+    return flows.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
 
 
 class _Steps:
@@ -409,7 +433,7 @@ class _Steps:
         if isinstance(op, flows.Execute):
             return await engine.execute(op)
         if isinstance(op, flows.Shape):
-            return await engine.shape(op.names)
+            return await engine.shape(op.names, op.timeout)
         if isinstance(op, flows.Pause):
             await asleep(op.seconds)
             return not engine.closed
@@ -421,11 +445,11 @@ class _Steps:
             engine.keep(op.hold)
             return None
         if isinstance(op, flows.Forget):
-            engine.client.forget(op.hold)
+            engine.client._forget(op.hold)
             return None
         if isinstance(op, flows.Tell):
             lock, error = op.lock, op.error
-            engine.client.post(lambda: lock.events.lost(error))
+            engine.client._post(lambda: lock.events.lost(error))
             return None
         if isinstance(op, flows.Schedule):
             engine.schedule(op.cleanup)
@@ -591,7 +615,7 @@ class _Listener:
 
     def subscribe(self, channel: str) -> _Subscription:
         subscription = _Subscription(channel)
-        with self._engine.client.state_lock:
+        with self._engine.client._state_lock:
             self._subscriptions.setdefault(channel, set()).add(subscription)
             if self._worker is None and not self._closed:
                 self._worker = AWorker(self._run, name="postgres-mutex-listener")
@@ -599,7 +623,7 @@ class _Listener:
         return subscription
 
     def unsubscribe(self, subscription: _Subscription) -> None:
-        with self._engine.client.state_lock:
+        with self._engine.client._state_lock:
             waiting = self._subscriptions.get(subscription.channel)
             if waiting is not None:
                 waiting.discard(subscription)
@@ -610,7 +634,7 @@ class _Listener:
     @property
     def channels(self) -> frozenset[str]:
         """The channels waited on right now."""
-        with self._engine.client.state_lock:
+        with self._engine.client._state_lock:
             return frozenset(self._subscriptions)
 
     @property
@@ -619,14 +643,14 @@ class _Listener:
         return frozenset(self._listening)
 
     def _released(self, channel: str) -> None:
-        with self._engine.client.state_lock:
+        with self._engine.client._state_lock:
             waiting = list(self._subscriptions.get(channel, ()))
         for subscription in waiting:
             subscription.released.set()
 
     def _wake_everyone(self) -> None:
         # The connection was lost: a release may have gone unheard. Every waiter retries now.
-        with self._engine.client.state_lock:
+        with self._engine.client._state_lock:
             waiting = [sub for subs in self._subscriptions.values() for sub in subs]
         for subscription in waiting:
             subscription.released.set()
@@ -638,7 +662,7 @@ class _Listener:
         idle_since: float | None = None
         try:
             while not self._closed:
-                with self._engine.client.state_lock:
+                with self._engine.client._state_lock:
                     wanted = set(self._subscriptions)
                     if wanted or listening:
                         idle_since = None
@@ -671,7 +695,7 @@ class _Listener:
                     failures += 1
                     logger.debug(
                         "the release listener lost its connection (%s); waiters poll meanwhile",
-                        self._engine.client.redact(str(exc)),
+                        self._engine.client._redact(str(exc)),
                     )
                     if cutter is not None:
                         cutter.close()
@@ -682,7 +706,7 @@ class _Listener:
                     await asleep(min(0.05 * 2**failures, 5.0))
         except BaseException:
             # Ended by something unexpected (or the loop's shutdown): the next waiter starts a new one.
-            with self._engine.client.state_lock:
+            with self._engine.client._state_lock:
                 self._worker = None
             raise
         finally:
@@ -691,14 +715,15 @@ class _Listener:
             self._drop()
 
     async def _execute(self, conn: psycopg.AsyncConnection[Any], cutter: Cutter, text: str) -> None:
-        ticket = cutter.arm(self._engine.client.operation_timeout)
+        timeout = self._engine.client.operation_timeout
+        ticket = cutter.arm(timeout)
         try:
-            await auncancellable(conn.execute(text), cutter.cut)
+            await auncancellable(conn.execute(text), functools.partial(_interrupt, conn, cutter, timeout))
         finally:
             cutter.disarm(ticket)
 
     def _confirm(self, listening: set[str]) -> None:
-        with self._engine.client.state_lock:
+        with self._engine.client._state_lock:
             heard = [sub for channel in listening for sub in self._subscriptions.get(channel, ())]
         for subscription in heard:
             subscription.confirmed.set()
@@ -719,7 +744,7 @@ class _Listener:
     async def close(self) -> None:
         self._closed = True
         self._waker.wake()
-        with self._engine.client.state_lock:
+        with self._engine.client._state_lock:
             worker = self._worker
         if worker is not None:
             await worker.join(self._engine.client.operation_timeout + 1.0)
@@ -758,8 +783,8 @@ class AsyncAcquisition:
         if self._entered:
             raise MutexError("this acquisition was entered already: call acquire() again for another one")
         self._entered = True
-        self._client.check_process(self._lock)
-        engine = self._client.engine_async()
+        self._client._check_process(self._lock)
+        engine = self._client._get_engine_async()
         flow = flows.acquire(
             self._lock,
             self._lock.tracing,
@@ -776,7 +801,7 @@ class AsyncAcquisition:
             return
         lock = self._lock
         if lock.hold is hold and lock.phase is Phase.HOLDING:
-            engine = self._client.engine_async()
+            engine = self._client._get_engine_async()
             # Run to its end even if this task is cancelled again meanwhile: no row left behind.
             if exc_type is None:
                 await ato_the_end(engine.run(flows.release(lock, lock.tracing, caller=current_owner())))

@@ -74,6 +74,8 @@ class CleanupSuperseded(Exception):
 class Result:
     rowcount: int
     rows: tuple[tuple[Any, ...], ...] = ()
+    sent_at: float = 0.0
+    """When the statement was sent: after any wait for the connection, so leases count from there."""
 
     @property
     def row(self) -> tuple[Any, ...] | None:
@@ -89,9 +91,13 @@ class Pause:
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """The statements for a table, in the shape it has; the engine inspects the table once and remembers."""
+    """The statements for a table, in the shape it has; the engine inspects the table once and remembers.
+
+    ``timeout`` bounds that one inspection, as it bounds the statement that needs it.
+    """
 
     names: Names
+    timeout: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +267,7 @@ def _attempt_until_done(
     listening = False
     try:
         yield Settle(lock)
-        statements: Statements = yield Shape(lock.names)
+        statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
         while True:
             statement_timeout = timing.operation_timeout
             if budget is not None:
@@ -270,17 +276,17 @@ def _attempt_until_done(
             # Until a reply says otherwise, this attempt may leave our row behind:
             # an interruption (cancellation, a signal's exception) must clean up too.
             lock.row_suspected = True
-            sent_at = now()
             progress.attempts += 1
             try:
                 reply = yield Execute(statements.acquire, lock.params(), statement_timeout, lock.describe("acquire"))
             except BaseException as exc:
                 if not isinstance(exc, DatabaseError):
                     # Interrupted mid-statement (cancelled, a signal's exception): it may still land.
-                    lock.unanswered_until = max(lock.unanswered_until, sent_at + 2 * statement_timeout)
+                    lock.unanswered_until = max(lock.unanswered_until, now() + 2 * statement_timeout)
                     raise
                 if exc.outcome_unknown:
-                    lock.unanswered_until = max(lock.unanswered_until, sent_at + 2 * statement_timeout)
+                    # Sent before now; it can run on the server for a statement_timeout at most.
+                    lock.unanswered_until = max(lock.unanswered_until, now() + 2 * statement_timeout)
                 else:
                     lock.row_suspected = suspected_before
                 if exc.sqlstate == CANCELLED and not blocking:
@@ -313,7 +319,7 @@ def _attempt_until_done(
                 hold = lock.won(
                     acquired_at=result.acquired_at,
                     token=result.token,
-                    sent_at=sent_at,
+                    sent_at=reply.sent_at,
                     owner=owner,
                     span_context=span.get_span_context(),
                 )
@@ -421,7 +427,7 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
                     # Nobody may have reclaimed it yet: the row may still be ours.
                     yield Schedule(_scoped_cleanup(lock, hold))
                 raise hold.error()
-            statements: Statements = yield Shape(lock.names)
+            statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
             timeout = lock.timing.operation_timeout
             try:
                 result = yield Execute(statements.release, lock.params(), timeout, lock.describe("release"))
@@ -485,51 +491,66 @@ class Beat:
 def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeout: float) -> Flow[Beat]:
     """Renew ``holds`` (one table, one engine) with one statement, each scoped to its hold.
 
-    A hold whose row is gone (deleted or taken over) is lost; one whose row
-    another session has locked is busy, and tried again; the others are
-    renewed from the moment the statement was sent. A failure of the
+    A hold whose row is gone (deleted or taken over) is lost; the others are
+    renewed from the moment the statement was sent. A row another session
+    has locked is skipped, then tried once more by a statement that waits for
+    it briefly (a contender's acquire locks the row for an instant): if it is
+    still locked, that hold is busy, and tried again soon. A failure of the
     statement renews nothing: the caller retries until the leases run out.
     """
-    names = [hold.lock.lock_name for hold in holds]
     attributes: dict[str, AttributeValue] = {"postgres_mutex.locks": len(holds)}
     if len(holds) == 1:
         attributes.update(span_attributes(holds[0].lock))
     links = [hold.span_context for hold in holds[:32]]
     with tracing.span("postgres_mutex.heartbeat", attributes, links=links) as span:
-        sent_at = now()
-        params = {
-            "lock_names": names,
-            "instance_ids": [hold.lock.instance_id for hold in holds],
-            "acquired_ats": [hold.acquired_at for hold in holds],
-        }
         action = holds[0].lock.describe("heartbeat") if len(holds) == 1 else f"heartbeat of {len(holds)} locks"
-        try:
-            reply = yield Execute(statements.heartbeat, params, timeout, action, urgent=True)
-        except DatabaseError as exc:
-            set_outcome(span, "failed")
-            return Beat([], [], 0.0, exc)
-        latency = now() - sent_at
-        answers = {
-            (str(name), str(instance_id)): (renewed, present) for name, instance_id, renewed, present in reply.rows
-        }
-        beat = Beat([], [], latency)
-        for hold in holds:
-            lock = hold.lock
-            renewed, present = answers.get((lock.lock_name, lock.instance_id), (False, False))
-            if renewed:
-                if lock.renew(hold, sent_at):
-                    beat.renewed.append(hold)
-            elif present:
-                beat.busy.append(hold)
-            else:
-                error = lock.lose(hold, ROW_GONE)
-                if error is not None:
-                    beat.lost.append((hold, error))
+        beat = Beat([], [], 0.0)
+        pending, waiting = holds, False
+        while pending:
+            statement = statements.heartbeat_waiting if waiting else statements.heartbeat
+            params: dict[str, object] = {
+                "lock_names": [hold.lock.lock_name for hold in pending],
+                "instance_ids": [hold.lock.instance_id for hold in pending],
+                "acquired_ats": [hold.acquired_at for hold in pending],
+                "lock_timeout_ms": max(1, int(min(_BRIEF_WAIT, timeout / 2) * 1000)),
+            }
+            try:
+                reply = yield Execute(statement, params, timeout, action, urgent=True)
+            except DatabaseError as exc:
+                if not waiting:
+                    set_outcome(span, "failed")
+                    return Beat([], [], 0.0, exc)
+                beat.busy.extend(pending)  # still locked after a brief wait
+                break
+            sent_at = reply.sent_at
+            beat.latency = beat.latency or now() - sent_at
+            answers = {(str(name), str(iid)): (renewed, present) for name, iid, renewed, present in reply.rows}
+            skipped = []
+            for hold in pending:
+                lock = hold.lock
+                renewed, present = answers.get((lock.lock_name, lock.instance_id), (False, False))
+                if renewed:
+                    if lock.renew(hold, sent_at):
+                        beat.renewed.append(hold)
+                elif present:
+                    skipped.append(hold)
+                else:
+                    error = lock.lose(hold, ROW_GONE)
+                    if error is not None:
+                        beat.lost.append((hold, error))
+            if waiting:
+                beat.busy.extend(skipped)
+                break
+            pending, waiting = skipped, True
         outcome = "lost" if beat.lost else "busy" if beat.busy else "renewed"
-        set_outcome(span, outcome, latency_seconds=latency, renewed=len(beat.renewed))
+        set_outcome(span, outcome, latency_seconds=beat.latency, renewed=len(beat.renewed))
         if beat.lost:
             mark_error(span, f"{len(beat.lost)} of {len(holds)} locks were lost: their rows were gone")
         return beat
+
+
+# How long a heartbeat waits for a row another session holds locked, once it skipped it.
+_BRIEF_WAIT = 0.25
 
 
 def busy_error(hold: Hold) -> DatabaseError:
@@ -549,7 +570,7 @@ def heartbeat_now(lock: LockState, tracing: Tracing) -> Flow[None]:
     lease runs out).
     """
     hold = lock.require_held()
-    statements: Statements = yield Shape(lock.names)
+    statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
     timeout = min(lock.timing.operation_timeout, max(0.0, hold.lease_deadline - now()))
     beat = yield from heartbeat([hold], statements, tracing, timeout)
     failure = beat.error or (busy_error(hold) if beat.busy else None)
@@ -575,17 +596,18 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
     lock = cleanup.lock
     if cleanup.acquired_at is None and cleanup.epoch != lock.cleanup_epoch:
         return True  # an acquire began since: it takes any row of ours back itself
-    statements: Statements = yield Shape(lock.names)
+    statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
     params = {**lock.params(), "acquired_at": cleanup.acquired_at}
     if cleanup.acquired_at is None:
         statement, guard = statements.cleanup, CleanupGuard(lock, cleanup.epoch)
     else:
         statement, guard = statements.release, None
-    sent_at = now()
-    result = yield Execute(statement, params, lock.timing.operation_timeout, lock.describe("clean-up"), guard=guard)
+    result: Result = yield Execute(
+        statement, params, lock.timing.operation_timeout, lock.describe("clean-up"), guard=guard
+    )
     if result.rowcount:
         lock.events.row_removed()
-    settled = sent_at >= cleanup.settled_at
+    settled = result.sent_at >= cleanup.settled_at
     if settled and cleanup.acquired_at is None and cleanup.epoch == lock.cleanup_epoch:
         lock.row_suspected = False
     return settled
@@ -688,7 +710,7 @@ def holders(
     stale_threshold: float,
 ) -> Flow[list[Any]]:
     """Every held lock (or those named) with its holder and ages by the server's clock: one query."""
-    statements: Statements = yield Shape(names)
+    statements: Statements = yield Shape(names, timeout)
     reply = yield Execute(
         statements.holders,
         {"lock_names": None if lock_names is None else sorted(lock_names)},
@@ -700,7 +722,7 @@ def holders(
 
 def force_release(names: Names, lock_name: str, timeout: float) -> Flow[tuple[str, float, int | None] | None]:
     """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free."""
-    statements: Statements = yield Shape(names)
+    statements: Statements = yield Shape(names, timeout)
     reply = yield Execute(
         statements.force_release,
         {"lock_name": lock_name, "channel": names.channel(lock_name)},

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from . import _engine, _engine_async
@@ -32,6 +33,20 @@ logger = logging.getLogger("postgres_mutex")
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class MutexConfig:
+    """A Mutex's settings, read-only: what 0.1.0 exposed as ``mutex.config``."""
+
+    lock_name: str
+    instance_id: str
+    table: str
+    heartbeat_interval: float
+    alert_threshold: float
+    stale_threshold: float
+    poll_interval: float
+    operation_timeout: float
 
 
 class _MissingLockName(TypeError, ValueError):
@@ -108,7 +123,7 @@ class Mutex:
         self._client = client
         self._metrics = metrics
         chosen_id = instance_id if instance_id is not None else default_instance_id()
-        tracing = client.tracing(tracer_provider, names.table_name)
+        tracing = client._tracing(tracer_provider, names.table_name)
         events = LockEvents(
             lock_name=lock_name,
             instance_id=chosen_id,
@@ -124,10 +139,10 @@ class Mutex:
             timing=timing,
             events=events,
             tracing=tracing,
-            state_lock=client.state_lock,
+            state_lock=client._state_lock,
         )
-        client.register(self._lock, explicit_id=instance_id is not None)
-        client.attach()
+        client._register(self._lock, explicit_id=instance_id is not None)
+        client._attach()
         self._attached = True
         self._options: dict[str, Any] = {
             "table": table,
@@ -176,6 +191,26 @@ class Mutex:
     def client(self) -> MutexClient:
         """The client whose connections and heartbeats this Mutex uses."""
         return self._client
+
+    @property
+    def metrics(self) -> object | None:
+        """The metrics hook given to this Mutex (None if none)."""
+        return self._metrics
+
+    @property
+    def config(self) -> MutexConfig:
+        """This Mutex's settings, validated (defaults filled in)."""
+        timing = self._lock.timing
+        return MutexConfig(
+            lock_name=self.lock_name,
+            instance_id=self.instance_id,
+            table=self.table,
+            heartbeat_interval=timing.heartbeat_interval,
+            alert_threshold=timing.alert_threshold,
+            stale_threshold=timing.stale_threshold,
+            poll_interval=timing.poll_interval,
+            operation_timeout=timing.operation_timeout,
+        )
 
     @property
     def held(self) -> bool:
@@ -274,11 +309,13 @@ class Mutex:
         holds the lock, it releases the lock and that block's exit raises
         `LockNotHeldError`: the block learns that it ran partly unlocked.
         """
-        self._client.engine().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
+        self._client._get_engine().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
 
     async def release_async(self) -> None:
         """Async `release`."""
-        await self._client.engine_async().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
+        await self._client._get_engine_async().run(
+            flows.release(self._lock, self._lock.tracing, caller=current_owner())
+        )
 
     def heartbeat(self) -> None:
         """Renew the lock now (the client's heartbeat does this on its own).
@@ -286,11 +323,11 @@ class Mutex:
         Raises `LockNotHeldError` if the lock is not held or turns out lost,
         `DatabaseError` if the heartbeat failed.
         """
-        self._client.engine().run(flows.heartbeat_now(self._lock, self._lock.tracing))
+        self._client._get_engine().run(flows.heartbeat_now(self._lock, self._lock.tracing))
 
     async def heartbeat_async(self) -> None:
         """Async `heartbeat`."""
-        await self._client.engine_async().run(flows.heartbeat_now(self._lock, self._lock.tracing))
+        await self._client._get_engine_async().run(flows.heartbeat_now(self._lock, self._lock.tracing))
 
     # -- fencing -------------------------------------------------------------------
 
@@ -411,7 +448,7 @@ class Mutex:
             # One identity for the Mutex, whichever of its names it holds.
             sibling = self._client.mutex(lock_name, instance_id=self.instance_id, **self._options)
             if not self._explicit_id:
-                self._client.register(sibling._lock, explicit_id=False)
+                self._client._register(sibling._lock, explicit_id=False)
             self._siblings[lock_name] = sibling
         return sibling
 
@@ -433,8 +470,11 @@ class Mutex:
 
     def _close_one(self) -> None:
         lock = self._lock
+        if lock.phase is Phase.HOLDING and lock.held:
+            # 0.1.0's close() left the lock held; releasing it now is right, but say so.
+            logger.warning("close() releases lock %r, which this Mutex still held", self.lock_name)
         if lock.phase is Phase.HOLDING:
-            if not self._client.has_sync():
+            if not self._client._has_sync():
                 logger.warning(
                     "lock %r is still held and only an async_pool is available to release it: use "
                     "aclose(); the lock stays until another instance reclaims it after stale_threshold",
@@ -454,6 +494,8 @@ class Mutex:
             watch.stop()
         for mutex in (self, *self._siblings.values()):
             if mutex._lock.phase is Phase.HOLDING:
+                if mutex._lock.held:
+                    logger.warning("aclose() releases lock %r, which this Mutex still held", mutex.lock_name)
                 try:
                     await mutex.release_async()
                 except MutexError as exc:
@@ -467,7 +509,7 @@ class Mutex:
     def _detach(self) -> None:
         if self._attached:
             self._attached = False
-            self._client.detach()
+            self._client._detach()
 
     # -- the watcher of this Mutex's own lock ------------------------------------------
 

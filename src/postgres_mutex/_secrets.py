@@ -37,14 +37,23 @@ def _passwords_in(dsn: str) -> list[str]:
 
 
 class Redactor:
-    """Masks the passwords of one DSN (and any password-shaped text) in a string."""
+    """Masks the passwords of one DSN (and any password-shaped text) in a string.
+
+    A password is masked where it stands as a value of its own: after
+    ``password=``, in a URI's ``user:password@``, or as a token that no letter
+    or digit touches (libpq quotes a DSN's pieces: ``invalid ... "s3cr%t"``).
+    Never inside other words: a one-letter password ``e`` must neither garble
+    "connection failed" nor, by its gaps, give itself away.
+    """
 
     def __init__(self, dsn: str | None) -> None:
         # Longest first, so a password containing another is masked whole.
-        self._secrets = sorted(set(_passwords_in(dsn or "")), key=len, reverse=True)
+        secrets = sorted(set(_passwords_in(dsn or "")), key=len, reverse=True)
+        self._standalone = [re.compile(rf"(?<!\w){re.escape(secret)}(?!\w)") for secret in secrets]
 
     def redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, MASK)
         text = _KEYWORD_PASSWORD.sub(rf"\g<1>{MASK}", text)
-        return _URI_PASSWORD.sub(rf"\g<1>{MASK}\g<3>", text)
+        text = _URI_PASSWORD.sub(rf"\g<1>{MASK}\g<3>", text)
+        for secret in self._standalone:
+            text = secret.sub(MASK, text)
+        return text

@@ -209,23 +209,20 @@ SELECT taken.inserted, current.instance_id, current.heartbeat_age, taken.acquire
 
         # Every hold of one client that shares a heartbeat interval, renewed by
         # one statement, which answers for each: renewed, busy (its row is
-        # locked by another session: try again soon) or gone (deleted or taken
-        # over: lost). SKIP LOCKED keeps one row locked by someone else from
-        # holding up the heartbeats of every other lock of the process; a
-        # fence's FOR KEY SHARE does not conflict, so fenced holds renew. Only
-        # last_heartbeat changes and it is in no index: the UPDATE stays HOT,
-        # so heartbeats never bloat an index.
-        self.heartbeat = statement(
-            "heartbeat",
-            sql.SQL(
-                """WITH hold AS (
+        # locked by another session) or gone (deleted or taken over: lost).
+        # SKIP LOCKED keeps one row locked by someone else from holding up the
+        # heartbeats of every other lock of the process; a fence's FOR KEY
+        # SHARE does not conflict, so fenced holds renew. Only last_heartbeat
+        # changes and it is in no index: the UPDATE stays HOT, so heartbeats
+        # never bloat an index.
+        heartbeat = """WITH hold AS (
   SELECT * FROM unnest(%(lock_names)s::text[], %(instance_ids)s::text[], %(acquired_ats)s::timestamptz[])
          AS hold (lock_name, instance_id, acquired_at)
 ), free AS (
   SELECT held.ctid
     FROM {table} AS held JOIN hold USING (lock_name, instance_id, acquired_at)
    WHERE held.locked = 1
-     FOR NO KEY UPDATE OF held SKIP LOCKED
+     FOR NO KEY UPDATE OF held{skip}
 ), renewed AS (
   UPDATE {table} AS held SET last_heartbeat = now()
     FROM free WHERE held.ctid = free.ctid
@@ -238,7 +235,13 @@ SELECT hold.lock_name, hold.instance_id,
                 WHERE held.locked = 1 AND held.lock_name = hold.lock_name
                   AND held.instance_id = hold.instance_id AND held.acquired_at = hold.acquired_at)
   FROM hold"""
-            ).format(table=t),
+        self.heartbeat = statement("heartbeat", sql.SQL(heartbeat).format(table=t, skip=sql.SQL(" SKIP LOCKED")))
+        # For the holds the first one skipped: rows locked a moment ago by a
+        # contender's acquire, usually. This one waits for the row lock, but
+        # only briefly: a row someone keeps locked fails this statement alone.
+        self.heartbeat_waiting = statement(
+            "heartbeat",
+            sql.SQL("SET LOCAL lock_timeout = %(lock_timeout_ms)s; " + heartbeat).format(table=t, skip=sql.SQL("")),
         )
 
         # The DELETE and the wake-up of waiters are one statement: a waiter

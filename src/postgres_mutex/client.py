@@ -94,9 +94,9 @@ class MutexClient:
         self._pool = pool
         self._async_pool = async_pool
         self.operation_timeout = check_operation_timeout(operation_timeout)
-        self.conninfo = dsn if dsn is not None else str(getattr(pool or async_pool, "conninfo", "") or "")
-        self.state_lock = threading.Lock()
-        self.shapes: dict[str, Statements] = {}
+        self._conninfo = dsn if dsn is not None else str(getattr(pool or async_pool, "conninfo", "") or "")
+        self._state_lock = threading.Lock()
+        self._shapes: dict[str, Statements] = {}
         self._engine: Engine | None = None
         self._async_engines: dict[asyncio.AbstractEventLoop, AsyncEngine] = {}
         self._events = _EventThread(self)
@@ -107,7 +107,7 @@ class MutexClient:
         self._attached = 0
         self._shared = False
         self._closed = False
-        self.pid = os.getpid()
+        self._pid = os.getpid()
         _CLIENTS.add(self)
 
     @property
@@ -145,7 +145,7 @@ class MutexClient:
 
     # -- what the engines and Mutexes share ------------------------------------------
 
-    def connect_kwargs(self, role: str) -> dict[str, Any]:
+    def _connect_kwargs(self, role: str) -> dict[str, Any]:
         """How the engines connect; ``application_name`` says what the connection is for, and whose it is.
 
         ``postgres-mutex <host>:<pid>`` (or ``postgres-mutex listener ...``): a
@@ -156,33 +156,33 @@ class MutexClient:
         name = f"{role} {socket.gethostname() or 'host'}:{os.getpid()}"
         return connect_defaults(self._dsn, application_name=name, operation_timeout=self.operation_timeout)
 
-    def redact(self, text: str) -> str:
+    def _redact(self, text: str) -> str:
         return self._redactor.redact(text)
 
-    def shown_cause(self, exc: BaseException) -> BaseException | None:
+    def _shown_cause(self, exc: BaseException) -> BaseException | None:
         """psycopg's error, to chain for the traceback, unless its text held a secret."""
-        return None if self.redact(str(exc)) != str(exc) else exc
+        return None if self._redact(str(exc)) != str(exc) else exc
 
-    def tracing(self, tracer_provider: TracerProvider | None, table_name: str) -> Tracing:
+    def _tracing(self, tracer_provider: TracerProvider | None, table_name: str) -> Tracing:
         """One `Tracing` per provider and table: the Mutexes sharing it share heartbeat statements."""
         key = (id(tracer_provider), table_name)
-        with self.state_lock:
+        with self._state_lock:
             tracing = self._tracings.get(key)
             if tracing is None:
-                attributes = database_attributes(self.conninfo, table_name)
+                attributes = database_attributes(self._conninfo, table_name)
                 tracing = self._tracings[key] = Tracing(tracer_provider, attributes)
             return tracing
 
-    def register(self, lock: LockState, *, explicit_id: bool) -> None:
+    def _register(self, lock: LockState, *, explicit_id: bool) -> None:
         """Know ``lock`` (for close, exit and fork); ``explicit_id``: its instance_id was chosen by the user."""
-        with self.state_lock:
+        with self._state_lock:
             self._locks.add(lock)
             if explicit_id:
                 self._explicit_ids[lock] = os.getpid()
             else:
                 self._explicit_ids.pop(lock, None)
 
-    def check_process(self, lock: LockState) -> None:
+    def _check_process(self, lock: LockState) -> None:
         """A Mutex with a chosen instance_id may not acquire in a forked child: it would share the id."""
         created_in = self._explicit_ids.get(lock)
         if created_in is not None and created_in != os.getpid():
@@ -194,9 +194,9 @@ class MutexClient:
         if self._closed:
             raise MutexError("this MutexClient is closed: create a new one")
 
-    def engine(self) -> Engine:
+    def _get_engine(self) -> Engine:
         """The engine of sync code (threads)."""
-        with self.state_lock:
+        with self._state_lock:
             if self._closed:
                 raise MutexError("this MutexClient is closed: create a new one")
             if self._engine is None:
@@ -205,10 +205,10 @@ class MutexClient:
                 self._engine = Engine(self, dsn=self._dsn, pool=self._pool)
             return self._engine
 
-    def engine_async(self) -> AsyncEngine:
+    def _get_engine_async(self) -> AsyncEngine:
         """The engine of the running event loop (one per loop)."""
         loop = asyncio.get_running_loop()
-        with self.state_lock:
+        with self._state_lock:
             if self._closed:
                 raise MutexError("this MutexClient is closed: create a new one")
             engine = self._async_engines.get(loop)
@@ -222,39 +222,39 @@ class MutexClient:
         for old_engine in stale:
             cleanups = old_engine.take_cleanups()
             old_engine.abandon()
-            with self.state_lock:
+            with self._state_lock:
                 self._stray_cleanups.extend(cleanups)
         return engine
 
-    def has_sync(self) -> bool:
+    def _has_sync(self) -> bool:
         return self._dsn is not None or self._pool is not None
 
-    def post(self, report: Callable[[], object]) -> None:
+    def _post(self, report: Callable[[], object]) -> None:
         """Run ``report`` on the client's event thread (user callbacks, in order, off the heartbeat)."""
         self._events.post(report)
 
-    def lease_added(self, deadline: float) -> None:
+    def _lease_added(self, deadline: float) -> None:
         """A hold was added: the event thread keeps its lease (it looks again at least every second)."""
         if deadline - now() < MAX_SLICE:
             self._events.nudge()
         else:
             self._events.ensure()
 
-    def forget(self, hold: Hold) -> None:
+    def _forget(self, hold: Hold) -> None:
         """Stop renewing ``hold`` (released, or being released)."""
-        with self.state_lock:
+        with self._state_lock:
             group = hold.group
             if group is not None:
                 group.holds.pop(hold, None)
                 hold.group = None
 
-    def adopt_cleanup(self, cleanup: flows.Cleanup) -> None:
+    def _adopt_cleanup(self, cleanup: flows.Cleanup) -> None:
         """A clean-up whose engine closed: the sync engine takes it, or it waits for exit."""
-        engine = self._engine if self.has_sync() and not self._closed else None
+        engine = self._engine if self._has_sync() and not self._closed else None
         if engine is not None and not engine.closed:
             engine.schedule(cleanup)
         else:
-            with self.state_lock:
+            with self._state_lock:
                 self._stray_cleanups.append(cleanup)
 
     def _engines(self) -> list[Engine | AsyncEngine]:
@@ -265,9 +265,9 @@ class MutexClient:
 
     # -- leases ------------------------------------------------------------------
 
-    def earliest_lease(self) -> float | None:
+    def _earliest_lease(self) -> float | None:
         """When the next lease of a hold of this client runs out (None: nothing is held)."""
-        with self.state_lock:
+        with self._state_lock:
             deadlines = [
                 hold.lease_deadline
                 for engine in self._engines()
@@ -277,10 +277,10 @@ class MutexClient:
             ]
         return min(deadlines) if deadlines else None
 
-    def expire_leases(self) -> None:
+    def _expire_leases(self) -> None:
         """Declare lost every hold whose lease ran out; on the event thread, on time."""
         current = now()
-        with self.state_lock:
+        with self._state_lock:
             expired = [
                 hold
                 for engine in self._engines()
@@ -291,18 +291,18 @@ class MutexClient:
         for hold in expired:
             error = hold.lock.lose(hold, LEASE_EXPIRED, only_if_expired=True)
             if error is not None:
-                self.forget(hold)
+                self._forget(hold)
                 hold.lock.events.lost(error)
 
     # -- lifetime -------------------------------------------------------------------
 
-    def attach(self) -> None:
-        with self.state_lock:
+    def _attach(self) -> None:
+        with self._state_lock:
             self._attached += 1
 
-    def detach(self) -> None:
+    def _detach(self) -> None:
         """A Mutex of a shared client closed: the last one out closes the sync connections."""
-        with self.state_lock:
+        with self._state_lock:
             self._attached = max(0, self._attached - 1)
             idle = self._shared and self._attached == 0
         if idle:
@@ -314,7 +314,7 @@ class MutexClient:
             engine.close_connections()
 
     def _busy(self, engine: Engine | AsyncEngine) -> bool:
-        with self.state_lock:
+        with self._state_lock:
             holding = any(group.holds for group in engine.groups.values())
         return holding or engine.has_cleanups()
 
@@ -328,7 +328,7 @@ class MutexClient:
         for lock in self._held_locks():
             with contextlib.suppress(Exception):
                 self._release_for_close(lock)
-        with self.state_lock:
+        with self._state_lock:
             self._closed = True
             engine, self._engine = self._engine, None
         if engine is not None:
@@ -343,7 +343,7 @@ class MutexClient:
         """`close`, from async code: releases through the running loop's engine and closes it."""
         for lock in self._held_locks():
             with contextlib.suppress(Exception):
-                await self.engine_async().run(flows.release(lock, lock.tracing, caller=None))
+                await self._get_engine_async().run(flows.release(lock, lock.tracing, caller=None))
         loop = asyncio.get_running_loop()
         async_engine = self._async_engines.pop(loop, None)
         if async_engine is not None:
@@ -351,11 +351,11 @@ class MutexClient:
         self.close()
 
     def _held_locks(self) -> list[LockState]:
-        with self.state_lock:
+        with self._state_lock:
             return [lock for lock in list(self._locks) if lock.phase is Phase.HOLDING]
 
     def _release_for_close(self, lock: LockState) -> None:
-        if not self.has_sync():
+        if not self._has_sync():
             logger.warning(
                 "lock %r is still held and only an async_pool is available to release it: close the "
                 "client with aclose(); the lock stays until another instance reclaims it after "
@@ -363,7 +363,7 @@ class MutexClient:
                 lock.lock_name,
             )
             return
-        self.engine().run(flows.release(lock, lock.tracing, caller=None))
+        self._get_engine().run(flows.release(lock, lock.tracing, caller=None))
 
     def __enter__(self) -> MutexClient:
         return self
@@ -383,11 +383,11 @@ class MutexClient:
 
     # -- exit and fork ----------------------------------------------------------------
 
-    def release_at_exit(self, budget: float) -> None:
+    def _release_at_exit(self, budget: float) -> None:
         """At interpreter exit: release what is held and delete what may remain, within ``budget`` seconds."""
         if not self._held_locks() and not self._pending_cleanups():
             return
-        if not self.has_sync() or self._closed:
+        if not self._has_sync() or self._closed:
             if any(lock.phase is Phase.HOLDING for lock in list(self._locks)):
                 logger.warning(
                     "locks are still held at exit and only an async_pool is available: they stay until "
@@ -401,24 +401,24 @@ class MutexClient:
             logger.warning("could not release every lock within %.3gs at exit; they stay until reclaimed", budget)
 
     def _pending_cleanups(self) -> bool:
-        with self.state_lock:
+        with self._state_lock:
             engines = self._engines()
             stray = bool(self._stray_cleanups)
         return stray or any(engine.has_cleanups() for engine in engines)
 
-    def exit_budget(self) -> float:
+    def _exit_budget(self) -> float:
         """How long exit may spend on this client's locks: one statement deadline of theirs."""
         timeouts = [lock.timing.operation_timeout for lock in list(self._locks)]
         return max(timeouts) if timeouts else self.operation_timeout
 
     def _finish_at_exit(self) -> None:
-        engine = self.engine()
+        engine = self._get_engine()
         for lock in self._held_locks():
             try:
                 engine.run(flows.release(lock, lock.tracing, caller=None))
             except Exception as exc:
                 logger.warning("releasing lock %r at exit: %s", lock.lock_name, exc)
-        with self.state_lock:
+        with self._state_lock:
             pending = list(self._stray_cleanups)
             self._stray_cleanups.clear()
             async_engines = list(self._async_engines.values())
@@ -430,19 +430,19 @@ class MutexClient:
                 engine.run(flows.clean_up(cleanup))
         engine.close_connections()
 
-    def after_fork_in_child(self) -> None:
+    def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's connections, threads and holds are not ours."""
-        self.state_lock = threading.Lock()
+        self._state_lock = threading.Lock()
         for engine in self._engines():
             _INHERITED.append(engine)
         self._engine = None
         self._async_engines = {}
         self._events = _EventThread(self)
         self._stray_cleanups = []
-        self.pid = os.getpid()
+        self._pid = os.getpid()
         for lock in list(self._locks):
             explicit = lock in self._explicit_ids
-            lock.reset_after_fork(lock.instance_id if explicit else default_instance_id(), self.state_lock)
+            lock.reset_after_fork(lock.instance_id if explicit else default_instance_id(), self._state_lock)
 
 
 class _WrongFlavour(MutexError, ValueError):
@@ -488,7 +488,7 @@ class _EventThread:
             client = self._client()
             if client is None:
                 return
-            deadline = client.earliest_lease()
+            deadline = client._earliest_lease()
             del client
             try:
                 item = self._queue.get(timeout=MAX_SLICE if deadline is None else max(slice_until(deadline), 0.001))
@@ -504,8 +504,8 @@ class _EventThread:
             client = self._client()
             if client is None:
                 return
-            client.expire_leases()
-            holding = client.earliest_lease() is not None
+            client._expire_leases()
+            holding = client._earliest_lease() is not None
             del client
             if holding or not self._queue.empty():
                 idle_since = None
@@ -640,13 +640,13 @@ def _release_all_at_exit() -> None:
     is never held up longer by a database that does not answer.
     """
     for client in list(_CLIENTS):
-        client.release_at_exit(client.exit_budget())
+        client._release_at_exit(client._exit_budget())
 
 
 def _forget_after_fork() -> None:
     _SHARED.reset_after_fork()
     for client in list(_CLIENTS):
-        client.after_fork_in_child()
+        client._after_fork_in_child()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

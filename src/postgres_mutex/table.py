@@ -81,16 +81,16 @@ class LockTable:
         fencing tokens. Raises `SchemaError` if the role may not create it.
         """
         try:
-            return self._client.engine().run(flows.create_table(self._names, self._timeout))
+            return self._client._get_engine().run(flows.create_table(self._names, self._timeout))
         finally:
-            self._client.shapes.pop(self.name, None)
+            self._client._shapes.pop(self.name, None)
 
     async def create_async(self) -> bool:
         """Async `create`."""
         try:
-            return await self._client.engine_async().run(flows.create_table(self._names, self._timeout))
+            return await self._client._get_engine_async().run(flows.create_table(self._names, self._timeout))
         finally:
-            self._client.shapes.pop(self.name, None)
+            self._client._shapes.pop(self.name, None)
 
     def migrate(self) -> bool:
         """Add fencing tokens to a table made without them (the README's DDL, or an earlier release).
@@ -102,25 +102,25 @@ class LockTable:
         migration have no token until they are acquired again.
         """
         try:
-            return self._client.engine().run(flows.migrate(self._names, max(self._timeout, 5.0)))
+            return self._client._get_engine().run(flows.migrate(self._names, max(self._timeout, 5.0)))
         finally:
-            self._client.shapes.pop(self.name, None)
+            self._client._shapes.pop(self.name, None)
 
     async def migrate_async(self) -> bool:
         """Async `migrate`."""
         try:
-            return await self._client.engine_async().run(flows.migrate(self._names, max(self._timeout, 5.0)))
+            return await self._client._get_engine_async().run(flows.migrate(self._names, max(self._timeout, 5.0)))
         finally:
-            self._client.shapes.pop(self.name, None)
+            self._client._shapes.pop(self.name, None)
 
     def has_tokens(self) -> bool:
         """Whether the table has the token column (False also if it does not exist)."""
-        _, tokens = self._client.engine().run(flows.inspect(self._names, self._timeout))
+        _, tokens = self._client._get_engine().run(flows.inspect(self._names, self._timeout))
         return tokens
 
     async def has_tokens_async(self) -> bool:
         """Async `has_tokens`."""
-        _, tokens = await self._client.engine_async().run(flows.inspect(self._names, self._timeout))
+        _, tokens = await self._client._get_engine_async().run(flows.inspect(self._names, self._timeout))
         return tokens
 
     # -- reading -----------------------------------------------------------------------
@@ -138,7 +138,7 @@ class LockTable:
         are judged against the thresholds given (those of the Mutexes, which
         the table does not know).
         """
-        return self._client.engine().run(self._holders(lock_names, alert_threshold, stale_threshold))
+        return self._client._get_engine().run(self._holders(lock_names, alert_threshold, stale_threshold))
 
     async def holders_async(
         self,
@@ -148,7 +148,7 @@ class LockTable:
         stale_threshold: float = 600.0,
     ) -> list[LockObservation]:
         """Async `holders`."""
-        return await self._client.engine_async().run(self._holders(lock_names, alert_threshold, stale_threshold))
+        return await self._client._get_engine_async().run(self._holders(lock_names, alert_threshold, stale_threshold))
 
     def _holders(
         self, lock_names: Iterable[str] | None, alert_threshold: float, stale_threshold: float
@@ -172,12 +172,14 @@ class LockTable:
         fenced transaction to end, up to ``operation_timeout``.
         """
         check_name(lock_name, "lock_name")
-        return _forced(lock_name, self._client.engine().run(flows.force_release(self._names, lock_name, self._timeout)))
+        return _forced(
+            lock_name, self._client._get_engine().run(flows.force_release(self._names, lock_name, self._timeout))
+        )
 
     async def force_release_async(self, lock_name: str) -> ForcedRelease | None:
         """Async `force_release`."""
         check_name(lock_name, "lock_name")
-        found = await self._client.engine_async().run(flows.force_release(self._names, lock_name, self._timeout))
+        found = await self._client._get_engine_async().run(flows.force_release(self._names, lock_name, self._timeout))
         return _forced(lock_name, found)
 
 

@@ -74,7 +74,7 @@ class StaleWatcher:
         self._interval = check_seconds(interval, "interval")
         if client is None:
             client = shared_client(dsn, pool, async_pool)
-            client.attach()
+            client._attach()
             self._owns_attachment = True
         else:
             self._owns_attachment = False
@@ -202,7 +202,7 @@ class StaleWatcher:
         self.stop()
         if self._owns_attachment:
             self._owns_attachment = False
-            self._client.detach()
+            self._client._detach()
 
     async def aclose(self) -> None:
         """Async `close`."""
