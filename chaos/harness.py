@@ -46,6 +46,8 @@ SCENARIOS = (
     "10. waiter partitioned at release",
     "11. clock skew (+3h / -3h)",
     "12. soak",
+    "13. ledger, holder frozen past stale (fenced)",
+    "13. ledger, holder frozen past stale (unfenced)",
 )
 """Every scenario the report names, in its order; the docs' copy is rewritten only by a run that measured them all."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
@@ -348,6 +348,24 @@ class Mutex:
     async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
         """Async `fence`, on an `AsyncConnection`."""
         return await _engine_async.fence_async(self._lock, conn)
+
+    @contextlib.contextmanager
+    def fenced(self, conn: psycopg.Connection[Any]) -> Iterator[int]:
+        """A transaction on ``conn`` that is fenced first; yields the token.
+
+        ``with mutex.fenced(conn) as token:`` opens a transaction (a savepoint
+        inside one already open), calls `fence`, and commits when the block
+        ends, or rolls back if it raises: writes made in the block land only
+        while this hold is the lock's current one.
+        """
+        with conn.transaction():
+            yield self.fence(conn)
+
+    @contextlib.asynccontextmanager
+    async def fenced_async(self, conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[int]:
+        """Async `fenced`, on an `AsyncConnection`."""
+        async with conn.transaction():
+            yield await self.fence_async(conn)
 
     # -- decorators ----------------------------------------------------------------
 

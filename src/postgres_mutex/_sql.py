@@ -154,7 +154,6 @@ class Statements:
         tokens = shape.tokens
         token_column = sql.SQL(", token") if tokens else sql.SQL("")
         new_token = sql.SQL(", nextval({})").format(names.sequence_text) if tokens else sql.SQL("")
-        returned_token = sql.SQL("existing.token") if tokens else sql.SQL("NULL::bigint")
 
         def statement(what: str, composed: sql.Composable) -> Statement:
             return Statement(_PREFIX + _render(composed), names.table_name, what)
@@ -162,17 +161,18 @@ class Statements:
         # One statement decides everything an acquire needs:
         # - `current` reads the holder and its heartbeat age (for `contended`
         #   and the alert) from the statement's snapshot;
-        # - the INSERT wins if no row exists; ON CONFLICT takes the row over
-        #   only if it is stale, or if it is ours from an earlier statement (a
-        #   reply that was lost, or a restarted process reusing its id). The
-        #   `acquired_at <` keeps a statement of ours that was cut off but still
-        #   ran on the server from overwriting a later hold of ours. The
-        #   conflict check runs on the latest row version under a row lock, so
-        #   two reclaimers can never both win;
-        # - every acquisition takes a new token from the sequence, drawn when
-        #   the row is written, so it is greater than any token issued before;
-        # - `xmax = 0` tells a fresh insert from a takeover. It works on every
-        #   supported PostgreSQL; RETURNING OLD would need 18.
+        # - `inserted` wins if no row exists; a row that exists is left alone,
+        #   unlocked (DO NOTHING), so a contender never waits on a held lock;
+        # - `taken` takes an existing row over only if it is stale, or ours from
+        #   an earlier statement (a reply that was lost, or a restarted process
+        #   reusing its id). Only a row that qualifies in the snapshot is locked;
+        #   the condition is checked again on its latest version under that row
+        #   lock, so two reclaimers can never both win, and a reclaim waits for
+        #   a holder's fenced transaction to end. `acquired_at <` keeps a
+        #   statement of ours that was cut off but still ran on the server from
+        #   overwriting a later hold of ours;
+        # - every acquisition draws a new token from the sequence when it writes
+        #   the row, so it is greater than any token issued before.
         self.acquire = statement(
             "acquire",
             sql.SQL(
@@ -181,20 +181,28 @@ class Statements:
          EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
     FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
-), taken AS (
-  INSERT INTO {table} AS existing (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column})
+), inserted AS (
+  INSERT INTO {table} (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column})
   VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token})
-  ON CONFLICT (locked, lock_name) DO UPDATE
-     SET instance_id = EXCLUDED.instance_id,
-         last_heartbeat = EXCLUDED.last_heartbeat,
-         acquired_at = EXCLUDED.acquired_at{update_token}
-   WHERE (existing.instance_id = EXCLUDED.instance_id AND existing.acquired_at < EXCLUDED.acquired_at)
-      OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s)
-  RETURNING existing.xmax = 0 AS inserted, existing.acquired_at, {returned_token} AS token
+  ON CONFLICT (locked, lock_name) DO NOTHING
+  RETURNING acquired_at, {inserted_token} AS token
+), taken AS (
+  UPDATE {table} AS existing
+     SET instance_id = %(instance_id)s,
+         last_heartbeat = now(),
+         acquired_at = now(){update_token}
+   WHERE existing.locked = 1 AND existing.lock_name = %(lock_name)s
+     AND NOT EXISTS (SELECT 1 FROM inserted)
+     AND ((existing.instance_id = %(instance_id)s AND existing.acquired_at < now())
+          OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s))
+  RETURNING existing.acquired_at, {taken_token} AS token
 )
-SELECT taken.inserted, current.instance_id, current.heartbeat_age, taken.acquired_at, taken.token
+SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
+            WHEN EXISTS (SELECT 1 FROM taken) THEN false END,
+       current.instance_id, current.heartbeat_age,
+       COALESCE((SELECT acquired_at FROM inserted), (SELECT acquired_at FROM taken)),
+       COALESCE((SELECT token FROM inserted), (SELECT token FROM taken))
   FROM (VALUES (1)) AS one (x)
-  LEFT JOIN taken ON true
   LEFT JOIN current ON true"""
             ).format(
                 table=t,
@@ -203,7 +211,8 @@ SELECT taken.inserted, current.instance_id, current.heartbeat_age, taken.acquire
                 update_token=sql.SQL(",\n         token = nextval({})").format(names.sequence_text)
                 if tokens
                 else sql.SQL(""),
-                returned_token=returned_token,
+                inserted_token=sql.SQL("token") if tokens else sql.SQL("NULL::bigint"),
+                taken_token=sql.SQL("existing.token") if tokens else sql.SQL("NULL::bigint"),
             ),
         )
 
