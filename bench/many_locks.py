@@ -21,7 +21,11 @@ connections. Measured:
   time of the worker's server backends (from /proc);
 - memory per held lock: the worker's resident set size (RSS) after taking the
   N locks minus before (after a first lock was taken and released, so
-  connections and threads already exist), divided by N.
+  connections and threads already exist), divided by N;
+- then, no longer idle: a Mutex cycle on one more lock, in that process and
+  through the proxy, again and again for a while: its p50 and p99 say how
+  long the process's other lock operations wait behind the heartbeat
+  statement of N locks on the shared connection.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from postgres_mutex import Mutex
 
 from .processes import workers
 from .proxy import CountingProxy, RoundTrip
-from .timing import median
+from .timing import median, percentile
 
 if TYPE_CHECKING:
     from .worker import Channel
@@ -50,7 +54,9 @@ if TYPE_CHECKING:
 HEARTBEAT = 1.0
 
 
-def run(dsn: str, table: str, locks: int, *, window: float, settle: float, local_server: bool) -> dict[str, Any]:
+def run(
+    dsn: str, table: str, locks: int, *, window: float, settle: float, cycling: float, local_server: bool
+) -> dict[str, Any]:
     params = conninfo_to_dict(dsn)
     host = str(params.get("host") or "127.0.0.1")
     port = int(str(params.get("port") or 5432))
@@ -68,6 +74,8 @@ def run(dsn: str, table: str, locks: int, *, window: float, settle: float, local
             measured = worker.receive(window + 30.0)
             updated1 = _rows_updated(admin, table)
             server_cpu1 = _backend_cpu([pid for pid, _ in backends]) if local_server else None
+            worker.send(cmd="cycle", seconds=cycling)
+            cycled = worker.receive(cycling + 30.0)
             worker.send(cmd="release")
             released = worker.receive(60.0 + locks * 0.05)
         start, end = float(measured["start"]), float(measured["end"])
@@ -102,6 +110,10 @@ def run(dsn: str, table: str, locks: int, *, window: float, settle: float, local
         "rss_after_mib": round(held["rss_after"] / 2**20, 1),
         "memory_per_lock_bytes": round((held["rss_after"] - held["rss_before"]) / locks),
         "still_held": measured["held"],
+        "cycles_while_holding": cycled["cycles"],
+        "cycle_while_holding_p50_ms": round(median(cycled["samples"]) * 1e3, 3),
+        "cycle_while_holding_p99_ms": round(percentile(cycled["samples"], 0.99) * 1e3, 3),
+        "cycle_while_holding_max_ms": round(max(cycled["samples"]) * 1e3, 3),
         "release_all_s": released["release_s"],
     }
 
@@ -151,6 +163,23 @@ def _os_threads() -> int:
     return 0
 
 
+def _cycle_for(seconds: float, dsn: str, table: str, heartbeat: float) -> list[float]:
+    """Durations of back-to-back cycles of one more lock, for ``seconds``."""
+    mutex = Mutex(dsn, "bench-many-cycling", table=table, heartbeat_interval=heartbeat)
+    samples = []
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            started = time.perf_counter()
+            with mutex.acquire() as acquired:
+                if not acquired:
+                    raise RuntimeError(f"{mutex.lock_name} was not acquired")
+            samples.append(time.perf_counter() - started)
+    finally:
+        mutex.close()
+    return samples
+
+
 def work(config: dict[str, Any], channel: Channel) -> None:
     dsn, table, count, heartbeat = config["dsn"], config["table"], int(config["locks"]), float(config["heartbeat"])
     # A first lock taken and released: connections, threads and table shape exist before the baseline.
@@ -188,6 +217,9 @@ def work(config: dict[str, Any], channel: Channel) -> None:
                     os_threads=_os_threads(),
                     held=sum(mutex.held for mutex in mutexes),
                 )
+            elif command["cmd"] == "cycle":
+                samples = _cycle_for(float(command["seconds"]), dsn, table, heartbeat)
+                channel.send(cycles=len(samples), samples=samples)
             elif command["cmd"] == "release":
                 started = time.monotonic()
                 holding.close()

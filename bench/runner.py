@@ -48,11 +48,12 @@ class Plan:
     many_locks: int
     many_window: float
     many_settle: float
+    many_cycling: float
     pgbouncer: Sizes
 
 
 FULL = Plan(
-    latency=Sizes(rounds=20, per_round=100, warmup=50),
+    latency=Sizes(rounds=200, per_round=10, warmup=50),
     handoffs=600,
     contended_processes=4,
     contended_seconds=10.0,
@@ -61,11 +62,12 @@ FULL = Plan(
     many_locks=10_000,
     many_window=10.0,
     many_settle=3.0,
-    pgbouncer=Sizes(rounds=10, per_round=100, warmup=50),
+    many_cycling=5.0,
+    pgbouncer=Sizes(rounds=100, per_round=10, warmup=50),
 )
 
 QUICK = Plan(
-    latency=Sizes(rounds=3, per_round=20, warmup=10),
+    latency=Sizes(rounds=10, per_round=6, warmup=10),
     handoffs=20,
     contended_processes=2,
     contended_seconds=1.5,
@@ -74,7 +76,8 @@ QUICK = Plan(
     many_locks=200,
     many_window=3.0,
     many_settle=1.0,
-    pgbouncer=Sizes(rounds=2, per_round=20, warmup=10),
+    many_cycling=1.0,
+    pgbouncer=Sizes(rounds=6, per_round=6, warmup=10),
 )
 
 
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.many_locks,
             window=plan.many_window,
             settle=plan.many_settle,
+            cycling=plan.many_cycling,
             local_server=target.throwaway,
         )
 

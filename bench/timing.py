@@ -1,9 +1,14 @@
 """Medians, percentiles, and interleaved rounds.
 
 Every latency is timed per operation with `time.perf_counter`. The measures
-of one section run in interleaved rounds (a round of each, in a rotating
-order, again and again) so that load from elsewhere on a shared machine falls
-on all of them alike and their ratios stay fair. Process CPU time
+of one section run in interleaved rounds of a few operations each (a round of
+each, in a rotating order, again and again) so that whatever else happens on
+the machine falls on all of them alike and their ratios stay fair. The rounds
+are short on purpose: a virtual CPU's idle governor (Linux ``haltpoll``)
+adapts within a few hundred operations to how long it has been idle, and a
+round trip costs four times more when a CPU must wake from halt than when it
+is still polling; in long rounds each measure would settle into a state of
+its own. Process CPU time
 (`time.process_time`, every thread of the process) is summed over the same
 operations: what the client itself spent on each.
 """
