@@ -45,6 +45,7 @@ class Plan:
     contended_seconds: float
     ceiling_processes: tuple[int, ...]
     ceiling_seconds: float
+    ceiling_slices: int
     many_locks: int
     many_window: float
     many_settle: float
@@ -59,6 +60,7 @@ FULL = Plan(
     contended_seconds=10.0,
     ceiling_processes=(1, 4),
     ceiling_seconds=5.0,
+    ceiling_slices=5,
     many_locks=10_000,
     many_window=10.0,
     many_settle=3.0,
@@ -73,6 +75,7 @@ QUICK = Plan(
     contended_seconds=1.5,
     ceiling_processes=(2,),
     ceiling_seconds=1.0,
+    ceiling_slices=1,
     many_locks=200,
     many_window=3.0,
     many_settle=1.0,
@@ -129,8 +132,13 @@ def main(argv: list[str] | None = None) -> int:
 
         results["ceiling"] = []
         for processes in plan.ceiling_processes:
-            progress(f"server ceiling, {processes} processes, {plan.ceiling_seconds:g} s per kind")
-            results["ceiling"].append(ceiling.run(target.dsn, table, processes, plan.ceiling_seconds))
+            progress(
+                f"server ceiling, {processes} processes, {plan.ceiling_seconds:g} s per kind "
+                f"in {plan.ceiling_slices} turns"
+            )
+            results["ceiling"].append(
+                ceiling.run(target.dsn, table, processes, plan.ceiling_seconds, slices=plan.ceiling_slices)
+            )
 
         progress(f"many locks: {plan.many_locks} held by one process")
         results["many_locks"] = many_locks.run(
