@@ -1,0 +1,13 @@
+"""What postgres-mutex costs, measured against baselines taken in the same run.
+
+Run ``python -m bench`` from the repository root (``--quick`` for a run of
+seconds, ``--dsn`` for your own server, ``--pgbouncer`` to add PgBouncer);
+docs/performance.md says what each section measures and shows a full run.
+
+Modules are named for what they measure: `latency` (one connection, from
+``SELECT 1`` to a Mutex cycle), `handoff`, `contention` (one lock, several
+processes), `ceiling` (distinct locks), `many_locks` (one process holding
+many), `pgbouncer`. `statements` sends the library's own statements raw,
+`proxy` counts round trips, `processes` and `worker` run the worker
+processes, `report` writes the tables and the JSON.
+"""

@@ -1,0 +1,186 @@
+"""Hand-off latency: from the holder's release to the blocked waiter's acquire returning.
+
+Two worker processes share one lock and swap roles at each hand-off. The
+parent tells the waiter to acquire, waits `SETTLE` seconds so that it is
+surely blocked (its attempt failed and it listens for the release), then
+tells the holder to release. The holder notes `time.monotonic()` just before
+calling release; the waiter notes it just after its acquire returned; every
+process of the machine shares that clock. Only the waiter ever tries to
+acquire, so no hand-off is lost to the releaser taking the lock back: the p99
+is not censored.
+
+Two pairs take turns, in blocks of `BLOCK` hand-offs: Mutexes
+(``acquire(blocking=True)``, woken by the library's listener), and the
+baseline, plain psycopg sending the library's own statements as the library
+sends them, with a LISTEN connection of its own and ``conn.notifies()``
+(`RawWaiter`): what a hand-off costs with the same SQL and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+
+from postgres_mutex import Mutex
+
+from .processes import Worker, workers
+from .statements import client_statement, library_statements, params
+from .timing import median, percentile
+
+if TYPE_CHECKING:
+    from .worker import Channel
+
+SETTLE = 0.02
+"""How long the waiter waits in acquire before the holder releases (seconds)."""
+
+BLOCK = 25
+"""Hand-offs in a row for one pair before the other pair's turn."""
+
+LOCKS = {"mutex": "bench-handoff", "raw": "bench-handoff-raw"}
+
+
+class _Pair:
+    """Two workers handing one lock back and forth."""
+
+    def __init__(self, first: Worker, second: Worker) -> None:
+        first.send(cmd="acquire")
+        first.receive(10)  # waiting
+        first.receive(10)  # acquired
+        self.holder, self.waiter = first, second
+        self.latencies: list[float] = []
+        self.release_calls: list[float] = []
+
+    def hand_off(self) -> None:
+        self.waiter.send(cmd="acquire")
+        self.waiter.receive(10)  # waiting
+        time.sleep(SETTLE)
+        self.holder.send(cmd="release")
+        released = self.holder.receive(10)
+        acquired = self.waiter.receive(10)
+        self.latencies.append(float(acquired["acquired"]) - float(released["released"]))
+        self.release_calls.append(float(released["done"]) - float(released["released"]))
+        self.holder, self.waiter = self.waiter, self.holder
+
+    def finish(self) -> None:
+        self.holder.send(cmd="release")
+        self.holder.receive(10)
+
+    def figures(self) -> dict[str, Any]:
+        latencies = self.latencies
+        return {
+            "handoffs": len(latencies),
+            "p50_ms": round(median(latencies) * 1e3, 3),
+            "p99_ms": round(percentile(latencies, 0.99) * 1e3, 3),
+            "max_ms": round(max(latencies) * 1e3, 3),
+            "release_call_p50_ms": round(median(self.release_calls) * 1e3, 3),
+            # A waiter that returned before the holder began its release: two holders at once.
+            "acquired_before_release": sum(1 for value in latencies if value < 0),
+        }
+
+
+def run(dsn: str, table: str, handoffs: int, *, max_seconds: float) -> dict[str, Any]:
+    configs = [{"dsn": dsn, "table": table, "flavour": flavour} for flavour in ("mutex", "mutex", "raw", "raw")]
+    with workers("handoff", configs) as started:
+        pairs = {"mutex": _Pair(started[0], started[1]), "raw": _Pair(started[2], started[3])}
+        deadline = time.monotonic() + max_seconds
+        while min(len(pair.latencies) for pair in pairs.values()) < handoffs and time.monotonic() < deadline:
+            for pair in pairs.values():
+                for _ in range(min(BLOCK, handoffs - len(pair.latencies))):
+                    pair.hand_off()
+        for pair in pairs.values():
+            pair.finish()
+    mutex, raw = pairs["mutex"].figures(), pairs["raw"].figures()
+    return {
+        "settle_s": SETTLE,
+        **mutex,
+        "raw": raw,
+        "p50_to_raw": round(mutex["p50_ms"] / raw["p50_ms"], 3),
+        "p99_to_raw": round(mutex["p99_ms"] / raw["p99_ms"], 3),
+    }
+
+
+def work(config: dict[str, Any], channel: Channel) -> None:
+    waiter: _MutexWaiter | RawWaiter
+    if config["flavour"] == "mutex":
+        waiter = _MutexWaiter(config["dsn"], config["table"])
+    else:
+        waiter = RawWaiter(config["dsn"], config["table"])
+    channel.send(ready=True)
+    try:
+        while True:
+            command = channel.receive()["cmd"]
+            if command == "acquire":
+                channel.send(waiting=time.monotonic())
+                waiter.acquire()
+                channel.send(acquired=time.monotonic())
+            elif command == "release":
+                released = time.monotonic()
+                waiter.release()
+                channel.send(released=released, done=time.monotonic())
+    finally:
+        waiter.close()
+
+
+class _MutexWaiter:
+    def __init__(self, dsn: str, table: str) -> None:
+        self._mutex = Mutex(dsn, LOCKS["mutex"], table=table)
+        self._holding = contextlib.ExitStack()
+
+    def acquire(self) -> None:
+        self._holding.enter_context(self._mutex.acquire(blocking=True, timeout=30))
+
+    def release(self) -> None:
+        self._holding.close()
+
+    def close(self) -> None:
+        self._holding.close()
+        self._mutex.close()
+
+
+class RawWaiter:
+    """The library's statements as it sends them, on plain psycopg, woken by a LISTEN of its own.
+
+    The LISTEN is issued once, at the start, on a second connection; a
+    notification of this process's own earlier release may wake it once for
+    nothing, before the settle period ends.
+    """
+
+    def __init__(self, dsn: str, table: str) -> None:
+        self._texts = library_statements(table, LOCKS["raw"])
+        self._params = params(self._texts, LOCKS["raw"], f"bench-raw-{os.getpid()}", prefixed=True)
+        self._conn = psycopg.connect(dsn, autocommit=True)
+        self._listener = psycopg.connect(dsn, autocommit=True)
+        self._listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._texts.channel)))
+        self._acquired_at: datetime | None = None
+
+    def acquire(self) -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            row = client_statement(self._conn, self._texts.acquire_prefixed, self._params)
+            if row is not None and row[0]:
+                self._acquired_at = row[3]
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the raw waiter did not get the lock within 30 s")
+            for _ in self._listener.notifies(timeout=min(left, 0.5), stop_after=1):
+                pass
+
+    def release(self) -> None:
+        assert self._acquired_at is not None
+        row = client_statement(
+            self._conn, self._texts.release_prefixed, {**self._params, "acquired_at": self._acquired_at}
+        )
+        if row is None:
+            raise RuntimeError("the raw release deleted nothing")
+        self._acquired_at = None
+
+    def close(self) -> None:
+        self._conn.close()
+        self._listener.close()

@@ -1,0 +1,119 @@
+"""One client, one connection: what each operation costs, from `SELECT 1` to a Mutex cycle.
+
+Every measure runs on this process against the same server, in interleaved
+rounds (`bench.timing.interleave`), and is reported as a median with its ratio
+to `SELECT 1` measured in the same rounds:
+
+- ``select_1``: ``SELECT 1`` on a plain autocommit psycopg connection;
+- ``advisory``: ``pg_try_advisory_lock`` + ``pg_advisory_unlock`` (two statements);
+- ``insert_delete``: a plain INSERT of a lock row + its DELETE on the bench's
+  table (two statements): the floor under any lock kept as a row;
+- ``raw_bare``: the library's acquire and release statements without their
+  settings prefix, with psycopg's defaults (server-side binding, prepared
+  after five executions): the baseline of the 1.3x target;
+- ``raw_bare_unprepared``: the same, never prepared (as behind PgBouncer);
+- ``raw_prefixed``: the library's exact texts (``SET LOCAL`` prefix) on a
+  `psycopg.ClientCursor`, as the library sends them;
+- ``mutex_sync``: ``with mutex.acquire() as acquired`` (non-blocking, uncontended);
+- ``raw_bare_async``, ``raw_bare_unprepared_async``, ``raw_prefixed_async``,
+  ``mutex_async``: the same on an
+  `AsyncConnection` and ``async with mutex.acquire_async(blocking=False)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from postgres_mutex import Mutex
+
+from .statements import AsyncRawCycle, RawCycle, insert_delete
+from .timing import Measure, Timed, interleave
+
+APPLICATION_NAME = "postgres-mutex-bench"
+ADVISORY_KEY = 7_305_511
+
+
+@dataclass(frozen=True)
+class Sizes:
+    rounds: int
+    per_round: int
+    warmup: int
+
+
+def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
+    conn = psycopg.connect(dsn, autocommit=True, application_name=APPLICATION_NAME)
+    runner = asyncio.Runner()
+    sync_mutex = Mutex(dsn, "bench-cycle-sync", table=table)
+    async_mutex = Mutex(dsn, "bench-cycle-async", table=table)
+    try:
+        aconn = runner.run(psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name=APPLICATION_NAME))
+        measures = [
+            Measure("select_1", lambda: conn.execute("SELECT 1").fetchone()),
+            Measure("advisory", _advisory(conn)),
+            Measure("insert_delete", _insert_delete(conn, table)),
+            Measure("raw_bare", RawCycle(conn, table, "bench-raw-bare", prefixed=False)),
+            Measure(
+                "raw_bare_unprepared", RawCycle(conn, table, "bench-raw-unprepared", prefixed=False, prepare=False)
+            ),
+            Measure("raw_prefixed", RawCycle(conn, table, "bench-raw-prefixed", prefixed=True)),
+            Measure("mutex_sync", _cycle(sync_mutex)),
+            Measure("raw_bare_async", aop=AsyncRawCycle(aconn, table, "bench-araw-bare", prefixed=False)),
+            Measure(
+                "raw_bare_unprepared_async",
+                aop=AsyncRawCycle(aconn, table, "bench-araw-unprepared", prefixed=False, prepare=False),
+            ),
+            Measure("raw_prefixed_async", aop=AsyncRawCycle(aconn, table, "bench-araw-prefixed", prefixed=True)),
+            Measure("mutex_async", aop=_acycle(async_mutex)),
+        ]
+        interleave(measures, rounds=sizes.rounds, per_round=sizes.per_round, warmup=sizes.warmup, runner=runner)
+        runner.run(aconn.close())
+        return {measure.name: measure.timed for measure in measures}
+    finally:
+        sync_mutex.close()
+        runner.run(async_mutex.aclose())
+        runner.run(sync_mutex.client.aclose())
+        runner.close()
+        conn.close()
+
+
+def _advisory(conn: psycopg.Connection[Any]) -> Any:
+    def cycle() -> None:
+        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (ADVISORY_KEY,)).fetchone()
+        if row is None or not row[0]:
+            raise RuntimeError("pg_try_advisory_lock did not lock")
+        conn.execute("SELECT pg_advisory_unlock(%s)", (ADVISORY_KEY,)).fetchone()
+
+    return cycle
+
+
+def _insert_delete(conn: psycopg.Connection[Any], table: str) -> Any:
+    insert, delete = insert_delete(table)
+
+    def cycle() -> None:
+        conn.execute(insert, ("bench-insert-delete", "bench-insert-delete-instance"))
+        if conn.execute(delete, ("bench-insert-delete",)).rowcount != 1:
+            raise RuntimeError("the DELETE deleted nothing")
+
+    return cycle
+
+
+def _cycle(mutex: Mutex) -> Any:
+    def cycle() -> None:
+        with mutex.acquire() as acquired:
+            if not acquired:
+                raise RuntimeError(f"{mutex.lock_name} was not acquired")
+
+    return cycle
+
+
+def _acycle(mutex: Mutex) -> Any:
+    async def cycle() -> None:
+        async with mutex.acquire_async(blocking=False) as acquired:
+            if not acquired:
+                raise RuntimeError(f"{mutex.lock_name} was not acquired")
+
+    return cycle

@@ -1,0 +1,309 @@
+"""The bench's results as JSON, and as tables: plain on stdout, with section markers for the docs.
+
+The markdown file has one section per measure, between
+``<!-- --8<-- [start:NAME] -->`` and ``<!-- --8<-- [end:NAME] -->``, so the
+performance page can put each table under its explanation
+(``--8<-- "docs/figures/bench.md:NAME"``). Every figure printed comes from
+the results of the run being reported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SECTIONS = ("meta", "latency", "target", "handoff", "contended", "ceiling", "many_locks", "pgbouncer")
+"""Every section the JSON has, in order (a skipped one says why)."""
+
+TARGET = 1.3
+"""The issue's target: a Mutex cycle at most this many times its two statements sent bare."""
+
+LATENCY_LABELS = {
+    "select_1": "`SELECT 1`",
+    "advisory": "`pg_try_advisory_lock` + `pg_advisory_unlock`",
+    "insert_delete": "plain INSERT + DELETE of a lock row (the floor)",
+    "raw_bare": "library's acquire + release, bare, psycopg defaults (prepared after 5 runs)",
+    "raw_bare_unprepared": "library's acquire + release, bare, never prepared",
+    "raw_prefixed": "library's acquire + release as it sends them (`SET LOCAL` prefix, `ClientCursor`)",
+    "mutex_sync": "**Mutex cycle, sync**: `with mutex.acquire()`",
+    "raw_bare_async": "async: acquire + release, bare, psycopg defaults",
+    "raw_bare_unprepared_async": "async: acquire + release, bare, never prepared",
+    "raw_prefixed_async": "async: acquire + release as the library sends them",
+    "mutex_async": "**Mutex cycle, async**: `async with mutex.acquire_async(blocking=False)`",
+}
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.3f} ms" if value < 10 else f"{value:.1f} ms"
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def target(latency: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The Mutex cycle over its statements sent raw, sync and async; ``met`` against the bare baseline."""
+    out: dict[str, Any] = {"target": TARGET}
+    for flavour, suffix in (("sync", ""), ("async", "_async")):
+        mutex = latency[f"mutex_{flavour}"]["median_ms"]
+        ratios = {
+            "bare_prepared": mutex / latency[f"raw_bare{suffix}"]["median_ms"],
+            "bare_unprepared": mutex / latency[f"raw_bare_unprepared{suffix}"]["median_ms"],
+            "prefixed": mutex / latency[f"raw_prefixed{suffix}"]["median_ms"],
+        }
+        out[flavour] = {
+            "mutex_ms": mutex,
+            **{f"to_{key}": round(value, 3) for key, value in ratios.items()},
+            "met": ratios["bare_prepared"] <= TARGET,
+            "met_unprepared": ratios["bare_unprepared"] <= TARGET,
+        }
+    return out
+
+
+def sections(results: dict[str, Any]) -> dict[str, list[str]]:
+    """Markdown lines per section name."""
+    out: dict[str, list[str]] = {}
+    meta = results["meta"]
+    out["meta"] = [
+        f"Measured {meta['date']} on {meta['cpu']} ({meta['cpus']} CPUs), {meta['os']}; Python {meta['python']}, "
+        f"psycopg {meta['psycopg']}, postgres-mutex {meta['library']} ({meta['commit']}); PostgreSQL "
+        f"{meta['server_version']} ({meta['server']}). `{meta['command']}`, {meta['seconds']:.0f} s"
+        f"{' (quick: small sizes, figures are rough)' if meta['quick'] else ''}."
+    ]
+
+    latency = results["latency"]
+    rows = []
+    for name, label in LATENCY_LABELS.items():
+        figures = latency[name]
+        rows.append(
+            [
+                label,
+                _ms(figures["median_ms"]),
+                _ms(figures["p99_ms"]),
+                _x(figures["ratio_to_select_1"]),
+                f"{figures['client_cpu_us']:.0f} µs",
+            ]
+        )
+    n = latency["select_1"]["n"]
+    out["latency"] = [
+        f"One connection each, {n} operations per row, interleaved rounds after a warm-up.",
+        "",
+        *_table(["operation", "median", "p99", "ratio to `SELECT 1`", "client CPU / op"], rows),
+    ]
+
+    goal = results["target"]
+    rows = []
+    for flavour in ("sync", "async"):
+        figures = goal[flavour]
+        verdict = "met" if figures["met"] else "**not met**"
+        rows.append(
+            [
+                flavour,
+                _ms(figures["mutex_ms"]),
+                f"{_x(figures['to_bare_prepared'])}: {verdict}",
+                _x(figures["to_bare_unprepared"]),
+                _x(figures["to_prefixed"]),
+            ]
+        )
+    out["target"] = _table(
+        [
+            "Mutex cycle",
+            "median",
+            f"ratio to bare, psycopg defaults (target ≤ {goal['target']}x)",
+            "ratio to bare, never prepared",
+            "ratio to as the library sends them",
+        ],
+        rows,
+    )
+
+    handoff = results["handoff"]
+    select_1 = latency["select_1"]["median_ms"]
+    rows = []
+    for label, figures, ratio in (
+        ("Mutex: `acquire(blocking=True)`, woken by the library's listener", handoff, handoff),
+        ("baseline: the same statements on plain psycopg, woken by its own LISTEN", handoff["raw"], None),
+    ):
+        rows.append(
+            [
+                label,
+                str(figures["handoffs"]),
+                _ms(figures["p50_ms"]),
+                _ms(figures["p99_ms"]),
+                _ms(figures["max_ms"]),
+                "1 (baseline)" if ratio is None else f"{_x(ratio['p50_to_raw'])} / {_x(ratio['p99_to_raw'])}",
+                _x(figures["p50_ms"] / select_1),
+                str(figures["acquired_before_release"]),
+            ]
+        )
+    out["handoff"] = _table(
+        [
+            "hand-off",
+            "count",
+            "p50",
+            "p99",
+            "max",
+            "ratio to baseline (p50 / p99)",
+            "p50, ratio to `SELECT 1`",
+            "acquired before the release began",
+        ],
+        rows,
+    )
+
+    contended = results["contended"]
+    out["contended"] = _table(
+        ["processes", "hold", "cycles/s", "ideal 1 / (hold + floor)", "of ideal", "share per process", "overlaps"],
+        [
+            [
+                str(contended["processes"]),
+                f"{contended['hold_ms']:g} ms (measured {contended['hold_measured_ms']} ms)",
+                _number(contended["cycles_per_s"]),
+                f"{_number(contended['ideal_per_s'])} (floor {_ms(contended['floor_ms'])})",
+                f"{contended['of_ideal'] * 100:.0f} %",
+                f"{contended['share_min'] * 100:.0f} to {contended['share_max'] * 100:.0f} %",
+                str(contended["overlaps"]),
+            ]
+        ],
+    )
+
+    rows = []
+    for run in results["ceiling"]:
+        rows.append(
+            [
+                str(run["processes"]),
+                _number(run["advisory"]["per_s"]),
+                _number(run["insert_delete"]["per_s"]),
+                _number(run["mutex"]["per_s"]),
+                _x(run["mutex_to_advisory"]),
+                " / ".join(
+                    f"{run[kind]['client_cpu_us_per_cycle']:.0f}" for kind in ("advisory", "insert_delete", "mutex")
+                )
+                + " µs",
+            ]
+        )
+    out["ceiling"] = _table(
+        [
+            "processes",
+            "advisory lock + unlock /s",
+            "INSERT + DELETE /s",
+            "Mutex acquire + release /s",
+            "Mutex, ratio to advisory",
+            "client CPU per cycle (advisory / INSERT+DELETE / Mutex)",
+        ],
+        rows,
+    )
+
+    many = results["many_locks"]
+    server_cpu = many["server_cpu_percent"]
+    names = ", ".join(f"`{name}`" for name in many["thread_names"])
+    out["many_locks"] = _table(
+        ["one process holding", f"{many['locks']:,} locks, heartbeat {many['heartbeat_interval_s']:g} s"],
+        [
+            ["server connections (`pg_stat_activity`)", str(many["server_connections"])],
+            ["connections opened over the process's life", str(many["connections_opened"])],
+            ["threads (`threading.active_count()`)", f"{many['threads']}: {names}"],
+            [
+                "heartbeat statements per interval (round trips counted by a proxy)",
+                f"{many['heartbeat_statements_per_interval']:.2f} ({many['heartbeat_statements']} in "
+                f"{many['window_intervals']:g} intervals)",
+            ],
+            [
+                "heartbeat period (median time from one heartbeat statement to the next)",
+                "n/a" if many["heartbeat_period_s"] is None else f"{many['heartbeat_period_s']:.3f} s",
+            ],
+            [
+                "one heartbeat statement: round trip, size sent",
+                f"{_ms(many['heartbeat_statement_ms'])}, {many['heartbeat_statement_bytes'] / 1024:,.1f} KiB",
+            ],
+            [
+                "rows renewed per lock per interval (`n_tup_upd`, approximate: flushed about once a second)",
+                f"{many['rows_updated_per_lock_per_interval']:.2f}",
+            ],
+            ["idle CPU of the process (CPU time / wall time)", f"{many['idle_cpu_percent']:.2f} % of one core"],
+            [
+                "idle CPU of its server backends",
+                "n/a (server not local)" if server_cpu is None else f"{server_cpu:.2f} % of one core",
+            ],
+            [
+                "memory per held lock (RSS delta / locks)",
+                f"{many['memory_per_lock_bytes'] / 1024:.1f} KiB "
+                f"(RSS {many['rss_before_mib']} MiB before, {many['rss_after_mib']} MiB after)",
+            ],
+            ["time to take them all, one by one (through the proxy)", f"{many['acquire_all_s']:.2f} s"],
+            ["time to release them all", f"{many['release_all_s']:.2f} s"],
+            ["still held at the end of the window", f"{many['still_held']:,}"],
+            [
+                "then a Mutex cycle of one more lock in that process (through the proxy): p50 / p99 / p99.9 / max",
+                f"{_ms(many['cycle_while_holding_p50_ms'])} / {_ms(many['cycle_while_holding_p99_ms'])} / "
+                f"{_ms(many['cycle_while_holding_p999_ms'])} / {_ms(many['cycle_while_holding_max_ms'])} "
+                f"({many['cycles_while_holding']:,} cycles; p50 "
+                f"{_x(many['cycle_while_holding_p50_ms'] / latency['mutex_sync']['median_ms'])} the Mutex cycle "
+                "above)",
+            ],
+        ],
+    )
+
+    bouncer = results["pgbouncer"]
+    if "skipped" in bouncer:
+        out["pgbouncer"] = [f"Not measured: {bouncer['skipped']}."]
+    else:
+        rows = []
+        labels = {
+            "select_1": "`SELECT 1`",
+            "raw_prefixed": "library's acquire + release as it sends them",
+            "mutex_sync": "**Mutex cycle, sync** (dsn mode)",
+        }
+        for name, label in labels.items():
+            direct, through = bouncer["direct"][name], bouncer["pgbouncer"][name]
+            rows.append(
+                [
+                    label,
+                    _ms(direct["median_ms"]),
+                    _ms(through["median_ms"]),
+                    _x(through["median_ms"] / direct["median_ms"]),
+                    _x(through["median_ms"] / bouncer["direct"]["select_1"]["median_ms"]),
+                ]
+            )
+        out["pgbouncer"] = [
+            f"PgBouncer {bouncer['version']}, `pool_mode = transaction`, `default_pool_size = "
+            f"{bouncer['pool_size']}`; nothing prepared; {bouncer['direct']['select_1']['n']} operations per row.",
+            "",
+            *_table(
+                ["operation", "direct", "through PgBouncer", "ratio to direct", "ratio to `SELECT 1` direct"], rows
+            ),
+        ]
+    return out
+
+
+def markdown(results: dict[str, Any], *, markers: bool) -> str:
+    titles = {
+        "meta": None,
+        "latency": "Latency, one client",
+        "target": "Target: the Mutex cycle against its own statements sent raw",
+        "handoff": "Hand-off latency (release to the blocked waiter's acquire)",
+        "contended": "Contended throughput (one lock)",
+        "ceiling": "Server ceiling (distinct locks)",
+        "many_locks": "Many locks in one process",
+        "pgbouncer": "Through PgBouncer",
+    }
+    lines: list[str] = []
+    for name, body in sections(results).items():
+        if titles[name]:
+            lines += [f"## {titles[name]}", ""]
+        if markers:
+            lines.append(f"<!-- --8<-- [start:{name}] -->")
+        lines += body
+        if markers:
+            lines.append(f"<!-- --8<-- [end:{name}] -->")
+        lines.append("")
+    return "\n".join(lines)

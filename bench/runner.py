@@ -1,0 +1,233 @@
+"""``python -m bench``: measure what postgres-mutex costs, print a table, write JSON and markdown.
+
+Every figure printed is measured in the run that prints it; timings are
+medians (and p99 where it matters), each with its ratio to a baseline measured
+in the same run. See docs/performance.md for what each section measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+import postgres_mutex
+
+from . import ceiling, contention, handoff, latency, many_locks, pgbouncer, report
+from .latency import Sizes
+from .servers import bench_table
+from .servers import pgbouncer as start_pgbouncer
+from .servers import server as start_server
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results"
+DOCS_FIGURES = ROOT / "docs" / "figures" / "bench.md"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How big each measure is."""
+
+    latency: Sizes
+    handoffs: int
+    contended_processes: int
+    contended_seconds: float
+    ceiling_processes: tuple[int, ...]
+    ceiling_seconds: float
+    ceiling_slices: int
+    many_locks: int
+    many_window: float
+    many_settle: float
+    many_cycling: float
+    pgbouncer: Sizes
+
+
+FULL = Plan(
+    latency=Sizes(rounds=200, per_round=10, warmup=50),
+    handoffs=600,
+    contended_processes=4,
+    contended_seconds=10.0,
+    ceiling_processes=(1, 4),
+    ceiling_seconds=5.0,
+    ceiling_slices=5,
+    many_locks=10_000,
+    many_window=10.0,
+    many_settle=3.0,
+    many_cycling=5.0,
+    pgbouncer=Sizes(rounds=100, per_round=10, warmup=50),
+)
+
+QUICK = Plan(
+    latency=Sizes(rounds=10, per_round=6, warmup=10),
+    handoffs=20,
+    contended_processes=2,
+    contended_seconds=1.5,
+    ceiling_processes=(2,),
+    ceiling_seconds=1.0,
+    ceiling_slices=1,
+    many_locks=200,
+    many_window=3.0,
+    many_settle=1.0,
+    many_cycling=1.0,
+    pgbouncer=Sizes(rounds=6, per_round=6, warmup=10),
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Measure what postgres-mutex costs against baselines measured in the same run.",
+    )
+    parser.add_argument("--dsn", help="the PostgreSQL to measure on (default: a throwaway server of its own)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: seconds, rough figures (as CI runs it)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"where to write bench.json and bench.md (default: {DEFAULT_OUT.relative_to(ROOT)}; a full run "
+        f"there also rewrites {DOCS_FIGURES.relative_to(ROOT)})",
+    )
+    parser.add_argument(
+        "--pgbouncer", action="store_true", help="also the sync cycle through PgBouncer (Debian's pgbouncer)"
+    )
+    return parser.parse_args(argv)
+
+
+def progress(text: str) -> None:
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    with start_server(args.dsn) as target, bench_table(target.dsn) as table:
+        progress(f"PostgreSQL {target.version} ({target.settings})")
+        results["meta"] = _meta(args, target.version, target.settings)
+
+        progress("latency, one connection")
+        timed = latency.run(target.dsn, table, plan.latency)
+        select_1 = timed["select_1"].median
+        results["latency"] = {name: value.summary(select_1) for name, value in timed.items()}
+        results["target"] = report.target(results["latency"])
+
+        progress(f"hand-off, {plan.handoffs} times")
+        results["handoff"] = handoff.run(target.dsn, table, plan.handoffs, max_seconds=60 + plan.handoffs * 0.2)
+
+        progress(f"contended throughput, {plan.contended_processes} processes, {plan.contended_seconds:g} s")
+        results["contended"] = contention.run(
+            target.dsn, table, plan.contended_processes, plan.contended_seconds, timed["insert_delete"].median
+        )
+
+        results["ceiling"] = []
+        for processes in plan.ceiling_processes:
+            progress(
+                f"server ceiling, {processes} processes, {plan.ceiling_seconds:g} s per kind "
+                f"in {plan.ceiling_slices} turns"
+            )
+            results["ceiling"].append(
+                ceiling.run(target.dsn, table, processes, plan.ceiling_seconds, slices=plan.ceiling_slices)
+            )
+
+        progress(f"many locks: {plan.many_locks} held by one process")
+        results["many_locks"] = many_locks.run(
+            target.dsn,
+            table,
+            plan.many_locks,
+            window=plan.many_window,
+            settle=plan.many_settle,
+            cycling=plan.many_cycling,
+            local_server=target.throwaway,
+        )
+
+        if args.pgbouncer:
+            progress("through PgBouncer (transaction mode) and direct")
+            with start_pgbouncer(target.dsn, pool_size=pgbouncer.POOL_SIZE) as through:
+                routes = pgbouncer.run(target.dsn, through, table, plan.pgbouncer)
+            results["pgbouncer"] = {
+                "version": _pgbouncer_version(),
+                "pool_mode": "transaction",
+                "pool_size": pgbouncer.POOL_SIZE,
+                **{route: {name: value.summary() for name, value in timed.items()} for route, timed in routes.items()},
+            }
+        else:
+            results["pgbouncer"] = {"skipped": "run with --pgbouncer to measure it"}
+    results["meta"]["seconds"] = round(time.monotonic() - started, 1)
+
+    out = args.out or DEFAULT_OUT
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    figures = report.markdown(results, markers=True)
+    (out / "bench.md").write_text(figures)
+    written = [out / "bench.json", out / "bench.md"]
+    if args.out is None and not args.quick:
+        DOCS_FIGURES.write_text(figures)
+        written.append(DOCS_FIGURES)
+    print(report.markdown(results, markers=False))
+    progress("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def _meta(args: argparse.Namespace, server_version: str, settings: str) -> dict[str, Any]:
+    command = ["python", "-m", "bench"]
+    command += ["--dsn", "..."] if args.dsn else []
+    command += ["--quick"] if args.quick else []
+    command += ["--pgbouncer"] if args.pgbouncer else []
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "psycopg": psycopg.__version__,
+        "library": postgres_mutex.__version__,
+        "commit": _commit(),
+        "server_version": server_version,
+        "server": settings,
+        "command": shlex.join(command),
+        "quick": bool(args.quick),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _commit() -> str:
+    try:
+        found = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except OSError:
+        return "unknown commit"
+    return found.stdout.strip() or "unknown commit"
+
+
+def _pgbouncer_version() -> str:
+    try:
+        found = subprocess.run(["pgbouncer", "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except OSError:
+        return "unknown"
+    first = (found.stdout or found.stderr).splitlines()
+    return first[0].split()[-1] if first else "unknown"
