@@ -465,7 +465,7 @@ def test_which_statements_wait_for_a_transaction_holding_the_lock_row(
         "VALUES (%s, 'holder', now() - interval '1 hour', now() - interval '1 hour')",
         (lock_name,),
     )
-    row = admin.execute("SELECT acquired_at FROM mutex_lock WHERE lock_name = %s", (lock_name,)).fetchone()
+    row = admin.execute("SELECT acquired_at, token FROM mutex_lock WHERE lock_name = %s", (lock_name,)).fetchone()
     assert row is not None
 
     def passes(text: str, params: dict[str, Any]) -> bool:
@@ -486,12 +486,8 @@ def test_which_statements_wait_for_a_transaction_holding_the_lock_row(
         assert passes("DELETE FROM mutex_lock WHERE lock_name = %(lock_name)s", {"lock_name": lock_name}) is (
             delete_passes
         )
-        heartbeat = {
-            "lock_names": [lock_name],
-            "instance_ids": ["holder"],
-            "acquired_ats": [row[0]],
-            "lock_timeout_ms": 100,
-        }
-        assert passes(statements.heartbeat_waiting.text, heartbeat) is heartbeat_passes
+        heartbeat = {"tokens": [row[1]], "lock_timeout_ms": 100}
+        assert statements.heartbeat_by_token is not None
+        assert passes(statements.heartbeat_by_token[1].text, heartbeat) is heartbeat_passes
         fencer.rollback()
     admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))

@@ -94,9 +94,9 @@ def contended_row(holder: str = "other") -> Result:
     return Result(1, ((None, holder, 0.1, None, None),))
 
 
-def held(state: LockState) -> Hold:
+def held(state: LockState, token: int = 7) -> Hold:
     state.begin_acquire()
-    return state.won(acquired_at=STAMP, token=7, sent_at=now(), owner=ME, span_context=None)
+    return state.won(acquired_at=STAMP, token=token, sent_at=now(), owner=ME, span_context=None)
 
 
 @pytest.mark.parametrize(
@@ -225,14 +225,14 @@ def test_a_release_from_another_thread_is_recorded_for_the_holding_block() -> No
 
 def test_one_heartbeat_statement_decides_hold_by_hold() -> None:
     kept, gone = lock("kept", "a"), lock("gone", "b")
-    holds = [held(kept), held(gone)]
+    holds = [held(kept, token=11), held(gone, token=12)]
     flow = heartbeat(holds, STATEMENTS, TRACING, 1.0)
     beat = step(flow)
     assert isinstance(beat, Execute)
     assert beat.urgent, "heartbeats go before other statements"
-    assert beat.params["lock_names"] == ["kept", "gone"]
+    assert beat.params["tokens"] == [11, 12], "each hold named by its token"
     with pytest.raises(StopIteration) as done:
-        step(flow, Result(2, (("kept", "a", True, True), ("gone", "b", False, False)), now()))
+        step(flow, Result(2, ((11, True, True), (12, False, False)), now()))
     outcome = done.value.value
     assert outcome.renewed == [holds[0]]
     assert [hold for hold, _ in outcome.lost] == [holds[1]]
@@ -244,19 +244,34 @@ def test_one_heartbeat_statement_decides_hold_by_hold() -> None:
 
 def test_a_row_locked_by_another_session_is_waited_for_briefly_then_busy_not_lost() -> None:
     state, other = lock(), lock("other", "b")
-    holds = [held(state), held(other)]
+    holds = [held(state, token=21), held(other, token=22)]
     flow = heartbeat(holds, STATEMENTS, TRACING, 1.0)
-    assert step(flow).statement is STATEMENTS.heartbeat
-    again = step(flow, Result(2, (("job", "me", False, True), ("other", "b", True, True)), now()))
+    assert STATEMENTS.heartbeat_by_token is not None
+    renew, renew_waiting = STATEMENTS.heartbeat_by_token
+    assert step(flow).statement is renew
+    again = step(flow, Result(2, ((21, False, True), (22, True, True)), now()))
     assert isinstance(again, Execute)
-    assert again.statement is STATEMENTS.heartbeat_waiting, "the skipped row gets a second, waiting try"
-    assert again.params["lock_names"] == ["job"], "only the skipped one"
+    assert again.statement is renew_waiting, "the skipped row gets a second, waiting try"
+    assert again.params["tokens"] == [21], "only the skipped one"
     with pytest.raises(StopIteration) as done:
-        step(flow, Result(1, (("job", "me", False, True),), now()))
+        step(flow, Result(1, ((21, False, True),), now()))
     outcome = done.value.value
     assert outcome.busy == [holds[0]]
     assert outcome.renewed == [holds[1]]
     assert state.held, "retried soon; lost only if its lease runs out"
+
+
+def test_a_hold_acquired_before_the_table_had_tokens_is_renewed_by_its_stamp() -> None:
+    state = lock()
+    state.begin_acquire()
+    hold = state.won(acquired_at=STAMP, token=None, sent_at=now(), owner=ME, span_context=None)
+    flow = heartbeat([hold], STATEMENTS, TRACING, 1.0)
+    beat = step(flow)
+    assert beat.statement is STATEMENTS.heartbeat
+    assert beat.params["acquired_ats"] == [STAMP]
+    with pytest.raises(StopIteration) as done:
+        step(flow, Result(1, (("job", "me", STAMP, True, True),), now()))
+    assert done.value.value.renewed == [hold]
 
 
 def test_a_failed_heartbeat_renews_nothing_and_loses_nothing() -> None:

@@ -316,7 +316,8 @@ class Engine:
             self.client._post(_failed(holds, error))
             return
         group.quiet_retry = False
-        group.next_beat = now() - beat.latency + group.interval
+        # From when the statement was sent: the interval is kept whatever the statement took.
+        group.next_beat = beat.sent_at + group.interval
         if beat.busy:
             group.next_beat = min(group.next_beat, now() + retry_pause(group.interval))
             self.client._post(_failed(beat.busy, None))

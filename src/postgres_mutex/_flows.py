@@ -484,6 +484,8 @@ class Beat:
     latency: float
     error: DatabaseError | None = None
     """The statement failed: nothing was renewed."""
+    sent_at: float = 0.0
+    """When the (first) heartbeat statement was sent."""
     busy: list[Hold] = field(default_factory=list)
     """Not renewed: another session holds the row locked. Tried again soon."""
 
@@ -505,15 +507,17 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
     with tracing.span("postgres_mutex.heartbeat", attributes, links=links) as span:
         action = holds[0].lock.describe("heartbeat") if len(holds) == 1 else f"heartbeat of {len(holds)} locks"
         beat = Beat([], [], 0.0)
+        by_token = statements.heartbeat_by_token is not None and all(hold.token is not None for hold in holds)
+        renew, renew_waiting = (
+            statements.heartbeat_by_token
+            if statements.heartbeat_by_token is not None and by_token
+            else (statements.heartbeat, statements.heartbeat_waiting)
+        )
         pending, waiting = holds, False
         while pending:
-            statement = statements.heartbeat_waiting if waiting else statements.heartbeat
-            params: dict[str, object] = {
-                "lock_names": [hold.lock.lock_name for hold in pending],
-                "instance_ids": [hold.lock.instance_id for hold in pending],
-                "acquired_ats": [hold.acquired_at for hold in pending],
-                "lock_timeout_ms": max(1, int(min(_BRIEF_WAIT, timeout / 2) * 1000)),
-            }
+            statement = renew_waiting if waiting else renew
+            params = _heartbeat_params(pending, tokens=by_token)
+            params["lock_timeout_ms"] = max(1, int(min(_BRIEF_WAIT, timeout / 2) * 1000))
             try:
                 reply = yield Execute(statement, params, timeout, action, urgent=True)
             except DatabaseError as exc:
@@ -523,12 +527,13 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
                 beat.busy.extend(pending)  # still locked after a brief wait
                 break
             sent_at = reply.sent_at
-            beat.latency = beat.latency or now() - sent_at
-            answers = {(str(name), str(iid)): (renewed, present) for name, iid, renewed, present in reply.rows}
+            if not beat.sent_at:
+                beat.sent_at, beat.latency = sent_at, now() - sent_at
+            answers = {tuple(row[:-2]): (row[-2], row[-1]) for row in reply.rows}
             skipped = []
             for hold in pending:
                 lock = hold.lock
-                renewed, present = answers.get((lock.lock_name, lock.instance_id), (False, False))
+                renewed, present = answers.get(_hold_key(hold, tokens=by_token), (False, False))
                 if renewed:
                     if lock.renew(hold, sent_at):
                         beat.renewed.append(hold)
@@ -547,6 +552,23 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
         if beat.lost:
             mark_error(span, f"{len(beat.lost)} of {len(holds)} locks were lost: their rows were gone")
         return beat
+
+
+def _heartbeat_params(holds: list[Hold], *, tokens: bool) -> dict[str, object]:
+    if tokens:
+        return {"tokens": [hold.token for hold in holds]}
+    return {
+        "lock_names": [hold.lock.lock_name for hold in holds],
+        "instance_ids": [hold.lock.instance_id for hold in holds],
+        "acquired_ats": [hold.acquired_at for hold in holds],
+    }
+
+
+def _hold_key(hold: Hold, *, tokens: bool) -> tuple[object, ...]:
+    """How the heartbeat statement's answer names a hold: by token, or by lock, instance and stamp."""
+    if tokens:
+        return (hold.token,)
+    return (hold.lock.lock_name, hold.lock.instance_id, hold.acquired_at)
 
 
 # How long a heartbeat waits for a row another session holds locked, once it skipped it.

@@ -225,32 +225,59 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
         # changes and it is in no index: the UPDATE stays HOT, so heartbeats
         # never bloat an index.
         heartbeat = """WITH hold AS (
-  SELECT * FROM unnest(%(lock_names)s::text[], %(instance_ids)s::text[], %(acquired_ats)s::timestamptz[])
-         AS hold (lock_name, instance_id, acquired_at)
+  SELECT * FROM {hold_keys}
 ), free AS (
-  SELECT held.ctid
-    FROM {table} AS held JOIN hold USING (lock_name, instance_id, acquired_at)
+  SELECT held.ctid FROM {table} AS held JOIN hold {join_keys}
    WHERE held.locked = 1
      FOR NO KEY UPDATE OF held{skip}
 ), renewed AS (
   UPDATE {table} AS held SET last_heartbeat = now()
     FROM free WHERE held.ctid = free.ctid
-  RETURNING held.lock_name, held.instance_id
+  RETURNING held.*
+), present AS (
+  SELECT held.* FROM {table} AS held JOIN hold {join_keys} WHERE held.locked = 1
 )
-SELECT hold.lock_name, hold.instance_id,
-       EXISTS (SELECT 1 FROM renewed
-                WHERE renewed.lock_name = hold.lock_name AND renewed.instance_id = hold.instance_id),
-       EXISTS (SELECT 1 FROM {table} AS held
-                WHERE held.locked = 1 AND held.lock_name = hold.lock_name
-                  AND held.instance_id = hold.instance_id AND held.acquired_at = hold.acquired_at)
-  FROM hold"""
-        self.heartbeat = statement("heartbeat", sql.SQL(heartbeat).format(table=t, skip=sql.SQL(" SKIP LOCKED")))
-        # For the holds the first one skipped: rows locked a moment ago by a
-        # contender's acquire, usually. This one waits for the row lock, but
-        # only briefly: a row someone keeps locked fails this statement alone.
-        self.heartbeat_waiting = statement(
-            "heartbeat",
-            sql.SQL("SET LOCAL lock_timeout = %(lock_timeout_ms)s; " + heartbeat).format(table=t, skip=sql.SQL("")),
+SELECT {answer_keys}, renewed.lock_name IS NOT NULL, present.lock_name IS NOT NULL
+  FROM hold
+  LEFT JOIN renewed {join_keys}
+  LEFT JOIN present {join_keys}"""
+
+        def heartbeats(keys: dict[str, sql.Composable]) -> tuple[Statement, Statement]:
+            renew = statement("heartbeat", sql.SQL(heartbeat).format(table=t, skip=sql.SQL(" SKIP LOCKED"), **keys))
+            # For the holds the first one skipped: rows locked a moment ago by a
+            # contender's acquire, usually. This one waits for the row lock, but
+            # only briefly: a row someone keeps locked fails this statement alone.
+            wait = statement(
+                "heartbeat",
+                sql.SQL("SET LOCAL lock_timeout = %(lock_timeout_ms)s; " + heartbeat).format(
+                    table=t, skip=sql.SQL(""), **keys
+                ),
+            )
+            return renew, wait
+
+        # Each hold named by its lock, instance and stamp; or, where every hold
+        # has one, by its token alone (a new one per acquisition), a few bytes
+        # each: 10,000 locks in one statement.
+        self.heartbeat, self.heartbeat_waiting = heartbeats(
+            {
+                "hold_keys": sql.SQL(
+                    "unnest(%(lock_names)s::text[], %(instance_ids)s::text[], %(acquired_ats)s::timestamptz[])"
+                    " AS hold (lock_name, instance_id, acquired_at)"
+                ),
+                "join_keys": sql.SQL("USING (lock_name, instance_id, acquired_at)"),
+                "answer_keys": sql.SQL("hold.lock_name, hold.instance_id, hold.acquired_at"),
+            }
+        )
+        self.heartbeat_by_token: tuple[Statement, Statement] | None = (
+            heartbeats(
+                {
+                    "hold_keys": sql.SQL("unnest(%(tokens)s::bigint[]) AS hold (token)"),
+                    "join_keys": sql.SQL("USING (token)"),
+                    "answer_keys": sql.SQL("hold.token"),
+                }
+            )
+            if tokens
+            else None
         )
 
         # The DELETE and the wake-up of waiters are one statement: a waiter
