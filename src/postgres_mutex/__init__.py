@@ -19,12 +19,13 @@ from .errors import (
     PgMutexError,
     SchemaError,
 )
-from .table import ForcedRelease, LockTable
+from .table import ForcedRelease, HoldRecord, LockTable
 
 __all__ = [
     "DatabaseError",
     "FanOutMetrics",
     "ForcedRelease",
+    "HoldRecord",
     "LockAcquisitionTimeout",
     "LockAlreadyHeldError",
     "LockNotHeldError",

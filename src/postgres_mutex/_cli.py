@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
 from types import FrameType
 from typing import NoReturn, TextIO
 
@@ -77,6 +78,11 @@ _FLAG_WORDS = [
     (re.compile(r"\bcall create_schema\(\) or create it\b"), "run 'postgres-mutex init', or create it"),
     (re.compile(r"\bcreate_schema\(\)"), "'postgres-mutex init'"),
     (re.compile(r"\bLockTable\.migrate\(\)(?: \(or 'postgres-mutex migrate'\))?"), "'postgres-mutex migrate'"),
+    (
+        re.compile(r"\bLockTable\.migrate\(history=True\)(?: \(or 'postgres-mutex migrate --history'\))?"),
+        "'postgres-mutex migrate --history'",
+    ),
+    (re.compile(r"^history_retention must be"), "--history-retention must be"),
     (re.compile(r"\bpass blocking=True\b"), "pass --wait"),
     (re.compile(r"\bdrop timeout\b"), "drop --timeout"),
     (
@@ -255,9 +261,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         )
         for row in rows
     ]
-    widths = [max(len(str(line[column])) for line in table) for column in range(len(table[0]))]
-    for line in table:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+    _print_columns(table)
     return 0
 
 
@@ -271,20 +275,114 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
+def _history_retention(args: argparse.Namespace) -> float | None:
+    if args.history_retention is not None and not args.history:
+        raise _UsageError("--history-retention applies to a history: pass --history with it")
+    return args.history_retention  # type: ignore[no-any-return]
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
     table = _table(args)
-    tokens = table.create()
+    tokens = table.create(history=args.history, history_retention=_history_retention(args))
     print(
-        f"table {table.name} is ready" + ("" if tokens else " (without fencing tokens: run 'postgres-mutex migrate')")
+        f"table {table.name} is ready"
+        + (" with its history" if args.history else "")
+        + ("" if tokens else " (without fencing tokens: run 'postgres-mutex migrate')")
     )
     return 0
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
     table = _table(args)
-    changed = table.migrate()
-    print(f"table {table.name} {'now has' if changed else 'already had'} fencing tokens")
+    changed = table.migrate(history=args.history, history_retention=_history_retention(args))
+    what = "fencing tokens and a history" if args.history else "fencing tokens"
+    print(f"table {table.name} {'now has' if changed else 'already had'} {what}")
     return 0
+
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _since(text: str) -> datetime:
+    """``--since``: an ISO 8601 moment (without a zone: this machine's), or an age such as 90s, 15m, 2h, 7d."""
+    relative = _RELATIVE.match(text.strip())
+    if relative:
+        seconds = float(relative.group(1)) * _UNIT_SECONDS[relative.group(2)]
+        return datetime.now(UTC) - timedelta(seconds=seconds)
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a moment or an age: {text!r} (examples: 2026-12-02T03:00, 2026-12-02 03:00+00:00, 90s, 15m, 2h, 7d)"
+        ) from None
+    return moment if moment.tzinfo is not None else moment.astimezone()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    records = _table(args).history(args.lock, since=args.since, limit=args.limit)
+    if args.json:
+        json.dump(
+            {
+                "table": args.table,
+                "holds": [
+                    {
+                        "lock_name": record.lock_name,
+                        "token": record.token,
+                        "holder": record.holder,
+                        "acquired_at": record.acquired_at.isoformat(),
+                        "ended_at": None if record.ended_at is None else record.ended_at.isoformat(),
+                        "ended_how": record.ended_how,
+                        "ended_by": record.ended_by,
+                        "held_for_seconds": round(record.held_for, 3),
+                        "alerts": record.alerts,
+                    }
+                    for record in records
+                ],
+            },
+            sys.stdout,
+            indent=2,
+        )
+        print()
+        return 0
+    if not records:
+        about = f" for lock {args.lock!r}" if args.lock else ""
+        print(f"no hold recorded in the history of table {args.table}{about}")
+        return 0
+    lines: list[tuple[str, ...]] = [("LOCK", "TOKEN", "HOLDER", "ACQUIRED (UTC)", "HELD FOR", "ENDED", "ALERTS")]
+    for record in records:
+        ended = record.ended_how or "holding"
+        if record.ended_by is not None:
+            ended += f" by {record.ended_by}"
+        lines.append(
+            (
+                record.lock_name,
+                "-" if record.token is None else str(record.token),
+                record.holder,
+                record.acquired_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"),
+                _duration(record.held_for),
+                ended,
+                str(record.alerts),
+            )
+        )
+    _print_columns(lines)
+    return 0
+
+
+def _print_columns(lines: list[tuple[str, ...]]) -> None:
+    widths = [max(len(line[column]) for line in lines) for column in range(len(lines[0]))]
+    for line in lines:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
 
 
 def _cmd_release(args: argparse.Namespace) -> int:
@@ -458,16 +556,45 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--stale-threshold", type=_seconds("--stale-threshold"), default=600.0)
     watch.set_defaults(handler=_cmd_watch)
 
-    init = add("init", "Create the lock table if it does not exist.", "  postgres-mutex init", [connection])
+    history_options = _Parser(add_help=False)
+    group = history_options.add_argument_group("history")
+    group.add_argument("--history", action="store_true", help="also keep a history of every hold (<table>_history)")
+    group.add_argument(
+        "--history-retention",
+        type=_seconds("--history-retention"),
+        help="with --history: seconds a hold stays in the history after it ended (default 30 days)",
+    )
+
+    init = add(
+        "init",
+        "Create the lock table if it does not exist.",
+        "  postgres-mutex init\n  postgres-mutex init --history --history-retention 604800",
+        [connection, history_options],
+    )
     init.set_defaults(handler=_cmd_init)
 
     migrate = add(
         "migrate",
-        "Add fencing tokens to a lock table made without them; online, idempotent, as the table's owner.",
-        "  postgres-mutex migrate\n  postgres-mutex migrate --table ops.mutex_lock",
-        [connection],
+        "Add fencing tokens (and, with --history, a history) to a lock table; online, idempotent, as its owner.",
+        "  postgres-mutex migrate\n  postgres-mutex migrate --table ops.mutex_lock\n  postgres-mutex migrate --history",
+        [connection, history_options],
     )
     migrate.set_defaults(handler=_cmd_migrate)
+
+    history = add(
+        "history",
+        "Show the holds the history recorded, newest first: who held a lock, when, and how it ended.",
+        "  postgres-mutex history --lock ledger-sync --since 2026-12-02T03:00\n"
+        "  postgres-mutex history --since 2h --json | jq '.holds[] | select(.ended_how == \"reclaimed\")'",
+        [connection],
+    )
+    history.add_argument("--lock", help="only this lock")
+    history.add_argument(
+        "--since", type=_since, help="holds not ended by then: an ISO 8601 moment, or an age (90s, 15m, 2h, 7d)"
+    )
+    history.add_argument("--limit", type=_positive_int, default=100, help="at most this many holds (default 100)")
+    history.add_argument("--json", action="store_true", help="machine-readable output")
+    history.set_defaults(handler=_cmd_history)
 
     release = add(
         "release",

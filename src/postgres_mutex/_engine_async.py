@@ -193,14 +193,14 @@ class AsyncEngine:
             op = flows.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
             row = (await self.execute(op)).row
             assert row is not None
-            exists, has_token = row
+            exists, has_token, has_history = row
             if not exists:
                 raise SchemaError(
                     f"the lock table {names.table_name} does not exist; call create_schema() or create it "
                     "as the README shows (names are case-sensitive)",
                     sqlstate="42P01",
                 )
-            statements = Statements(names, _sql.CURRENT if has_token else _sql.LEGACY)
+            statements = Statements(names, _sql.TableShape(tokens=bool(has_token), history=bool(has_history)))
             self.client._shapes[names.table_name] = statements
         return statements
 
@@ -209,7 +209,8 @@ class AsyncEngine:
     def keep(self, hold: Hold) -> None:
         """Renew ``hold`` from now on, with the other holds of its table and interval."""
         lock = hold.lock
-        key = (lock.names.table_name, lock.timing.heartbeat_interval, id(lock.tracing))
+        # One statement for the holds that share a table, an interval and what their heartbeats report.
+        key = (lock.names.table_name, lock.timing.heartbeat_interval, lock.timing.alert_threshold, id(lock.tracing))
         with self.client._state_lock:
             group = self.groups.get(key)
             new_group = group is None

@@ -162,6 +162,8 @@ class Cleanup:
     settled_at: float
     give_up_at: float
     due: float = field(default_factory=now)
+    ended_how: str = "released"
+    """How the history records the hold this row belonged to, if the table keeps one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +269,7 @@ def _attempt_until_done(
     listening = False
     try:
         yield Settle(lock)
-        statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
+        statements: Statements | None = None
         while True:
             statement_timeout = timing.operation_timeout
             if budget is not None:
@@ -278,6 +280,9 @@ def _attempt_until_done(
             lock.row_suspected = True
             progress.attempts += 1
             try:
+                if statements is None:
+                    # Inside the retries: the table's first inspection can meet a busy pool or a restart too.
+                    statements = yield Shape(lock.names, statement_timeout)
                 reply = yield Execute(statements.acquire, lock.params(), statement_timeout, lock.describe("acquire"))
             except BaseException as exc:
                 if not isinstance(exc, DatabaseError):
@@ -388,6 +393,7 @@ def unanswered_cleanup(lock: LockState, epoch: int) -> Cleanup:
         epoch=epoch,
         settled_at=max(current, lock.unanswered_until),
         give_up_at=current + lock.timing.stale_threshold,
+        ended_how="abandoned",
     )
 
 
@@ -425,7 +431,7 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
                 lock.events.released_after_loss(span)
                 if hold.reason == LEASE_EXPIRED:
                     # Nobody may have reclaimed it yet: the row may still be ours.
-                    yield Schedule(_scoped_cleanup(lock, hold))
+                    yield Schedule(_scoped_cleanup(lock, hold, ended_how="lost"))
                 raise hold.error()
             statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
             timeout = lock.timing.operation_timeout
@@ -461,7 +467,7 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
             yield Schedule(unanswered_cleanup(lock, lock.cleanup_epoch))
 
 
-def _scoped_cleanup(lock: LockState, hold: Hold) -> Cleanup:
+def _scoped_cleanup(lock: LockState, hold: Hold, *, ended_how: str = "released") -> Cleanup:
     current = now()
     return Cleanup(
         lock,
@@ -469,6 +475,7 @@ def _scoped_cleanup(lock: LockState, hold: Hold) -> Cleanup:
         epoch=lock.cleanup_epoch,
         settled_at=current,
         give_up_at=current + lock.timing.stale_threshold,
+        ended_how=ended_how,
     )
 
 
@@ -517,6 +524,7 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
         while pending:
             statement = renew_waiting if waiting else renew
             params = _heartbeat_params(pending, tokens=by_token)
+            params["alert_seconds"] = holds[0].lock.timing.alert_threshold
             params["lock_timeout_ms"] = max(1, int(min(_BRIEF_WAIT, timeout / 2) * 1000))
             try:
                 reply = yield Execute(statement, params, timeout, action, urgent=True)
@@ -619,7 +627,7 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
     if cleanup.acquired_at is None and cleanup.epoch != lock.cleanup_epoch:
         return True  # an acquire began since: it takes any row of ours back itself
     statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
-    params = {**lock.params(), "acquired_at": cleanup.acquired_at}
+    params = {**lock.params(), "acquired_at": cleanup.acquired_at, "ended_how": cleanup.ended_how}
     if cleanup.acquired_at is None:
         statement, guard = statements.cleanup, CleanupGuard(lock, cleanup.epoch)
     else:
@@ -643,19 +651,26 @@ _CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})
 _LOCK_NOT_AVAILABLE = "55P03"
 
 
-def create_table(names: Names, timeout: float) -> Flow[bool]:
+def create_table(
+    names: Names, timeout: float, *, history: bool = False, history_retention: float | None = None
+) -> Flow[bool]:
     """CREATE the lock table (with its token column) IF NOT EXISTS, safe when many instances start at once.
 
-    Returns True if the table has a token column. A table that already exists
-    is left as it is (see `migrate` to add tokens to one).
+    With ``history``, the history table too. Returns True if the table has a
+    token column. A table that already exists is left as it is (see `migrate`
+    to add tokens, or the history, to one).
     """
     action = f"create_schema of table {names.table_name}"
     for attempt in range(1, 4):
-        exists, has_token = yield from inspect(names, timeout)
+        exists, has_token, _ = yield from inspect(names, timeout)
         if exists:
+            if history:
+                yield from create_history(names, timeout, history_retention)
             return has_token
         try:
             yield Execute(_sql.create_table(names), {}, timeout, action)
+            if history:
+                yield from create_history(names, timeout, history_retention)
             return True
         except DatabaseError as exc:
             if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
@@ -675,19 +690,45 @@ def create_table(names: Names, timeout: float) -> Flow[bool]:
             if exc.sqlstate == UNDEFINED_COLUMN:
                 continue  # an older table appeared meanwhile (another release created it): look again
             raise
-    exists, has_token = yield from inspect(names, timeout)
+    _, has_token, _ = yield from inspect(names, timeout)
     return has_token
 
 
-def inspect(names: Names, timeout: float) -> Flow[tuple[bool, bool]]:
-    """Whether the table exists, and whether it has a token column."""
+DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
+"""How long the history keeps a hold once it ended, unless told otherwise: 30 days."""
+
+
+def create_history(names: Names, timeout: float, retention: float | None) -> Flow[None]:
+    """The history table, IF NOT EXISTS (safe to race); with ``retention``, set it (None: leave it, or 30 days)."""
+    action = f"creation of the history of table {names.table_name}"
+    for attempt in range(1, 4):
+        try:
+            yield Execute(
+                _sql.create_history(names, DEFAULT_HISTORY_RETENTION if retention is None else retention),
+                {},
+                timeout,
+                action,
+            )
+            break
+        except DatabaseError as exc:
+            if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
+                continue
+            raise
+    if retention is not None:
+        yield Execute(_sql.history_retention(names, retention), {}, timeout, action)
+
+
+def inspect(names: Names, timeout: float) -> Flow[tuple[bool, bool, bool]]:
+    """Whether the table exists, whether it has a token column, and whether it has a history."""
     reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
     assert reply.row is not None
-    exists, has_token = reply.row
-    return bool(exists), bool(has_token)
+    exists, has_token, has_history = reply.row
+    return bool(exists), bool(has_token), bool(has_history)
 
 
-def migrate(names: Names, timeout: float) -> Flow[bool]:
+def migrate(
+    names: Names, timeout: float, *, history: bool = False, history_retention: float | None = None
+) -> Flow[bool]:
     """Add the token column, its sequence and its unique index to an existing table; idempotent.
 
     Online: each step is a catalog change that takes the table's lock for an
@@ -696,7 +737,7 @@ def migrate(names: Names, timeout: float) -> Flow[bool]:
     it); a step that could not get the lock is retried until ``timeout``.
     Safe when many instances run it at once. Returns True if anything changed.
     """
-    exists, has_token = yield from inspect(names, timeout)
+    exists, has_token, has_history = yield from inspect(names, timeout)
     if not exists:
         raise SchemaError(
             f"the lock table {names.table_name} does not exist: create it with create_schema() "
@@ -720,7 +761,9 @@ def migrate(names: Names, timeout: float) -> Flow[bool]:
                         ) from exc
                     raise
                 yield Pause(0.05)
-    return not has_token
+    if history:
+        yield from create_history(names, timeout, history_retention)
+    return not has_token or (history and not has_history)
 
 
 def holders(
@@ -742,12 +785,36 @@ def holders(
     return observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
 
 
+def read_history(
+    names: Names, timeout: float, *, lock_name: str | None, since: datetime | None, limit: int
+) -> Flow[list[tuple[Any, ...]]]:
+    """Holds from the history, newest first. Raises `SchemaError` if the table keeps none."""
+    statements: Statements = yield Shape(names, timeout)
+    if statements.history is None:
+        raise SchemaError(
+            f"the lock table {names.table_name} keeps no history: add one with "
+            "LockTable.migrate(history=True) (or 'postgres-mutex migrate --history')"
+        )
+    reply = yield Execute(
+        statements.history,
+        {"lock_name": lock_name, "since": since, "limit": limit},
+        timeout,
+        f"read of the history of table {names.table_name}",
+    )
+    return list(reply.rows)
+
+
 def force_release(names: Names, lock_name: str, timeout: float) -> Flow[tuple[str, float, int | None] | None]:
     """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free."""
     statements: Statements = yield Shape(names, timeout)
     reply = yield Execute(
         statements.force_release,
-        {"lock_name": lock_name, "channel": names.channel(lock_name)},
+        {
+            "lock_name": lock_name,
+            "channel": names.channel(lock_name),
+            "ended_how": "force_released",
+            "alert_seconds": None,  # the table does not know the holders' thresholds
+        },
         timeout,
         f"forced release of lock {lock_name!r}",
     )

@@ -61,10 +61,13 @@ class TableShape:
 
     tokens: bool
     """A ``token`` column fed by the table's sequence: acquisitions get fencing tokens."""
+    history: bool = False
+    """A history table next to it (``<table>_history``): one row per hold, written by the same statements."""
 
 
 LEGACY = TableShape(tokens=False)
 CURRENT = TableShape(tokens=True)
+CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,11 @@ class Names:
         self.token_index = sql.Identifier(_derived(self.parts, "_token_key")[-1])
         # nextval() takes the sequence's name as text: quoted, so case and schema are kept.
         self.sequence_text = sql.Literal(_render(self.sequence))
+        self.history_parts = _derived(self.parts, "_history")
+        self.history_name = ".".join(self.history_parts)
+        self.history = sql.Identifier(*self.history_parts)
+        self.history_by_lock = sql.Identifier(_derived(self.parts, "_history_by_lock")[-1])
+        self.history_by_expiry = sql.Identifier(_derived(self.parts, "_history_by_expiry")[-1])
 
     @functools.cached_property
     def fence(self) -> str:
@@ -177,7 +185,7 @@ class Statements:
             "acquire",
             sql.SQL(
                 """WITH current AS (
-  SELECT instance_id,
+  SELECT instance_id, acquired_at,
          EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
     FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
@@ -196,7 +204,7 @@ class Statements:
      AND ((existing.instance_id = %(instance_id)s AND existing.acquired_at < now())
           OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s))
   RETURNING existing.acquired_at, {taken_token} AS token
-)
+){history}
 SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
             WHEN EXISTS (SELECT 1 FROM taken) THEN false END,
        current.instance_id, current.heartbeat_age,
@@ -213,6 +221,30 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
                 else sql.SQL(""),
                 inserted_token=sql.SQL("token") if tokens else sql.SQL("NULL::bigint"),
                 taken_token=sql.SQL("existing.token") if tokens else sql.SQL("NULL::bigint"),
+                # The history: a row for the new hold; the hold it replaced ended
+                # (reclaimed, or taken back by its own instance); expired rows go,
+                # a hundred at a time, so retention needs no cron job.
+                history=sql.SQL(
+                    """, opened AS (
+  INSERT INTO {history} (lock_name, token, holder, acquired_at, keep_until)
+  SELECT %(lock_name)s, token, %(instance_id)s, acquired_at, NULL::timestamptz FROM inserted
+  UNION ALL
+  SELECT %(lock_name)s, token, %(instance_id)s, acquired_at, NULL::timestamptz FROM taken
+), closed AS (
+  UPDATE {history} AS past
+     SET ended_at = now(), keep_until = DEFAULT, ended_by = %(instance_id)s,
+         ended_how = CASE WHEN current.instance_id = %(instance_id)s THEN 'replaced' ELSE 'reclaimed' END,
+         alerts = past.alerts + CASE WHEN current.instance_id = %(instance_id)s THEN 0 ELSE 1 END
+    FROM current
+   WHERE EXISTS (SELECT 1 FROM taken) AND past.lock_name = %(lock_name)s AND past.ended_at IS NULL
+     AND past.holder = current.instance_id AND past.acquired_at = current.acquired_at
+), expired AS (
+  DELETE FROM {history}
+   WHERE id IN (SELECT id FROM {history} WHERE keep_until < now() ORDER BY keep_until LIMIT 100)
+)"""
+                ).format(history=names.history)
+                if shape.history
+                else sql.SQL(""),
             ),
         )
 
@@ -224,10 +256,26 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
         # SHARE does not conflict, so fenced holds renew. Only last_heartbeat
         # changes and it is in no index: the UPDATE stays HOT, so heartbeats
         # never bloat an index.
+        # With a history: a heartbeat that comes after a silence past the
+        # alert threshold ends an alert episode of the hold, and counts it.
+        alerted = (
+            sql.SQL(
+                """, alerted AS (
+  UPDATE {history} AS past SET alerts = past.alerts + 1
+    FROM free
+   WHERE free.previous <= now() - make_interval(secs => %(alert_seconds)s)
+     AND past.lock_name = free.lock_name AND past.holder = free.instance_id
+     AND past.acquired_at = free.acquired_at AND past.ended_at IS NULL
+)"""
+            ).format(history=names.history)
+            if shape.history
+            else sql.SQL("")
+        )
         heartbeat = """WITH hold AS (
   SELECT * FROM {hold_keys}
 ), free AS (
-  SELECT held.ctid FROM {table} AS held JOIN hold {join_keys}
+  SELECT held.ctid, held.lock_name, held.instance_id, held.acquired_at, held.last_heartbeat AS previous
+    FROM {table} AS held JOIN hold {join_keys}
    WHERE held.locked = 1
      FOR NO KEY UPDATE OF held{skip}
 ), renewed AS (
@@ -236,21 +284,23 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
   RETURNING held.*
 ), present AS (
   SELECT held.* FROM {table} AS held JOIN hold {join_keys} WHERE held.locked = 1
-)
+){alerted}
 SELECT {answer_keys}, renewed.lock_name IS NOT NULL, present.lock_name IS NOT NULL
   FROM hold
   LEFT JOIN renewed {join_keys}
   LEFT JOIN present {join_keys}"""
 
         def heartbeats(keys: dict[str, sql.Composable]) -> tuple[Statement, Statement]:
-            renew = statement("heartbeat", sql.SQL(heartbeat).format(table=t, skip=sql.SQL(" SKIP LOCKED"), **keys))
+            renew = statement(
+                "heartbeat", sql.SQL(heartbeat).format(table=t, skip=sql.SQL(" SKIP LOCKED"), alerted=alerted, **keys)
+            )
             # For the holds the first one skipped: rows locked a moment ago by a
             # contender's acquire, usually. This one waits for the row lock, but
             # only briefly: a row someone keeps locked fails this statement alone.
             wait = statement(
                 "heartbeat",
                 sql.SQL("SET LOCAL lock_timeout = %(lock_timeout_ms)s; " + heartbeat).format(
-                    table=t, skip=sql.SQL(""), **keys
+                    table=t, skip=sql.SQL(""), alerted=alerted, **keys
                 ),
             )
             return renew, wait
@@ -282,17 +332,44 @@ SELECT {answer_keys}, renewed.lock_name IS NOT NULL, present.lock_name IS NOT NU
 
         # The DELETE and the wake-up of waiters are one statement: a waiter
         # LISTENing on the channel retries at once instead of at its next poll.
+        # How a hold ended, in the history, by the statement that ended it.
+        ended = (
+            sql.SQL(
+                """, ended AS (
+  UPDATE {history} AS past
+     SET ended_at = now(), keep_until = DEFAULT, ended_how = %(ended_how)s, ended_by = {ended_by},
+         alerts = past.alerts + CASE WHEN released.last_heartbeat
+                                          <= now() - make_interval(secs => %(alert_seconds)s) THEN 1 ELSE 0 END
+    FROM released
+   WHERE past.lock_name = released.lock_name AND past.holder = released.instance_id
+     AND past.acquired_at = released.acquired_at AND past.ended_at IS NULL
+)"""
+            )
+            if shape.history
+            else None
+        )
+
+        def ending(ended_by: sql.Composable) -> sql.Composable:
+            return sql.SQL("") if ended is None else ended.format(history=names.history, ended_by=ended_by)
+
         release = """WITH released AS (
   DELETE FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}
-  RETURNING lock_name
-)
+  RETURNING lock_name, instance_id, acquired_at, last_heartbeat
+){ended}
 SELECT pg_notify(%(channel)s, '') FROM released"""
         self.release = statement(
-            "release", sql.SQL(release).format(table=t, scope=sql.SQL("\n     AND acquired_at = %(acquired_at)s"))
+            "release",
+            sql.SQL(release).format(
+                table=t,
+                scope=sql.SQL("\n     AND acquired_at = %(acquired_at)s"),
+                ended=ending(sql.SQL("NULL")),
+            ),
         )
         # After an unanswered acquire the stamp is unknown: remove any row of ours.
-        self.cleanup = statement("clean-up", sql.SQL(release).format(table=t, scope=sql.SQL("")))
+        self.cleanup = statement(
+            "clean-up", sql.SQL(release).format(table=t, scope=sql.SQL(""), ended=ending(sql.SQL("NULL")))
+        )
 
         # Every held lock (or the given ones) with its ages by the server's clock.
         self.holders = statement(
@@ -315,10 +392,32 @@ SELECT pg_notify(%(channel)s, '') FROM released"""
                 """WITH released AS (
   DELETE FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
-  RETURNING instance_id, EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {token} AS token
-)
+  RETURNING lock_name, instance_id, acquired_at, last_heartbeat,
+            EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {token} AS token
+){ended}
 SELECT instance_id, heartbeat_age, token, pg_notify(%(channel)s, '')::text FROM released"""
-            ).format(table=t, token=sql.SQL("token") if tokens else sql.SQL("NULL::bigint")),
+            ).format(
+                table=t,
+                token=sql.SQL("token") if tokens else sql.SQL("NULL::bigint"),
+                ended=ending(sql.SQL("NULL")),
+            ),
+        )
+        # The history, newest first: every hold of a lock (or of all), since a moment.
+        self.history = (
+            statement(
+                "read of the history",
+                sql.SQL(
+                    """SELECT lock_name, token, holder, acquired_at, ended_at, ended_how, ended_by, alerts,
+       EXTRACT(EPOCH FROM coalesce(ended_at, now()) - acquired_at)::float8
+  FROM {history}
+ WHERE (%(lock_name)s::text IS NULL OR lock_name = %(lock_name)s)
+   AND (%(since)s::timestamptz IS NULL OR coalesce(ended_at, 'infinity') >= %(since)s)
+ ORDER BY acquired_at DESC, id DESC
+ LIMIT %(limit)s"""
+                ).format(history=names.history),
+            )
+            if shape.history
+            else None
         )
 
 
@@ -359,17 +458,74 @@ CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)"""
 
 
 def inspect_table(names: Names) -> Statement:
-    """Whether the table exists, and whether it has a token column: one row ``(exists, has_token)``."""
+    """What the table has: one row ``(exists, has_token, has_history)``."""
     return Statement(
         _render(
             sql.SQL(
                 """SELECT to_regclass({table_text}) IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute
-                WHERE attrelid = to_regclass({table_text}) AND attname = 'token' AND NOT attisdropped)"""
-            ).format(table_text=sql.Literal(_render(names.table)))
+                WHERE attrelid = to_regclass({table_text}) AND attname = 'token' AND NOT attisdropped),
+       to_regclass({history_text}) IS NOT NULL"""
+            ).format(table_text=sql.Literal(_render(names.table)), history_text=sql.Literal(_render(names.history)))
         ),
         names.table_name,
         "inspection",
+    )
+
+
+HISTORY_ENDINGS = ("released", "reclaimed", "replaced", "lost", "abandoned", "force_released")
+"""How a hold can end, in the history: released by its holder; reclaimed by another instance after
+the stale threshold; replaced by its own instance (an acquire that took its row back); lost (its
+lease ran out and its row was deleted after); abandoned (a row an unanswered acquire left, deleted
+by the clean-up); force_released (an operator's ``release --force``)."""
+
+
+def create_history(names: Names, retention_seconds: float) -> Statement:
+    """The history table and its indexes, IF NOT EXISTS; retention set as the default of ``keep_until``.
+
+    A row's ``keep_until`` is NULL while its hold lasts and set to ``DEFAULT``
+    (now + retention) by the statement that ends it: changing the retention
+    (`history_retention`) applies to holds that end afterwards.
+    """
+    return Statement(
+        _render(
+            sql.SQL(
+                """CREATE TABLE IF NOT EXISTS {history} (
+  id          BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+  lock_name   VARCHAR(64) NOT NULL,
+  token       BIGINT,
+  holder      VARCHAR(64) NOT NULL,
+  acquired_at TIMESTAMPTZ NOT NULL,
+  ended_at    TIMESTAMPTZ,
+  ended_how   TEXT CHECK (ended_how IN ({endings})),
+  ended_by    VARCHAR(64),
+  alerts      INT NOT NULL DEFAULT 0,
+  keep_until  TIMESTAMPTZ DEFAULT now() + make_interval(secs => {retention})
+);
+CREATE INDEX IF NOT EXISTS {by_lock} ON {history} (lock_name, acquired_at);
+CREATE INDEX IF NOT EXISTS {by_expiry} ON {history} (keep_until)"""
+            ).format(
+                history=names.history,
+                endings=sql.SQL(", ").join(sql.Literal(ending) for ending in HISTORY_ENDINGS),
+                retention=sql.Literal(float(retention_seconds)),
+                by_lock=names.history_by_lock,
+                by_expiry=names.history_by_expiry,
+            )
+        ),
+        names.table_name,
+        "create the history table",
+    )
+
+
+def history_retention(names: Names, retention_seconds: float) -> Statement:
+    return Statement(
+        _render(
+            sql.SQL(
+                "ALTER TABLE {history} ALTER COLUMN keep_until SET DEFAULT now() + make_interval(secs => {retention})"
+            ).format(history=names.history, retention=sql.Literal(float(retention_seconds)))
+        ),
+        names.table_name,
+        "set the history's retention",
     )
 
 

@@ -156,6 +156,8 @@ class LockState:
             "stale_seconds": self.timing.stale_threshold,
             "channel": self.channel,
             "acquired_at": None if hold is None else hold.acquired_at,
+            "ended_how": "released",
+            "alert_seconds": self.timing.alert_threshold,
         }
 
     def describe(self, verb: str) -> str:

@@ -8,6 +8,7 @@ The ``postgres-mutex`` command and the stale-holder watcher are built on it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import _flows as flows
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-__all__ = ["ForcedRelease", "LockTable"]
+__all__ = ["ForcedRelease", "HoldRecord", "LockTable"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,31 @@ class ForcedRelease:
     """By the server's clock, at the moment of the release."""
     token: int | None
     """The removed hold's fencing token (None on a table without tokens)."""
+
+
+@dataclass(frozen=True)
+class HoldRecord:
+    """One hold of a lock, as the history recorded it (times by the server's clock)."""
+
+    lock_name: str
+    token: int | None
+    """The hold's fencing token (None on a table without tokens)."""
+    holder: str
+    """The holder's instance_id."""
+    acquired_at: datetime
+    ended_at: datetime | None
+    """None while the hold lasts (or if the process that ended it did not write the history)."""
+    ended_how: str | None
+    """``released``, ``reclaimed`` (by ``ended_by``, after the stale threshold), ``replaced`` (taken
+    back by its own instance), ``lost`` (its lease ran out; its holder deleted the row after),
+    ``abandoned`` (a row an unanswered acquire left, deleted once the database answered),
+    ``force_released`` (an operator's override), or None while the hold lasts."""
+    ended_by: str | None
+    """Who reclaimed the lock, for ``reclaimed`` and ``replaced``."""
+    alerts: int
+    """Alert episodes during the hold: heartbeat silences past the alert threshold."""
+    held_for: float
+    """Seconds from acquired_at to ended_at (or to now, while the hold lasts)."""
 
 
 class LockTable:
@@ -74,54 +100,69 @@ class LockTable:
 
     # -- creating and upgrading ----------------------------------------------------
 
-    def create(self) -> bool:
+    def create(self, *, history: bool = False, history_retention: float | None = None) -> bool:
         """Create the table (with its token column) if it does not exist; idempotent, safe to race.
 
-        An existing table is left as it is. Returns True if the table has
+        With ``history=True``, also the history table (``<table>_history``,
+        see `history`), kept ``history_retention`` seconds after each hold
+        ends (default 30 days; given for an existing history, it changes it).
+        An existing lock table is left as it is. Returns True if the table has
         fencing tokens. Raises `SchemaError` if the role may not create it.
         """
+        flow = flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
         try:
-            return self._client._get_engine().run(flows.create_table(self._names, self._timeout))
+            return self._client._get_engine().run(flow)
         finally:
             self._client._shapes.pop(self.name, None)
 
-    async def create_async(self) -> bool:
+    async def create_async(self, *, history: bool = False, history_retention: float | None = None) -> bool:
         """Async `create`."""
+        flow = flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
         try:
-            return await self._client._get_engine_async().run(flows.create_table(self._names, self._timeout))
+            return await self._client._get_engine_async().run(flow)
         finally:
             self._client._shapes.pop(self.name, None)
 
-    def migrate(self) -> bool:
+    def migrate(self, *, history: bool = False, history_retention: float | None = None) -> bool:
         """Add fencing tokens to a table made without them (the README's DDL, or an earlier release).
 
         One idempotent call, online: no table rewrite, no lock held longer
         than a catalog change takes, holders keep heartbeating meanwhile, and
         many instances may run it at once. It needs the role that owns the
-        table. Returns True if it changed anything. Locks acquired before the
-        migration have no token until they are acquired again.
+        table. Locks acquired before the migration have no token until they
+        are acquired again. With ``history=True`` it adds the history table
+        too (options as in `create`); processes write it from the next time
+        they start. Returns True if it changed anything.
         """
+        flow = flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
         try:
-            return self._client._get_engine().run(flows.migrate(self._names, max(self._timeout, 5.0)))
+            return self._client._get_engine().run(flow)
         finally:
             self._client._shapes.pop(self.name, None)
 
-    async def migrate_async(self) -> bool:
+    async def migrate_async(self, *, history: bool = False, history_retention: float | None = None) -> bool:
         """Async `migrate`."""
+        flow = flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
         try:
-            return await self._client._get_engine_async().run(flows.migrate(self._names, max(self._timeout, 5.0)))
+            return await self._client._get_engine_async().run(flow)
         finally:
             self._client._shapes.pop(self.name, None)
 
     def has_tokens(self) -> bool:
         """Whether the table has the token column (False also if it does not exist)."""
-        _, tokens = self._client._get_engine().run(flows.inspect(self._names, self._timeout))
-        return tokens
+        return self._client._get_engine().run(flows.inspect(self._names, self._timeout))[1]
 
     async def has_tokens_async(self) -> bool:
         """Async `has_tokens`."""
-        _, tokens = await self._client._get_engine_async().run(flows.inspect(self._names, self._timeout))
-        return tokens
+        return (await self._client._get_engine_async().run(flows.inspect(self._names, self._timeout)))[1]
+
+    def has_history(self) -> bool:
+        """Whether the table keeps a history (see `history`)."""
+        return self._client._get_engine().run(flows.inspect(self._names, self._timeout))[2]
+
+    async def has_history_async(self) -> bool:
+        """Async `has_history`."""
+        return (await self._client._get_engine_async().run(flows.inspect(self._names, self._timeout)))[2]
 
     # -- reading -----------------------------------------------------------------------
 
@@ -160,6 +201,34 @@ class LockTable:
         names = check_names(lock_names, "lock_names")
         return flows.holders(self._names, names, self._timeout, alert_threshold=alert, stale_threshold=stale)
 
+    def history(
+        self, lock_name: str | None = None, *, since: datetime | None = None, limit: int = 100
+    ) -> list[HoldRecord]:
+        """The holds the history recorded, newest first: of ``lock_name`` (or of every lock).
+
+        ``since`` keeps the holds that had not ended by then (an aware
+        datetime); at most ``limit`` rows. Raises `SchemaError` if the table
+        keeps no history (`create` / `migrate` with ``history=True``).
+        """
+        flow = self._history(lock_name, since, limit)
+        return [HoldRecord(*row) for row in self._client._get_engine().run(flow)]
+
+    async def history_async(
+        self, lock_name: str | None = None, *, since: datetime | None = None, limit: int = 100
+    ) -> list[HoldRecord]:
+        """Async `history`."""
+        flow = self._history(lock_name, since, limit)
+        return [HoldRecord(*row) for row in await self._client._get_engine_async().run(flow)]
+
+    def _history(self, lock_name: str | None, since: datetime | None, limit: int) -> flows.Flow[list[tuple[Any, ...]]]:
+        if lock_name is not None:
+            check_name(lock_name, "lock_name")
+        if since is not None and (not isinstance(since, datetime) or since.tzinfo is None):
+            raise ValueError(f"since must be a timezone-aware datetime, got {since!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive integer, got {limit!r}")
+        return flows.read_history(self._names, self._timeout, lock_name=lock_name, since=since, limit=limit)
+
     # -- an operator's override ------------------------------------------------------
 
     def force_release(self, lock_name: str) -> ForcedRelease | None:
@@ -181,6 +250,16 @@ class LockTable:
         check_name(lock_name, "lock_name")
         found = await self._client._get_engine_async().run(flows.force_release(self._names, lock_name, self._timeout))
         return _forced(lock_name, found)
+
+
+def _history_options(history: bool, retention: float | None) -> dict[str, Any]:
+    if not isinstance(history, bool):
+        raise ValueError(f"history must be True or False, got {history!r}")
+    if retention is not None:
+        if not history:
+            raise ValueError("history_retention applies to a history: pass history=True with it")
+        retention = check_seconds(retention, "history_retention")
+    return {"history": history, "history_retention": retention}
 
 
 def _forced(lock_name: str, found: tuple[str, float, int | None] | None) -> ForcedRelease | None:
