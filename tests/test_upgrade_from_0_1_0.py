@@ -498,6 +498,15 @@ CHANGED: dict[str, tuple[dict[str, Any], str]] = {
         {"trace": [], "returned": True},
         "own-row re-acquire: a restarted process reusing its instance_id takes its row back at once (with a warning)",
     ),
+    "acquire() with PostgreSQL unreachable": (
+        {"trace": [], "raised": ["PgMutexError"]},
+        "database failures raise DatabaseError (a PgMutexError) with psycopg's error as __cause__; 0.1.0 let "
+        "psycopg's exceptions through, which its README did not document",
+    ),
+    "acquire() on a lock table that does not exist": (
+        {"trace": [], "raised": ["PgMutexError"]},
+        "SchemaError (a DatabaseError) saying what to do, instead of psycopg's UndefinedTable",
+    ),
     "the type of the seconds a hook's alert() is given": (
         {"trace": [False], "returned": ["float"]},
         "a float, as MetricsHook's signature always said; 0.1.0 passed the decimal.Decimal PostgreSQL returned",

@@ -45,6 +45,9 @@ ERRORS: dict[str, type[BaseException]] = {
     "TimeoutError": TimeoutError,
     "TypeError": TypeError,
     "ValueError": ValueError,
+    "psycopg.Error": psycopg.Error,
+    "psycopg.OperationalError": psycopg.OperationalError,
+    "psycopg.ProgrammingError": psycopg.ProgrammingError,
 }
 
 Check = Callable[[list[Any]], object]
@@ -412,6 +415,19 @@ def own_row(trace: list[Any]) -> object:
         )
     with mutex("own-row", instance_id="reused-id").acquire() as acquired:
         return acquired
+
+
+@check("acquire() with PostgreSQL unreachable")
+def unreachable(trace: list[Any]) -> object:
+    # Nothing listens on port 1: the connection is refused at once.
+    with Mutex("host=127.0.0.1 port=1 dbname=nowhere connect_timeout=2", "unreachable", **TIMING).acquire():
+        return "entered"
+
+
+@check("acquire() on a lock table that does not exist")
+def missing_table(trace: list[Any]) -> object:
+    with mutex("missing-table", table="no_such_lock_table").acquire():
+        return "entered"
 
 
 # -- decorators ----------------------------------------------------------------
