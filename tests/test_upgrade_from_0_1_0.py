@@ -327,9 +327,22 @@ def compare_signature(where: str, old: list[list[str]] | None, new: list[list[st
     return problems
 
 
+REQUIREMENT = re.compile(r"([A-Za-z0-9_.-]+)(?:\[([^\]]*)\])?")
+
+
 def compare_surfaces(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Every way in which ``new`` could break a program that used ``old``'s public surface."""
     problems: list[str] = []
+    if old["requires_python"] != new["requires_python"]:
+        problems.append(f"Requires-Python: {old['requires_python']} -> {new['requires_python']}")
+    required = {match[1].lower(): match[2] or "" for match in map(REQUIREMENT.match, new["requires"]) if match}
+    for match in map(REQUIREMENT.match, old["requires"]):
+        assert match is not None
+        name, extras = match[1].lower(), match[2] or ""
+        if name not in required:
+            problems.append(f"requires {name}: no longer")
+        elif required[name] != extras:
+            problems.append(f"requires {name}: extras [{extras}] -> [{required[name]}]")
     for name in old["all"]:
         if name not in new["all"]:
             problems.append(f"{name}: not exported")
@@ -390,6 +403,13 @@ LIBRARY_CHANGE = "library change wanted"
 KEYWORDS = f"{LIBRARY_CHANGE}: see the checks 'LockAcquisitionTimeout built with keywords' and 'LockNotHeldError ...'"
 
 SURFACE_CHANGES: dict[str, str] = {
+    "Requires-Python: >=3.10 -> >=3.11": (
+        "this version is built and tested for Python 3.11 and later; on 3.10, pip keeps 0.1.0"
+    ),
+    "requires psycopg: extras [binary] -> []": (
+        "a library should not force psycopg's binary wheel on applications (psycopg's own advice); "
+        "install postgres-mutex[binary] to get it as 0.1.0 did"
+    ),
     "Mutex(lock_name): default '' -> None": (
         "both mean 'required': 0.1.0 raised ValueError for the empty default, this version raises an error that is "
         "both a TypeError and a ValueError"

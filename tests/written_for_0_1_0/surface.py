@@ -2,7 +2,8 @@
 
     python -I surface.py
 
-What a program written against 0.1.0 can touch: the package's public names
+What a program written against 0.1.0 can touch: the distribution's Python
+and dependency requirements, the package's public names
 (and the classes among them each one derives from), its public submodules,
 every public member of a `Mutex` instance (method, coroutine, property or plain
 attribute) with its signature, the hook methods, and ``mutex.config``'s fields.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import inspect
 import json
 import pkgutil
@@ -114,7 +116,11 @@ def main() -> None:
         poll_interval=0.1,
     )
     config = mutex.config
+    distribution = importlib.metadata.metadata("postgres-mutex")
+    requires = importlib.metadata.requires("postgres-mutex") or []
     description = {
+        "requires_python": distribution["Requires-Python"],
+        "requires": sorted(requirement for requirement in requires if "extra ==" not in requirement),
         "version": package.__version__,
         "file": package.__file__,
         "all": sorted(package.__all__),
