@@ -538,7 +538,8 @@ NEEDS_LIBRARY_CHANGE: dict[str, str] = {
     "an empty instance_id": (
         "library change wanted: Mutex(..., instance_id='') chose a default id in 0.1.0 "
         "('instance_id or default_instance_id()'); this version raises ValueError, so a deployment passing an unset "
-        "environment variable stops at start-up. Treat '' like None in Mutex.__init__ (before check_name)"
+        "environment variable stops at start-up. In Mutex.__init__, treat '' as None (a default id, not an "
+        "explicit one) before check_name"
     ),
     "LockAcquisitionTimeout built with keywords": (
         "library change wanted: LockAcquisitionTimeout(lock_name='job', timeout=30) worked in 0.1.0; make "
@@ -809,6 +810,7 @@ DIRECTIONS = {
 def test_a_killed_holder_of_either_version_is_seen_alerted_on_and_reclaimed_by_the_other(
     direction: str, table: str, fleet: Fleet, release_0_1_0: Release, this_release: Release
 ) -> None:
+    """SIGKILL a holder: status, holders() and the watcher see it; the other version alerts, then reclaims on time."""
     releases = {"0.1.0": release_0_1_0, "this version": this_release}
     holder_release, reclaimer_release = (releases[label] for label in DIRECTIONS[direction])
     tokens = prepare(table, fleet, release_0_1_0)
@@ -828,7 +830,7 @@ def test_a_killed_holder_of_either_version_is_seen_alerted_on_and_reclaimed_by_t
         # Whichever version holds it, this version's tools see the holder.
         (live,) = watcher.check()
         assert (live.holder, live.alerting) == ("holder", False)
-        assert (live.token is not None) == tokens, "a 0.1.0 holder's row takes its token from the column default"
+        assert (live.token is not None) == tokens, "on a migrated table, a 0.1.0 holder's row has a token too"
         (listed,) = client.table().holders([LOCK], alert_threshold=ALERT, stale_threshold=STALE)
         assert (listed.holder, listed.token) == ("holder", live.token)
         status = subprocess.run(
@@ -853,7 +855,7 @@ def test_a_killed_holder_of_either_version_is_seen_alerted_on_and_reclaimed_by_t
         alert = reclaimer.expect("alert", timeout=STALE + 10)
         assert alert["holder"] == "holder"
         assert ALERT <= alert["seconds_since_heartbeat"] < STALE
-        wait_until(lambda: any(seen.alerting for seen in watcher.check()), timeout=STALE)
+        wait_until(lambda: any(observed.alerting for observed in watcher.check()), timeout=STALE)
         assert [call["holder"] for call in seen.named("alert")] == ["holder"], "the watcher alerted, once"
         labels = {"lock_name": LOCK}
         assert registry.get_sample_value("postgres_mutex_holder_info", {**labels, "holder": "holder"}) == 1
@@ -867,7 +869,7 @@ def test_a_killed_holder_of_either_version_is_seen_alerted_on_and_reclaimed_by_t
         sections.enter("reclaimer", at=got["at"]).exit = left["at"]
         reclaimer.expect("released", timeout=10)
         assert reclaimer.wait(30) == 0
-        assert [seen.holder for seen in watcher.check()] == [], "released"
+        assert watcher.check() == [], "released"
     assert sections.overlaps() == []
 
 

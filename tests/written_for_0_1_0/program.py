@@ -214,13 +214,16 @@ def exceptions_positional(trace: list[Any]) -> object:
 
 @check("LockAcquisitionTimeout built with keywords")
 def timeout_keywords(trace: list[Any]) -> object:
-    timeout = LockAcquisitionTimeout(lock_name="job", timeout=30)  # type: ignore[call-arg]
+    # Through Any: whether this version's signature takes these keywords is what the check finds out.
+    build: Any = LockAcquisitionTimeout
+    timeout = build(lock_name="job", timeout=30)
     return [str(timeout), timeout.lock_name, timeout.timeout]
 
 
 @check("LockNotHeldError built with keywords")
 def not_held_keywords(trace: list[Any]) -> object:
-    return LockNotHeldError(lock_name="job").lock_name  # type: ignore[call-arg]
+    build: Any = LockNotHeldError
+    return build(lock_name="job").lock_name
 
 
 # -- the lock ------------------------------------------------------------------
