@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -349,14 +350,18 @@ def _story(output: str) -> list[str]:
 
 
 def test_demo_on_a_throwaway_server_tells_the_whole_story_and_cleans_up() -> None:
-    tmp = Path(tempfile.gettempdir())
-    before = set(tmp.glob("postgres-mutex-data-*"))
-    result = cli("demo", timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert _story(result.stdout) == ["CRASHED", "ALERT", "RECLAIMED"]
-    assert "throwaway PostgreSQL" in result.stdout
-    assert "crash -> reclaim" in result.stdout
-    assert set(tmp.glob("postgres-mutex-data-*")) - before == set(), "its server's files are gone"
+    # A temporary directory of its own, as /tmp is (other test runs may start servers meanwhile).
+    tmp = Path(tempfile.mkdtemp(prefix="demo-tmp-"))
+    try:
+        tmp.chmod(0o1777)
+        result = cli("demo", env={"TMPDIR": str(tmp)}, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert _story(result.stdout) == ["CRASHED", "ALERT", "RECLAIMED"]
+        assert "throwaway PostgreSQL" in result.stdout
+        assert "crash -> reclaim" in result.stdout
+        assert list(tmp.glob("postgres-mutex-data-*")) == [], "its server's files are gone"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg.Connection[Any]) -> None:
@@ -376,6 +381,7 @@ def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg
         (["run", "--lock", "", "--", "true"], 2, "--lock must be 1 to 64 characters"),
         (["run", "--lock", "x", "--alert-threshold", "700", "--", "true"], 2, "--alert-threshold (700s) must be"),
         (["run", "--lock", "x", "--heartbeat-interval", "-1", "--", "true"], 2, "heartbeat-interval"),
+        (["run", "--lock", "x", "--timeout", "5", "--", "true"], 2, "pass --wait, or drop --timeout"),
         (["status", "--table", "no_such_table"], 69, "postgres-mutex init"),
         (["watch", "--listen", "nonsense"], 2, "HOST:PORT"),
     ],
@@ -555,10 +561,30 @@ def test_a_terminated_demo_still_removes_its_server_and_files(workers: list[subp
         if "started a throwaway PostgreSQL" in line:
             break
     port = line.rsplit(":", 1)[1].strip()
+    # Its own workers only: other test runs may run a demo meanwhile.
+    wait_until(lambda: _children_running(proc.pid, "postgres_mutex._demo"), timeout=30)
+    its_workers = _children_running(proc.pid, "postgres_mutex._demo")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     # Other test servers may start meanwhile: only a directory of the demo's own server counts.
     left = [path for path in set(tmp.glob("postgres-mutex-data-*")) - before if _serves_port(path, port)]
     assert left == [], "its data directory is removed"
     assert _processes_with(f"-p {port} ") == [], "its PostgreSQL is stopped"
-    assert _processes_with("postgres_mutex._demo") == [], "no worker left behind"
+    assert [pid for pid in its_workers if Path(f"/proc/{pid}").exists()] == [], "no worker left behind"
+
+
+def _children_running(parent: int, marker: str) -> list[int]:
+    """PIDs of ``parent``'s children whose command line contains ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and marker in cmdline:
+            found.append(int(entry.name))
+    return found

@@ -627,3 +627,99 @@ def test_asynchronous_replication_a_just_acquired_row_can_vanish_with_the_old_pr
         told_by="its next heartbeat (row gone)",
         bound="heartbeat_interval + connect_timeout + operation_timeout (the holder's next heartbeat)",
     )
+
+
+def test_asynchronous_replication_the_fence_rejects_the_old_holders_writes_while_it_still_believes(
+    async_cluster: PatroniCluster, lock_name: str, figures: Figures
+) -> None:
+    """The row vanished with the old primary and another process holds the lock on the new one.
+
+    The old holder still believes it holds the lock (here its heartbeats are
+    held back, as a paused process's would be, so the belief lasts until its
+    lease runs out). Every write it fences is refused on the new primary: the
+    lock's row there is the new holder's. The new holder's token is greater
+    than every token the new primary had seen; it need not be greater than
+    the lost hold's, which the new primary never saw.
+    """
+    cluster = async_cluster
+    leader = cluster.leader()
+    ledger = f"ledger_{lock_name.replace('-', '_')}"
+    with psycopg.connect(cluster.dsn(connect_timeout=5), autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {ledger} (id int PRIMARY KEY, writer text, token bigint)")
+        admin.execute(f"INSERT INTO {ledger} VALUES (1, 'nobody', 0)")  # noqa: S608
+    ha = HA(cluster, lock_name)
+    try:
+        old, new = ha.mutex("old-holder"), ha.mutex("new-holder")
+        with old.acquire():  # replicated: the new primary has seen this token
+            seen_token = old.token
+        caught_up(leader, cluster.node(other_name(cluster, leader)))
+        with contextlib.ExitStack() as stack:
+            with cluster.replication_paused(leader):
+                assert stack.enter_context(old.acquire()), "acquired on the leader alone"
+                lost_token = old.token
+                hold = old._lock.hold
+                assert hold is not None
+                hold.paused = True  # no heartbeat: it goes on believing, as a paused process would
+                cluster.kill_node(leader)
+            cluster.wait_leader(other_than=leader, timeout=FAILOVER_DEADLINE)
+            assert stack.enter_context(new.acquire(blocking=True, timeout=FAILOVER_DEADLINE))
+            assert old.held, "the old holder still believes it holds the lock"
+            with psycopg.connect(cluster.dsn(connect_timeout=5)) as conn:
+                with pytest.raises(LockNotHeldError, match="changed hands"), old.fenced(conn):
+                    conn.execute(
+                        f"UPDATE {ledger} SET writer = 'old-holder', token = %s WHERE id = 1",  # noqa: S608
+                        (lost_token,),
+                    )
+                with new.fenced(conn) as token:
+                    conn.execute(
+                        f"UPDATE {ledger} SET writer = 'new-holder', token = %s WHERE id = 1",  # noqa: S608
+                        (token,),
+                    )
+            new_token = new.token
+            with psycopg.connect(cluster.dsn(connect_timeout=5), autocommit=True) as admin:
+                assert admin.execute(f"SELECT writer, token FROM {ledger}").fetchone() == (  # noqa: S608
+                    "new-holder",
+                    new_token,
+                ), "only the current holder's fenced write landed"
+            assert seen_token is not None
+            assert lost_token is not None
+            assert new_token is not None
+            assert new_token > seen_token, "greater than every token the new primary had seen"
+            hold.paused = False
+            with contextlib.suppress(LockNotHeldError):
+                stack.close()
+        figures.record(
+            "asynchronous replication, fenced writes of the old holder",
+            old_holder_fenced_write="refused (LockNotHeldError), rolled back",
+            new_holder_fenced_write="landed",
+            token_replicated_before=seen_token,
+            token_lost_with_old_primary=lost_token,
+            token_of_new_holder=new_token,
+            new_token_greater_than_lost_one=new_token > lost_token,
+        )
+    finally:
+        ha.close()
+        cluster.heal()
+        with psycopg.connect(cluster.dsn(connect_timeout=5), autocommit=True) as admin:
+            admin.execute(f"DROP TABLE IF EXISTS {ledger}")
+
+
+def caught_up(leader: Node, standby: Node) -> None:
+    """Wait until ``standby`` has replayed everything ``leader`` has written so far."""
+    with psycopg.connect(leader.dsn(connect_timeout=5), autocommit=True) as conn:
+        found = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert found is not None
+    target = found[0]
+
+    def replayed() -> bool:
+        with psycopg.connect(standby.dsn(connect_timeout=5), autocommit=True) as conn:
+            row = conn.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)).fetchone()
+        return bool(row and row[0])
+
+    wait_until(replayed, timeout=30, interval=0.1)
+
+
+def other_name(cluster: PatroniCluster, leader: Node) -> str:
+    """The name of the node that is not ``leader`` (the cluster has two)."""
+    [name] = [node.name for node in cluster.nodes if node.name != leader.name]
+    return name

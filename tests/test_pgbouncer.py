@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 import pytest
@@ -447,6 +447,50 @@ def test_session_mode_a_client_beyond_the_pool_size_times_out_instead_of_hanging
         "session mode, dsn mode: a third client with default_pool_size 2",
         statement_gave_up_after_s=refused_after,
         blocking_acquire_timeout_1_5s_gave_up_after_s=gave_up_after,
+    )
+
+
+@pytest.mark.parametrize("pool_mode", ["transaction", "session"])
+def test_one_client_holds_hundreds_of_locks_through_a_pool_of_two_server_connections(
+    pg: PostgresServer,
+    lock_name: str,
+    schema: None,
+    admin: psycopg.Connection[Any],
+    pool_mode: Literal["transaction", "session"],
+    figures: Figures,
+) -> None:
+    """The many-locks client behind a small ``default_pool_size``: one heartbeat statement renews them all."""
+    count = 300
+    events = Events()
+    with PgBouncer(pg, pool_mode=pool_mode, default_pool_size=2) as bouncer, MutexClient(bouncer.dsn()) as client:
+        mutexes = [client.mutex(f"{lock_name}-{n}", metrics=events, **TIMING) for n in range(count)]
+        with contextlib.ExitStack() as stack:
+            for mutex in mutexes:
+                assert stack.enter_context(mutex.acquire())
+            started = time.monotonic()
+
+            def renewals() -> int:
+                first = mutexes[0].instance_id
+                return sum(
+                    1 for e in events.named("heartbeat_latency") if e.fields["instance_id"] == first and e.at > started
+                )
+
+            wait_until(lambda: renewals() >= 10, timeout=30)
+            oldest = admin.execute(
+                "SELECT count(*), max(EXTRACT(EPOCH FROM now() - last_heartbeat))::float8 "
+                "FROM mutex_lock WHERE lock_name LIKE %s",
+                (f"{lock_name}-%",),
+            ).fetchone()
+            assert oldest is not None
+            assert oldest[0] == count
+            assert oldest[1] < 3 * HEARTBEAT, "every row renewed within a few heartbeat intervals"
+            assert all(mutex.held for mutex in mutexes)
+            assert events.named("lost") == []
+        assert all(not mutex.held for mutex in mutexes), "all released"
+    figures.record(
+        f"{pool_mode} mode: {count} locks on one client, default_pool_size 2",
+        oldest_heartbeat_s=round(oldest[1], 3),
+        heartbeats_of_one_lock=renewals(),
     )
 
 

@@ -400,7 +400,11 @@ def compare_surfaces(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 LIBRARY_CHANGE = "library change wanted"
 """Marks a surface difference whose fix a strict xfail here describes."""
-KEYWORDS = f"{LIBRARY_CHANGE}: see the checks 'LockAcquisitionTimeout built with keywords' and 'LockNotHeldError ...'"
+KEYWORDS = (
+    "0.1.0's calls work unchanged, by position and by keyword (LockAcquisitionTimeout('job', 30), "
+    "LockNotHeldError(lock_name='job')): the first positional parameter is now the message, taken for the lock "
+    "name when lock_name is not given; the program's checks of both are run"
+)
 
 SURFACE_CHANGES: dict[str, str] = {
     "Requires-Python: >=3.10 -> >=3.11": (
@@ -419,17 +423,12 @@ SURFACE_CHANGES: dict[str, str] = {
     "Mutex.async_pool: a plain attribute, now a read-only property": "a Mutex is bound to its client when constructed",
     "Mutex.config: a plain attribute, now a read-only property": "settings are validated once, at construction",
     "Mutex.metrics: a plain attribute, now a read-only property": "the hook is wrapped once, at construction",
+    "LockAcquisitionTimeout(lock_name): POSITIONAL_OR_KEYWORD -> KEYWORD_ONLY": KEYWORDS,
+    "LockNotHeldError(lock_name): POSITIONAL_OR_KEYWORD -> KEYWORD_ONLY": KEYWORDS,
     "isinstance(a hook with 0.1.0's six methods, MetricsHook): True -> False": (
         "MetricsHook lists every call the library makes (13 now); a hook may still implement any subset, "
         "only isinstance() against the Protocol needs them all"
     ),
-    "LockAcquisitionTimeout(lock_name): POSITIONAL_OR_KEYWORD -> KEYWORD_ONLY": KEYWORDS,
-    "LockAcquisitionTimeout(message): a new required parameter": KEYWORDS,
-    "LockNotHeldError(lock_name): POSITIONAL_OR_KEYWORD -> KEYWORD_ONLY": KEYWORDS,
-    "LockNotHeldError(message): a new required parameter": KEYWORDS,
-    "postgres_mutex.exceptions: gone": f"{LIBRARY_CHANGE}: see test_0_1_0s_public_submodules_still_import",
-    "postgres_mutex.metrics: gone": f"{LIBRARY_CHANGE}: see test_0_1_0s_public_submodules_still_import",
-    "postgres_mutex.mutex: gone": f"{LIBRARY_CHANGE}: see test_0_1_0s_public_submodules_still_import",
 }
 """Every way this version's surface differs from 0.1.0's, with why (see docs/how-to/upgrading.md)."""
 
@@ -458,15 +457,6 @@ def test_every_public_name_and_member_of_0_1_0_is_here_with_a_compatible_signatu
     assert vanished == [], "these differences are gone: remove them from SURFACE_CHANGES and the upgrade guide"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "library change wanted: 0.1.0 had public modules postgres_mutex.exceptions (PgMutexError, "
-        "LockAcquisitionTimeout, LockNotHeldError), postgres_mutex.metrics (MetricsHook, NullMetrics) and "
-        "postgres_mutex.mutex (Mutex, MetricsHook); add the three as compatibility modules that re-export those "
-        "names from their new homes"
-    ),
-)
 def test_0_1_0s_public_submodules_still_import(release_0_1_0: Release) -> None:
     import importlib
 
@@ -534,35 +524,7 @@ CHANGED: dict[str, tuple[dict[str, Any], str]] = {
 }
 """Checks whose outcome changed on purpose: the outcome now, and why (docs/how-to/upgrading.md)."""
 
-NEEDS_LIBRARY_CHANGE: dict[str, str] = {
-    "an empty instance_id": (
-        "library change wanted: Mutex(..., instance_id='') chose a default id in 0.1.0 "
-        "('instance_id or default_instance_id()'); this version raises ValueError, so a deployment passing an unset "
-        "environment variable stops at start-up. In Mutex.__init__, treat '' as None (a default id, not an "
-        "explicit one) before check_name"
-    ),
-    "LockAcquisitionTimeout built with keywords": (
-        "library change wanted: LockAcquisitionTimeout(lock_name='job', timeout=30) worked in 0.1.0; make "
-        "errors.LockAcquisitionTimeout.__init__ take message: str | None = None and, when message is None, build "
-        "0.1.0's message from lock_name and timeout"
-    ),
-    "LockNotHeldError built with keywords": (
-        "library change wanted: LockNotHeldError(lock_name='job') worked in 0.1.0; make "
-        "errors.LockNotHeldError.__init__ take message: str | None = None and, when message is None, build 0.1.0's "
-        "message from lock_name"
-    ),
-    "a blocking acquire() whose timeout is already negative, lock busy": (
-        "library change wanted: 0.1.0 made one attempt and raised LockAcquisitionTimeout (a free lock was "
-        "acquired); this version raises ValueError, which a handler of LockAcquisitionTimeout does not catch "
-        "(timeout=deadline - now() goes negative). In _mutex._check_wait, treat a negative timeout as 0"
-    ),
-    "a non-blocking acquire() given a timeout, lock busy": (
-        "library change wanted: 0.1.0 ignored timeout without blocking=True (acquire(timeout=5) and "
-        "singleton(timeout=30) were non-blocking tries); this version raises ValueError, at decoration time for "
-        "singleton. In _mutex._check_wait, ignore the timeout when blocking is False and warn with a "
-        "DeprecationWarning (stacklevel pointing at the caller) that it has no effect"
-    ),
-}
+NEEDS_LIBRARY_CHANGE: dict[str, str] = {}
 """Checks where 0.1.0's behaviour should come back: each a strict xfail, its reason the change needed."""
 
 WARNED = {"a non-blocking acquire() given a timeout, lock busy": "DeprecationWarning"}
@@ -956,17 +918,6 @@ def test_a_new_only_feature_degrades_clearly_on_a_0_1_0_table(fleet: Fleet, rele
                 mine.fence(conn)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "library change wanted: a process that read the table's shape before LockTable.migrate() keeps using the "
-        "statements without tokens until it restarts, and when it takes a row over (reclaim, own-row re-acquire) "
-        "the row keeps the previous hold's token, so status shows an old token for the new holder. Fix in "
-        "_sql.Statements: on the legacy shape, return to_jsonb(existing) -> 'token' from the acquire statement; "
-        "when it is not NULL the table was migrated: drop the cached shape and, for a takeover, set a fresh token "
-        "(UPDATE ... SET token = nextval(seq)) before reporting the acquisition"
-    ),
-)
 def test_a_process_that_used_the_table_before_its_migration_never_leaves_an_old_token_in_its_row(
     fleet: Fleet, release_0_1_0: Release
 ) -> None:

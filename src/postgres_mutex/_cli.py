@@ -139,6 +139,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise _UsageError("run needs a command after --, e.g. postgres-mutex run --lock job -- ./job.sh")
+    if args.timeout is not None and not args.wait:
+        raise _UsageError("--timeout applies only to a wait: pass --wait, or drop --timeout")
     # A lost lock is declared one heartbeat interval before anyone may reclaim
     # it: the command must be gone (SIGKILL included) within that interval.
     kill_after = args.heartbeat_interval / 2 if args.kill_after is None else args.kill_after

@@ -435,6 +435,8 @@ class _Steps:
         if isinstance(op, flows.Execute):
             return engine.execute(op)
         if isinstance(op, flows.Shape):
+            if op.fresh:
+                engine.client._shapes.pop(op.names.table_name, None)
             return engine.shape(op.names, op.timeout)
         if isinstance(op, flows.Pause):
             sleep(op.seconds)

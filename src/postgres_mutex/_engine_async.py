@@ -435,6 +435,8 @@ class _Steps:
         if isinstance(op, flows.Execute):
             return await engine.execute(op)
         if isinstance(op, flows.Shape):
+            if op.fresh:
+                engine.client._shapes.pop(op.names.table_name, None)
             return await engine.shape(op.names, op.timeout)
         if isinstance(op, flows.Pause):
             await asleep(op.seconds)

@@ -10,7 +10,7 @@ to the outside world is told by `LockEvents`. Nothing here does I/O.
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -98,6 +98,8 @@ class Shape:
 
     names: Names
     timeout: float
+    fresh: bool = False
+    """Inspect the table again even if the engine knows its shape (it changed since)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +320,8 @@ def _attempt_until_done(
                 continue
 
             result = interpret_acquire(reply.row, lock.instance_id)
+            if result.outcome.acquired and not statements.shape.tokens and result.token is not None:
+                result = yield from _tokens_appeared(lock, result, statement_timeout)
             progress.result = result
             if result.outcome.acquired:
                 assert result.acquired_at is not None
@@ -341,7 +345,8 @@ def _attempt_until_done(
                 return None
             if _passed(deadline):
                 raise LockAcquisitionTimeout(
-                    f"lock {lock.lock_name!r} still held by {result.holder or 'another instance'} after {timeout:g}s",
+                    f"lock {lock.lock_name!r} still held by {result.holder or 'another instance'} "
+                    f"after {max(timeout or 0.0, 0.0):g}s",
                     timeout,
                     lock_name=lock.lock_name,
                     holder=result.holder,
@@ -362,6 +367,26 @@ def _attempt_until_done(
     finally:
         if listening:
             yield StopListening()
+
+
+def _tokens_appeared(lock: LockState, result: AcquireResult, timeout: float) -> Flow[AcquireResult]:
+    """The table was migrated while this process used it without tokens: use its new shape from now on.
+
+    A fresh row took its token from the column's default. A row taken over
+    kept the previous hold's, which must not name this one: it gets a new
+    token (or none, if that fails: fencing then says the hold has none).
+    """
+    taken_over = result.outcome is not Outcome.ACQUIRED
+    token = None if taken_over else result.token
+    try:
+        statements: Statements = yield Shape(lock.names, timeout, fresh=True)
+        if taken_over and statements.retoken is not None:
+            params = {**lock.params(), "acquired_at": result.acquired_at}
+            reply = yield Execute(statements.retoken, params, timeout, lock.describe("acquire"))
+            token = None if reply.row is None else reply.row[0]
+    except DatabaseError:
+        pass  # the hold stands; only its token is unknown
+    return replace(result, token=token)
 
 
 def _retry_at_once(exc: DatabaseError) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
@@ -102,6 +104,8 @@ class Mutex:
         if lock_name is None:
             raise _MissingLockName("Mutex() needs a lock_name: Mutex(dsn, 'nightly-report')")
         check_name(lock_name, "lock_name")
+        if instance_id == "":
+            instance_id = None  # as in 0.1.0: an unset environment variable means the default id
         if instance_id is not None:
             check_name(instance_id, "instance_id")
         if on_lost is not None and not callable(on_lost):
@@ -579,7 +583,15 @@ def _check_wait(blocking: object, timeout: object) -> float | None:
         raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
     if timeout is None:
         return None
-    seconds = check_seconds(timeout, "timeout", allow_zero=True)
     if not blocking:
-        raise ValueError("timeout applies only to a blocking acquire: pass blocking=True, or drop timeout")
-    return seconds
+        # 0.1.0 ignored it: programs written for it pass one to non-blocking tries.
+        warnings.warn(
+            "timeout has no effect on a non-blocking acquire: pass blocking=True to wait, or drop timeout",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return None
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and -math.inf < timeout < 0:
+        # A deadline already past (timeout=deadline - now()): one attempt, as in 0.1.0.
+        return float(timeout)
+    return check_seconds(timeout, "timeout", allow_zero=True)

@@ -146,6 +146,10 @@ SELECT (SELECT token FROM mine),
         return f"postgres_mutex_{digest[:40]}"
 
 
+_TOKEN_IF_ANY = sql.SQL("(to_jsonb({}) -> 'token')::bigint")
+"""The row's token if the table has that column, else NULL: valid SQL on both shapes."""
+
+
 class Statements:
     """The statements for one lock table of one shape.
 
@@ -190,7 +194,7 @@ class Statements:
     FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
 ), inserted AS (
-  INSERT INTO {table} (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column})
+  INSERT INTO {table} AS fresh (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column})
   VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token})
   ON CONFLICT (locked, lock_name) DO NOTHING
   RETURNING acquired_at, {inserted_token} AS token
@@ -219,8 +223,11 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
                 update_token=sql.SQL(",\n         token = nextval({})").format(names.sequence_text)
                 if tokens
                 else sql.SQL(""),
-                inserted_token=sql.SQL("token") if tokens else sql.SQL("NULL::bigint"),
-                taken_token=sql.SQL("existing.token") if tokens else sql.SQL("NULL::bigint"),
+                # Without a token column in this shape, still read one if the table has
+                # gained it since (a migration while this process ran): the flow
+                # then inspects the table again.
+                inserted_token=sql.SQL("fresh.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("fresh")),
+                taken_token=sql.SQL("existing.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("existing")),
                 # The history: a row for the new hold; the hold it replaced ended
                 # (reclaimed, or taken back by its own instance); expired rows go,
                 # a hundred at a time, so retention needs no cron job.
@@ -369,6 +376,22 @@ SELECT pg_notify(%(channel)s, '') FROM released"""
         # After an unanswered acquire the stamp is unknown: remove any row of ours.
         self.cleanup = statement(
             "clean-up", sql.SQL(release).format(table=t, scope=sql.SQL(""), ended=ending(sql.SQL("NULL")))
+        )
+
+        # A new token for a row taken over by a process that did not know the
+        # table had tokens (it was migrated meanwhile): the row kept the old one.
+        self.retoken = (
+            statement(
+                "acquire",
+                sql.SQL(
+                    """UPDATE {table} SET token = nextval({sequence})
+ WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s
+   AND acquired_at = %(acquired_at)s
+RETURNING token"""
+                ).format(table=t, sequence=names.sequence_text),
+            )
+            if tokens
+            else None
         )
 
         # Every held lock (or the given ones) with its ages by the server's clock.

@@ -48,12 +48,19 @@ class LockNotHeldError(MutexError):
     """
 
     def __init__(
-        self, message: str, *, lock_name: str | None = None, instance_id: str | None = None, reason: str = ""
+        self,
+        message: str | None = None,
+        *,
+        lock_name: str | None = None,
+        instance_id: str | None = None,
+        reason: str = "",
     ) -> None:
-        if lock_name is None:
-            # 0.1.0 took the lock name alone: LockNotHeldError("job").
-            lock_name = message
-            message = f"lock {lock_name!r} is not held by this instance"
+        if message is None or lock_name is None:
+            # 0.1.0 took the lock name alone: LockNotHeldError("job") or LockNotHeldError(lock_name="job").
+            lock_name = message if lock_name is None else lock_name
+            message = (
+                f"lock {lock_name!r} is not held by this instance (it may have been reclaimed after a missed heartbeat)"
+            )
         super().__init__(message)
         self.lock_name = lock_name
         self.instance_id = instance_id
@@ -69,15 +76,15 @@ class LockAcquisitionTimeout(MutexError, TimeoutError):
 
     def __init__(
         self,
-        message: str,
+        message: str | None = None,
         timeout: float | None = None,
         *,
         lock_name: str | None = None,
         holder: str | None = None,
     ) -> None:
-        if lock_name is None:
-            # 0.1.0 took (lock_name, timeout): LockAcquisitionTimeout("job", 30).
-            lock_name = message
+        if message is None or lock_name is None:
+            # 0.1.0 took (lock_name, timeout), by position or by keyword.
+            lock_name = message if lock_name is None else lock_name
             message = f"timed out after {timeout}s waiting to acquire lock {lock_name!r}"
         super().__init__(message)
         self.lock_name = lock_name
