@@ -406,3 +406,17 @@ def test_the_cli_creates_migrates_and_reads_the_history_in_text_and_json(
         assert cli("init", "--dsn", dsn, "--history-retention", "5").returncode == 2, "retention without --history"
     finally:
         drop(dsn, name)
+
+
+def test_dropping_the_history_under_running_holders_costs_them_nothing(
+    make: Callable[..., Mutex], dsn: str, table: str, lock_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    mutex, other = make(), make(lock_name=f"{lock_name}-other")
+    with mutex.acquire():
+        admin.execute(f"DROP TABLE {table}_history")  # an operator turns the history off
+        wait_until(functools.partial(renewed, mutex), timeout=10)  # the next heartbeat looks at the table again
+        assert mutex.held
+    assert not mutex.held, "released"
+    with other.acquire() as acquired:
+        assert acquired, "acquires go on without the history"
+    assert not LockTable(dsn, table=table).has_history()

@@ -50,7 +50,7 @@ from ._acompat import (
 )
 from ._clock import MAX_SLICE, now
 from ._connections import closed_while_idle, discard, unusable
-from ._rules import READ_ONLY, classify_failure
+from ._rules import READ_ONLY, SHAPE_CHANGED, classify_failure
 from ._settings import retry_pause
 from ._sql import Names, Statements
 from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, HeartbeatGroup, Hold, LockState, Phase
@@ -160,10 +160,15 @@ class Engine:
                 except _FAILURES as exc:
                     # As the statement left it, before the connection is put away.
                     lost = conn.closed or conn.broken
-                    if getattr(exc, "sqlstate", None) == READ_ONLY:
+                    sqlstate = getattr(exc, "sqlstate", None)
+                    if sqlstate == READ_ONLY:
                         # On a read-only node (a standby after a failover): only a
                         # new connection can reach the primary.
                         source.replace()
+                    elif sqlstate in SHAPE_CHANGED:
+                        # A table or column the statements name is gone (the history
+                        # dropped, say): inspect the table again before the next one.
+                        self.client._shapes.pop(op.statement.table, None)
                     raise
                 except BaseException:
                     # Interrupted mid-statement: a signal handler's exception (a job

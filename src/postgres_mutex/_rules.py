@@ -154,6 +154,9 @@ CANCELLED = "57014"
 # The role may not do what the statement needs.
 PRIVILEGE = "42501"
 UNDEFINED_COLUMN = "42703"
+UNDEFINED_TABLE = "42P01"
+SHAPE_CHANGED = frozenset({UNDEFINED_TABLE, UNDEFINED_COLUMN})
+"""A statement named a table or column that is not there: the table changed since it was inspected."""
 SERIALIZATION_FAILURE = "40001"
 
 # SQLSTATE classes that describe the moment, not the statement: connection

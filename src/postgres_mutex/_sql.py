@@ -230,7 +230,9 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
                 taken_token=sql.SQL("existing.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("existing")),
                 # The history: a row for the new hold; the hold it replaced ended
                 # (reclaimed, or taken back by its own instance); expired rows go,
-                # a hundred at a time, so retention needs no cron job.
+                # a hundred at a time, so retention needs no cron job. SKIP LOCKED:
+                # acquires of other locks sweeping at the same moment never wait
+                # for each other (nor deadlock) over the same expired rows.
                 history=sql.SQL(
                     """, opened AS (
   INSERT INTO {history} (lock_name, token, holder, acquired_at, keep_until)
@@ -247,7 +249,8 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
      AND past.holder = current.instance_id AND past.acquired_at = current.acquired_at
 ), expired AS (
   DELETE FROM {history}
-   WHERE id IN (SELECT id FROM {history} WHERE keep_until < now() ORDER BY keep_until LIMIT 100)
+   WHERE id IN (SELECT id FROM {history} WHERE keep_until < now()
+                 ORDER BY keep_until LIMIT 100 FOR UPDATE SKIP LOCKED)
 )"""
                 ).format(history=names.history)
                 if shape.history
