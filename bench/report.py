@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SECTIONS = ("meta", "latency", "target", "handoff", "contended", "ceiling", "many_locks", "pgbouncer")
+SECTIONS = ("meta", "latency", "target", "history", "handoff", "contended", "ceiling", "many_locks", "pgbouncer")
 """Every section the JSON has, in order (a skipped one says why)."""
 
 TARGET = 1.3
@@ -126,6 +126,37 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
         ],
         rows,
     )
+
+    kept = results["history"]
+    rows = []
+    for label, name, baseline, ratio in (
+        ("**Mutex cycle, sync**: `with mutex.acquire()`, table without a history", "cycle", None, None),
+        ("the same, table with a history", "cycle_history", "the cycle without", kept["cycle_ratio"]),
+        (
+            f"the same with a history, its acquire removing {kept['sweep_rows']} expired history rows",
+            "cycle_sweep",
+            "the cycle with a history, nothing to remove",
+            kept["sweep_ratio"],
+        ),
+        ("`mutex.heartbeat()` of a held lock, table without a history", "heartbeat", None, None),
+        ("the same, table with a history", "heartbeat_history", "the heartbeat without", kept["heartbeat_ratio"]),
+    ):
+        figures = kept[name]
+        rows.append(
+            [
+                label,
+                _ms(figures["median_ms"]),
+                _ms(figures["p99_ms"]),
+                "1 (baseline)" if ratio is None else f"{_x(ratio)} {baseline}",
+                f"{figures['client_cpu_us']:.0f} µs",
+            ]
+        )
+    out["history"] = [
+        f"One process, one connection per table, {kept['cycle']['n']} operations per row, interleaved rounds "
+        "after a warm-up.",
+        "",
+        *_table(["operation", "median", "p99", "ratio", "client CPU / op"], rows),
+    ]
 
     handoff = results["handoff"]
     select_1 = latency["select_1"]["median_ms"]
@@ -290,6 +321,7 @@ def markdown(results: dict[str, Any], *, markers: bool) -> str:
         "meta": None,
         "latency": "Latency, one client",
         "target": "Target: the Mutex cycle against its own statements sent raw",
+        "history": "The lock history's cost",
         "handoff": "Hand-off latency (release to the blocked waiter's acquire)",
         "contended": "Contended throughput (one lock)",
         "ceiling": "Server ceiling (distinct locks)",

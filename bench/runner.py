@@ -24,9 +24,9 @@ import psycopg
 
 import postgres_mutex
 
-from . import ceiling, contention, handoff, latency, many_locks, pgbouncer, report
+from . import ceiling, contention, handoff, history, latency, many_locks, pgbouncer, report
 from .latency import Sizes
-from .servers import bench_table
+from .servers import HISTORY_TABLE, bench_table
 from .servers import pgbouncer as start_pgbouncer
 from .servers import server as start_server
 
@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         select_1 = timed["select_1"].median
         results["latency"] = {name: value.summary(select_1) for name, value in timed.items()}
         results["target"] = report.target(results["latency"])
+
+        progress("the lock history's cost: the same operations on a table with a history and without")
+        with bench_table(target.dsn, HISTORY_TABLE, history=True) as history_table:
+            results["history"] = history.run(target.dsn, table, history_table, plan.latency)
 
         progress(f"hand-off, {plan.handoffs} times")
         results["handoff"] = handoff.run(target.dsn, table, plan.handoffs, max_seconds=60 + plan.handoffs * 0.2)

@@ -26,9 +26,13 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from postgres_mutex import LockTable
+from postgres_mutex._sql import Names
 
 TABLE = "mutex_lock_bench"
 """The bench's own lock table: created at the start, dropped at the end."""
+
+HISTORY_TABLE = "mutex_lock_bench_hist"
+"""The same with a lock history (``mutex_lock_bench_hist_history``), for what the history costs."""
 
 
 @dataclass(frozen=True)
@@ -61,15 +65,15 @@ def _version(dsn: str) -> str:
 
 
 @contextlib.contextmanager
-def bench_table(dsn: str) -> Iterator[str]:
-    """The bench's lock table, fresh; dropped (with its sequence) at the end."""
-    drop = sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(sql.Identifier(TABLE))
+def bench_table(dsn: str, name: str = TABLE, *, history: bool = False) -> Iterator[str]:
+    """A lock table of the bench's, fresh; dropped (with its sequence and any history) at the end."""
+    drop = sql.SQL("DROP TABLE IF EXISTS {}, {} CASCADE").format(sql.Identifier(name), Names(name).history)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(drop)
-    table = LockTable(dsn, table=TABLE)
-    table.create()
+    table = LockTable(dsn, table=name)
+    table.create(history=history)
     try:
-        yield TABLE
+        yield name
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(drop)

@@ -71,17 +71,27 @@ AsyncOp = Callable[[], Awaitable[object]]
 
 
 class Measure:
-    """One thing to time: a sync callable, or an async one run on ``runner``'s event loop."""
+    """One thing to time: a sync callable, or an async one run on ``runner``'s event loop.
 
-    def __init__(self, name: str, op: SyncOp | None = None, aop: AsyncOp | None = None) -> None:
+    ``setup`` (sync only) runs before each operation, outside its timing and its CPU time:
+    what the operation needs to find, and must not be charged for.
+    """
+
+    def __init__(
+        self, name: str, op: SyncOp | None = None, aop: AsyncOp | None = None, *, setup: SyncOp | None = None
+    ) -> None:
         assert (op is None) != (aop is None)
+        assert setup is None or op is not None, "setup is for sync measures"
         self.name = name
         self._op = op
         self._aop = aop
+        self._setup = setup
         self.timed = Timed()
 
     def round(self, count: int, runner: asyncio.Runner | None, *, record: bool = True) -> None:
-        if self._op is not None:
+        if self._op is not None and self._setup is not None:
+            samples, cpu = _sync_round_with_setup(self._op, self._setup, count)
+        elif self._op is not None:
             samples, cpu = _sync_round(self._op, count)
         else:
             assert self._aop is not None
@@ -101,6 +111,20 @@ def _sync_round(op: SyncOp, count: int) -> tuple[list[float], float]:
         op()
         samples.append(clock() - started)
     return samples, time.process_time() - cpu0
+
+
+def _sync_round_with_setup(op: SyncOp, setup: SyncOp, count: int) -> tuple[list[float], float]:
+    samples = []
+    cpu = 0.0
+    clock = time.perf_counter
+    for _ in range(count):
+        setup()
+        cpu0 = time.process_time()
+        started = clock()
+        op()
+        samples.append(clock() - started)
+        cpu += time.process_time() - cpu0
+    return samples, cpu
 
 
 async def _async_round(op: AsyncOp, count: int) -> tuple[list[float], float]:

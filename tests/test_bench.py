@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from bench.report import LATENCY_LABELS, SECTIONS
@@ -54,6 +55,30 @@ def test_a_quick_run_reports_every_section(quick_run: tuple[dict[str, Any], str,
     if shutil.which("pgbouncer") is not None:
         assert "skipped" not in results["pgbouncer"]
         assert results["pgbouncer"]["pgbouncer"]["mutex_sync"]["n"] > 0
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
+def test_the_history_is_timed_next_to_the_same_operations_without_it(
+    quick_run: tuple[dict[str, Any], str, Path], dsn: str
+) -> None:
+    results, stdout, _ = quick_run
+    kept = results["history"]
+    for name in ("cycle", "cycle_history", "cycle_sweep", "heartbeat", "heartbeat_history"):
+        assert kept[name]["n"] > 0
+        assert kept[name]["median_ms"] > 0
+    for ratio, measure, baseline in (
+        ("cycle_ratio", "cycle_history", "cycle"),
+        ("heartbeat_ratio", "heartbeat_history", "heartbeat"),
+        ("sweep_ratio", "cycle_sweep", "cycle_history"),
+    ):
+        assert kept[ratio] == pytest.approx(kept[measure]["median_ms"] / kept[baseline]["median_ms"], rel=0.01)
+    assert kept["expired_left"] == 0, "each acquire removed the expired rows put in its way"
+    assert "## The lock history's cost" in stdout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT to_regclass('mutex_lock_bench_hist'), to_regclass('mutex_lock_bench_hist_history')"
+        ).fetchone()
+    assert left == (None, None), "the bench drops its tables"
 
 
 @pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
