@@ -211,6 +211,28 @@ def test_resign_hands_over_at_once_and_keeps_campaigning(make_election: Make, ca
     first.stop()
 
 
+def test_close_while_lead_runs_releases_only_once_lead_returned(
+    make_election: Make, candidates: list[Candidate], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    held_when_told: list[int | None] = []
+    closed = threading.Event()
+
+    def lead(leadership: Leadership) -> None:
+        leadership.ended.wait()
+        closed.wait(10)
+        held_when_told.append(token_in_table(admin, lock_name))
+
+    candidate = Candidate(make_election(), lead=lead)
+    candidates.append(candidate.start())
+    wait_until(candidate.leading)
+    candidate.election.close()  # from another thread than run's
+    closed.set()
+    candidate.thread.join(10)
+    assert not candidate.thread.is_alive()
+    assert held_when_told == [candidate.terms[0].token], "the lock was still held while lead ran"
+    assert token_in_table(admin, lock_name) is None, "released once lead returned"
+
+
 @pytest.mark.parametrize("mode", ["dsn", "pool"])
 def test_stop_while_campaigning_returns_at_once(
     make_election: Make, make_mutex: Callable[..., Mutex], dsn: str, candidates: list[Candidate], mode: str

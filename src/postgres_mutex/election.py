@@ -372,6 +372,7 @@ class Election:
         self._term: Leadership | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
+        self._close_when_done = False
 
     # -- introspection -------------------------------------------------------------
 
@@ -445,6 +446,8 @@ class Election:
                     self._stopped.wait(pause)
         finally:
             self._events.stopped()
+            if self._close_when_done:
+                self._mutex.close()
             self._running.release()
 
     def _serve(self, lead: Lead) -> float | None:
@@ -516,6 +519,8 @@ class Election:
         finally:
             self._events.stopped()
             self._loop = self._wakeup = None
+            if self._close_when_done:
+                await self._mutex.aclose()
             self._running.release()
 
     async def _serve_async(self, lead: AsyncLead) -> float | None:
@@ -674,14 +679,29 @@ class Election:
         return term is not None and term._end("resigned", _RESIGNED)
 
     def close(self) -> None:
-        """`stop`, then close the Mutex underneath (releasing its lock if it still holds it)."""
+        """`stop`, then close the Mutex underneath; safe to call while `run` runs.
+
+        A run still in progress closes it itself once ``lead`` has returned
+        and the lock is released, so closing never releases the lock under a
+        running ``lead``.
+        """
         self.stop()
-        self._mutex.close()
+        self._close_when_done = True
+        if self._running.acquire(blocking=False):  # no run in progress: close now
+            try:
+                self._mutex.close()
+            finally:
+                self._running.release()
 
     async def aclose(self) -> None:
         """Async `close`."""
         self.stop()
-        await self._mutex.aclose()
+        self._close_when_done = True
+        if self._running.acquire(blocking=False):
+            try:
+                await self._mutex.aclose()
+            finally:
+                self._running.release()
 
     def __enter__(self) -> Election:
         return self
