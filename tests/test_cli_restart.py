@@ -15,8 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import Mutex
-from tests.fixtures import wait_until
+from tests.fixtures import read_held, start_worker, wait_until
 from tests.test_cli import FAST_FLAGS, cli, python, start
 
 Holder = Callable[..., str | None]
@@ -139,23 +138,30 @@ def test_a_command_that_exits_is_run_again_after_a_back_off(
 
 
 def test_sigterm_while_waiting_for_the_lock_stops_the_runner_at_once(
-    make_mutex: Callable[..., Mutex],
     dsn: str,
+    lock_name: str,
     admin: psycopg.Connection[Any],
     holder_id: Holder,
     runners: list[subprocess.Popen[str]],
 ) -> None:
-    holder = make_mutex()
-    with holder.acquire():
-        proc, _, err = runner("--dsn", dsn, "--lock", holder.lock_name, "--restart", "--", "echo", "never")
-        runners.append(proc)
-        wait_until(waiting_for_the_lock(admin, proc), timeout=15)
-        signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 128 + signal.SIGTERM
-        assert time.monotonic() - signalled < 2.0, "not after a poll interval or a timeout"
-        assert holder_id() == holder.instance_id, "the holder was not disturbed"
+    # A holder in a process of its own: an in-process client's threads would linger into later tests.
+    holder = start_worker("hold", dsn, lock_name)
+    runners.append(holder)
+    holder_instance = read_held(holder)
+    proc, _, err = runner("--dsn", dsn, "--lock", lock_name, "--restart", "--", "echo", "never")
+    runners.append(proc)
+    wait_until(waiting_for_the_lock(admin, proc), timeout=15)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 128 + signal.SIGTERM
+    assert time.monotonic() - signalled < 2.0, "not after a poll interval or a timeout"
+    assert holder_id() == holder_instance, "the holder was not disturbed"
     assert "stopped by signal SIGTERM" in err.next()
+    holder.kill()
+    holder.wait(timeout=10)
+    for stream in (holder.stdout, holder.stderr):
+        if stream is not None:
+            stream.close()
 
 
 def test_two_runners_keep_one_command_running_and_hand_over_at_once(
