@@ -654,6 +654,26 @@ def test_fencing_with_a_term_rejects_a_former_leaders_writes(
     candidate.stop()
 
 
+def test_a_lead_fenced_out_ends_its_term_as_lost_not_as_a_failure(
+    make_election: Make, dsn: str, lock_name: str, metrics: RecordingMetrics
+) -> None:
+    # The row is deleted and the heartbeat is slow to notice: the fenced write is the first to know.
+    election = make_election(heartbeat_interval=0.5, alert_threshold=1.0, stale_threshold=3.0, metrics=metrics)
+
+    def lead(leadership: Leadership) -> None:
+        LockTable(dsn).force_release(lock_name)
+        try:
+            with psycopg.connect(dsn) as conn, leadership.fenced(conn):
+                pass  # never reached: fenced out
+        finally:
+            election.stop()  # one term is enough
+
+    election.run(lead)
+    (ended,) = metrics.named("election_term_ended")
+    assert ended["ended"] == "lost"
+    assert metrics.named("election_lead_failed") == [], "no back-off for a lost term"
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 

@@ -265,9 +265,9 @@ class ElectionEvents:
         self.hook.election_lead_failed(self.lock_name, instance_id=self.instance_id, error=error, backoff=backoff)
 
     def raised_after_end(self, error: BaseException) -> None:
-        """``lead`` raised once told to stop leading: how it stopped, not a failure."""
+        """``lead`` raised as its term ended (told to stop, or the lock lost): how it stopped, not a failure."""
         logger.info(
-            "election %r: lead raised %s after it was told to stop leading (not counted as a failure): %s",
+            "election %r: lead raised %s as its term ended (not counted as a failure): %s",
             self.lock_name,
             type(error).__name__,
             error,

@@ -191,16 +191,25 @@ class Leadership:
         """`Mutex.fence` for this term: in ``conn``'s open transaction, check that this term still holds the lock.
 
         Returns the token; raises `LockNotHeldError` if the lock changed
-        hands since (roll the transaction back). A term told to end but not
-        yet released still passes: until ``lead`` returns, the lock is its.
+        hands since (roll the transaction back), which also ends the term as
+        lost. A term told to end but not yet released still passes: until
+        ``lead`` returns, the lock is its.
         """
         self._require_current()
-        return self._check_token(self._mutex.fence(conn))
+        try:
+            return self._check_token(self._mutex.fence(conn))
+        except LockNotHeldError as exc:
+            self._end("lost", f"leadership was lost: {exc.reason}")
+            raise
 
     async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
         """Async `fence`, on an `AsyncConnection`."""
         self._require_current()
-        return self._check_token(await self._mutex.fence_async(conn))
+        try:
+            return self._check_token(await self._mutex.fence_async(conn))
+        except LockNotHeldError as exc:
+            self._end("lost", f"leadership was lost: {exc.reason}")
+            raise
 
     @contextlib.contextmanager
     def fenced(self, conn: psycopg.Connection[Any]) -> Iterator[int]:
@@ -271,9 +280,10 @@ class _Policy:
         """How the term ended. ``told``: how it was told to end before ``lead`` returned (None: it was not)."""
         if told is not None:
             return told
-        if error is not None:
+        if error is not None and not (isinstance(error, LockNotHeldError) and term._ending == "lost"):
             return "failed"
-        return term._ending or "returned"  # a loss found only by the release counts as one
+        # A loss found only by the release counts as one, and so does lead's LockNotHeldError then.
+        return term._ending or "returned"
 
     def pause_after(self, ended: str) -> float:
         """Seconds to wait before campaigning again.
