@@ -78,6 +78,15 @@ STATE_MAPPING = ValueMap(
 QUANTILES = (0.5, 0.95, 0.99)
 """The latency percentiles drawn for each histogram."""
 
+LEADERS_MAPPING = ValueMap(
+    options={
+        "0": ValueMappingResult(text="NO LEADER", color="red", index=0),
+        "1": ValueMappingResult(text="LEADER", color="green", index=1),
+        "2": ValueMappingResult(text="TWO LEADERS", color="purple", index=2),
+    }
+)
+"""Display of the number of leaders an election reports: one is right, none is an outage."""
+
 UP_MAPPING = ValueMap(
     options={
         "0": ValueMappingResult(text="DOWN", color="red", index=0),
@@ -414,6 +423,79 @@ def watcher_errors() -> timeseries.Panel:
     )
 
 
+def _leaders_expr() -> str:
+    """How many processes report leading each election (0 while its candidates only campaign)."""
+    return f"sum by (lock_name) ({selector(m.ELECTION_LEADING)})"
+
+
+def election_leaders() -> timeseries.Panel:
+    """Leaders and candidates per election: one leader is right; none while candidates wait is an outage."""
+    return (
+        _graph(
+            "Leaders and candidates",
+            "Per election (its lock's name): processes that report leading it, and candidates campaigning or "
+            "leading. One leader is right. None while there are candidates: no term is running (a failover "
+            "waiting out stale_threshold, or every lead failing). Above 1 only for a scrape or two around a "
+            "hand-over, since processes are scraped at different moments.",
+            COUNT,
+            (_leaders_expr(), "leaders {{lock_name}}"),
+            (f"sum by (lock_name) ({selector(m.ELECTION_CANDIDATES)})", "candidates {{lock_name}}"),
+        )
+        .decimals(0)
+        .line_interpolation(common.LineInterpolation.STEP_AFTER)
+    )
+
+
+def election_state_history() -> statetimeline.Panel:
+    """When each election had a leader, and for how long it had none (at the resolution of the scrapes)."""
+    return (
+        statetimeline.Panel()
+        .title("Leadership over time")
+        .description(
+            "LEADER while one process reports leading the election; NO LEADER while none does, measured at "
+            "the scrape interval: no process can see that gap itself, since a candidate cannot tell when its "
+            "predecessor stopped."
+        )
+        .datasource(DATASOURCE)
+        .targets(_queries((_leaders_expr(), "{{lock_name}}")))
+        .mappings([LEADERS_MAPPING])
+        .thresholds(_thresholds((None, "green")))
+        .show_value(common.VisibilityMode.NEVER)
+        .merge_values(True)
+        .fill_opacity(80)
+        .height(6)
+        .span(24)
+    )
+
+
+def election_events() -> timeseries.Panel:
+    """Terms begun, leads that failed, and leads that ran past their grace period."""
+    return _graph(
+        "Leadership changes and failures",
+        "Per second, per election. Terms: a candidate became leader. Lead failures: lead raised, and its "
+        "candidate backs off before campaigning again. Grace overruns: a lead still running grace_period "
+        "after it was told to stop leading (a loss, stop() or resign()); see that process's ERROR log.",
+        PER_SECOND,
+        (rate_by_lock(m.ELECTION_TERMS), "terms {{lock_name}}"),
+        (rate_by_lock(m.ELECTION_LEAD_FAILURES), "lead failed {{lock_name}}"),
+        (rate_by_lock(m.ELECTION_GRACE_OVERRUNS), "grace overrun {{lock_name}}"),
+    )
+
+
+def election_endings() -> timeseries.Panel:
+    """How terms ended: returned, resigned, stopped, lost or failed."""
+    return _graph(
+        "How terms ended",
+        f"Terms ended per second, per election and way of ending ({', '.join(m.TERM_ENDINGS)}). Lost terms "
+        "are leaders that lost their lock; failed ones, leads that raised.",
+        PER_SECOND,
+        (
+            f"sum by (lock_name, ended) ({_rate(m.ELECTION_TERM_DURATION, '_count')})",
+            "{{ended}} {{lock_name}}",
+        ),
+    )
+
+
 # --- dashboard --------------------------------------------------------------
 
 
@@ -440,7 +522,8 @@ def _dashboard() -> dashboard_builders.Dashboard:
         dashboard_builders.Dashboard(TITLE)
         .uid(UID)
         .description(
-            "Holders, heartbeat age against the alert and reclaim thresholds, and lock traffic for postgres-mutex."
+            "Holders, heartbeat age against the alert and reclaim thresholds, lock traffic and elections "
+            "for postgres-mutex."
         )
         .tags(["postgres-mutex", "postgresql", "locks"])
         .editable()
@@ -454,6 +537,7 @@ def _dashboard() -> dashboard_builders.Dashboard:
         ("Heartbeats", [heartbeat_age(), heartbeat_latency()]),
         ("Traffic", [acquisitions(), trouble(), acquire_duration(), locks_held()]),
         ("Watcher", [watcher_up(), watcher_errors()]),
+        ("Elections", [election_leaders(), election_events(), election_state_history(), election_endings()]),
     ]
     panel_id = 0
     for title, panels in sections:

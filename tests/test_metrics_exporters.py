@@ -8,6 +8,7 @@ compares what each exposes.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
-from postgres_mutex import DatabaseError, FanOutMetrics, LockNotHeldError, Mutex, metric_names
+from postgres_mutex import DatabaseError, Election, FanOutMetrics, Leadership, LockNotHeldError, Mutex, metric_names
 from postgres_mutex.otel import OtelMetrics
 from postgres_mutex.prometheus import PrometheusMetrics
 from postgres_mutex.watcher import StaleWatcher
@@ -54,6 +55,24 @@ def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_
     with holder.acquire():
         watcher.check()
     watcher.close()
+    run_election(dsn, hook, f"{lock_name}-election")
+
+
+def run_election(dsn: str, hook: object, name: str) -> None:
+    """Two terms: the first lead fails; the second stops the election and overruns its grace period."""
+    election = Election(dsn, name, metrics=hook, grace_period=0.05, failure_backoff=0.01, **FAST)  # type: ignore[arg-type]
+    terms: list[Leadership] = []
+
+    def lead(leadership: Leadership) -> None:
+        terms.append(leadership)
+        if len(terms) == 1:
+            raise RuntimeError("the first term fails")
+        election.stop()
+        time.sleep(0.3)  # ignoring the stop, past grace_period
+
+    election.run(lead)
+    election.close()
+    assert len(terms) == 2
 
 
 def _watcher(dsn: str, hook: object, table: str = "mutex_lock") -> StaleWatcher:
@@ -114,7 +133,7 @@ def test_no_counter_or_histogram_carries_an_instance_id(
         for sample in metric.samples
         for key in sample.labels
     }
-    assert labels <= {"lock_name", "outcome", "le"}
+    assert labels <= {"lock_name", "outcome", "ended", "le"}
 
 
 def test_otel_metrics_record_on_the_sdk(

@@ -113,7 +113,9 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
     Three instances contend for PREFIX-contended; one waits to reclaim
     PREFIX-reclaimed from a holder the test kills; one holds PREFIX-stalled,
     whose heartbeats the test blocks until the lock is lost; one holds
-    PREFIX-flaky, whose heartbeats the test keeps failing now and then.
+    PREFIX-flaky, whose heartbeats the test keeps failing now and then. One
+    candidate campaigns in election PREFIX-elected, another in
+    PREFIX-leaderless, whose lock a plain Mutex holds.
     """
     from prometheus_client import CollectorRegistry, start_http_server
 
@@ -150,7 +152,35 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
         while True:
             time.sleep(1)
 
+    def elect() -> None:
+        # Every election series: a failing lead, a grace overrun after a resign, terms that return.
+        from postgres_mutex import Election, Leadership
+
+        election = Election(dsn, f"{prefix}-elected", metrics=hook, grace_period=0.05, failure_backoff=0.05, **FAST)  # type: ignore[arg-type]
+        terms: list[int | None] = []
+
+        def lead(leadership: Leadership) -> None:
+            terms.append(leadership.token)
+            if len(terms) == 1:
+                raise RuntimeError("the first term fails")
+            if len(terms) == 2:
+                election.resign()
+                time.sleep(0.3)  # past grace_period
+                return
+            leadership.ended.wait(1.0)
+
+        election.run(lead)
+
+    def leaderless() -> None:
+        # Candidates and no leader: something that is not a candidate holds the election's lock.
+        from postgres_mutex import Election
+
+        Mutex(dsn, f"{prefix}-leaderless", **FAST).acquire().__enter__()  # type: ignore[arg-type]
+        Election(dsn, f"{prefix}-leaderless", metrics=hook, **FAST).run(lambda leadership: None)  # type: ignore[arg-type]
+
     for target, args in (
+        (elect, ()),
+        (leaderless, ()),
         (contend, ()),
         (contend, ()),
         (contend, ()),

@@ -1,7 +1,7 @@
 """postgres-mutex: a distributed mutex on the PostgreSQL you already run.
 
 One table, heartbeat-based liveness, an alert before any reclaim, automatic
-recovery from crashed holders, fencing tokens. See the README for the full
+recovery from crashed holders, fencing tokens, and leader election on top. See the README for the full
 contract.
 """
 
@@ -9,6 +9,7 @@ from ._metrics import FanOutMetrics, LockObservation, MetricsHook, NullMetrics
 from ._mutex import Mutex
 from ._version import __version__
 from .client import MutexClient
+from .election import Election, Leader, Leadership
 from .errors import (
     DatabaseError,
     LockAcquisitionTimeout,
@@ -23,9 +24,12 @@ from .table import ForcedRelease, HoldRecord, LockTable
 
 __all__ = [
     "DatabaseError",
+    "Election",
     "FanOutMetrics",
     "ForcedRelease",
     "HoldRecord",
+    "Leader",
+    "Leadership",
     "LockAcquisitionTimeout",
     "LockAlreadyHeldError",
     "LockNotHeldError",

@@ -139,7 +139,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise _UsageError("run needs a command after --, e.g. postgres-mutex run --lock job -- ./job.sh")
-    if args.timeout is not None and not args.wait:
+    if args.timeout is not None and not args.wait and not args.restart:
         raise _UsageError("--timeout applies only to a wait: pass --wait, or drop --timeout")
     # A lost lock is declared one heartbeat interval before anyone may reclaim
     # it: the command must be gone (SIGKILL included) within that interval.
@@ -149,6 +149,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"--kill-after ({kill_after:g}s) must be shorter than --heartbeat-interval "
             f"({args.heartbeat_interval:g}s): the command must be gone before anyone may reclaim the lock"
         )
+    if args.restart:
+        return _run_restarting(args, command, kill_after)
     lost = threading.Event()
     # Until the command runs, SIGTERM or SIGHUP ends the wait cleanly (nothing left in the table).
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -197,6 +199,100 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return code
     finally:
         mutex.close()
+
+
+class CommandError(Exception):
+    """The command exited non-zero under --restart: the election backs off before campaigning again."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the command exited with status {code}")
+
+
+class _WithoutTraceback(logging.Filter):
+    """The election logs a failed ``lead`` with its traceback; a command's exit status needs none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], CommandError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _run_restarting(args: argparse.Namespace, command: list[str], kill_after: float) -> int:
+    """``run --restart``: keep the command running on exactly one of the runners, through an `Election`.
+
+    Each term runs the command once: a lost lock stops it (as without
+    --restart) and the runner campaigns again; a command that exits is run
+    again, at once after status 0 (once another runner had its chance), after
+    a back-off otherwise. SIGTERM, SIGINT or SIGHUP is passed to a running
+    command; the runner then stops campaigning, releases the lock as soon as
+    the command is gone, and exits: with the command's status, or 128+N if no
+    command was running.
+    """
+    from ._supervisor import FORWARDED, Supervisor
+    from .election import Election, Leadership
+
+    if args.timeout is not None:
+        raise _UsageError("--restart campaigns until the runner is stopped: drop --timeout")
+    election = Election(
+        _dsn(args),
+        args.lock,
+        table=args.table,
+        instance_id=args.instance_id,
+        heartbeat_interval=args.heartbeat_interval,
+        alert_threshold=args.alert_threshold,
+        stale_threshold=args.stale_threshold,
+        operation_timeout=args.operation_timeout,
+        failure_backoff=args.restart_delay,
+        max_failure_backoff=max(args.restart_delay, _MAX_RESTART_DELAY),
+    )
+    signals: list[int] = []
+    status: list[int] = []  # the last command's, if a signal came while it ran
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        signals.append(signum)
+        election.stop()
+
+    def lead(leadership: Leadership) -> None:
+        # The command does not need our connection string (nor its password);
+        # it gets the term's fencing token, to pass on to what it writes to.
+        env = {key: value for key, value in os.environ.items() if key != "POSTGRES_MUTEX_DSN"}
+        if leadership.token is not None:
+            env["POSTGRES_MUTEX_TOKEN"] = str(leadership.token)
+        token = "" if leadership.token is None else f" (token {leadership.token})"
+        _say(f"holding lock {args.lock!r}{token}: running the command")
+        supervisor = Supervisor(command, env=env, lock_lost=leadership.ended.is_set)
+        code, lost_it = supervisor.run(kill_after, _say)
+        if supervisor.received:
+            signals.extend(supervisor.received)
+            status.append(code)
+            election.stop()
+        elif lost_it:
+            _say(f"lost lock {args.lock!r} while the command ran; waiting for the lock again")
+        elif code != 0:
+            raise CommandError(code)
+        else:
+            _say("the command exited with status 0; running it again once this runner holds the lock again")
+
+    quiet = _WithoutTraceback()
+    logger.addFilter(quiet)
+    previous = {signum: signal.signal(signum, stop) for signum in FORWARDED}
+    try:
+        election.run(lead)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        logger.removeFilter(quiet)
+        election.close()
+    if status:
+        return status[-1]
+    first = signals[0] if signals else int(signal.SIGTERM)
+    _say(f"stopped by signal {signal.Signals(first).name}")
+    return 128 + first
+
+
+_MAX_RESTART_DELAY = 60.0
+"""The longest back-off between restarts of a command that keeps failing."""
 
 
 class _Interrupted(BaseException):
@@ -498,14 +594,17 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         "Run a command while holding a lock; release it when the command ends.",
         "  postgres-mutex run --lock nightly-report -- ./report.sh --full\n"
-        "  postgres-mutex run --lock nightly-report --wait --timeout 300 -- ./report.sh\n\n"
+        "  postgres-mutex run --lock nightly-report --wait --timeout 300 -- ./report.sh\n"
+        "  postgres-mutex run --lock scheduler --wait --restart -- ./scheduler  # one active replica\n\n"
         "exit codes:\n"
         "  the command's own (128+N if it died of signal N)\n"
         f"  {EXIT_BUSY}   the lock is held elsewhere (or --wait --timeout ran out); see --conflict-exit-code\n"
         f"  {EXIT_LOST}   the lock was lost while the command ran; the command was stopped; see --lost-exit-code\n"
         f"  {EXIT_UNAVAILABLE}   PostgreSQL could not be used (unreachable, table missing, no privilege)\n"
         f"  {EXIT_USAGE}    bad arguments\n"
-        "  126/127 the command could not be run / was not found",
+        "  126/127 the command could not be run / was not found\n"
+        "  with --restart: the running command's status once the runner is stopped by a signal, "
+        "else 128+N (signal N)",
         [connection, thresholds],
     )
     run.add_argument("--lock", required=True, help="the lock's name (1 to 64 characters)")
@@ -528,6 +627,20 @@ def _parser() -> argparse.ArgumentParser:
         type=_seconds("--kill-after"),
         help="after a lost lock: seconds between SIGTERM and SIGKILL "
         "(default half the heartbeat interval; must be shorter than it)",
+    )
+    run.add_argument(
+        "--restart",
+        action="store_true",
+        help="keep the command running on exactly one of the runners of this lock: wait for the lock (implies "
+        "--wait), run the command, and when it exits or loses the lock, wait for the lock and run it again; "
+        "until the runner gets SIGTERM, SIGINT or SIGHUP",
+    )
+    run.add_argument(
+        "--restart-delay",
+        type=_seconds("--restart-delay"),
+        default=1.0,
+        help="with --restart: seconds before running a command that exited non-zero again, "
+        f"doubling after each failure in a row up to {_MAX_RESTART_DELAY:g}s (default 1)",
     )
     run.add_argument("--instance-id", help="this holder's id in the table (default: <hostname>-<random>)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")

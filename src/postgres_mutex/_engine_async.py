@@ -471,11 +471,11 @@ class _Steps:
             return await self._subscription.confirmed.wait(op.timeout)
         if isinstance(op, flows.WaitForRelease):
             subscription = self._subscription
-            if subscription is None:
-                await asleep(op.seconds)
-            else:
-                await subscription.released.wait(op.seconds)
-                subscription.released.clear()
+            # A release wakes the wait, and so does a stop (an election's), set from any thread.
+            wake = AEvent() if subscription is None else subscription.released
+            with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
+                await wake.wait(op.seconds)
+            wake.clear()
             return None
         assert isinstance(op, flows.StopListening)
         self.finish()
@@ -780,11 +780,20 @@ class AsyncAcquisition:
     ``release()``.
     """
 
-    def __init__(self, client: MutexClient, lock: LockState, *, blocking: bool, timeout: float | None) -> None:
+    def __init__(
+        self,
+        client: MutexClient,
+        lock: LockState,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        stop: flows.StopSignal | None = None,
+    ) -> None:
         self._client = client
         self._lock = lock
         self._blocking = blocking
         self._timeout = timeout
+        self._stop = stop
         self._entered = False
         self._hold: Hold | None = None
 
@@ -800,6 +809,7 @@ class AsyncAcquisition:
             blocking=self._blocking,
             timeout=self._timeout,
             owner=current_owner(),
+            stop=self._stop,
         )
         self._hold = await engine.run(flow)
         return self._hold is not None

@@ -196,6 +196,94 @@ class WatcherEvents:
         self.hook.watcher_stopped(watched=self.watched)
 
 
+class ElectionEvents:
+    """How the events of one candidate in one election are reported: log line, hook call, span annotation.
+
+    A term is one span, ``postgres_mutex.election.term``, current while
+    ``lead`` runs (its own spans are the term's children); how the term was
+    told to end, an overrun of the grace period and a failure of ``lead`` are
+    events on it, and how it ended is its outcome.
+    """
+
+    __slots__ = ("grace_period", "hook", "instance_id", "lock_name")
+
+    def __init__(self, *, lock_name: str, instance_id: str, hook: MetricsHook, grace_period: float) -> None:
+        self.lock_name = lock_name
+        self.instance_id = instance_id
+        self.hook = hook
+        self.grace_period = grace_period
+
+    def started(self) -> None:
+        logger.info("campaigning in election %r (instance_id %r)", self.lock_name, self.instance_id)
+        self.hook.election_started(self.lock_name, instance_id=self.instance_id)
+
+    def stopped(self) -> None:
+        logger.info("stopped campaigning in election %r (instance_id %r)", self.lock_name, self.instance_id)
+        self.hook.election_stopped(self.lock_name, instance_id=self.instance_id)
+
+    def term_began(self, span: Span, token: int | None) -> None:
+        logger.info("leading election %r (instance_id %r, token %s)", self.lock_name, self.instance_id, token)
+        if span.is_recording() and token is not None:
+            span.set_attribute("postgres_mutex.token", token)
+        self.hook.election_term_began(self.lock_name, instance_id=self.instance_id, token=token)
+
+    def ending(self, span: Span, ending: str, reason: str) -> None:
+        """``lead`` was told to stop leading: the term ends once it returns."""
+        log = logger.warning if ending == "lost" else logger.info
+        log("election %r: telling lead to stop leading: %s", self.lock_name, reason)
+        _event(span, ending, name="postgres_mutex.election.ending", reason=reason)
+
+    def grace_overrun(self, span: Span, seconds: float, reason: str) -> None:
+        """``lead`` still runs ``grace_period`` after it was told to stop: said loudly, once per term."""
+        logger.error(
+            "election %r: lead is still running %.1fs after it was told to stop leading (%s), past grace_period "
+            "(%gs); the lock is released only when it returns. A lead must watch leadership.ended (or call "
+            "leadership.ensure_held()) and return promptly",
+            self.lock_name,
+            seconds,
+            reason,
+            self.grace_period,
+        )
+        _event(span, "grace_overrun", name="postgres_mutex.election.grace_overrun", seconds=seconds)
+        mark_error(span, f"lead ran past grace_period ({self.grace_period:g}s) after it was told to stop leading")
+        self.hook.election_grace_overrun(self.lock_name, instance_id=self.instance_id, seconds=seconds, reason=reason)
+
+    def returned_late(self, seconds: float) -> None:
+        logger.warning("election %r: lead returned %.1fs after it was told to stop leading", self.lock_name, seconds)
+
+    def lead_failed(self, span: Span, error: BaseException, backoff: float) -> None:
+        logger.error(
+            "election %r: lead raised %s: %s; campaigning again in %.3gs",
+            self.lock_name,
+            type(error).__name__,
+            error,
+            backoff,
+            exc_info=error,
+        )
+        _event(span, "failed", name="postgres_mutex.election.lead_failed", error=type(error).__name__)
+        mark_error(span, f"lead raised {type(error).__name__}: {error}")
+        self.hook.election_lead_failed(self.lock_name, instance_id=self.instance_id, error=error, backoff=backoff)
+
+    def raised_after_end(self, error: BaseException) -> None:
+        """``lead`` raised as its term ended (told to stop, or the lock lost): how it stopped, not a failure."""
+        logger.info(
+            "election %r: lead raised %s as its term ended (not counted as a failure): %s",
+            self.lock_name,
+            type(error).__name__,
+            error,
+        )
+
+    def release_failed(self, error: BaseException) -> None:
+        logger.warning("election %r: %s", self.lock_name, error)
+
+    def term_ended(self, span: Span, ended: str, seconds: float, token: int | None) -> None:
+        set_outcome(span, ended, term_seconds=seconds)
+        logger.info("election %r: term with token %s ended (%s) after %.1fs", self.lock_name, token, ended, seconds)
+        self.hook.election_term_ended(
+            self.lock_name, instance_id=self.instance_id, ended=ended, seconds=seconds, token=token
+        )
+
+
 def _event(
     span: Span, outcome: str, *, name: str = "postgres_mutex.attempt", **attributes: AttributeValue | None
 ) -> None:

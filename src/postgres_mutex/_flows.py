@@ -9,7 +9,8 @@ to the outside world is told by `LockEvents`. Nothing here does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, TypeVar
@@ -116,9 +117,49 @@ class Listen:
 
 @dataclass(frozen=True, slots=True)
 class WaitForRelease:
-    """Wait up to ``seconds`` for the release announced on the channel `Listen` subscribed to (or just wait)."""
+    """Wait up to ``seconds`` for the release announced on the channel `Listen` subscribed to (or just wait).
+
+    With a ``stop``, the wait also ends the moment it is set.
+    """
 
     seconds: float
+    stop: StopSignal | None = None
+
+
+class StopSignal:
+    """A flag that ends a blocking acquire at once: an election's ``stop()``, from any thread.
+
+    The acquire checks it before each attempt; the engine's wait for a
+    release registers a waker on it, so setting it wakes the wait at once
+    rather than after ``poll_interval``. No lock: setting it may happen in a
+    signal handler that interrupted the very thread that waits, and list
+    operations are atomic under the GIL.
+    """
+
+    __slots__ = ("_set", "_wakers")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._wakers: list[Callable[[], object]] = []
+
+    def set(self) -> None:
+        self._set = True
+        for wake in list(self._wakers):
+            wake()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    @contextmanager
+    def waking(self, wake: Callable[[], object]) -> Iterator[None]:
+        """While the block runs, setting the signal calls ``wake`` (at once, if it is set already)."""
+        self._wakers.append(wake)
+        try:
+            if self._set:
+                wake()
+            yield
+        finally:
+            self._wakers.remove(wake)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,15 +239,23 @@ _MIN_STATEMENT_TIMEOUT = 0.1
 class _Progress:
     attempts: int = 0
     result: AcquireResult | None = None
+    stopped: bool = False
 
 
 def acquire(
-    lock: LockState, tracing: Tracing, *, blocking: bool, timeout: float | None, owner: object
+    lock: LockState,
+    tracing: Tracing,
+    *,
+    blocking: bool,
+    timeout: float | None,
+    owner: object,
+    stop: StopSignal | None = None,
 ) -> Flow[Hold | None]:
     """Try to take the lock: once, or until ``timeout`` if ``blocking``.
 
     Returns the hold when acquired, None when non-blocking and held
-    elsewhere. Raises `LockAcquisitionTimeout` when a blocking acquire runs out
+    elsewhere, or when ``stop`` was set before an attempt won the lock (the
+    span then ends as ``cancelled``). Raises `LockAcquisitionTimeout` when a blocking acquire runs out
     of time, `LockAlreadyHeldError` if this Mutex holds the lock already, and
     `DatabaseError` for failures it cannot wait out. A non-blocking acquire
     returns within one ``operation_timeout`` (plus a connect). Whatever way it
@@ -225,10 +274,12 @@ def acquire(
     with tracing.span("postgres_mutex.acquire", span_attributes(lock, **extra)) as span:
         try:
             hold = yield from _attempt_until_done(
-                lock, tracing, span, progress, blocking=blocking, timeout=timeout, owner=owner, epoch=epoch
+                lock, tracing, span, progress, blocking=blocking, timeout=timeout, owner=owner, epoch=epoch, stop=stop
             )
             result = progress.result
-            if hold is None:
+            if progress.stopped:
+                pass  # stays "cancelled": nobody is waiting for the lock any more
+            elif hold is None:
                 outcome = "contended"
             else:
                 outcome = "reclaimed" if result is not None and result.outcome is Outcome.RECLAIMED else "acquired"
@@ -260,6 +311,7 @@ def _attempt_until_done(
     timeout: float | None,
     owner: object,
     epoch: int,
+    stop: StopSignal | None,
 ) -> Flow[Hold | None]:
     timing = lock.timing
     events = lock.events
@@ -273,6 +325,12 @@ def _attempt_until_done(
         yield Settle(lock)
         statements: Statements | None = None
         while True:
+            if stop is not None and stop.is_set():
+                progress.stopped = True
+                if lock.row_suspected:
+                    yield Schedule(unanswered_cleanup(lock, epoch))
+                lock.abort_acquire()
+                return None
             statement_timeout = timing.operation_timeout
             if budget is not None:
                 statement_timeout = min(statement_timeout, max(_MIN_STATEMENT_TIMEOUT, budget - now()))
@@ -357,7 +415,7 @@ def _attempt_until_done(
                     # Listening now: try once more at once, so that a release
                     # between the attempt and the LISTEN cannot be missed.
                     continue
-            yield WaitForRelease(_until(deadline, timing.poll_interval))
+            yield WaitForRelease(_until(deadline, timing.poll_interval), stop)
     except BaseException:
         # Timeout, error or interruption: leave nothing behind, in the background.
         if lock.row_suspected:

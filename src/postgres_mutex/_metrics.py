@@ -129,6 +129,38 @@ class MetricsHook(Protocol):
         """A watcher stopped: what it last reported about ``watched`` (None: every lock) is no longer known."""
         return None
 
+    # -- elections (added in 0.2.0: hooks written earlier simply do not get these) --
+
+    def election_started(self, lock_name: str, *, instance_id: str) -> None:
+        """A candidate began campaigning in the election ``lock_name`` (`Election.run` started)."""
+        return None
+
+    def election_stopped(self, lock_name: str, *, instance_id: str) -> None:
+        """A candidate's `Election.run` ended: it no longer campaigns (nor leads)."""
+        return None
+
+    def election_term_began(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
+        """The candidate ``instance_id`` became leader; ``lead`` is called next."""
+        return None
+
+    def election_term_ended(
+        self, lock_name: str, *, instance_id: str, ended: str, seconds: float, token: int | None = None
+    ) -> None:
+        """A term ended after ``seconds``, its lock released: ``ended`` is one of `TERM_ENDINGS`.
+
+        ``returned`` (``lead`` returned), ``resigned``, ``stopped``, ``lost``
+        (the lock was lost), ``failed`` (``lead`` raised).
+        """
+        return None
+
+    def election_lead_failed(self, lock_name: str, *, instance_id: str, error: BaseException, backoff: float) -> None:
+        """``lead`` raised ``error``; the candidate campaigns again after ``backoff`` seconds."""
+        return None
+
+    def election_grace_overrun(self, lock_name: str, *, instance_id: str, seconds: float, reason: str) -> None:
+        """``lead`` was told to stop leading (``reason``) ``seconds`` ago, past ``grace_period``, and still runs."""
+        return None
+
 
 HOOK_METHODS = frozenset(
     name for name, value in vars(MetricsHook).items() if not name.startswith("_") and callable(value)
@@ -260,6 +292,8 @@ class ExporterHook(MetricsHook):
 
     def __init__(self) -> None:
         self._held = HeldLocks()
+        self._candidates = HeldLocks()
+        self._leading = HeldLocks()
         self.view = LockTableView()
 
     def _add(self, metric: names.MetricName, labels: dict[str, str]) -> None:
@@ -269,6 +303,10 @@ class ExporterHook(MetricsHook):
         raise NotImplementedError
 
     def _held_changed(self, lock_name: str, delta: int) -> None:
+        raise NotImplementedError
+
+    def _level(self, metric: names.MetricName, labels: dict[str, str], delta: int) -> None:
+        """Move an up-down gauge (`ELECTION_CANDIDATES`, `ELECTION_LEADING`) by ``delta``; 0 makes it appear."""
         raise NotImplementedError
 
     def acquired(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
@@ -328,6 +366,39 @@ class ExporterHook(MetricsHook):
     def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
         if self._held.discard(lock_name, instance_id):
             self._held_changed(lock_name, -1)
+
+    # Per candidate, counted from sets as the locks held are, so a repeated call cannot count twice.
+
+    def election_started(self, lock_name: str, *, instance_id: str) -> None:
+        labels = {"lock_name": lock_name}
+        if self._candidates.add(lock_name, instance_id):
+            self._level(names.ELECTION_CANDIDATES, labels, +1)
+        self._level(names.ELECTION_LEADING, labels, 0)  # campaigning: the election's series exist, at 0
+
+    def election_stopped(self, lock_name: str, *, instance_id: str) -> None:
+        labels = {"lock_name": lock_name}
+        if self._leading.discard(lock_name, instance_id):
+            self._level(names.ELECTION_LEADING, labels, -1)
+        if self._candidates.discard(lock_name, instance_id):
+            self._level(names.ELECTION_CANDIDATES, labels, -1)
+
+    def election_term_began(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
+        self._add(names.ELECTION_TERMS, {"lock_name": lock_name})
+        if self._leading.add(lock_name, instance_id):
+            self._level(names.ELECTION_LEADING, {"lock_name": lock_name}, +1)
+
+    def election_term_ended(
+        self, lock_name: str, *, instance_id: str, ended: str, seconds: float, token: int | None = None
+    ) -> None:
+        self._record(names.ELECTION_TERM_DURATION, seconds, {"lock_name": lock_name, "ended": ended})
+        if self._leading.discard(lock_name, instance_id):
+            self._level(names.ELECTION_LEADING, {"lock_name": lock_name}, -1)
+
+    def election_lead_failed(self, lock_name: str, *, instance_id: str, error: BaseException, backoff: float) -> None:
+        self._add(names.ELECTION_LEAD_FAILURES, {"lock_name": lock_name})
+
+    def election_grace_overrun(self, lock_name: str, *, instance_id: str, seconds: float, reason: str) -> None:
+        self._add(names.ELECTION_GRACE_OVERRUNS, {"lock_name": lock_name})
 
 
 class HeldLocks:

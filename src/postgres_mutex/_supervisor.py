@@ -37,6 +37,8 @@ class Supervisor:
         self._child: subprocess.Popen[bytes] | None = None
         self._pending: list[int] = []
         self._terminal: int | None = None
+        self.received: list[int] = []
+        """The signals the supervisor got (and forwarded) while the command ran, in order."""
 
     def run(self, kill_after: float, say: Callable[[str], None]) -> tuple[int, bool]:
         """Run the command to its end; returns (exit code, whether the lock was lost meanwhile).
@@ -70,6 +72,7 @@ class Supervisor:
             _take_terminal_back(self._terminal)
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
         if self._child is None:
             self._pending.append(signum)
         else:

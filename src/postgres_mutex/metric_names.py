@@ -9,7 +9,8 @@ therefore serve both paths. The tests check the mapping with the SDK's own
 Prometheus exporter.
 
 Labels stay bounded: ``lock_name`` everywhere, ``outcome`` on acquire
-durations (`ACQUIRE_OUTCOMES`), ``holder`` only on the watcher's info metric.
+durations (`ACQUIRE_OUTCOMES`), ``ended`` on election terms (`TERM_ENDINGS`),
+``holder`` only on the watcher's info metric.
 A process's random instance_id never labels a counter or a histogram.
 """
 
@@ -98,6 +99,43 @@ WATCHER_ERRORS = MetricName(
     "postgres_mutex.watcher.errors", "counter", "{error}", "Watcher reads of the lock table that failed.", ()
 )
 
+# Elections (`postgres_mutex.election`): reported by each candidate's process. The
+# election's name is its lock's name, so these carry ``lock_name`` like the rest.
+ELECTION_CANDIDATES = MetricName(
+    "postgres_mutex.election.candidates",
+    "updowncounter",
+    "{candidate}",
+    "Candidates of this process in each election, campaigning or leading.",
+)
+ELECTION_LEADING = MetricName(
+    "postgres_mutex.election.leading",
+    "updowncounter",
+    "{leader}",
+    "1 while a candidate of this process leads the election, 0 while its candidates only campaign.",
+)
+ELECTION_TERMS = MetricName(
+    "postgres_mutex.election.terms", "counter", "{term}", "Terms of leadership begun: each one a change of leader."
+)
+ELECTION_TERM_DURATION = MetricName(
+    "postgres_mutex.election.term.duration",
+    "histogram",
+    "s",
+    "How long terms lasted, by how they ended.",
+    ("lock_name", "ended"),
+)
+ELECTION_LEAD_FAILURES = MetricName(
+    "postgres_mutex.election.lead_failures",
+    "counter",
+    "{failure}",
+    "Terms whose lead raised an exception; each is followed by a back-off.",
+)
+ELECTION_GRACE_OVERRUNS = MetricName(
+    "postgres_mutex.election.grace_overruns",
+    "counter",
+    "{overrun}",
+    "Terms whose lead was still running grace_period after it was told to stop leading.",
+)
+
 HEARTBEAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets for heartbeat round trips: milliseconds when healthy, seconds when not."""
 
@@ -106,6 +144,13 @@ WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 
 
 ACQUIRE_OUTCOMES = ("acquired", "reclaimed", "contended", "timeout", "error")
 """Values of the ``outcome`` label of `ACQUIRE_DURATION`."""
+
+TERM_BUCKETS = (0.1, 1.0, 10.0, 60.0, 600.0, 3600.0, 21600.0, 86400.0)
+"""Histogram buckets for terms of leadership: a failing ``lead`` lasts an instant, a healthy leader days."""
+
+TERM_ENDINGS = ("returned", "resigned", "stopped", "lost", "failed")
+"""Values of the ``ended`` label of `ELECTION_TERM_DURATION`: ``lead`` returned, ``resign()``,
+``stop()`` (or the run was interrupted), the lock was lost, ``lead`` raised."""
 
 ALL: tuple[MetricName, ...] = (
     ACQUISITIONS,
@@ -127,6 +172,12 @@ ALL: tuple[MetricName, ...] = (
     STALE_THRESHOLD,
     WATCHER_UP,
     WATCHER_ERRORS,
+    ELECTION_CANDIDATES,
+    ELECTION_LEADING,
+    ELECTION_TERMS,
+    ELECTION_TERM_DURATION,
+    ELECTION_LEAD_FAILURES,
+    ELECTION_GRACE_OVERRUNS,
 )
 
 

@@ -50,11 +50,16 @@ class OtelMetrics(ExporterHook):
             for metric, buckets in (
                 (names.HEARTBEAT_DURATION, names.HEARTBEAT_BUCKETS),
                 (names.ACQUIRE_DURATION, names.WAIT_BUCKETS),
+                (names.ELECTION_TERM_DURATION, names.TERM_BUCKETS),
             )
         }
         self._locks_held = meter.create_up_down_counter(
             names.LOCKS_HELD.otel, unit=names.LOCKS_HELD.unit, description=names.LOCKS_HELD.description
         )
+        self._levels = {
+            metric: meter.create_up_down_counter(metric.otel, unit=metric.unit, description=metric.description)
+            for metric in (names.ELECTION_CANDIDATES, names.ELECTION_LEADING)
+        }
         for metric, read in (
             (names.HEARTBEAT_AGE, lambda lock: lock.observation.seconds_since_heartbeat),
             (names.HELD_DURATION, lambda lock: lock.observation.seconds_held),
@@ -79,6 +84,9 @@ class OtelMetrics(ExporterHook):
 
     def _held_changed(self, lock_name: str, delta: int) -> None:
         self._locks_held.add(delta, {"lock_name": lock_name})
+
+    def _level(self, metric: names.MetricName, labels: dict[str, str], delta: int) -> None:
+        self._levels[metric].add(delta, labels)
 
     # -- gauges, read at collection time -----------------------------------------
 

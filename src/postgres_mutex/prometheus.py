@@ -77,11 +77,16 @@ class PrometheusMetrics(ExporterHook):
             for metric, buckets in (
                 (names.HEARTBEAT_DURATION, names.HEARTBEAT_BUCKETS),
                 (names.ACQUIRE_DURATION, names.WAIT_BUCKETS),
+                (names.ELECTION_TERM_DURATION, names.TERM_BUCKETS),
             )
         }
         self._locks_held = Gauge(
             names.LOCKS_HELD.prometheus, names.LOCKS_HELD.description, names.LOCKS_HELD.labels, registry=registry
         )
+        self._levels = {
+            metric: Gauge(metric.prometheus, metric.description, metric.labels, registry=registry)
+            for metric in (names.ELECTION_CANDIDATES, names.ELECTION_LEADING)
+        }
         if registry is not None:
             registry.register(_WatchedLocksCollector(self.view))
 
@@ -94,6 +99,9 @@ class PrometheusMetrics(ExporterHook):
 
     def _held_changed(self, lock_name: str, delta: int) -> None:
         self._locks_held.labels(lock_name).inc(delta)
+
+    def _level(self, metric: names.MetricName, labels: dict[str, str], delta: int) -> None:
+        self._levels[metric].labels(**labels).inc(delta)
 
 
 class _WatchedLocksCollector(Collector):
