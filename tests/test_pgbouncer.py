@@ -28,6 +28,7 @@ import json
 import statistics
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -36,9 +37,17 @@ import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from chaos.harness import Events, Sections
-from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex, MutexClient, MutexError, OperationTimeout
+from postgres_mutex import (
+    LockAcquisitionTimeout,
+    LockNotHeldError,
+    LockTable,
+    Mutex,
+    MutexClient,
+    MutexError,
+    OperationTimeout,
+)
 from tests.figures import Figures
-from tests.fixtures import row_locked, wait_until
+from tests.fixtures import wait_until
 from tests.pgbouncer import PgBouncer
 from tests.postgres_server import PostgresServer
 from tests.test_cli import cli
@@ -294,12 +303,19 @@ def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_doe
     Lock 1's release notification therefore reaches waiter 2 (busy on that
     connection at the time) instead: waiter 2 must not take lock 2, still
     held, and waiter 1 must get lock 1 by polling.
+
+    Lock 1 lives in a table of its own, so that waiter 2 can be kept busy on
+    the server connection (its acquire waits behind a lock on lock 2's table)
+    while lock 1 is released.
     """
     events = Events()
     lock1, lock2 = lock_name, f"{lock_name}-2"
     sections = {lock1: Sections(), lock2: Sections()}  # one overlap check per lock
     waiter_poll = 0.5
     made: list[Mutex] = []
+
+    table1 = f"pgb_notify_{uuid.uuid4().hex[:8]}"
+    LockTable(pg.dsn(), table=table1).create()
 
     def mutex(who: str, name: str, dsn: str, **options: Any) -> Mutex:
         # A client each, as separate processes would have: a notification meant for one
@@ -309,9 +325,9 @@ def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_doe
         return made[-1]
 
     direct = pg.dsn()
-    holder1, holder2 = mutex("holder-1", lock1, direct), mutex("holder-2", lock2, direct)
+    holder1, holder2 = mutex("holder-1", lock1, direct, table=table1), mutex("holder-2", lock2, direct)
     through = one_server_connection.dsn()
-    waiter1 = mutex("waiter-1", lock1, through, poll_interval=waiter_poll)
+    waiter1 = mutex("waiter-1", lock1, through, poll_interval=waiter_poll, table=table1)
     waiter2 = mutex("waiter-2", lock2, through, poll_interval=waiter_poll)
     got: dict[str, float] = {}
 
@@ -337,8 +353,8 @@ def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_doe
             # Both past their first re-check: both have sent LISTEN through PgBouncer.
             wait_until(lambda: contended("waiter-1") >= 2 and contended("waiter-2") >= 2)
             with psycopg.connect(direct, autocommit=True) as watch:
-                with row_locked(direct, lock2):
-                    # Waiter 2's next attempt blocks on the row lock, holding the one server connection.
+                with table_locked(direct, "mutex_lock"):
+                    # Waiter 2's next attempt waits behind the table lock, holding the one server connection.
                     wait_until(lambda: _waiting_on_a_lock(watch), timeout=waiter_poll + 2)
                     before = contended("waiter-2")
                     # Lock 1's release: its notification goes to the busy server connection, so to waiter 2.
@@ -360,6 +376,9 @@ def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_doe
         for each in made:
             with contextlib.suppress(Exception):
                 each.client.close()
+        with psycopg.connect(direct, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {table1}")
+            conn.execute(f"DROP SEQUENCE IF EXISTS {table1}_token_seq")
     assert sections[lock1].overlaps() == []
     assert sections[lock2].overlaps() == []
     # The blocked attempt ended, contended: lock 1's notification, delivered to the server
@@ -372,6 +391,15 @@ def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_doe
         waiter_1_got_its_lock_after_s=got["waiter-1"] - released,
         waiter_2_wrongly_acquired=False,
     )
+
+
+@contextlib.contextmanager
+def table_locked(dsn: str, table: str) -> Iterator[None]:
+    """Another session holds a lock on ``table`` that every write to it waits behind."""
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute(f"LOCK TABLE {table} IN SHARE MODE")
+        yield
+        blocker.rollback()
 
 
 def _waiting_on_a_lock(conn: psycopg.Connection[Any]) -> bool:
