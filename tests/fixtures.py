@@ -18,16 +18,7 @@ import pytest
 from postgres_mutex import LockNotHeldError, Mutex
 from tests.faultproxy import FaultProxy
 from tests.postgres_server import PostgresServer, configured_server, local_server
-
-# Short thresholds keep crash and loss tests to seconds; the ratios between
-# them are what the library cares about.
-FAST: dict[str, float] = {
-    "heartbeat_interval": 0.1,
-    "alert_threshold": 0.6,
-    "stale_threshold": 1.5,
-    "poll_interval": 0.05,
-    "operation_timeout": 2.0,
-}
+from tests.timing import FAST as FAST  # the suite's one table of short thresholds, re-exported
 
 
 def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, interval: float = 0.02) -> None:

@@ -22,9 +22,10 @@ import pytest
 from postgres_mutex import Mutex
 from tests.fixtures import ROOT, freeze, wait_until
 from tests.postgres_server import free_port
+from tests.timing import FAST, cli_flags
 
 Holder = Callable[..., str | None]
-FAST_FLAGS = ["--heartbeat-interval", "0.1", "--alert-threshold", "0.6", "--stale-threshold", "1.5"]
+FAST_FLAGS = cli_flags()
 SECRET = "Cli-s3cret-pw"
 
 
@@ -311,9 +312,9 @@ def test_watch_serves_metrics_that_show_a_lock_going_stale(
         "--interval",
         "0.2",
         "--alert-threshold",
-        "0.6",
+        f"{FAST['alert_threshold']:g}",
         "--stale-threshold",
-        "1.5",
+        f"{FAST['stale_threshold']:g}",
     )
     workers.append(proc)
     holder = make_mutex()

@@ -8,7 +8,7 @@
     python -m tests.workers fleet DSN PREFIX PORT       contend, wait to reclaim, stall; /metrics on PORT
     python -m tests.workers watcher DSN - PORT          a stale-holder watcher; /metrics on PORT
 
-Thresholds come from the FAST settings the tests use. Critical sections are
+Thresholds come from the FAST settings the tests use (tests/timing.py). Critical sections are
 logged as "pid enter exit" on CLOCK_MONOTONIC, which every process on the
 machine shares, so the parent can check that no two ever overlap.
 """
@@ -24,14 +24,7 @@ import threading
 import time
 
 from postgres_mutex import Mutex
-
-FAST = {
-    "heartbeat_interval": 0.1,
-    "alert_threshold": 0.6,
-    "stale_threshold": 1.5,
-    "poll_interval": 0.05,
-    "operation_timeout": 2.0,
-}
+from tests.timing import FAST
 
 
 def hold(dsn: str, lock: str, *, exit_at_once: bool, announce_wait: bool = False) -> None:
