@@ -16,10 +16,11 @@ import psycopg
 import pytest
 from toxiproxy import Toxiproxy
 
-from chaos.harness import ALERT, STALE, TIMING, WATCH_INTERVAL, Events, Net, Report, Sections
+from chaos.harness import ALERT, STALE, TIMING, WATCH_INTERVAL, Events, Net, Report
 from chaos.toxiproxy import ToxiproxyEndpoint, toxiproxy_client, toxiproxy_endpoint
 from postgres_mutex import Mutex
 from postgres_mutex.watcher import StaleWatcher
+from tests.exclusion import Sections
 from tests.fixtures import wait_until
 from tests.postgres_server import PostgresServer
 

@@ -1,4 +1,4 @@
-"""What every chaos scenario shares: proxies, faults, the mutual-exclusion checker, the report.
+"""What every chaos scenario shares: proxies, faults, the report (the mutual-exclusion checker is tests/exclusion.py).
 
 Timings are shortened (heartbeat 0.2 s, alert 1 s, stale 3 s) so each fault
 plays out in seconds; their ratios are what the library cares about.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from postgres_mutex import LockNotHeldError, MetricsHook, Mutex
+from postgres_mutex import MetricsHook
 
 HEARTBEAT, ALERT, STALE = 0.2, 1.0, 3.0
 LEASE = STALE - HEARTBEAT
@@ -165,85 +165,6 @@ class Events:
 
 
 _HOOK_METHODS = frozenset(name for name in vars(MetricsHook) if not name.startswith("_"))
-
-
-@dataclass
-class Section:
-    who: str
-    enter: float
-    exit: float | None = None
-
-
-class Sections:
-    """Critical sections on the machine-wide monotonic clock; no two may ever overlap.
-
-    A section runs from the moment a holder's acquire returned to the moment
-    it stopped believing it held the lock: it released, or its lease ran out
-    (``on_lost`` fired). Worker processes log theirs to files in the same
-    form, "who enter exit".
-    """
-
-    def __init__(self) -> None:
-        self._sections: list[Section] = []
-        self._lock = threading.Lock()
-
-    def enter(self, who: str, at: float | None = None) -> Section:
-        section = Section(who, time.monotonic() if at is None else at)
-        with self._lock:
-            self._sections.append(section)
-        return section
-
-    def leave(self, section: Section) -> None:
-        if section.exit is None:
-            section.exit = time.monotonic()
-
-    @contextmanager
-    def holding(self, mutex: Mutex, who: str, **acquire: Any) -> Iterator[bool]:
-        """``with mutex.acquire(...)`` recording the section; a lost lock ends it when it is lost."""
-        with mutex.acquire(**acquire) as acquired:
-            if not acquired:
-                yield False
-                return
-            section = self.enter(who)
-            try:
-                yield True
-            finally:
-                self.leave(section)
-
-    def on_lost(self, who: str) -> Any:
-        """An ``on_lost`` callback that ends ``who``'s open section at the moment of the loss."""
-
-        def lost(error: LockNotHeldError) -> None:
-            with self._lock:
-                for section in self._sections:
-                    if section.who == who and section.exit is None:
-                        section.exit = time.monotonic()
-
-        return lost
-
-    def add_log(self, path: Path) -> None:
-        for line in path.read_text().splitlines():
-            who, enter, leave = line.split()
-            with self._lock:
-                self._sections.append(Section(who, float(enter), float(leave)))
-
-    def all(self) -> list[Section]:
-        with self._lock:
-            return list(self._sections)
-
-    def overlaps(self) -> list[tuple[Section, Section]]:
-        """Sections that began before an earlier one had ended; an open section lasts until now."""
-        found: list[tuple[Section, Section]] = []
-        latest: Section | None = None
-        now = time.monotonic()
-        for section in sorted(self.all(), key=lambda s: s.enter):
-            if latest is not None and section.enter < (latest.exit if latest.exit is not None else now):
-                found.append((latest, section))
-            if latest is None or (section.exit if section.exit is not None else now) > (
-                latest.exit if latest.exit is not None else now
-            ):
-                latest = section
-        return found
 
 
 @dataclass

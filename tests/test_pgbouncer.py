@@ -35,8 +35,9 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from chaos.harness import Events, Sections
+from chaos.harness import Events
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex, MutexClient, MutexError, OperationTimeout
+from tests.exclusion import Sections
 from tests.figures import Figures
 from tests.fixtures import row_locked, wait_until
 from tests.pgbouncer import PgBouncer
