@@ -14,7 +14,7 @@ from typing import Any
 
 from postgres_mutex import Mutex
 from tests.exclusion import overlaps, read_log
-from tests.fixtures import FAST, ROOT, RecordingMetrics, read_held, start_worker
+from tests.fixtures import FAST, ROOT, RecordingMetrics, read_held, start_worker, wait_until
 
 Holder = Callable[..., str | None]
 
@@ -26,11 +26,13 @@ def test_a_killed_holder_is_alerted_on_then_reclaimed_no_sooner_than_the_stale_t
     metrics: RecordingMetrics,
     workers: list[subprocess.Popen[str]],
     holder_id: Holder,
+    row: Callable[..., tuple[Any, ...] | None],
 ) -> None:
     proc = start_worker("hold", dsn, lock_name)
     workers.append(proc)
     dead_id = read_held(proc)
-    time.sleep(FAST["heartbeat_interval"] * 3)  # let it heartbeat a few times
+    # A live holder first: the server saw it heartbeat since it acquired.
+    wait_until(lambda: (found := row()) is not None and found[2] > found[1])
     os.kill(proc.pid, signal.SIGKILL)
     killed_at = time.monotonic()
     proc.wait(timeout=10)
