@@ -101,6 +101,10 @@ class Sections:
             self._sections.append(section)
         return section
 
+    def add(self, section: Section) -> None:
+        with self._lock:
+            self._sections.append(section)
+
     def leave(self, section: Section) -> None:
         if section.exit is None:
             section.exit = time.monotonic()
