@@ -119,7 +119,7 @@ class Applied:
     start: float
     end: float
     holder: bool = False
-    """Whether its target held the lock when it was hit."""
+    """Whether the worker it hit held a lock at that moment (by the table)."""
 
 
 @dataclass
@@ -341,7 +341,7 @@ def new_seed() -> int:
 class Nemesis:
     """Worker processes, their proxies, and the faults of a schedule, applied on time.
 
-    ``holder_of(lock)`` says who holds a lock now (an instance id, read from the table);
+    ``holders()`` says who holds each lock now (instance ids, read from the table);
     ``restart()`` restarts PostgreSQL; ``net(name)`` makes a worker's proxy.
     """
 
@@ -353,14 +353,14 @@ class Nemesis:
         workers: int,
         seed: int,
         net: Callable[[str], Net],
-        holder_of: Callable[[str], str | None],
+        holders: Callable[[], dict[str, str]],
         restart: Callable[[], None],
         env: dict[str, str] | None = None,
     ) -> None:
         self.directory = directory
         self.locks = locks
         self.seed = seed
-        self._holder_of = holder_of
+        self._holders = holders
         self._restart = restart
         self._env = env or {}
         self._rng = random.Random(seed)
@@ -400,12 +400,14 @@ class Nemesis:
     # -- faults ------------------------------------------------------------------------
 
     def _target(self, fault: Fault) -> tuple[int, bool]:
-        """The worker slot a fault hits: the holder of its lock now, else one picked by the schedule's draw."""
-        holder = self._holder_of(self.locks[fault.target])
-        slot = self.slot_of.get(holder or "")
-        if slot is not None and self.current[slot] == holder:
-            return slot, True
-        return int(fault.pick * len(self.nets)), False
+        """The worker slot a fault hits, and whether it holds a lock: the holder of the fault's lock now,
+        else one picked by the schedule's own draw."""
+        holders = self._holders()
+        holder = holders.get(self.locks[fault.target], "")
+        slot = self.slot_of.get(holder)
+        if slot is None or self.current[slot] != holder:
+            slot = int(fault.pick * len(self.nets))
+        return slot, self.current[slot] in holders.values()
 
     def _apply(self, fault: Fault) -> None:
         if fault.kind == "restart":

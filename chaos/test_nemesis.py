@@ -79,12 +79,11 @@ class Run:
         with psycopg.connect(self.server.dsn(), autocommit=True, connect_timeout=3) as conn:
             return conn.execute(query, params).fetchall()
 
-    def holder_of(self, lock: str) -> str | None:
+    def holders(self) -> dict[str, str]:
         try:
-            found = self._query("SELECT instance_id FROM mutex_lock WHERE lock_name = %s", (lock,))
+            return dict(self.rows_left())
         except psycopg.OperationalError:
-            return None  # restarting: the fault picks a worker by its own draw
-        return str(found[0][0]) if found else None
+            return {}  # restarting: the fault picks a worker by its own draw
 
     def rows_left(self) -> list[tuple[str, str]]:
         found = self._query("SELECT lock_name, instance_id FROM mutex_lock WHERE lock_name = ANY(%s)", (self.locks,))
@@ -101,7 +100,7 @@ class Run:
             workers=WORKERS,
             seed=self.seed,
             net=net,
-            holder_of=self.holder_of,
+            holders=self.holders,
             restart=self.server.restart,
             env=env,
         )
