@@ -172,6 +172,8 @@ class Verdict:
     faults: dict[str, int] = field(default_factory=dict)
     holders_hit: dict[str, int] = field(default_factory=dict)
     """Freezes and partitions that hit a holder, by band."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """What the workers' acquires and releases raised, by type (timeouts, losses told on leaving, outages)."""
 
     @property
     def sound(self) -> bool:
@@ -199,6 +201,7 @@ class Verdict:
             "orphaned_rows": len(self.orphaned_rows),
             "faults": ", ".join(f"{kind} {count}" for kind, count in sorted(self.faults.items())),
             "holders_frozen_or_cut": ", ".join(f"{band} {n}" for band, n in sorted(self.holders_hit.items())),
+            "worker_errors": ", ".join(f"{kind} {n}" for kind, n in sorted(self.errors.items())) or "none",
         }
 
     def summary(self) -> str:
@@ -320,6 +323,7 @@ def check(
         tokens = [e["token"] for e in sorted(acked, key=lambda e: e["wrote"])]
         verdict.token_order_violations += sum(1 for a, b in itertools.pairwise(tokens) if b < a)
 
+    verdict.errors = dict(Counter(e["error"] for e in history.named("error")))
     killed = {a.who for a in applied if a.fault.kind == "kill"}
     verdict.orphaned_rows = [f"{lock} held by {holder}" for lock, holder in rows_left if holder not in killed]
     verdict.faults = dict(Counter(a.fault.kind for a in applied if a.who != "skipped" and a.fault.band != DID_NOT_STOP))
