@@ -160,7 +160,10 @@ class Verdict:
     late_losses: list[str] = field(default_factory=list)
     """Losses told to a running holder (``on_lost``) only after another instance had taken the lock."""
     min_notice_s: float | None = None
-    """Of the losses followed by a takeover, the holder running: the shortest time from ``on_lost`` to it."""
+    """Of the losses followed by a reclaim of the row, the holder running: the shortest time from ``on_lost``
+    to the reclaim (by design at least a heartbeat interval)."""
+    notices: list[str] = field(default_factory=list)
+    """Each such loss, shortest notice first: who, which lock, why, and who reclaimed it when."""
     committed: int = 0
     unknown: int = 0
     fenced: int = 0
@@ -191,7 +194,7 @@ class Verdict:
             "reclaims": self.reclaims,
             "losses": self.losses,
             "losses_detected_late": len(self.late_losses),
-            "min_notice_before_takeover_s": "none" if self.min_notice_s is None else round(self.min_notice_s, 3),
+            "min_notice_before_reclaim_s": "none" if self.min_notice_s is None else round(self.min_notice_s, 3),
             "ledger_committed": self.committed,
             "ledger_unknown": self.unknown,
             "ledger_fenced_out": self.fenced,
@@ -283,7 +286,11 @@ def check(
         takeovers.setdefault(s.lock, []).append(s)
     losses = history.named("lost")
     verdict.losses = len(losses)
-    notices = []
+    notices: list[float] = []
+    told: list[tuple[float, str]] = []
+    reclaims: dict[str, list[dict[str, Any]]] = {}
+    for reclaim in history.named("reclaimed"):
+        reclaims.setdefault(reclaim["lock"], []).append(reclaim)
     for loss in losses:
         own = [s for s in takeovers.get(loss["lock"], []) if s.who == loss["who"] and s.enter <= loss["at"]]
         if not own:
@@ -297,10 +304,24 @@ def check(
         # fires then: unless the holder was frozen at that moment (it is told as it resumes).
         if _frozen_during(applied, loss["who"], taken - HEARTBEAT, taken):
             continue
-        notices.append(taken - loss["at"])
+        # The notice is measured against reclaims of its row; the next holder may also have found
+        # the lock free, the former holder having deleted its row itself once it knew of the loss.
+        if any(
+            r["who"] == after[0].who and r["previous"] == loss["who"] and lost_section.enter <= r["at"] <= taken
+            for r in reclaims.get(loss["lock"], [])
+        ):
+            notices.append(taken - loss["at"])
+            told.append(
+                (
+                    taken - loss["at"],
+                    f"{taken - loss['at']:.3f}s: {loss['who']} lost {loss['lock']} at {loss['at']:.3f} "
+                    f"({loss.get('reason', '')}); {after[0].who} reclaimed it at {taken:.3f}",
+                )
+            )
         if loss["at"] > taken:
             verdict.late_losses.append(f"{loss['who']} on {loss['lock']}: told {loss['at'] - taken:.3f}s late")
     verdict.min_notice_s = min(notices) if notices else None
+    verdict.notices = [text for _, text in sorted(told)]
 
     # The ledger: every committed increment counted once, unknown ones at most once.
     started = {e["inc"]: e for e in history.named("inc-start")}

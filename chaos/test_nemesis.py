@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -139,6 +140,7 @@ class Run:
                     "applied": [asdict(a) for a in nemesis.applied],
                     "verdict": {**verdict.figures(), "overlaps": [str(pair) for pair in verdict.overlaps]},
                     "late_losses": verdict.late_losses,
+                    "notices": verdict.notices,
                     "orphaned_rows": verdict.orphaned_rows,
                 },
                 indent=1,
@@ -151,11 +153,18 @@ def report_dir() -> Path:
     return Path(os.environ.get("CHAOS_REPORT_DIR") or Path(__file__).parent / "report")
 
 
-def nemesis_run(own_pg: PostgresServer, chaos: Chaos, seconds: float, tmp_path: Path) -> None:
+def logs_dir(name: str) -> Path:
+    """Where a run keeps its workers' logs and its verdict: next to the report (kept by CI), the last run's only."""
+    directory = report_dir() / name
+    shutil.rmtree(directory, ignore_errors=True)
+    return directory
+
+
+def nemesis_run(own_pg: PostgresServer, chaos: Chaos, seconds: float, name: str) -> None:
     seed = new_seed()
-    print(f"nemesis seed {seed} (replay: NEMESIS_SEED={seed})")
+    print(f"nemesis seed {seed} (replay: NEMESIS_SEED={seed})")  # shown with -s, and on a failure
     locks = [f"{chaos.lock_name}-{n}" for n in range(LOCKS)]
-    run = Run(own_pg, locks, tmp_path / "nemesis", seed)
+    run = Run(own_pg, locks, logs_dir(name), seed)
     nemesis = run.nemesis(lambda name: chaos.net(name, server=own_pg))
     ran = nemesis.run(make_schedule(seed, seconds=seconds, locks=LOCKS), seconds=seconds)
     rows_at_stop = run.rows_left()
@@ -190,17 +199,17 @@ def nemesis_run(own_pg: PostgresServer, chaos: Chaos, seconds: float, tmp_path: 
 @pytest.mark.nemesis
 @pytest.mark.scenario("13. nemesis")
 @pytest.mark.timeout(600)
-def test_13_nemesis_finds_no_overlap_and_no_lost_update(own_pg: PostgresServer, chaos: Chaos, tmp_path: Path) -> None:
+def test_13_nemesis_finds_no_overlap_and_no_lost_update(own_pg: PostgresServer, chaos: Chaos) -> None:
     # own_pg first: it must outlive the chaos fixture, which looks for rows left on it.
-    nemesis_run(own_pg, chaos, float(os.environ.get("NEMESIS_SECONDS") or 100), tmp_path)
+    nemesis_run(own_pg, chaos, float(os.environ.get("NEMESIS_SECONDS") or 100), "nemesis")
 
 
 @pytest.mark.slow
 @pytest.mark.nemesis
 @pytest.mark.scenario("15. nemesis, long")
 @pytest.mark.timeout(7200)
-def test_15_a_long_nemesis_run(own_pg: PostgresServer, chaos: Chaos, tmp_path: Path) -> None:
-    nemesis_run(own_pg, chaos, float(os.environ.get("NEMESIS_LONG_SECONDS") or 600), tmp_path)
+def test_15_a_long_nemesis_run(own_pg: PostgresServer, chaos: Chaos) -> None:
+    nemesis_run(own_pg, chaos, float(os.environ.get("NEMESIS_LONG_SECONDS") or 600), "nemesis-long")
 
 
 @pytest.fixture
@@ -218,7 +227,7 @@ def nets(toxiproxy: Toxiproxy, own_pg: PostgresServer) -> Any:
 @pytest.mark.nemesis
 @pytest.mark.timeout(600)
 def test_14_the_nemesis_catches_a_holder_that_trusts_its_lease_too_long(
-    own_pg: PostgresServer, nets: Any, report: Report, lock_name: str, tmp_path: Path
+    own_pg: PostgresServer, nets: Any, report: Report, lock_name: str
 ) -> None:
     """The same nemesis, against workers whose lease runs one heartbeat interval past the stale threshold.
 
@@ -228,7 +237,7 @@ def test_14_the_nemesis_catches_a_holder_that_trusts_its_lease_too_long(
     """
     seed = new_seed()
     locks = [f"{lock_name}-{n}" for n in range(LOCKS)]
-    run = Run(own_pg, locks, tmp_path / "broken", seed)
+    run = Run(own_pg, locks, logs_dir("nemesis-broken"), seed)
     nemesis = run.nemesis(nets, env={"NEMESIS_BROKEN": "lease"})
     seconds = float(os.environ.get("NEMESIS_BROKEN_SECONDS") or 100)
 
@@ -360,10 +369,12 @@ def test_the_checker_counts_lost_and_doubled_ledger_updates() -> None:
 def test_the_checker_finds_a_loss_told_after_the_takeover_unless_the_holder_was_frozen() -> None:
     held = section("a", "x", 0.0, 3.5, held=False, believed=2.0)
     taken = section("b", "x", 3.0, 4.0)
+    reclaim = {"ev": "reclaimed", "who": "b", "lock": "x", "at": 2.99, "previous": "a"}
     late = {"ev": "lost", "who": "a", "lock": "x", "at": 3.4, "reason": "lease"}
     on_time = {**late, "at": 2.8}
-    assert verdict_of(held, taken, on_time).late_losses == []
-    assert verdict_of(held, taken, on_time).min_notice_s == pytest.approx(0.2)
+    assert verdict_of(held, taken, reclaim, on_time).late_losses == []
+    assert verdict_of(held, taken, reclaim, on_time).min_notice_s == pytest.approx(0.2)
+    assert verdict_of(held, taken, on_time).min_notice_s is None, "no reclaim: a is what freed the lock"
     assert len(verdict_of(held, taken, late).late_losses) == 1
     frozen = Applied(Fault(1.0, "freeze", 0, 2.0), "a", start=1.0, end=3.3)
     assert verdict_of(held, taken, late, applied=[frozen]).late_losses == [], "told as it resumed"

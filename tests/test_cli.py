@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import tempfile
 import textwrap
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,25 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> s
     )
 
 
-def start(*args: str) -> subprocess.Popen[str]:
+def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "postgres_mutex", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=None if env is None else {**os.environ, **env},
     )
+
+
+@pytest.fixture
+def demo_tmp() -> Iterator[Path]:
+    """A temporary directory of the demo's own (its TMPDIR): other test runs on this machine start
+    throwaway servers in the system's, so only a directory of its own tells what the demo left."""
+    directory = Path(tempfile.mkdtemp(prefix="postgres-mutex-demo-test-"))
+    directory.chmod(0o755)  # the server runs as another user when the suite runs as root
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def python(code: str) -> list[str]:
@@ -365,15 +377,13 @@ def _story(output: str) -> list[str]:
     return [word for line in output.splitlines() for word in ("CRASHED", "ALERT", "RECLAIMED") if word in line]
 
 
-def test_demo_on_a_throwaway_server_tells_the_whole_story_and_cleans_up() -> None:
-    tmp = Path(tempfile.gettempdir())
-    before = set(tmp.glob("postgres-mutex-data-*"))
-    result = cli("demo", timeout=120)
+def test_demo_on_a_throwaway_server_tells_the_whole_story_and_cleans_up(demo_tmp: Path) -> None:
+    result = cli("demo", timeout=120, env={"TMPDIR": str(demo_tmp)})
     assert result.returncode == 0, result.stdout + result.stderr
     assert _story(result.stdout) == ["CRASHED", "ALERT", "RECLAIMED"]
     assert "throwaway PostgreSQL" in result.stdout
     assert "crash -> reclaim" in result.stdout
-    assert set(tmp.glob("postgres-mutex-data-*")) - before == set(), "its server's files are gone"
+    assert list(demo_tmp.glob("postgres-mutex-data-*")) == [], "its server's files are gone"
 
 
 def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg.Connection[Any]) -> None:
@@ -561,10 +571,10 @@ def _read_until(fd: int, wanted: bytes, timeout: float = 30) -> bytes:
     return seen
 
 
-def test_a_terminated_demo_still_removes_its_server_and_files(workers: list[subprocess.Popen[str]]) -> None:
-    tmp = Path(tempfile.gettempdir())
-    before = set(tmp.glob("postgres-mutex-data-*"))
-    proc = start("demo")
+def test_a_terminated_demo_still_removes_its_server_and_files(
+    workers: list[subprocess.Popen[str]], demo_tmp: Path
+) -> None:
+    proc = start("demo", env={"TMPDIR": str(demo_tmp)})
     workers.append(proc)
     assert proc.stdout is not None
     line = ""
@@ -575,7 +585,7 @@ def test_a_terminated_demo_still_removes_its_server_and_files(workers: list[subp
     port = line.rsplit(":", 1)[1].strip()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    assert set(tmp.glob("postgres-mutex-data-*")) - before == set()
+    assert list(demo_tmp.glob("postgres-mutex-data-*")) == []
     assert _processes_with(f"-p {port} ") == [], "its PostgreSQL is stopped"
     # Its workers carry its server's DSN in their environment: other demos on this machine are not its own.
     assert [pid for pid in _processes_with("postgres_mutex._demo") if f"port={port} " in _dsn_of(pid)] == [], (
