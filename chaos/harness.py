@@ -1,4 +1,4 @@
-"""What every chaos scenario shares: proxies, faults, the mutual-exclusion checker, the report.
+"""What every chaos scenario shares: proxies, faults, the report (the mutual-exclusion checker is tests/exclusion.py).
 
 Timings are shortened (heartbeat 0.2 s, alert 1 s, stale 3 s) so each fault
 plays out in seconds; their ratios are what the library cares about.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from postgres_mutex import LockNotHeldError, MetricsHook, Mutex
+from postgres_mutex import MetricsHook
 
 HEARTBEAT, ALERT, STALE = 0.2, 1.0, 3.0
 LEASE = STALE - HEARTBEAT
@@ -48,8 +48,16 @@ SCENARIOS = (
     "12. soak",
     "13. ledger, holder frozen past stale (fenced)",
     "13. ledger, holder frozen past stale (unfenced)",
+    "14. nemesis",
+    "15. nemesis, broken lease (caught)",
 )
 """Every scenario the report names, in its order; the docs' copy is rewritten only by a run that measured them all."""
+
+ON_DEMAND = ("16. nemesis, long",)
+"""Scenarios run only on demand (marker slow): reported when they ran, never required for the docs' copy."""
+
+MEASURED_BY_FIXTURE = ("overlaps", "rows_left")
+"""Figures the `chaos` fixture measures for every scenario, after it ends: the table's own columns."""
 
 DOCS_FIGURE = Path(__file__).resolve().parent.parent / "docs" / "figures" / "chaos-report.md"
 """The copy docs/failure-modes.md includes: committed, and rewritten by every whole run of the suite."""
@@ -170,85 +178,6 @@ _HOOK_METHODS = frozenset(name for name in vars(MetricsHook) if not name.startsw
 
 
 @dataclass
-class Section:
-    who: str
-    enter: float
-    exit: float | None = None
-
-
-class Sections:
-    """Critical sections on the machine-wide monotonic clock; no two may ever overlap.
-
-    A section runs from the moment a holder's acquire returned to the moment
-    it stopped believing it held the lock: it released, or its lease ran out
-    (``on_lost`` fired). Worker processes log theirs to files in the same
-    form, "who enter exit".
-    """
-
-    def __init__(self) -> None:
-        self._sections: list[Section] = []
-        self._lock = threading.Lock()
-
-    def enter(self, who: str, at: float | None = None) -> Section:
-        section = Section(who, time.monotonic() if at is None else at)
-        with self._lock:
-            self._sections.append(section)
-        return section
-
-    def leave(self, section: Section) -> None:
-        if section.exit is None:
-            section.exit = time.monotonic()
-
-    @contextmanager
-    def holding(self, mutex: Mutex, who: str, **acquire: Any) -> Iterator[bool]:
-        """``with mutex.acquire(...)`` recording the section; a lost lock ends it when it is lost."""
-        with mutex.acquire(**acquire) as acquired:
-            if not acquired:
-                yield False
-                return
-            section = self.enter(who)
-            try:
-                yield True
-            finally:
-                self.leave(section)
-
-    def on_lost(self, who: str) -> Any:
-        """An ``on_lost`` callback that ends ``who``'s open section at the moment of the loss."""
-
-        def lost(error: LockNotHeldError) -> None:
-            with self._lock:
-                for section in self._sections:
-                    if section.who == who and section.exit is None:
-                        section.exit = time.monotonic()
-
-        return lost
-
-    def add_log(self, path: Path) -> None:
-        for line in path.read_text().splitlines():
-            who, enter, leave = line.split()
-            with self._lock:
-                self._sections.append(Section(who, float(enter), float(leave)))
-
-    def all(self) -> list[Section]:
-        with self._lock:
-            return list(self._sections)
-
-    def overlaps(self) -> list[tuple[Section, Section]]:
-        """Sections that began before an earlier one had ended; an open section lasts until now."""
-        found: list[tuple[Section, Section]] = []
-        latest: Section | None = None
-        now = time.monotonic()
-        for section in sorted(self.all(), key=lambda s: s.enter):
-            if latest is not None and section.enter < (latest.exit if latest.exit is not None else now):
-                found.append((latest, section))
-            if latest is None or (section.exit if section.exit is not None else now) > (
-                latest.exit if latest.exit is not None else now
-            ):
-                latest = section
-        return found
-
-
-@dataclass
 class Report:
     """Measured figures per scenario, written as JSON and a markdown table at the end of the session."""
 
@@ -256,9 +185,15 @@ class Report:
     scenarios: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def record(self, scenario: str, **figures: Any) -> None:
-        assert scenario in SCENARIOS, f"add {scenario!r} to SCENARIOS: the docs' copy lists every scenario"
+        assert scenario in SCENARIOS + ON_DEMAND, f"add {scenario!r} to SCENARIOS: the docs' copy lists every scenario"
         self.scenarios.setdefault(scenario, {}).update(
             {key: round(value, 3) if isinstance(value, float) else value for key, value in figures.items()}
+        )
+
+    def complete(self) -> bool:
+        """Every scenario ran, and the fixture measured its overlaps and rows: what the docs' copy needs."""
+        return all(
+            all(key in self.scenarios.get(scenario, {}) for key in MEASURED_BY_FIXTURE) for scenario in SCENARIOS
         )
 
     def write(self, toxiproxy: str, postgres: int, *, docs_copy: bool) -> None:
@@ -274,7 +209,7 @@ class Report:
         table = self.markdown(toxiproxy, postgres)
         (self.directory / "chaos-report.md").write_text(table)
         # A partial run (-k, one file) would leave the docs with half a table: only a whole one replaces it.
-        if docs_copy and set(self.scenarios) == set(SCENARIOS):
+        if docs_copy and self.complete():
             DOCS_FIGURE.write_text(table)
 
     def markdown(self, toxiproxy: str, postgres: int) -> str:
@@ -282,11 +217,12 @@ class Report:
             f"Chaos report: heartbeat {HEARTBEAT:g}s, alert {ALERT:g}s, stale {STALE:g}s; "
             f"PostgreSQL {postgres}; Toxiproxy: {toxiproxy}",
             "",
-            "| scenario | overlaps | measured |",
-            "|---|---|---|",
+            "| scenario | overlaps | rows left | measured |",
+            "|---|---|---|---|",
         ]
-        order = {name: index for index, name in enumerate(SCENARIOS)}
+        order = {name: index for index, name in enumerate(SCENARIOS + ON_DEMAND)}
         for scenario, figures in sorted(self.scenarios.items(), key=lambda item: order[item[0]]):
-            measured = "; ".join(f"{key}: {value}" for key, value in figures.items() if key != "overlaps")
-            lines.append(f"| {scenario} | {figures.get('overlaps', '')} | {measured} |")
+            measured = "; ".join(f"{key}: {value}" for key, value in figures.items() if key not in MEASURED_BY_FIXTURE)
+            overlaps, rows = (figures.get(key, "not measured") for key in MEASURED_BY_FIXTURE)
+            lines.append(f"| {scenario} | {overlaps} | {rows} | {measured} |")
         return "\n".join(lines) + "\n"

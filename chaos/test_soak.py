@@ -10,8 +10,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from chaos.conftest import Chaos
-from chaos.harness import LEASE, Net, Report
+from chaos.harness import LEASE, Net
 from tests.fixtures import ROOT
 
 WORKERS = 4
@@ -48,9 +50,11 @@ def inject_faults(net: Net, seed: int, until: float, injected: list[str]) -> Non
         net.clear()
 
 
-def test_12_soak_no_overlap_no_orphan_every_process_finishes(chaos: Chaos, report: Report, tmp_path: Path) -> None:
+@pytest.mark.scenario("12. soak")
+def test_12_soak_no_overlap_no_orphan_every_process_finishes(chaos: Chaos, tmp_path: Path) -> None:
     nets = [chaos.net(f"soak-{n}") for n in range(WORKERS)]
     logs = [tmp_path / f"soak-{n}.log" for n in range(WORKERS)]
+    started = time.monotonic()
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "chaos.soak_worker", f"soak-{n}", str(SECONDS), str(logs[n])],
@@ -79,19 +83,20 @@ def test_12_soak_no_overlap_no_orphan_every_process_finishes(chaos: Chaos, repor
                 proc.kill()
             if proc.stderr is not None:
                 proc.stderr.close()
-    assert codes == [0] * WORKERS, "every process finished"
+    ran = time.monotonic() - started
     for log in logs:
         chaos.sections.add_log(log)
     sections = chaos.sections.all()
     holders = {section.who for section in sections}
-    assert len(sections) >= 10, "the soak did contend"
-    assert len(holders) >= 2
-    report.record(
-        "12. soak",
-        processes=WORKERS,
-        seconds=SECONDS,
+    chaos.record(
+        processes_finished=codes.count(0),
+        processes=len(codes),
+        ran_s=ran,
         critical_sections=len(sections),
+        holders=len(holders),
         faults_injected=len(injected),
         long_partitions=injected.count("long partition"),
-        overlaps=len(chaos.sections.overlaps()),
     )
+    assert codes == [0] * WORKERS, "every process finished"
+    assert len(sections) >= 10, "the soak did contend"
+    assert len(holders) >= 2

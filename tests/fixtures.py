@@ -1,33 +1,29 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from types import ModuleType
+from typing import IO, Any, NoReturn
 
 import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, Mutex
+from postgres_mutex._sql import Names
 from tests.faultproxy import FaultProxy
 from tests.postgres_server import PostgresServer, configured_server, local_server
-
-# Short thresholds keep crash and loss tests to seconds; the ratios between
-# them are what the library cares about.
-FAST: dict[str, float] = {
-    "heartbeat_interval": 0.1,
-    "alert_threshold": 0.6,
-    "stale_threshold": 1.5,
-    "poll_interval": 0.05,
-    "operation_timeout": 2.0,
-}
+from tests.timing import FAST as FAST  # the suite's one table of short thresholds, re-exported
 
 
 def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, interval: float = 0.02) -> None:
@@ -39,11 +35,45 @@ def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, interv
         time.sleep(interval)
 
 
-def skip_or_fail_in_ci(reason: str) -> NoReturn:
-    """Skip a test that needs what this machine lacks; in CI (CI=true) such a gap fails instead."""
+def read_line(stream: IO[str], *, timeout: float = 10.0) -> str:
+    """The next line of a child's output, or fail after ``timeout`` seconds (a readline alone could block forever).
+
+    The reading thread is left blocked on a child that stays silent; the child's end unblocks it.
+    """
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not line:
+        raise AssertionError(f"no line within {timeout}s")
+    return line[0]
+
+
+async def await_until(predicate: Callable[[], object], *, timeout: float = 10.0, interval: float = 0.02) -> None:
+    """`wait_until` for async tests: polls without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+        await asyncio.sleep(interval)
+
+
+def skip_or_fail_in_ci(reason: str, *, module: bool = False) -> NoReturn:
+    """Skip a test that needs what this machine lacks; in CI (CI=true) such a gap fails instead.
+
+    ``module``: called at import time, to skip (or fail) a whole test module.
+    """
     if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}: CI must run this test, not skip it")
-    pytest.skip(reason=reason)
+        pytest.fail(f"{reason}: CI must run this test, not skip it", pytrace=False)
+    pytest.skip(reason=reason, allow_module_level=module)
+
+
+def required_module(name: str, reason: str) -> ModuleType:
+    """Import ``name``, or skip the calling test module (fail it in CI) saying why it is needed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        skip_or_fail_in_ci(f"{name} cannot be imported: {reason}", module=True)
 
 
 def required_tool(name: str, package: str) -> str:
@@ -72,6 +102,43 @@ def freeze(mutex: Mutex) -> None:
     hold = mutex._lock.hold
     assert hold is not None
     hold.paused = True
+
+
+# -- what a waiter is doing, observed rather than slept on ------------------------------------
+
+LISTENER_LOST = "the release listener lost its connection"
+"""The library's DEBUG line when its listener's connection broke: every waiter is then woken to retry."""
+
+
+def channel_of(lock_name: str, table: str = "mutex_lock") -> str:
+    """The NOTIFY channel a release of ``lock_name`` is announced on."""
+    return Names(table).channel(lock_name)
+
+
+def listens(mutex: Mutex, *, engine: Any = None) -> bool:
+    """In-process: the client of ``mutex`` LISTENs on its lock's channel (``engine``: an async engine, else sync).
+
+    A waiter asks its client's listener to LISTEN, then tries the lock once
+    more, then waits: with `contended` counting two attempts as well, it is
+    waiting for the release and will be woken by its notification.
+    """
+    listener = (engine or mutex.client._get_engine()).listener
+    return listener is not None and channel_of(mutex.lock_name, mutex.table) in listener.listening
+
+
+def process_listens(admin: psycopg.Connection[Any], lock_name: str, table: str = "mutex_lock") -> bool:
+    """Another process's release listener has LISTENed on ``lock_name``'s channel, as pg_stat_activity shows.
+
+    The listener connection's last statement stays visible there while it idles.
+    """
+    query = "SELECT 1 FROM pg_stat_activity WHERE application_name LIKE 'postgres-mutex listener%%' AND query = %s"
+    listen = f'LISTEN "{channel_of(lock_name, table)}"'
+    return admin.execute(query, (listen,)).fetchone() is not None
+
+
+def listener_reconnected(caplog: pytest.LogCaptureFixture) -> bool:
+    """The library logged that a release listener lost its connection (which wakes waiters without a release)."""
+    return any(LISTENER_LOST in record.getMessage() for record in caplog.records)
 
 
 @pytest.fixture(scope="session")

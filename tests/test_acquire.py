@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, LockNotHeldError, Mutex
-from tests.fixtures import RecordingMetrics, frozen_holder, wait_until
+from tests.fixtures import RecordingMetrics, await_until, frozen_holder, listener_reconnected, listens, wait_until
 
 Row = Callable[..., tuple[Any, ...] | None]
 Holder = Callable[..., str | None]
@@ -82,9 +82,11 @@ def test_blocking_acquire_times_out_with_a_timeout_error_and_never_runs_the_body
     assert not waiter.held
 
 
-def test_release_wakes_a_waiter_at_once_instead_of_at_its_next_poll(make_mutex: Callable[..., Mutex]) -> None:
-    # With a 30 s poll interval only the release notification can wake the waiter in time.
-    holder, waiter = make_mutex(), make_mutex(poll_interval=30.0)
+def test_release_wakes_a_waiter_at_once_instead_of_at_its_next_poll(
+    make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With a 30 s poll interval (past the wait's timeout) only a wake-up can hand the lock over in time.
+    holder, waiter = make_mutex(), make_mutex(poll_interval=30.0, metrics=metrics)
     woke_after: list[float] = []
 
     def wait() -> None:
@@ -94,22 +96,31 @@ def test_release_wakes_a_waiter_at_once_instead_of_at_its_next_poll(make_mutex: 
     with holder.acquire():
         thread = threading.Thread(target=wait)
         thread.start()
-        # Let the waiter make its first attempt and start listening.
-        time.sleep(0.5)
+        # Observed, not slept on: the waiter LISTENs, and has tried again since (so it now waits to be woken).
+        wait_until(lambda: listens(waiter) and len(metrics.named("contended")) >= 2)
         released_at = time.monotonic()
     thread.join(timeout=25)
     assert woke_after, "the waiter never acquired"
     assert woke_after[0] - released_at < 3.0
+    # The notified path: two attempts found the lock held, the third (after one wait, which ended
+    # long before its poll interval) took it; and no listener reconnection woke it instead.
+    assert len(metrics.named("contended")) == 2
+    assert not listener_reconnected(caplog)
 
 
-async def test_async_release_wakes_an_async_waiter_at_once(amake_mutex: Callable[..., Mutex]) -> None:
-    holder, waiter = amake_mutex(), amake_mutex(poll_interval=30.0)
+async def test_async_release_wakes_an_async_waiter_at_once(
+    amake_mutex: Callable[..., Mutex], metrics: RecordingMetrics, caplog: pytest.LogCaptureFixture
+) -> None:
+    holder, waiter = amake_mutex(), amake_mutex(poll_interval=30.0, metrics=metrics)
     async with holder.acquire_async():
         task = asyncio.create_task(_acquire_and_time(waiter))
-        await asyncio.sleep(0.5)
+        engine = waiter.client._get_engine_async()
+        await await_until(lambda: listens(waiter, engine=engine) and len(metrics.named("contended")) >= 2)
         released_at = time.monotonic()
     acquired_at = await asyncio.wait_for(task, 25)
     assert acquired_at - released_at < 3.0
+    assert len(metrics.named("contended")) == 2, "woken once, by the release's notification"
+    assert not listener_reconnected(caplog)
 
 
 async def _acquire_and_time(mutex: Mutex) -> float:
@@ -304,12 +315,12 @@ async def test_cancelling_the_task_releases_the_lock(amake_mutex: Callable[..., 
 
 
 async def test_cancelling_a_blocked_acquire_leaves_no_row(
-    amake_mutex: Callable[..., Mutex], row: Row, holder_id: Holder
+    amake_mutex: Callable[..., Mutex], row: Row, holder_id: Holder, metrics: RecordingMetrics
 ) -> None:
-    holder, waiter = amake_mutex(), amake_mutex()
+    holder, waiter = amake_mutex(), amake_mutex(metrics=metrics)
     async with holder.acquire_async():
         task = asyncio.create_task(_acquire_and_time(waiter))
-        await asyncio.sleep(0.3)
+        await await_until(lambda: metrics.named("contended"))  # blocked: it found the lock held
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

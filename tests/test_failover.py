@@ -44,9 +44,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from chaos.harness import Event, Events, Sections
+from chaos.harness import Event, Events
 from postgres_mutex import DatabaseError, LockNotHeldError, Mutex, MutexError
 from postgres_mutex.watcher import StaleWatcher
+from tests.exclusion import Sections
 from tests.figures import Figures
 from tests.fixtures import ROOT, wait_until
 from tests.patroni import LOOP_WAIT, RETRY_TIMEOUT, TTL, Node, PatroniCluster

@@ -36,7 +36,7 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from chaos.harness import Events, Sections
+from chaos.harness import Events
 from postgres_mutex import (
     LockAcquisitionTimeout,
     LockNotHeldError,
@@ -46,6 +46,7 @@ from postgres_mutex import (
     MutexError,
     OperationTimeout,
 )
+from tests.exclusion import Sections
 from tests.figures import Figures
 from tests.fixtures import wait_until
 from tests.pgbouncer import PgBouncer

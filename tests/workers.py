@@ -8,7 +8,7 @@
     python -m tests.workers fleet DSN PREFIX PORT       contend, wait to reclaim, stall; /metrics on PORT
     python -m tests.workers watcher DSN - PORT          a stale-holder watcher; /metrics on PORT
 
-Thresholds come from the FAST settings the tests use. Critical sections are
+Thresholds come from the FAST settings the tests use (tests/timing.py). Critical sections are
 logged as "pid enter exit" on CLOCK_MONOTONIC, which every process on the
 machine shares, so the parent can check that no two ever overlap.
 """
@@ -24,14 +24,7 @@ import threading
 import time
 
 from postgres_mutex import Mutex
-
-FAST = {
-    "heartbeat_interval": 0.1,
-    "alert_threshold": 0.6,
-    "stale_threshold": 1.5,
-    "poll_interval": 0.05,
-    "operation_timeout": 2.0,
-}
+from tests.timing import FAST
 
 
 def hold(dsn: str, lock: str, *, exit_at_once: bool, announce_wait: bool = False) -> None:
@@ -216,20 +209,32 @@ def watcher(dsn: str, port: int) -> None:
 
 
 def skew_wall_clock(offset: float) -> None:
-    """Make this process's wall clock wrong by ``offset`` seconds (time.time and friends).
+    """Make this process's wall clock wrong by ``offset`` seconds, as Python's ``time`` module reads it.
 
-    The library must not care: leases run on the monotonic clock and every
-    staleness decision on the server's. (libfaketime would skew it below
-    Python too, but it breaks Python 3.11's sleeps.)
+    Skewed: ``time.time``, ``time.time_ns`` and ``time.clock_gettime`` /
+    ``time.clock_gettime_ns`` of ``CLOCK_REALTIME`` (what ``datetime.now`` and
+    logging read is C code, left alone). The monotonic and boot-time clocks are
+    not skewed (a time namespace could offset them, but only with privileges CI
+    runners lack), nor is the kernel's or libpq's view. This is enough because
+    the library reads no wall clock at all: leases run on the boot-time clock
+    and every staleness decision on the server's, and tests/test_wall_clock.py
+    fails if any of the library's code reads a wall clock. (libfaketime would
+    skew the clock below Python too, but it breaks Python 3.11's sleeps.)
     """
-    real_time, real_time_ns, real_clock = time.time, time.time_ns, time.clock_gettime
+    real_time, real_time_ns = time.time, time.time_ns
+    real_clock, real_clock_ns = time.clock_gettime, time.clock_gettime_ns
+    offset_ns = int(offset * 1e9)
 
     def clock_gettime(clock: int) -> float:
         return real_clock(clock) + (offset if clock == time.CLOCK_REALTIME else 0.0)
 
+    def clock_gettime_ns(clock: int) -> int:
+        return real_clock_ns(clock) + (offset_ns if clock == time.CLOCK_REALTIME else 0)
+
     time.time = lambda: real_time() + offset
-    time.time_ns = lambda: real_time_ns() + int(offset * 1e9)
+    time.time_ns = lambda: real_time_ns() + offset_ns
     time.clock_gettime = clock_gettime
+    time.clock_gettime_ns = clock_gettime_ns
 
 
 def main(argv: list[str]) -> None:
