@@ -14,7 +14,7 @@ xfail whose reason is the library change needed.
 
 The mixed fleet: 0.1.0 workers and this version's workers contend for one
 lock in one table, on the chaos suite's timing (heartbeat 0.2 s, alert 1 s,
-stale 3 s), with critical sections checked by chaos.harness.Sections; crashed
+stale 3 s), with critical sections checked by tests.exclusion.Sections; crashed
 holders of either version are alerted on and reclaimed by the other; this
 version's tools (status, LockTable, the watcher and its metrics) see 0.1.0
 holders; fencing is never fooled by a 0.1.0 holder's row.
@@ -44,11 +44,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import postgres_mutex
-from chaos.harness import ALERT, HEARTBEAT, STALE, TIMING, Sections
+from chaos.harness import ALERT, HEARTBEAT, STALE, TIMING
 from postgres_mutex import FanOutMetrics, LockNotHeldError, MutexClient
 from postgres_mutex.prometheus import PrometheusMetrics
 from postgres_mutex.watcher import StaleWatcher
 from tests.doc_examples import parse_page, python_parts
+from tests.exclusion import Sections
 from tests.fixtures import ROOT, RecordingMetrics, freeze, skip_or_fail_in_ci, wait_until
 from tests.postgres_server import PostgresServer
 from tests.written_for_0_1_0 import program, worker
