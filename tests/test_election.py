@@ -259,6 +259,33 @@ def test_stop_while_campaigning_returns_at_once(
             pool.close()
 
 
+def test_stop_from_a_signal_handler_never_deadlocks_the_thread_it_interrupted(
+    dsn: str, lock_name: str, schema: None
+) -> None:
+    """The docs' pattern, many times over: a handler calls stop() while ``lead`` waits on ``leadership.ended``.
+
+    The signal lands at random moments of the main thread's waits, including
+    the instant it holds the internal lock of the event it waits on.
+    """
+    script = f"""
+import random, signal, sys
+from postgres_mutex import Election
+for trial in range(150):
+    election = Election({dsn!r}, {lock_name!r}, heartbeat_interval=1, alert_threshold=2, stale_threshold=5)
+    signal.signal(signal.SIGALRM, lambda *_: election.stop())
+    def lead(leadership):
+        signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0005, 0.005))
+        while not leadership.ended.wait(0.0002):
+            pass
+    election.run(lead)
+    election.close()
+print("done", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "done"
+
+
 def test_a_lead_that_returns_gives_the_term_up_and_campaigns_again(
     make_election: Make, candidates: list[Candidate]
 ) -> None:

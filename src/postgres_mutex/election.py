@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -118,6 +119,64 @@ class Flag:
 
     def __repr__(self) -> str:
         return f"<Flag {'set' if self.is_set() else 'clear'}>"
+
+
+class _Relay:
+    """Carries `Election.stop` and `Election.resign` out of a signal handler, to a thread of its own.
+
+    A signal handler runs in the main thread between two bytecodes, possibly
+    while that thread holds the internal lock of the very event it waits on
+    (``leadership.ended.wait()``, the campaign's wait): setting that event
+    from the handler would wait for itself forever. The handler only writes
+    a byte to a pipe (no lock taken); this thread reads it and sets the
+    events.
+    """
+
+    STOP = b"s"
+    RESIGN = b"r"
+    _QUIT = b"q"
+
+    def __init__(self, stop: Callable[[], None], resign: Callable[[], None]) -> None:
+        self._read, self._write = os.pipe()
+        self._stop, self._resign = stop, resign
+        self._thread = threading.Thread(target=self._run, name="postgres-mutex-election-relay", daemon=True)
+        self._thread.start()
+
+    def send(self, what: bytes) -> bool:
+        """Pass ``what`` on; False if the relay is closed (then the caller acts itself)."""
+        try:
+            os.write(self._write, what)
+        except OSError:
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            try:
+                received = os.read(self._read, 64)
+            except OSError:
+                return
+            if self.STOP in received:
+                self._stop()
+            elif self.RESIGN in received:
+                self._resign()
+            if not received or self._QUIT in received:
+                return
+
+    def close(self) -> None:
+        """Act on what was sent before, then end the thread.
+
+        The write end stays open while anyone may still hold this relay (a
+        `send` after this fails, and its caller acts itself): closed with it,
+        its descriptor number could be reused by a file of the user's.
+        """
+        self.send(self._QUIT)
+        self._thread.join()
+        os.close(self._read)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._write)
 
 
 class Leadership:
@@ -378,6 +437,9 @@ class Election:
         )
         self._stop = flows.StopSignal()
         self._stopped = threading.Event()
+        # Set by stop() itself: a plain flag, as a signal handler may set it.
+        self._stop_requested = False
+        self._relay: _Relay | None = None
         self._running = threading.Lock()
         self._term: Leadership | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -414,7 +476,7 @@ class Election:
     @property
     def stopped(self) -> bool:
         """True once `stop` was called: an Election does not campaign again after it."""
-        return self._stopped.is_set()
+        return self._stop_requested
 
     def __repr__(self) -> str:
         state = "stopped" if self.stopped else "leading" if self.leading else "not leading"
@@ -448,7 +510,7 @@ class Election:
         self._enter()
         try:
             self._events.started()
-            while not self._stopped.is_set():
+            while not self._stop_requested:
                 pause = self._serve(lead)
                 if pause is None:
                     break
@@ -456,16 +518,18 @@ class Election:
                     self._stopped.wait(pause)
         finally:
             self._events.stopped()
+            self._leave()
             if self._close_when_done:
                 self._mutex.close()
             self._running.release()
+            self._close_if_asked_meanwhile()
 
     def _serve(self, lead: Lead) -> float | None:
         """Campaign, then one term; returns the pause before the next campaign, None once stopped."""
         acquisition = self._mutex._campaign(self._stop)
         if not acquisition.__enter__():
             return None
-        if self._stopped.is_set():  # won just as stop() came: no term
+        if self._stop_requested:  # won just as stop() came: no term
             self._release(acquisition, None)
             return None
         with self._mutex._lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
@@ -519,7 +583,7 @@ class Election:
         self._wakeup = asyncio.Event()
         try:
             self._events.started()
-            while not self._stopped.is_set():
+            while not self._stop_requested:
                 pause = await self._serve_async(lead)
                 if pause is None:
                     break
@@ -528,16 +592,23 @@ class Election:
                         await asyncio.wait_for(self._wakeup.wait(), pause)
         finally:
             self._events.stopped()
+            self._leave()
             self._loop = self._wakeup = None
             if self._close_when_done:
                 await self._mutex.aclose()
             self._running.release()
+            if self._close_when_done and self._running.acquire(blocking=False):
+                # close() came after the check above, and found the run still going.
+                try:
+                    await self._mutex.aclose()
+                finally:
+                    self._running.release()
 
     async def _serve_async(self, lead: AsyncLead) -> float | None:
         acquisition = self._mutex._campaign_async(self._stop)
         if not await acquisition.__aenter__():
             return None
-        if self._stopped.is_set():
+        if self._stop_requested:
             await self._release_async(acquisition, None)
             return None
         with self._mutex._lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
@@ -570,14 +641,24 @@ class Election:
                     error = asyncio.CancelledError("lead's task was cancelled, not by the election")
             told = term._ending
             term._finish()
-            await asyncio.to_thread(watch.join)  # it has only to finish reporting: a moment
-            await self._release_async(acquisition, term)
+            # To the end even if this task is cancelled again meanwhile: the lock must not stay held.
+            hand_over = asyncio.ensure_future(self._hand_over_async(watch, acquisition, term))
+            while not hand_over.done():
+                try:
+                    await asyncio.wait([hand_over])
+                except asyncio.CancelledError as exc:
+                    interrupted = interrupted or exc
+            hand_over.result()
             pause = self._conclude(term, told, error)
             if interrupted is not None:
                 raise interrupted
             if error is not None and not isinstance(error, Exception | asyncio.CancelledError):
                 raise error
             return pause
+
+    async def _hand_over_async(self, watch: threading.Thread, acquisition: AsyncAcquisition, term: Leadership) -> None:
+        await asyncio.to_thread(watch.join)  # it has only to finish reporting: a moment
+        await self._release_async(acquisition, term)
 
     async def _release_async(self, acquisition: AsyncAcquisition, term: Leadership | None) -> None:
         try:
@@ -593,6 +674,21 @@ class Election:
     def _enter(self) -> None:
         if not self._running.acquire(blocking=False):
             raise MutexError(f"election {self.name!r} is running already: one run() or run_async() at a time")
+        # Started here, never in stop(): a signal handler may not start a thread.
+        self._relay = _Relay(self._stop_now, self._resign_now)
+
+    def _leave(self) -> None:
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            relay.close()
+
+    def _close_if_asked_meanwhile(self) -> None:
+        # close() came after run's own check, and found the run still going: close now.
+        if self._close_when_done and self._running.acquire(blocking=False):
+            try:
+                self._mutex.close()
+            finally:
+                self._running.release()
 
     def _span_attributes(self) -> dict[str, str | bool | int | float]:
         return {LOCK_NAME: self.name, INSTANCE_ID: self.instance_id}
@@ -605,7 +701,7 @@ class Election:
         self._events.term_began(span, hold.token)
         if not hold.held:  # lost before the term was there to hear of it
             term._end("lost", "leadership was lost: " + (hold.reason or "its lease ran out"))
-        if self._stopped.is_set():
+        if self._stop_requested:
             term._end("stopped", _STOPPED)
         return term
 
@@ -658,6 +754,13 @@ class Election:
         from the event loop of `run_async`. A campaign waiting for the lock
         ends at once; the next candidate is woken by the release.
         """
+        self._stop_requested = True
+        relay = self._relay
+        if relay is None or not relay.send(_Relay.STOP):
+            self._stop_now()
+
+    def _stop_now(self) -> None:
+        # Never in a signal handler's frame (see _Relay): it sets events a thread may be waiting on.
         self._stopped.set()
         loop = self._loop
         if loop is None:
@@ -686,7 +789,17 @@ class Election:
         Returns False if this candidate was not leading. Safe from any thread.
         """
         term = self._term
-        return term is not None and term._end("resigned", _RESIGNED)
+        if term is None or term._endings:
+            return False
+        relay = self._relay
+        if relay is None or not relay.send(_Relay.RESIGN):
+            self._resign_now()
+        return True
+
+    def _resign_now(self) -> None:
+        term = self._term
+        if term is not None:
+            term._end("resigned", _RESIGNED)
 
     def close(self) -> None:
         """`stop`, then close the Mutex underneath; safe to call while `run` runs.
@@ -695,8 +808,8 @@ class Election:
         and the lock is released, so closing never releases the lock under a
         running ``lead``.
         """
+        self._close_when_done = True  # before stop(): a run ending meanwhile sees it
         self.stop()
-        self._close_when_done = True
         if self._running.acquire(blocking=False):  # no run in progress: close now
             try:
                 self._mutex.close()
@@ -705,8 +818,8 @@ class Election:
 
     async def aclose(self) -> None:
         """Async `close`."""
-        self.stop()
         self._close_when_done = True
+        self.stop()
         if self._running.acquire(blocking=False):
             try:
                 await self._mutex.aclose()
@@ -762,7 +875,7 @@ class Election:
         """
         every = check_seconds(interval, "interval")
         last: tuple[str, int | None] | bool | None = False
-        while not self._stopped.is_set():
+        while not self._stop_requested:
             try:
                 current = self.leader()
             except DatabaseError as exc:
@@ -779,7 +892,7 @@ class Election:
         """Async `watch_leader`."""
         every = check_seconds(interval, "interval")
         last: tuple[str, int | None] | bool | None = False
-        while not self._stopped.is_set():
+        while not self._stop_requested:
             try:
                 current = await self.leader_async()
             except DatabaseError as exc:
