@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from postgres_mutex import Mutex
+from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
 
 DSN = "host=127.0.0.1 dbname=app"
 
@@ -136,3 +138,19 @@ def test_default_instance_ids_are_unique_and_readable() -> None:
     ids = {Mutex(DSN, "job").instance_id for _ in range(50)}
     assert len(ids) == 50
     assert all(i.startswith(socket.gethostname()[:20]) and 1 <= len(i) <= 64 for i in ids)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        LockAcquisitionTimeout("lock 'x' still held by b after 5s", 5.0, lock_name="x", holder="b"),
+        LockNotHeldError("lock 'x' is not held: its lease ran out", lock_name="x", instance_id="a", reason="lease"),
+        LockNotHeldError("job"),
+    ],
+)
+def test_errors_cross_process_boundaries_as_they_are(error: Exception) -> None:
+    """Pickled (multiprocessing, a task queue) or copied, an error keeps its message and its attributes."""
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):  # noqa: S301 - our own bytes
+        assert type(again) is type(error)
+        assert str(again) == str(error)
+        assert vars(again) == vars(error)

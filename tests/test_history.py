@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -29,7 +31,7 @@ from postgres_mutex import (
     SchemaError,
 )
 from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, ROOT, freeze, wait_until
+from tests.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
 from tests.postgres_server import PostgresServer
 
 
@@ -411,12 +413,96 @@ def test_the_cli_creates_migrates_and_reads_the_history_in_text_and_json(
 def test_dropping_the_history_under_running_holders_costs_them_nothing(
     make: Callable[..., Mutex], dsn: str, table: str, lock_name: str, admin: psycopg.Connection[Any]
 ) -> None:
-    mutex, other = make(), make(lock_name=f"{lock_name}-other")
+    # Heartbeats far apart: the release and the waiter meet the dropped table first.
+    slow = {"heartbeat_interval": 2.0, "alert_threshold": 10.0, "stale_threshold": 20.0}
+    seen = RecordingMetrics()
+    mutex, waiter = make(instance_id="holder", **slow), make(instance_id="waiter", metrics=seen, **slow)
+    got: list[bool] = []
     with mutex.acquire():
+        thread = threading.Thread(target=lambda: got.append(take(waiter)))
+        thread.start()
+        wait_until(lambda: seen.named("contended"), timeout=10)  # it waits for the release
         admin.execute(f"DROP TABLE {table}_history")  # an operator turns the history off
-        wait_until(functools.partial(renewed, mutex), timeout=10)  # the next heartbeat looks at the table again
-        assert mutex.held
-    assert LockTable(dsn, table=table).holders([lock_name]) == [], "released"
-    with other.acquire() as acquired:
-        assert acquired, "acquires go on without the history"
+    thread.join(timeout=20)
+    assert got == [True], "the release went through, and the waiter got the lock"
     assert not LockTable(dsn, table=table).has_history()
+
+
+def take(mutex: Mutex) -> bool:
+    with mutex.acquire(blocking=True, timeout=15) as acquired:
+        return acquired
+
+
+def test_an_end_nobody_wrote_is_closed_by_the_next_acquire_and_expires(
+    make: Callable[..., Mutex], dsn: str, table: str, lock_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    # A hold by a process that keeps no history ended without a word (0.1.0 released it, say).
+    admin.execute(
+        f"INSERT INTO {table}_history (lock_name, holder, acquired_at) VALUES (%s, 'old-process', now())",  # noqa: S608
+        (lock_name,),
+    )
+    with make().acquire():
+        records = history(dsn, table, lock_name)
+    assert [(r.holder, r.ended_how) for r in records] == [(records[0].holder, None), ("old-process", None)]
+    assert records[1].ended_at is not None, "closed: not shown as holding for ever"
+    found = admin.execute(
+        f"SELECT keep_until IS NOT NULL FROM {table}_history WHERE holder = 'old-process'"  # noqa: S608
+    ).fetchone()
+    assert found == (True,), "and retention removes it in time"
+
+
+def test_a_retention_change_waits_for_readers_without_stalling_the_holders(
+    make: Callable[..., Mutex],
+    dsn: str,
+    table: str,
+    row: Callable[..., tuple[Any, ...] | None],
+    admin: psycopg.Connection[Any],
+) -> None:
+    mutex = make()
+    changed: list[bool] = []
+    with mutex.acquire(), psycopg.connect(dsn) as reader:
+        reader.execute(f"SELECT count(*) FROM {table}_history")  # noqa: S608 - a dashboard's open transaction
+        thread = threading.Thread(
+            target=lambda: changed.append(LockTable(dsn, table=table).migrate(history=True, history_retention=60))
+        )
+        thread.start()
+        # While the change waits for the reader, heartbeats go on: the holder keeps its lock.
+        watched_until = time.monotonic() + 2 * FAST["stale_threshold"]
+        while time.monotonic() < watched_until:
+            assert heartbeat_age(row, table) < FAST["alert_threshold"], "a heartbeat queued behind the change"
+            stamp = last_heartbeat(admin, table)
+            wait_until(lambda: last_heartbeat(admin, table) != stamp, timeout=5)  # noqa: B023
+        assert mutex.held
+        assert thread.is_alive(), "the change waits for the reader"
+        reader.rollback()
+        thread.join(timeout=30)
+    assert changed == [False], "done once the reader ended (a retention is no schema change)"
+
+
+def heartbeat_age(row: Callable[..., tuple[Any, ...] | None], table: str) -> float:
+    found = row(table=table)
+    assert found is not None
+    return float(found[1])
+
+
+def last_heartbeat(admin: psycopg.Connection[Any], table: str) -> object:
+    found = admin.execute(f"SELECT last_heartbeat FROM {table}").fetchone()  # noqa: S608
+    assert found is not None
+    return found[0]
+
+
+def test_history_reads_a_history_added_after_this_client_first_looked(
+    make: Callable[..., Mutex], dsn: str, lock_name: str
+) -> None:
+    name = f"late_{uuid.uuid4().hex[:10]}"
+    try:
+        with contextlib.closing(MutexClient(dsn)) as client:
+            lock_table = LockTable(client=client, table=name)
+            lock_table.create()
+            with client.mutex(lock_name, table=name, **FAST).acquire():  # this client knows the table's shape
+                pass
+            with contextlib.closing(MutexClient(dsn)) as other:
+                LockTable(client=other, table=name).migrate(history=True)  # another process adds the history
+            assert lock_table.history() == []
+    finally:
+        drop(dsn, name)

@@ -402,12 +402,14 @@ _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def _since(text: str) -> datetime:
-    """``--since``: an ISO 8601 moment (without a zone: this machine's), or an age such as 90s, 15m, 2h, 7d."""
+def _since(text: str) -> datetime | timedelta:
+    """``--since``: an ISO 8601 moment (without a zone: this machine's), or an age such as 90s, 15m, 2h, 7d.
+
+    An age counts back from now by the server's clock, as every age here does.
+    """
     relative = _RELATIVE.match(text.strip())
     if relative:
-        seconds = float(relative.group(1)) * _UNIT_SECONDS[relative.group(2)]
-        return datetime.now(UTC) - timedelta(seconds=seconds)
+        return timedelta(seconds=float(relative.group(1)) * _UNIT_SECONDS[relative.group(2)])
     try:
         moment = datetime.fromisoformat(text.strip())
     except ValueError:

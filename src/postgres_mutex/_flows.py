@@ -21,6 +21,7 @@ from ._rules import (
     CANCELLED,
     PRIVILEGE,
     SERIALIZATION_FAILURE,
+    SHAPE_CHANGED,
     UNDEFINED_COLUMN,
     AcquireResult,
     Outcome,
@@ -362,6 +363,11 @@ def _attempt_until_done(
                     events.contended(span, busy, alert=False)
                     lock.abort_acquire()
                     return None
+                if exc.sqlstate in SHAPE_CHANGED and not quick_retry_spent:
+                    # Rejected at parse time (the history dropped, say): as the table is now.
+                    quick_retry_spent = True
+                    statements = yield Shape(lock.names, statement_timeout, fresh=True)
+                    continue
                 if _retry_at_once(exc) and not quick_retry_spent and (budget is None or now() < budget):
                     # A connection the server closed while idle, or a serialization
                     # failure a session default caused: one prompt retry, even
@@ -516,10 +522,9 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
                     # Nobody may have reclaimed it yet: the row may still be ours.
                     yield Schedule(_scoped_cleanup(lock, hold, ended_how="lost"))
                 raise hold.error()
-            statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
             timeout = lock.timing.operation_timeout
             try:
-                result = yield Execute(statements.release, lock.params(), timeout, lock.describe("release"))
+                result = yield from _execute_in_shape(lock, lambda statements: statements.release, timeout, "release")
             except BaseException as exc:
                 # Failed, cut off or interrupted: the row may remain. Delete it later.
                 yield Schedule(_scoped_cleanup(lock, hold))
@@ -548,6 +553,28 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
         if lock.row_suspected or now() < lock.unanswered_until:
             # An unanswered acquire of ours may still land: sweep after it no longer can.
             yield Schedule(unanswered_cleanup(lock, lock.cleanup_epoch))
+
+
+def _execute_in_shape(
+    lock: LockState, pick: Callable[[Statements], Statement], timeout: float, verb: str
+) -> Flow[Result]:
+    """Run the table's statement ``pick`` names; again, once, if the table changed shape since it was inspected.
+
+    A table or column the statement names is gone (the history dropped while
+    this process ran, say): the engine forgot the table's shape; the
+    statement, as the table is now, runs instead of failing the caller.
+    """
+    statements: Statements = yield Shape(lock.names, timeout)
+    try:
+        first: Result = yield Execute(pick(statements), lock.params(), timeout, lock.describe(verb))
+        return first
+    except DatabaseError as exc:
+        if exc.sqlstate not in SHAPE_CHANGED:
+            raise
+    # Rejected before it ran (at parse time): nothing was done, it is safe to send again.
+    statements = yield Shape(lock.names, timeout, fresh=True)
+    again: Result = yield Execute(pick(statements), lock.params(), timeout, lock.describe(verb))
+    return again
 
 
 def _scoped_cleanup(lock: LockState, hold: Hold, *, ended_how: str = "released") -> Cleanup:
@@ -745,15 +772,15 @@ def create_table(
     """
     action = f"create_schema of table {names.table_name}"
     for attempt in range(1, 4):
-        exists, has_token, _ = yield from inspect(names, timeout)
+        exists, has_token, has_history = yield from inspect(names, timeout)
         if exists:
             if history:
-                yield from create_history(names, timeout, history_retention)
+                yield from create_history(names, timeout, history_retention, exists=has_history)
             return has_token
         try:
             yield Execute(_sql.create_table(names), {}, timeout, action)
             if history:
-                yield from create_history(names, timeout, history_retention)
+                yield from create_history(names, timeout, history_retention, exists=has_history)
             return True
         except DatabaseError as exc:
             if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
@@ -781,24 +808,20 @@ DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
 """How long the history keeps a hold once it ended, unless told otherwise: 30 days."""
 
 
-def create_history(names: Names, timeout: float, retention: float | None) -> Flow[None]:
-    """The history table, IF NOT EXISTS (safe to race); with ``retention``, set it (None: leave it, or 30 days)."""
-    action = f"creation of the history of table {names.table_name}"
-    for attempt in range(1, 4):
-        try:
-            yield Execute(
-                _sql.create_history(names, DEFAULT_HISTORY_RETENTION if retention is None else retention),
-                {},
-                timeout,
-                action,
-            )
-            break
-        except DatabaseError as exc:
-            if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
-                continue
-            raise
-    if retention is not None:
-        yield Execute(_sql.history_retention(names, retention), {}, timeout, action)
+def create_history(names: Names, timeout: float, retention: float | None, *, exists: bool) -> Flow[None]:
+    """The history table unless it ``exists`` (safe to race); with ``retention``, set it (None: leave it, or 30 days).
+
+    An existing history is not touched unless a retention is given: its
+    DDL would take locks every holder's statements need.
+    """
+    give_up_at = now() + max(timeout, 30.0)
+    if not exists:
+        statement = _sql.create_history(names, DEFAULT_HISTORY_RETENTION if retention is None else retention)
+        action = f"creation of the history of table {names.table_name}"
+        yield from _change_schema(statement, timeout, action, give_up_at)
+    elif retention is not None:
+        action = f"change of the retention of the history of table {names.table_name}"
+        yield from _change_schema(_sql.history_retention(names, retention), timeout, action, give_up_at)
 
 
 def inspect(names: Names, timeout: float) -> Flow[tuple[bool, bool, bool]]:
@@ -828,25 +851,36 @@ def migrate(
         )
     give_up_at = now() + max(timeout, 30.0)
     for step in _sql.migrate_steps(names):
-        action = f"migration of table {names.table_name}: {step.what}"
-        while True:
-            try:
-                yield Execute(step, {}, timeout, action)
-                break
-            except DatabaseError as exc:
-                retry = exc.sqlstate in _CONCURRENT_CREATE or exc.sqlstate == _LOCK_NOT_AVAILABLE or exc.transient
-                if not retry or now() >= give_up_at:
-                    if exc.sqlstate == PRIVILEGE:
-                        raise SchemaError(
-                            f"{action} failed: only the table's owner may migrate it ({_server_words(exc)}); "
-                            "run it as that role",
-                            sqlstate=exc.sqlstate,
-                        ) from exc
-                    raise
-                yield Pause(0.05)
+        yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
     if history:
-        yield from create_history(names, timeout, history_retention)
+        yield from create_history(names, timeout, history_retention, exists=has_history)
     return not has_token or (history and not has_history)
+
+
+def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:
+    """One idempotent change of the schema, retried while its table is busy (or another instance makes it too).
+
+    Each try waits 50 ms at most for the table's lock, so the holders'
+    statements queued behind it wait no longer; the pause between tries
+    grows to a second, so that they mostly find the table free.
+    """
+    pause = 0.05
+    while True:
+        try:
+            yield Execute(statement, {}, timeout, action)
+            return
+        except DatabaseError as exc:
+            retry = exc.sqlstate in _CONCURRENT_CREATE or exc.sqlstate == _LOCK_NOT_AVAILABLE or exc.transient
+            if not retry or now() >= give_up_at:
+                if exc.sqlstate == PRIVILEGE:
+                    raise SchemaError(
+                        f"{action} failed: only the table's owner may change it ({_server_words(exc)}); "
+                        "run it as that role",
+                        sqlstate=exc.sqlstate,
+                    ) from exc
+                raise
+            yield Pause(min(pause, max(0.0, give_up_at - now())))
+            pause = min(pause * 2, 1.0)
 
 
 def holders(
@@ -869,10 +903,19 @@ def holders(
 
 
 def read_history(
-    names: Names, timeout: float, *, lock_name: str | None, since: datetime | None, limit: int
+    names: Names,
+    timeout: float,
+    *,
+    lock_name: str | None,
+    since: datetime | None,
+    since_seconds: float | None,
+    limit: int,
 ) -> Flow[list[tuple[Any, ...]]]:
     """Holds from the history, newest first. Raises `SchemaError` if the table keeps none."""
     statements: Statements = yield Shape(names, timeout)
+    if statements.history is None:
+        # Added since this client looked (by another process, say)?
+        statements = yield Shape(names, timeout, fresh=True)
     if statements.history is None:
         raise SchemaError(
             f"the lock table {names.table_name} keeps no history: add one with "
@@ -880,7 +923,7 @@ def read_history(
         )
     reply = yield Execute(
         statements.history,
-        {"lock_name": lock_name, "since": since, "limit": limit},
+        {"lock_name": lock_name, "since": since, "since_seconds": since_seconds, "limit": limit},
         timeout,
         f"read of the history of table {names.table_name}",
     )

@@ -36,6 +36,12 @@ _MAX_IDENTIFIER_BYTES = 63
 # Before every statement, in its own transaction: a server-side deadline and
 # the isolation the statements are written for. The timeout is in milliseconds.
 _PREFIX = "SET LOCAL statement_timeout = %(_server_timeout_ms)s; SET LOCAL transaction_isolation = 'read committed'; "
+_DDL_PREFIX = "SET LOCAL lock_timeout = '50ms'; " + _PREFIX
+"""For a change of the schema: it waits a moment at most for the table's lock, and the caller retries.
+
+Queued behind a long transaction (a holder's fenced one, a reader's), a
+waiting ALTER would make every heartbeat and acquire queue behind it.
+"""
 
 
 def parse_table(table: object) -> tuple[str, ...]:
@@ -228,8 +234,10 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
                 # then inspects the table again.
                 inserted_token=sql.SQL("fresh.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("fresh")),
                 taken_token=sql.SQL("existing.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("existing")),
-                # The history: a row for the new hold; the hold it replaced ended
-                # (reclaimed, or taken back by its own instance); expired rows go,
+                # The history: a row for the new hold; every hold of the lock still
+                # open in it has ended: the one taken over (reclaimed, or taken back by
+                # its own instance), and any whose end nobody wrote (a process that
+                # keeps no history ended it): how is unknown. Expired rows go,
                 # a hundred at a time, so retention needs no cron job. SKIP LOCKED:
                 # acquires of other locks sweeping at the same moment never wait
                 # for each other (nor deadlock) over the same expired rows.
@@ -241,12 +249,14 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
   SELECT %(lock_name)s, token, %(instance_id)s, acquired_at, NULL::timestamptz FROM taken
 ), closed AS (
   UPDATE {history} AS past
-     SET ended_at = now(), keep_until = DEFAULT, ended_by = %(instance_id)s,
-         ended_how = CASE WHEN current.instance_id = %(instance_id)s THEN 'replaced' ELSE 'reclaimed' END,
-         alerts = past.alerts + CASE WHEN current.instance_id = %(instance_id)s THEN 0 ELSE 1 END
-    FROM current
-   WHERE EXISTS (SELECT 1 FROM taken) AND past.lock_name = %(lock_name)s AND past.ended_at IS NULL
-     AND past.holder = current.instance_id AND past.acquired_at = current.acquired_at
+     SET ended_at = now(), keep_until = DEFAULT,
+         ended_how = CASE WHEN NOT EXISTS (SELECT 1 FROM taken) THEN NULL
+                          WHEN past.holder = %(instance_id)s THEN 'replaced' ELSE 'reclaimed' END,
+         ended_by = CASE WHEN EXISTS (SELECT 1 FROM taken) THEN %(instance_id)s END,
+         alerts = past.alerts + CASE WHEN EXISTS (SELECT 1 FROM taken) AND past.holder <> %(instance_id)s
+                                     THEN 1 ELSE 0 END
+   WHERE past.lock_name = %(lock_name)s AND past.ended_at IS NULL
+     AND (EXISTS (SELECT 1 FROM inserted) OR EXISTS (SELECT 1 FROM taken))
 ), expired AS (
   DELETE FROM {history}
    WHERE id IN (SELECT id FROM {history} WHERE keep_until < now()
@@ -438,6 +448,8 @@ SELECT instance_id, heartbeat_age, token, pg_notify(%(channel)s, '')::text FROM 
   FROM {history}
  WHERE (%(lock_name)s::text IS NULL OR lock_name = %(lock_name)s)
    AND (%(since)s::timestamptz IS NULL OR coalesce(ended_at, 'infinity') >= %(since)s)
+   AND (%(since_seconds)s::float8 IS NULL
+        OR coalesce(ended_at, 'infinity') >= now() - make_interval(secs => %(since_seconds)s::float8))
  ORDER BY acquired_at DESC, id DESC
  LIMIT %(limit)s"""
                 ).format(history=names.history),
@@ -514,7 +526,8 @@ def create_history(names: Names, retention_seconds: float) -> Statement:
     (`history_retention`) applies to holds that end afterwards.
     """
     return Statement(
-        _render(
+        _DDL_PREFIX
+        + _render(
             sql.SQL(
                 """CREATE TABLE IF NOT EXISTS {history} (
   id          BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -544,8 +557,10 @@ CREATE INDEX IF NOT EXISTS {by_expiry} ON {history} (keep_until)"""
 
 
 def history_retention(names: Names, retention_seconds: float) -> Statement:
+    """Keep holds that end from now on ``retention_seconds`` after their end."""
     return Statement(
-        _render(
+        _DDL_PREFIX
+        + _render(
             sql.SQL(
                 "ALTER TABLE {history} ALTER COLUMN keep_until SET DEFAULT now() + make_interval(secs => {retention})"
             ).format(history=names.history, retention=sql.Literal(float(retention_seconds)))
@@ -566,7 +581,7 @@ def migrate_steps(names: Names) -> list[Statement]:
     """
 
     def step(what: str, composed: sql.Composable) -> Statement:
-        return Statement(_render(composed), names.table_name, what)
+        return Statement(_DDL_PREFIX + _render(composed), names.table_name, what)
 
     fmt = {
         "table": names.table,

@@ -18,6 +18,8 @@ error are redacted before they are raised.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "DatabaseError",
     "LockAcquisitionTimeout",
@@ -66,6 +68,10 @@ class LockNotHeldError(MutexError):
         self.instance_id = instance_id
         self.reason = reason or "this Mutex does not hold the lock"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt as it is: its constructor reads a lone argument as 0.1.0's lock name.
+        return (_rebuilt, (type(self), self.args, self.__dict__))
+
 
 class LockAcquisitionTimeout(MutexError, TimeoutError):
     """A blocking acquire did not get the lock within its ``timeout``.
@@ -90,6 +96,9 @@ class LockAcquisitionTimeout(MutexError, TimeoutError):
         self.lock_name = lock_name
         self.holder = holder
         self.timeout = timeout
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), self.args, self.__dict__))
 
 
 class LockAlreadyHeldError(MutexError):
@@ -138,3 +147,11 @@ class SchemaError(DatabaseError):
     Raised by `Mutex.create_schema()` when the role may not create the table,
     and by any operation when the table does not exist or may not be used.
     """
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """An error unpickled (or copied) with its message and attributes as they were, not built again."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error

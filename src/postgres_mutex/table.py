@@ -8,7 +8,7 @@ The ``postgres-mutex`` command and the stale-holder watcher are built on it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from . import _flows as flows
@@ -48,12 +48,14 @@ class HoldRecord:
     """The holder's instance_id."""
     acquired_at: datetime
     ended_at: datetime | None
-    """None while the hold lasts (or if the process that ended it did not write the history)."""
+    """None while the hold lasts. For an end nobody recorded (``ended_how`` None), when the next
+    acquire found the hold over."""
     ended_how: str | None
     """``released``, ``reclaimed`` (by ``ended_by``, after the stale threshold), ``replaced`` (taken
     back by its own instance), ``lost`` (its lease ran out; its holder deleted the row after),
     ``abandoned`` (a row an unanswered acquire left, deleted once the database answered),
-    ``force_released`` (an operator's override), or None while the hold lasts."""
+    ``force_released`` (an operator's override); None while the hold lasts, or once ended by a
+    process that keeps no history (a release before 0.2.0, or one started before the history)."""
     ended_by: str | None
     """Who reclaimed the lock, for ``reclaimed`` and ``replaced``."""
     alerts: int
@@ -202,32 +204,43 @@ class LockTable:
         return flows.holders(self._names, names, self._timeout, alert_threshold=alert, stale_threshold=stale)
 
     def history(
-        self, lock_name: str | None = None, *, since: datetime | None = None, limit: int = 100
+        self, lock_name: str | None = None, *, since: datetime | timedelta | None = None, limit: int = 100
     ) -> list[HoldRecord]:
         """The holds the history recorded, newest first: of ``lock_name`` (or of every lock).
 
-        ``since`` keeps the holds that had not ended by then (an aware
-        datetime); at most ``limit`` rows. Raises `SchemaError` if the table
-        keeps no history (`create` / `migrate` with ``history=True``).
+        ``since`` keeps the holds that had not ended by then: an aware
+        datetime, or a timedelta before now by the server's clock; at most
+        ``limit`` rows. Raises `SchemaError` if the table keeps no history
+        (`create` / `migrate` with ``history=True``).
         """
         flow = self._history(lock_name, since, limit)
         return [HoldRecord(*row) for row in self._client._get_engine().run(flow)]
 
     async def history_async(
-        self, lock_name: str | None = None, *, since: datetime | None = None, limit: int = 100
+        self, lock_name: str | None = None, *, since: datetime | timedelta | None = None, limit: int = 100
     ) -> list[HoldRecord]:
         """Async `history`."""
         flow = self._history(lock_name, since, limit)
         return [HoldRecord(*row) for row in await self._client._get_engine_async().run(flow)]
 
-    def _history(self, lock_name: str | None, since: datetime | None, limit: int) -> flows.Flow[list[tuple[Any, ...]]]:
+    def _history(
+        self, lock_name: str | None, since: datetime | timedelta | None, limit: int
+    ) -> flows.Flow[list[tuple[Any, ...]]]:
         if lock_name is not None:
             check_name(lock_name, "lock_name")
-        if since is not None and (not isinstance(since, datetime) or since.tzinfo is None):
-            raise ValueError(f"since must be a timezone-aware datetime, got {since!r}")
+        moment: datetime | None = None
+        age: float | None = None
+        if isinstance(since, timedelta):
+            age = check_seconds(since.total_seconds(), "since", allow_zero=True)
+        elif since is not None:
+            if not isinstance(since, datetime) or since.tzinfo is None:
+                raise ValueError(f"since must be a timezone-aware datetime or a timedelta, got {since!r}")
+            moment = since
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be a positive integer, got {limit!r}")
-        return flows.read_history(self._names, self._timeout, lock_name=lock_name, since=since, limit=limit)
+        return flows.read_history(
+            self._names, self._timeout, lock_name=lock_name, since=moment, since_seconds=age, limit=limit
+        )
 
     # -- an operator's override ------------------------------------------------------
 
