@@ -752,7 +752,8 @@ class Election:
 
         Returns at once: call it from any thread, from a signal handler, or
         from the event loop of `run_async`. A campaign waiting for the lock
-        ends at once; the next candidate is woken by the release.
+        ends at once, or when the statement it has in flight ends (within
+        ``operation_timeout``); the next candidate is woken by the release.
         """
         self._stop_requested = True
         relay = self._relay
