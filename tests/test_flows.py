@@ -42,7 +42,7 @@ from postgres_mutex._settings import Timing
 from postgres_mutex._sql import CURRENT, Names, Statements
 from postgres_mutex._state import LEASE_EXPIRED, ROW_GONE, Hold, HoldStatus, LockState, Phase
 from postgres_mutex._tracing import Tracing
-from postgres_mutex.errors import OperationTimeout
+from postgres_mutex.errors import OperationTimeout, SchemaError
 
 TIMING = Timing.validate(
     heartbeat_interval=0.1, alert_threshold=0.6, stale_threshold=1.5, poll_interval=0.05, operation_timeout=2.0
@@ -136,7 +136,20 @@ def test_a_refused_acquire_leaves_nothing_to_clean() -> None:
     state = lock()
     flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
     until_execute(flow)
-    from postgres_mutex.errors import SchemaError
+
+    with pytest.raises(SchemaError):
+        flow.throw(SchemaError("permission denied for table mutex", sqlstate="42501"))
+    assert not state.row_suspected, "the server answered: the statement did nothing"
+
+
+def test_an_acquire_the_table_changed_under_inspects_it_again_once_then_reports() -> None:
+    state = lock()
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    until_execute(flow)
+    again = flow.throw(SchemaError("no table", sqlstate="42P01"))
+    assert isinstance(again, Shape)
+    assert again.fresh, "the table is inspected as it is now"
+    assert isinstance(step(flow, STATEMENTS), Execute)
 
     with pytest.raises(SchemaError):
         flow.throw(SchemaError("no table", sqlstate="42P01"))
