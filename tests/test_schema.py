@@ -12,6 +12,7 @@ import pytest
 from psycopg import sql
 
 from postgres_mutex import LockTable, Mutex, MutexClient, SchemaError
+from tests.doc_examples import ROOT, expand
 from tests.fixtures import FAST, frozen_holder
 from tests.postgres_server import PASSWORD, PostgresServer
 
@@ -153,13 +154,18 @@ def test_create_schema_in_a_missing_schema_is_a_clear_error(make_mutex: Callable
 
 @pytest.fixture
 def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
-    """A login role granted only SELECT, INSERT, UPDATE, DELETE on the lock table."""
+    """A login role granted only what the README's Permissions section grants, as it says it."""
     role = f"mutex_app_{uuid.uuid4().hex[:8]}"
     admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
     # PostgreSQL 14 and older let everyone create tables in public: not here.
     admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
-    admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON mutex_lock TO {role}")
-    admin.execute(f"GRANT USAGE ON SEQUENCE mutex_lock_token_seq TO {role}")
+    problems: list[str] = []
+    section = [line for line, _ in expand("README.md:permissions", ROOT, problems)]
+    grants = [line.replace("app_role", role) for line in section if line.startswith("GRANT ")]
+    assert problems == []
+    assert grants, "the README's Permissions section shows its GRANTs"
+    for grant in grants:
+        admin.execute(grant)
     yield pg.dsn(user=role, password=PASSWORD)
     admin.execute(f"DROP OWNED BY {role}")
     admin.execute(f"DROP ROLE {role}")
