@@ -6,10 +6,14 @@ MODE is ``fenced`` (each increment is a transaction that calls
 ``mutex.fence(conn)`` first) or ``unfenced`` (the same transaction without
 it). Each increment reads the counter and writes it back plus one: the
 read-modify-write a lock is there to protect. The worker prints, one per line:
-``held``, ``read <value>`` (inside the transaction, before writing: the test
-freezes it there), ``committed <value>`` (after the commit), ``fenced-out``
-(a fence refused: the transaction rolled back), ``lost``. It holds the lock
-once, as a job does, and stops when its hold ends or STOPFILE exists.
+``held <t>``, ``believed <t>`` (``held`` was true at ``t``, before an increment),
+``read <value>`` (inside the transaction, before writing: the test freezes it
+there), ``committed <value>`` (after the commit), ``fenced-out`` (a fence
+refused: the transaction rolled back), ``exit <t> <held>`` (the end of its
+critical section, and whether it still believed it held the lock), ``lost``.
+Times are ``time.monotonic()``, the clock every process on the machine shares,
+so the test can check the sections for overlaps. It holds the lock once, as a
+job does, and stops when its hold ends or STOPFILE exists.
 Thresholds come from ``CHAOS_TIMING`` (JSON), as in the rest of the suite;
 ``CHAOS_FIRST_WORK`` (seconds) makes the first increment's work that long, so
 a test can freeze the worker in the middle of it.
@@ -34,11 +38,16 @@ def main(dsn: str, lock: str, ledger: str, mode: str, name: str, stop_file: str)
     first_work = float(os.environ.get("CHAOS_FIRST_WORK", "0.05"))
     try:
         with mutex.acquire(blocking=True, timeout=60):
-            print("held", flush=True)
+            print(f"held {time.monotonic()}", flush=True)
             work = first_work
-            while mutex.held and not os.path.exists(stop_file):
+            while not os.path.exists(stop_file):
+                seen = time.monotonic()
+                if not mutex.held:
+                    break
+                print(f"believed {seen}", flush=True)
                 increment(mutex, conn, ledger, fenced=mode == "fenced", work=work)
                 work = 0.05
+            print(f"exit {time.monotonic()} {int(mutex.held)}", flush=True)
     except LockNotHeldError:
         print("lost", flush=True)
     except MutexError as exc:
