@@ -468,15 +468,24 @@ def test_version_and_the_console_script() -> None:
 def test_the_lock_is_kept_until_the_commands_background_processes_exit(
     dsn: str, lock_name: str, holder_id: Holder, workers: list[subprocess.Popen[str]]
 ) -> None:
-    proc = start("run", "--dsn", dsn, "--lock", lock_name, "--", "sh", "-c", "sleep 1.5 & echo started")
+    proc = start("run", "--dsn", dsn, "--lock", lock_name, "--", "sh", "-c", "sleep 3 & echo $$")
     workers.append(proc)
     assert proc.stdout is not None
-    assert proc.stdout.readline() == "started\n"
-    time.sleep(0.5)
+    shell = int(proc.stdout.readline())
+    wait_until(lambda: _exited(shell), timeout=10)
     assert proc.poll() is None, "the shell exited, its background sleep runs on: still holding"
     assert holder_id() is not None
     assert proc.wait(timeout=30) == 0
     assert holder_id() is None
+
+
+def _exited(pid: int) -> bool:
+    """The process has ended (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in {"Z", "X"}
 
 
 def _processes_with(marker: str) -> list[str]:
