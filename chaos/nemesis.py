@@ -520,26 +520,28 @@ class Nemesis:
         threads: list[threading.Thread] = []
         pending = sorted(schedule, key=lambda f: f.at)
         next_check = began + check_every
-        while not self._stopped.is_set():
-            now = time.monotonic()
-            if now - began >= seconds:
-                break
-            while pending and began + pending[0].at <= now:
-                thread = threading.Thread(target=self._apply, args=(pending.pop(0),), daemon=True)
-                thread.start()
-                threads.append(thread)
-            if stop_early is not None and now >= next_check:
-                next_check = now + check_every
-                if stop_early():
+        try:
+            while not self._stopped.is_set():
+                now = time.monotonic()
+                if now - began >= seconds:
                     break
-            upcoming = [began + pending[0].at] if pending else []
-            self._stopped.wait(max(0.0, min([next_check, began + seconds, *upcoming]) - time.monotonic()))
-        ran = time.monotonic() - began
-        self._stopped.set()  # faults under way end now: the processes go on, the network heals
-        for thread in threads:
-            thread.join(30)
-        self.stop()
-        return ran
+                while pending and began + pending[0].at <= now:
+                    thread = threading.Thread(target=self._apply, args=(pending.pop(0),), daemon=True)
+                    thread.start()
+                    threads.append(thread)
+                if stop_early is not None and now >= next_check:
+                    next_check = now + check_every
+                    if stop_early():
+                        break
+                upcoming = [began + pending[0].at] if pending else []
+                self._stopped.wait(max(0.0, min([next_check, began + seconds, *upcoming]) - time.monotonic()))
+            return time.monotonic() - began
+        finally:
+            # Even when the run failed: a fault under way (a server restart) must not outlive it.
+            self._stopped.set()  # faults under way end now: the processes go on, the network heals
+            for thread in threads:
+                thread.join(30)
+            self.stop()
 
     def stop(self) -> None:
         """Let every worker finish its section and exit (SIGKILL after a deadline), frozen ones resumed first."""

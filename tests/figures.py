@@ -5,6 +5,11 @@ at the end of the module the figures go to ``$CHAOS_REPORT_DIR`` (default
 ``chaos/report/``, gitignored) as ``NAME.json`` and ``NAME.md``. Every run
 rewrites the scenarios it ran and keeps the others, so a partial run (one
 test, ``-m slow``) adds to the last full one instead of erasing it.
+
+The docs include a committed copy, ``docs/figures/NAME.md``: a run with no
+failed test that measured every scenario the copy shows rewrites it with this
+run's figures alone, so the docs never mix two runs. (A scenario renamed or
+removed keeps its old row until the copy is deleted and the module run again.)
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+DOCS_FIGURES = ROOT / "docs" / "figures"
 
 
 def report_directory() -> Path:
@@ -37,7 +45,8 @@ class Figures:
             {key: round(value, 3) if isinstance(value, float) else value for key, value in figures.items()}
         )
 
-    def write(self, directory: Path | None = None) -> Path:
+    def write(self, directory: Path | None = None, *, docs_copy: bool = False, docs: Path = DOCS_FIGURES) -> Path:
+        """Merge this run's figures into the report; with ``docs_copy``, rewrite the docs' copy if it covers it."""
         directory = directory or report_directory()
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{self.name}.json"
@@ -57,10 +66,24 @@ class Figures:
             "scenarios": ordered,
         }
         path.write_text(json.dumps(payload, indent=2) + "\n")
+        (directory / f"{self.name}.md").write_text(self.markdown(ordered))
+        copy = docs / f"{self.name}.md"
+        if docs_copy and shown_scenarios(copy) <= set(self.scenarios):
+            copy.write_text(self.markdown(dict(sorted(self.scenarios.items()))))
+        return path
+
+    def markdown(self, scenarios: dict[str, dict[str, Any]]) -> str:
         settings = ", ".join(f"{key} {value}" for key, value in self.settings.items())
-        lines = [f"# {self.title}", "", f"Settings: {settings}.", "", "| scenario | measured |", "|---|---|"]
-        for scenario, figures in ordered.items():
+        lines = [f"{self.title}. Settings: {settings}.", "", "| scenario | measured |", "|---|---|"]
+        for scenario, figures in scenarios.items():
             measured = "; ".join(f"{key}: {value}" for key, value in figures.items())
             lines.append(f"| {scenario} | {measured} |")
-        (directory / f"{self.name}.md").write_text("\n".join(lines) + "\n")
-        return path
+        return "\n".join(lines) + "\n"
+
+
+def shown_scenarios(table: Path) -> set[str]:
+    """The scenarios a written table shows (none if it does not exist)."""
+    if not table.exists():
+        return set()
+    rows = [line.split("|")[1].strip() for line in table.read_text().splitlines() if line.startswith("| ")]
+    return set(rows[1:])  # the first row is the header

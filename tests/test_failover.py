@@ -77,7 +77,7 @@ READ_ONLY = "25006"
 
 
 @pytest.fixture(scope="module")
-def figures() -> Iterator[Figures]:
+def figures(request: pytest.FixtureRequest) -> Iterator[Figures]:
     collected = Figures(
         "failover-report",
         "postgres-mutex on a Patroni cluster (measured by tests/test_failover.py)",
@@ -91,7 +91,7 @@ def figures() -> Iterator[Figures]:
     )
     yield collected
     if collected.scenarios:
-        collected.write()
+        collected.write(docs_copy=request.session.testsfailed == 0)
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ Holder = Callable[..., str | None]
 
 
 @pytest.fixture(scope="module")
-def figures() -> Iterator[Figures]:
+def figures(request: pytest.FixtureRequest) -> Iterator[Figures]:
     collected = Figures(
         "pgbouncer-report",
         "postgres-mutex through PgBouncer (measured by tests/test_pgbouncer.py)",
@@ -82,7 +82,7 @@ def figures() -> Iterator[Figures]:
     )
     yield collected
     if collected.scenarios:
-        collected.write()
+        collected.write(docs_copy=request.session.testsfailed == 0)
 
 
 @pytest.fixture(scope="module", params=["transaction", "session"])
