@@ -6,10 +6,12 @@ at the end of the module the figures go to ``$CHAOS_REPORT_DIR`` (default
 rewrites the scenarios it ran and keeps the others, so a partial run (one
 test, ``-m slow``) adds to the last full one instead of erasing it.
 
-The docs include a committed copy, ``docs/figures/NAME.md``: a run with no
-failed test that measured every scenario the copy shows rewrites it with this
-run's figures alone, so the docs never mix two runs. (A scenario renamed or
-removed keeps its old row until the copy is deleted and the module run again.)
+The docs include a committed copy, ``docs/figures/NAME.md``, with one run's
+figures alone, so the docs never mix two runs. It is rewritten only by a
+whole run of the module — every test selected but the ``slow`` ones (no
+``-k``, no node id, no other marker), none skipped — and only once the whole
+session has passed: this module registers pytest hooks that track both
+(``pytest_plugins`` in the root conftest loads it).
 """
 
 from __future__ import annotations
@@ -18,13 +20,58 @@ import json
 import os
 import platform
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 DOCS_FIGURES = ROOT / "docs" / "figures"
+
+_partial: set[Path] = set()
+"""Test modules this session did not run whole (a test deselected or skipped, a node id given)."""
+
+_pending: dict[Path, str] = {}
+"""Docs copies to write if the session passes."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for arg in config.args:
+        path, separator, _ = arg.partition("::")
+        if separator:
+            _partial.add(Path(path).resolve())
+
+
+def pytest_deselected(items: Iterable[pytest.Item]) -> None:
+    # The slow variants are left out of the run the docs show: leaving them out keeps it whole.
+    for item in items:
+        if item.get_closest_marker("slow") is None:
+            _partial.add(Path(item.path).resolve())
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped:
+        _partial.add(Path(report.fspath).resolve())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    flush_docs_copies(passed=exitstatus == 0)
+
+
+def ran_whole(module: Path) -> bool:
+    """Whether this session ran every test of ``module`` (but its slow ones), none skipped so far."""
+    return module.resolve() not in _partial
+
+
+def flush_docs_copies(*, passed: bool) -> None:
+    """Write the docs copies a whole run queued, if the session passed; forget them either way."""
+    if passed:
+        for path, text in _pending.items():
+            path.write_text(text)
+    _pending.clear()
 
 
 def report_directory() -> Path:
@@ -46,7 +93,7 @@ class Figures:
         )
 
     def write(self, directory: Path | None = None, *, docs_copy: bool = False, docs: Path = DOCS_FIGURES) -> Path:
-        """Merge this run's figures into the report; with ``docs_copy``, rewrite the docs' copy if it covers it."""
+        """Merge this run's figures into the report; with ``docs_copy``, queue the docs' copy of this run's alone."""
         directory = directory or report_directory()
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{self.name}.json"
@@ -67,9 +114,8 @@ class Figures:
         }
         path.write_text(json.dumps(payload, indent=2) + "\n")
         (directory / f"{self.name}.md").write_text(self.markdown(ordered))
-        copy = docs / f"{self.name}.md"
-        if docs_copy and shown_scenarios(copy) <= set(self.scenarios):
-            copy.write_text(self.markdown(dict(sorted(self.scenarios.items()))))
+        if docs_copy:
+            _pending[docs / f"{self.name}.md"] = self.markdown(dict(sorted(self.scenarios.items())))
         return path
 
     def markdown(self, scenarios: dict[str, dict[str, Any]]) -> str:
@@ -79,11 +125,3 @@ class Figures:
             measured = "; ".join(f"{key}: {value}" for key, value in figures.items())
             lines.append(f"| {scenario} | {measured} |")
         return "\n".join(lines) + "\n"
-
-
-def shown_scenarios(table: Path) -> set[str]:
-    """The scenarios a written table shows (none if it does not exist)."""
-    if not table.exists():
-        return set()
-    rows = [line.split("|")[1].strip() for line in table.read_text().splitlines() if line.startswith("| ")]
-    return set(rows[1:])  # the first row is the header

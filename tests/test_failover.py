@@ -48,7 +48,7 @@ from chaos.harness import Event, Events
 from postgres_mutex import DatabaseError, LockNotHeldError, Mutex, MutexError
 from postgres_mutex.watcher import StaleWatcher
 from tests.exclusion import Sections
-from tests.figures import Figures
+from tests.figures import Figures, ran_whole
 from tests.fixtures import ROOT, wait_until
 from tests.patroni import LOOP_WAIT, RETRY_TIMEOUT, TTL, Node, PatroniCluster
 from tests.test_cli import cli
@@ -91,7 +91,7 @@ def figures(request: pytest.FixtureRequest) -> Iterator[Figures]:
     )
     yield collected
     if collected.scenarios:
-        collected.write(docs_copy=request.session.testsfailed == 0)
+        collected.write(docs_copy=ran_whole(request.path))
 
 
 @pytest.fixture(scope="module")

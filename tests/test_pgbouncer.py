@@ -47,7 +47,7 @@ from postgres_mutex import (
     OperationTimeout,
 )
 from tests.exclusion import Sections
-from tests.figures import Figures
+from tests.figures import Figures, ran_whole
 from tests.fixtures import wait_until
 from tests.pgbouncer import PgBouncer
 from tests.postgres_server import PostgresServer
@@ -82,7 +82,7 @@ def figures(request: pytest.FixtureRequest) -> Iterator[Figures]:
     )
     yield collected
     if collected.scenarios:
-        collected.write(docs_copy=request.session.testsfailed == 0)
+        collected.write(docs_copy=ran_whole(request.path))
 
 
 @pytest.fixture(scope="module", params=["transaction", "session"])
