@@ -39,15 +39,15 @@ def main(dsn: str, lock: str, ledger: str, mode: str, name: str, stop_file: str)
     try:
         with mutex.acquire(blocking=True, timeout=60):
             print(f"held {time.monotonic()}", flush=True)
-            work = first_work
-            while not os.path.exists(stop_file):
-                seen = time.monotonic()
-                if not mutex.held:
-                    break
-                print(f"believed {seen}", flush=True)
-                increment(mutex, conn, ledger, fenced=mode == "fenced", work=work)
-                work = 0.05
-            print(f"exit {time.monotonic()} {int(mutex.held)}", flush=True)
+            try:
+                work = first_work
+                while not os.path.exists(stop_file) and mutex.held:
+                    # After the check: the belief is dated no earlier than it was seen.
+                    print(f"believed {time.monotonic()}", flush=True)
+                    increment(mutex, conn, ledger, fenced=mode == "fenced", work=work)
+                    work = 0.05
+            finally:
+                print(f"exit {time.monotonic()} {int(mutex.held)}", flush=True)
     except LockNotHeldError:
         print("lost", flush=True)
     except MutexError as exc:

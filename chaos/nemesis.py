@@ -514,13 +514,13 @@ class Nemesis:
         Returns how long the run lasted.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
-        for slot in range(len(self.nets)):
-            self.start_worker(slot)
         began = time.monotonic()
         threads: list[threading.Thread] = []
         pending = sorted(schedule, key=lambda f: f.at)
         next_check = began + check_every
         try:
+            for slot in range(len(self.nets)):
+                self.start_worker(slot)
             while not self._stopped.is_set():
                 now = time.monotonic()
                 if now - began >= seconds:

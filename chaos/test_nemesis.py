@@ -203,7 +203,7 @@ def nemesis_run(own_pg: PostgresServer, chaos: Chaos, seconds: float, name: str)
 @pytest.mark.nemesis
 @pytest.mark.scenario("14. nemesis")
 @pytest.mark.timeout(600)
-def test_13_nemesis_finds_no_overlap_and_no_lost_update(own_pg: PostgresServer, chaos: Chaos) -> None:
+def test_14_nemesis_finds_no_overlap_and_no_lost_update(own_pg: PostgresServer, chaos: Chaos) -> None:
     # own_pg first: it must outlive the chaos fixture, which looks for rows left on it.
     nemesis_run(own_pg, chaos, float(os.environ.get("NEMESIS_SECONDS") or 100), "nemesis")
 
@@ -212,7 +212,7 @@ def test_13_nemesis_finds_no_overlap_and_no_lost_update(own_pg: PostgresServer, 
 @pytest.mark.nemesis
 @pytest.mark.scenario("16. nemesis, long")
 @pytest.mark.timeout(7200)
-def test_15_a_long_nemesis_run(own_pg: PostgresServer, chaos: Chaos) -> None:
+def test_16_a_long_nemesis_run(own_pg: PostgresServer, chaos: Chaos) -> None:
     nemesis_run(own_pg, chaos, float(os.environ.get("NEMESIS_LONG_SECONDS") or 600), "nemesis-long")
 
 
@@ -230,7 +230,7 @@ def nets(toxiproxy: Toxiproxy, own_pg: PostgresServer) -> Any:
 
 @pytest.mark.nemesis
 @pytest.mark.timeout(600)
-def test_14_the_nemesis_catches_a_holder_that_trusts_its_lease_too_long(
+def test_15_the_nemesis_catches_a_holder_that_trusts_its_lease_too_long(
     own_pg: PostgresServer, nets: Any, report: Report, lock_name: str
 ) -> None:
     """The same nemesis, against workers whose lease runs one heartbeat interval past the stale threshold.
