@@ -156,14 +156,14 @@ def test_create_schema_in_a_missing_schema_is_a_clear_error(make_mutex: Callable
 def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
     """A login role granted only what the README's Permissions section grants, as it says it."""
     role = f"mutex_app_{uuid.uuid4().hex[:8]}"
-    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
-    # PostgreSQL 14 and older let everyone create tables in public: not here.
-    admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
     problems: list[str] = []
     section = [line for line, _ in expand("README.md:permissions", ROOT, problems)]
     grants = [line.replace("app_role", role) for line in section if line.startswith("GRANT ")]
     assert problems == []
     assert grants, "the README's Permissions section shows its GRANTs"
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
+    # PostgreSQL 14 and older let everyone create tables in public: not here.
+    admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
     for grant in grants:
         admin.execute(grant)
     yield pg.dsn(user=role, password=PASSWORD)

@@ -847,7 +847,7 @@ def fence(lock: LockState, conn: psycopg.Connection[Any]) -> int:
         raise SchemaError(
             f"lock {lock.lock_name!r} was acquired without a fencing token: the lock table "
             f"{lock.names.table_name} has no token column. Run LockTable.migrate() "
-            "(or 'postgres-mutex migrate') and restart the holders"
+            "(or 'postgres-mutex migrate'); the lock's next acquire gets a token"
         )
     if conn.info.transaction_status == pq.TransactionStatus.IDLE and conn.autocommit:
         raise ValueError(
