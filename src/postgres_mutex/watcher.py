@@ -127,8 +127,9 @@ class StaleWatcher:
         return self._saw(observations)
 
     def _failed(self, error: DatabaseError) -> None:
-        self._healthy = False
+        # Reported before `healthy` turns false: whoever sees it false finds the failure reported.
         self._events.failed(error)
+        self._healthy = False
 
     def _saw(self, observations: list[LockObservation]) -> list[LockObservation]:
         for seen in observations:
