@@ -8,7 +8,9 @@
 - `reset` tears every connection down with a TCP RST.
 
 It also counts the server's ReadyForQuery messages: one per round trip, which
-is how the tests prove each lock operation costs exactly one.
+is how the tests prove each lock operation costs exactly one; and the
+client's messages by type (``Q`` a simple query, ``P`` a statement to parse,
+``B`` a run of one already parsed), which is how they prove what is prepared.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class _Link:
         self.drop_down = False
         self.pending: list[tuple[socket.socket, bytes]] = []
         self.down_buffer = b""
+        self.up_buffer = b""
+        self.started = False
         self.closed = False
 
     def close(self, *, rst: bool = False) -> None:
@@ -56,6 +60,7 @@ class FaultProxy:
         self._links: list[_Link] = []
         self._silent = False
         self._ready_for_query = 0
+        self._sent: dict[str, int] = {}
         self._accepted = 0
         self._running = True
         threading.Thread(target=self._accept, daemon=True, name="faultproxy-accept").start()
@@ -65,6 +70,11 @@ class FaultProxy:
         """Round trips completed through the proxy so far."""
         with self._lock:
             return self._ready_for_query
+
+    def sent(self, kind: str) -> int:
+        """Messages of type ``kind`` (one letter) the clients sent through the proxy so far."""
+        with self._lock:
+            return self._sent.get(kind, 0)
 
     def silence(self, *, existing: bool = True) -> None:
         """Hold back all data of new connections, and of existing ones unless ``existing=False``."""
@@ -149,6 +159,8 @@ class FaultProxy:
                 return
             if downstream:
                 self._count(link, data)
+            else:
+                self._count_sent(link, data)
             with link.cond:
                 if downstream and link.drop_down:
                     continue
@@ -157,6 +169,28 @@ class FaultProxy:
                     continue
                 with contextlib.suppress(OSError):
                     dst.sendall(data)
+
+    def _count_sent(self, link: _Link, data: bytes) -> None:
+        # Client messages: the start-up packet has no type byte (4-byte length,
+        # including itself, then the body); every later one is typed like the server's.
+        buf = link.up_buffer + data
+        kinds: list[str] = []
+        while True:
+            header = 4 if not link.started else 5
+            if len(buf) < header:
+                break
+            length = int.from_bytes(buf[header - 4 : header], "big")
+            if len(buf) < header - 4 + length:
+                break
+            if link.started:
+                kinds.append(chr(buf[0]))
+            link.started = True
+            buf = buf[header - 4 + length :]
+        link.up_buffer = buf
+        if kinds:
+            with self._lock:
+                for kind in kinds:
+                    self._sent[kind] = self._sent.get(kind, 0) + 1
 
     def _count(self, link: _Link, data: bytes) -> None:
         # Server messages: 1-byte type, 4-byte length (including itself), body.

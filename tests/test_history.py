@@ -191,14 +191,15 @@ def test_a_row_left_by_an_unanswered_acquire_is_recorded_abandoned(
     make: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, dsn: str, table: str, lock_name: str
 ) -> None:
     mutex = make(proxy_dsn, operation_timeout=0.5)
-    with mutex.acquire():
-        pass
+    for _ in range(2):  # connected, the acquire prepared: the next one is a single message
+        with mutex.acquire():
+            pass
     proxy.drop_replies()  # the acquire lands, its answer never comes back
     with pytest.raises(OperationTimeout), mutex.acquire():
         pytest.fail("must not run")
     proxy.heal()
-    wait_until(lambda: len(history(dsn, table, lock_name)) == 2 and history(dsn, table, lock_name)[0].ended_at)
-    assert ended(history(dsn, table, lock_name)) == [("released", None), ("abandoned", None)]
+    wait_until(lambda: len(history(dsn, table, lock_name)) == 3 and history(dsn, table, lock_name)[0].ended_at)
+    assert ended(history(dsn, table, lock_name)) == [("released", None), ("released", None), ("abandoned", None)]
 
 
 def test_an_alert_episode_the_holder_recovers_from_is_counted_once(
@@ -293,8 +294,9 @@ def test_acquire_heartbeat_and_release_stay_one_round_trip_each(
 ) -> None:
     quiet = {"heartbeat_interval": 5.0, "alert_threshold": 10.0, "stale_threshold": 20.0}
     mutex = make(proxy_dsn, **quiet)
-    with mutex.acquire():
-        pass  # connect first
+    for _ in range(2):  # connect, and prepare each statement, first
+        with mutex.acquire():
+            mutex.heartbeat()
 
     def round_trips(operation: Callable[[], object]) -> int:
         before = proxy.ready_for_query
@@ -305,7 +307,7 @@ def test_acquire_heartbeat_and_release_stay_one_round_trip_each(
     assert round_trips(acquire.__enter__) == 1
     assert round_trips(mutex.heartbeat) == 1
     assert round_trips(functools.partial(acquire.__exit__, None, None, None)) == 1
-    assert ended(history(dsn, table, lock_name)) == [("released", None), ("released", None)]
+    assert ended(history(dsn, table, lock_name)) == [("released", None)] * 3
 
 
 def test_the_history_and_a_hold_across_it_survive_a_server_restart(own_pg: PostgresServer, lock_name: str) -> None:

@@ -29,15 +29,18 @@ def test_acquire_heartbeat_and_release_are_one_round_trip_each(
     make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, admin: psycopg.Connection[Any], lock_name: str
 ) -> None:
     mutex, rival = make_mutex(proxy_dsn, **QUIET), make_mutex(proxy_dsn, **QUIET)
-    with mutex.acquire():
-        pass  # connect first: the handshake is not what is measured
+    for _ in range(2):
+        # Connect and use each statement first: the handshake, and the one more
+        # round trip that prepares a statement on a connection, are not what is measured.
+        with mutex.acquire():
+            mutex.heartbeat()
 
     def round_trips(operation: Callable[[], object]) -> int:
         before = proxy.ready_for_query
         operation()
         return proxy.ready_for_query - before
 
-    for _ in range(7):  # psycopg would prepare on the sixth use: it must not add a round trip
+    for _ in range(7):  # every use alike, before and past psycopg's own threshold of five
         acquire = mutex.acquire()
         assert round_trips(acquire.__enter__) == 1, "acquire"
         assert round_trips(mutex.heartbeat) == 1, "heartbeat"
@@ -65,14 +68,81 @@ async def test_async_operations_are_one_round_trip_each(
     amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
 ) -> None:
     mutex = amake_mutex(proxy_dsn, **QUIET)
-    async with mutex.acquire_async():
-        pass
+    for _ in range(2):  # connected, each statement prepared
+        async with mutex.acquire_async():
+            await mutex.heartbeat_async()
     before = proxy.ready_for_query
     async with mutex.acquire_async():
         assert proxy.ready_for_query - before == 1
         await mutex.heartbeat_async()
         assert proxy.ready_for_query - before == 2
     assert proxy.ready_for_query - before == 3
+
+
+def test_on_a_direct_connection_acquire_and_release_are_parsed_once_then_only_run(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
+) -> None:
+    """The server parses and plans a lock cycle's statements once per connection: every later cycle only runs them."""
+    mutex = make_mutex(proxy_dsn, **QUIET)
+    for _ in range(2):  # the connection, its session, and each statement's first use
+        with mutex.acquire():
+            pass
+    parsed, simple, runs = proxy.sent("P"), proxy.sent("Q"), proxy.sent("B")
+    for _ in range(10):
+        with mutex.acquire():
+            pass
+    assert proxy.sent("P") == parsed, "a statement parsed again"
+    assert proxy.sent("Q") == simple, "a statement sent as a simple query, to be parsed and planned again"
+    assert proxy.sent("B") - runs == 20, "each acquire and release runs a prepared statement"
+
+
+async def test_async_statements_are_parsed_once_per_connection(
+    amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
+) -> None:
+    mutex = amake_mutex(proxy_dsn, **QUIET)
+    for _ in range(2):
+        async with mutex.acquire_async():
+            pass
+    parsed, simple = proxy.sent("P"), proxy.sent("Q")
+    for _ in range(5):
+        async with mutex.acquire_async():
+            pass
+    assert (proxy.sent("P"), proxy.sent("Q")) == (parsed, simple)
+
+
+def test_a_statement_stuck_behind_a_row_lock_is_ended_by_the_server_and_the_connection_kept(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, admin: psycopg.Connection[Any], dsn: str
+) -> None:
+    """The server's own deadline, a little inside the client's, ends a statement that waits on a row lock.
+
+    A stale row locked by a long transaction (a holder's fenced one, say): the
+    reclaiming acquire waits for it on the server. The server cancels it
+    before the client would have to cut the connection, so the statement can
+    never land later, and the connection serves the next one.
+    """
+    slack = 0.5  # how late a thread may run on a busy two-core machine
+    timeout = 1.0
+    mutex = make_mutex(proxy_dsn, operation_timeout=timeout)
+    with mutex.acquire():  # connected, session set up, statements prepared
+        pass
+    with mutex.acquire():
+        pass
+    admin.execute(
+        "INSERT INTO mutex_lock (lock_name, locked, instance_id, last_heartbeat, acquired_at)"
+        " VALUES (%s, 1, 'gone', now() - interval '1 hour', now() - interval '1 hour')",
+        (mutex.lock_name,),
+    )
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (mutex.lock_name,))
+        connections = proxy.accepted
+        started = time.monotonic()
+        attempt = mutex.acquire(blocking=False)
+        assert not attempt.__enter__(), "not acquired: the row stayed locked for the whole attempt"
+        assert time.monotonic() - started < timeout + slack
+        blocker.rollback()
+    with mutex.acquire() as acquired:
+        assert acquired, "the stale row is reclaimed once the row lock is gone"
+    assert proxy.accepted == connections, "the same connection served on: nothing was cut"
 
 
 def test_a_silent_network_cannot_hang_an_acquire(
@@ -161,8 +231,9 @@ def test_an_acquire_whose_reply_is_lost_leaves_no_row_behind(
     make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder
 ) -> None:
     mutex, other = make_mutex(proxy_dsn, operation_timeout=0.5), make_mutex()
-    with mutex.acquire():
-        pass
+    for _ in range(2):  # connected, the acquire prepared: the next one is a single message
+        with mutex.acquire():
+            pass
     proxy.drop_replies()  # the INSERT reaches the server; its answer never comes back
     started = time.monotonic()
     with pytest.raises(OperationTimeout) as caught, mutex.acquire():
@@ -182,8 +253,9 @@ def test_a_blocking_acquire_takes_back_its_own_row_after_a_lost_reply(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     mutex = make_mutex(proxy_dsn, operation_timeout=0.5)
-    with mutex.acquire():
-        pass
+    for _ in range(2):  # connected, the acquire prepared: the next one is a single message
+        with mutex.acquire():
+            pass
     proxy.drop_replies()
     with mutex.acquire(blocking=True, timeout=10) as acquired:
         assert acquired
@@ -258,8 +330,9 @@ async def test_an_acquire_cancelled_while_its_reply_is_lost_leaves_no_row(
     amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder
 ) -> None:
     mutex, other = amake_mutex(proxy_dsn, operation_timeout=5.0), amake_mutex()
-    async with mutex.acquire_async():
-        pass
+    for _ in range(2):  # connected, the acquire prepared: the next one is a single message
+        async with mutex.acquire_async():
+            pass
     proxy.drop_replies()  # the INSERT lands; the caller gives up before any reply or deadline
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(_enter(mutex), 0.5)
@@ -361,8 +434,9 @@ def test_a_row_left_by_an_unanswered_acquire_is_removed_as_soon_as_the_network_i
     slow_stale = {"heartbeat_interval": 0.5, "alert_threshold": 5.0, "stale_threshold": 30.0}
     mutex = make_mutex(proxy_dsn, operation_timeout=0.5, poll_interval=0.1, **slow_stale)
     other = make_mutex(dsn, **slow_stale)
-    with mutex.acquire():
-        pass
+    for _ in range(2):  # connected, the acquire prepared: the next one is a single message
+        with mutex.acquire():
+            pass
     proxy.drop_replies()  # the INSERT lands, its reply is lost...
     proxy.silence(existing=False)  # ...and no new connection gets through to clean up
     with pytest.raises(DatabaseError), mutex.acquire():

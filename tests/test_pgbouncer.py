@@ -294,6 +294,30 @@ def one_server_connection(pg: PostgresServer) -> Iterator[PgBouncer]:
         yield started
 
 
+def test_transaction_mode_the_library_prepares_and_sets_nothing_on_the_server_connection_it_shares(
+    one_server_connection: PgBouncer, admin: psycopg.Connection[Any], lock_name: str, schema: None
+) -> None:
+    """Through a pooler the library finds it is not alone on the server session, and leaves it as it was.
+
+    A prepared statement or a session setting would stay on PgBouncer's one
+    server connection and reach the next client it serves; on a direct
+    connection the library makes both (see test_network_faults).
+    """
+    queries = (
+        "SELECT (SELECT count(*) FROM pg_prepared_statements), current_setting('statement_timeout'),"
+        " current_setting('default_transaction_isolation')"
+    )
+    as_the_server_makes_it = admin.execute(queries).fetchone()
+    with MutexClient(one_server_connection.dsn()) as client:
+        mutex = client.mutex(lock_name, **TIMING)
+        for _ in range(8):  # past psycopg's own threshold of five
+            with mutex.acquire() as acquired:
+                assert acquired
+                mutex.heartbeat()
+        with psycopg.connect(one_server_connection.dsn(), autocommit=True, prepare_threshold=None) as other:
+            assert other.execute(queries, prepare=False).fetchone() == as_the_server_makes_it
+
+
 def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_does_no_harm(
     one_server_connection: PgBouncer, pg: PostgresServer, lock_name: str, schema: None, figures: Figures
 ) -> None:

@@ -97,3 +97,19 @@ def discard(conn: psycopg.BaseConnection[Any]) -> None:
     ``close_returns`` would otherwise take a closed connection back twice.
     """
     conn.pgconn.finish()
+
+
+class Session:
+    """What the library knows of, and set on, the server session of one connection of its own.
+
+    Found out on the connection's first statement (`_sql.session_setup`) and
+    forgotten with the connection: a new connection starts a new session.
+    """
+
+    __slots__ = ("direct", "timeout_ms")
+
+    def __init__(self) -> None:
+        self.direct: bool | None = None
+        """Whether it reaches PostgreSQL with no pooler between; None until the first statement asks."""
+        self.timeout_ms: int | None = None
+        """The session's ``statement_timeout`` as the library last set it (direct connections only)."""

@@ -49,7 +49,7 @@ from ._acompat import (
     uncancellable,
 )
 from ._clock import MAX_SLICE, now
-from ._connections import closed_while_idle, discard, unusable
+from ._connections import Session, closed_while_idle, discard, unusable
 from ._rules import READ_ONLY, SHAPE_CHANGED, classify_failure
 from ._settings import retry_pause
 from ._sql import Names, Statements
@@ -88,6 +88,12 @@ _LISTENER_LINGER = 10.0
 # little before the client would cut the connection, so a statement stuck
 # behind a row lock ends with a clean error and the connection survives.
 _SERVER_SHARE = 0.9
+
+# On a direct connection the server's deadline is the session's, set again
+# only when a statement's own deadline no longer fits it: a setting above this
+# share of the statement's deadline could outlast the client's, and one below
+# the lower share would cut a statement short for no reason.
+_SESSION_SHARE_RANGE = (0.5, 0.95)
 
 
 class Engine:
@@ -156,7 +162,9 @@ class Engine:
                 sent = True
                 ticket = cutter.arm(op.timeout)
                 try:
-                    return uncancellable(_statement(conn, op), functools.partial(_interrupt, conn, cutter, op.timeout))
+                    return uncancellable(
+                        _statement(conn, op, source.session), functools.partial(_interrupt, conn, cutter, op.timeout)
+                    )
                 except _FAILURES as exc:
                     # As the statement left it, before the connection is put away.
                     lost = conn.closed or conn.broken
@@ -416,15 +424,61 @@ def _interrupt(conn: psycopg.Connection[Any], cutter: Cutter, timeout: float) ->
     cutter.cut()
 
 
-def _statement(conn: psycopg.Connection[Any], op: flows.Execute) -> flows.Result:
-    params = {**op.params, "_server_timeout_ms": max(1, int(op.timeout * _SERVER_SHARE * 1000))}
+def _statement(conn: psycopg.Connection[Any], op: flows.Execute, session: Session | None) -> flows.Result:
+    timeout_ms = max(1, int(op.timeout * _SERVER_SHARE * 1000))
+    bare = op.statement.bare
+    if session is not None and bare is not None and session.direct:
+        return _prepared(conn, op, bare, timeout_ms, session)
+    # A connection's first lock statement also asks whether it reaches
+    # PostgreSQL directly, and if so sets the session up: no extra round trip.
+    asking = session is not None and bare is not None and session.direct is None
+    text = op.statement.text
+    if asking:
+        text += "; " + _sql.session_setup(conn.info.backend_pid, timeout_ms)
+    params = {**op.params, "_server_timeout_ms": timeout_ms}
     cursor = psycopg.ClientCursor(conn)
     sent_at = now()
-    cursor.execute(op.statement.text, params)
+    cursor.execute(text, params)
+    if asking and session is not None:
+        results = [_result(cursor, sent_at)]
+        while cursor.nextset():
+            results.append(_result(cursor, sent_at))
+        answer, result = results[-1], results[-2]
+        session.direct = answer.rows[0][0] is True
+        session.timeout_ms = timeout_ms
+        return result
     # The settings that precede the statement answer first: its own result is the last.
     while cursor.nextset():
         pass
-    rows = cursor.fetchall() if cursor.description else []
+    return _result(cursor, sent_at)
+
+
+def _prepared(
+    conn: psycopg.Connection[Any], op: flows.Execute, bare: str, timeout_ms: int, session: Session
+) -> flows.Result:
+    """The statement alone, prepared, on a direct connection whose session carries its settings."""
+    low, high = (share * op.timeout * 1000 for share in _SESSION_SHARE_RANGE)
+    if session.timeout_ms is None or not low <= session.timeout_ms <= high:
+        session.timeout_ms = None  # unknown until the server answers
+        conn.execute(_sql.set_statement_timeout(timeout_ms), prepare=False)
+        session.timeout_ms = timeout_ms
+    cursor = conn.cursor()
+    sent_at = now()
+    try:
+        # Prepared on its first use on this connection (one more round trip, once).
+        cursor.execute(bare, op.params, prepare=True)
+    except psycopg.errors.FeatureNotSupported:
+        # "cached plan must not change result type": the table was made again
+        # with other column types since the statement was prepared. Refused
+        # before it ran; psycopg has forgotten it, and prepares it afresh.
+        sent_at = now()
+        cursor.execute(bare, op.params, prepare=True)
+    return _result(cursor, sent_at)
+
+
+def _result(cursor: psycopg.Cursor[Any], sent_at: float) -> flows.Result:
+    result = cursor.pgresult
+    rows = cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else []
     return flows.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
 
 
@@ -502,6 +556,8 @@ class _OwnConnection:
         self._used_at = 0.0
         self._replace = False
         self.connected_before = False
+        self.session: Session | None = None
+        """The session of the connection in use (None before the first connect)."""
 
     def replace(self) -> None:
         """Drop the connection in use once the statement is over."""
@@ -529,6 +585,7 @@ class _OwnConnection:
                 self._dsn, autocommit=True, **{**self._kwargs, **_connect_within(self._kwargs, timeout)}
             )
             self._conn, self._cutter = conn, Cutter(conn.fileno())
+            self.session = Session()
             self.connected_before = True
         return self._conn, self._cutter
 
@@ -556,6 +613,9 @@ def _connect_within(kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 class _PooledConnection:
     """A connection borrowed from the user's pool for one statement, handed back as it was found."""
+
+    session = None
+    """The pool's connections belong to the application: the library sets nothing on their sessions."""
 
     def __init__(self, pool: ConnectionPool[Any]) -> None:
         self._pool = pool

@@ -13,6 +13,16 @@ statements are designed for, whatever the role's or database's defaults. It is
 still one round trip, it prepares nothing, and it works behind PgBouncer in
 transaction mode. Parameters are bound on the client (`psycopg.ClientCursor`).
 
+On a connection of the library's own that reaches PostgreSQL directly (no
+pooler between: `session_setup` checks), the same settings are made once for
+the session instead, and a lock statement is sent alone, prepared on its first
+use: the server then skips parsing and planning it, which is most of what it
+costs. A pooler may run two transactions of one client on different server
+sessions, or one server session for several clients: a session setting or a
+prepared statement there could reach someone else, so behind one (and on a
+pool's connections, which belong to the application) nothing is set on the
+session and nothing is prepared.
+
 Tables come in two shapes: the README's five columns, and the same plus a
 ``token`` column (fencing tokens) fed by a sequence named after the table,
 added by `migrate`. `TableShape` says which one a statement set is for.
@@ -86,6 +96,10 @@ class Statement:
     """The lock table it reads or writes, for messages."""
     what: str
     """What it does, for messages: "acquire", "add the token column", ..."""
+    bare: str | None = None
+    """The statement alone, without the settings, to be prepared on a connection
+    that reaches PostgreSQL directly (see `session_setup`); None for one that
+    must carry its own settings (a schema change, a ``lock_timeout``)."""
 
 
 def _render(composed: sql.Composable) -> str:
@@ -173,8 +187,16 @@ class Statements:
         token_column = sql.SQL(", token") if tokens else sql.SQL("")
         new_token = sql.SQL(", nextval({})").format(names.sequence_text) if tokens else sql.SQL("")
 
-        def statement(what: str, composed: sql.Composable) -> Statement:
-            return Statement(_PREFIX + _render(composed), names.table_name, what)
+        # Only the acquire and the release are prepared (on a direct connection):
+        # they are what a lock cycle costs, and their parameters are single
+        # values matched against the table's unique key, so the plan the
+        # server keeps for any value is the one it would make for each. A
+        # heartbeat carries an array of holds: planned for its length each
+        # time, since a kept plan guesses ten rows, and for ten thousand locks
+        # would pick one that runs for minutes.
+        def statement(what: str, composed: sql.Composable, *, preparable: bool = False) -> Statement:
+            text = _render(composed)
+            return Statement(_PREFIX + text, names.table_name, what, text if preparable else None)
 
         # One statement decides everything an acquire needs:
         # - `current` reads the holder and its heartbeat age (for `contended`
@@ -193,7 +215,8 @@ class Statements:
         #   the row, so it is greater than any token issued before.
         self.acquire = statement(
             "acquire",
-            sql.SQL(
+            preparable=True,
+            composed=sql.SQL(
                 """WITH current AS (
   SELECT instance_id, acquired_at,
          EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
@@ -380,7 +403,8 @@ SELECT {answer_keys}, renewed.lock_name IS NOT NULL, present.lock_name IS NOT NU
 SELECT pg_notify(%(channel)s, '') FROM released"""
         self.release = statement(
             "release",
-            sql.SQL(release).format(
+            preparable=True,
+            composed=sql.SQL(release).format(
                 table=t,
                 scope=sql.SQL("\n     AND acquired_at = %(acquired_at)s"),
                 ended=ending(sql.SQL("NULL")),
@@ -609,6 +633,30 @@ def migrate_steps(names: Names) -> list[Statement]:
             sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)").format(**fmt),
         ),
     ]
+
+
+def session_setup(backend_pid: int, timeout_ms: int) -> str:
+    """Whether the connection reaches PostgreSQL directly and, only if it does, its session settings.
+
+    ``backend_pid`` is the process id the connection was given at start-up
+    (psycopg's ``info.backend_pid``). A direct connection's is the server
+    process running this statement; a pooler (PgBouncer in any mode, for one)
+    hands out its own, so a different one means a pooler sits between, and the
+    settings are not made. One round trip; the answer is its one column.
+    """
+    return _render(
+        sql.SQL(
+            """SELECT direct, CASE WHEN direct THEN
+       set_config('default_transaction_isolation', 'read committed', false)
+       || set_config('statement_timeout', {timeout_ms}, false) END
+  FROM (SELECT pg_backend_pid() = {backend_pid} AS direct) AS connection"""
+        ).format(backend_pid=sql.Literal(backend_pid), timeout_ms=sql.Literal(str(timeout_ms)))
+    )
+
+
+def set_statement_timeout(timeout_ms: int) -> str:
+    """The session's ``statement_timeout``, on a direct connection only (see `session_setup`)."""
+    return _render(sql.SQL("SET statement_timeout = {}").format(sql.Literal(timeout_ms)))
 
 
 def listen(channel: str) -> str:
