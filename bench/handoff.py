@@ -30,7 +30,7 @@ from psycopg import sql
 from postgres_mutex import Mutex
 
 from .processes import Worker, workers
-from .statements import client_statement, library_statements, params
+from .statements import library_statements, params
 from .timing import median, percentile
 
 if TYPE_CHECKING:
@@ -144,7 +144,8 @@ class _MutexWaiter:
 
 
 class RawWaiter:
-    """The library's statements as it sends them, on plain psycopg, woken by a LISTEN of its own.
+    """The library's statements as it sends them on a direct connection (prepared), on plain psycopg,
+    woken by a LISTEN of its own.
 
     The LISTEN is issued once, at the start, on a second connection; a
     notification of this process's own earlier release may wake it once for
@@ -153,7 +154,7 @@ class RawWaiter:
 
     def __init__(self, dsn: str, table: str) -> None:
         self._texts = library_statements(table, LOCKS["raw"])
-        self._params = params(self._texts, LOCKS["raw"], f"bench-raw-{os.getpid()}", prefixed=True)
+        self._params = params(self._texts, LOCKS["raw"], f"bench-raw-{os.getpid()}", prefixed=False)
         self._conn = psycopg.connect(dsn, autocommit=True)
         self._listener = psycopg.connect(dsn, autocommit=True)
         self._listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._texts.channel)))
@@ -162,7 +163,7 @@ class RawWaiter:
     def acquire(self) -> None:
         deadline = time.monotonic() + 30
         while True:
-            row = client_statement(self._conn, self._texts.acquire_prefixed, self._params)
+            row = self._conn.execute(self._texts.acquire, self._params, prepare=True).fetchone()
             if row is not None and row[0]:
                 self._acquired_at = row[3]
                 return
@@ -174,9 +175,8 @@ class RawWaiter:
 
     def release(self) -> None:
         assert self._acquired_at is not None
-        row = client_statement(
-            self._conn, self._texts.release_prefixed, {**self._params, "acquired_at": self._acquired_at}
-        )
+        bound = {**self._params, "acquired_at": self._acquired_at}
+        row = self._conn.execute(self._texts.release, bound, prepare=True).fetchone()
         if row is None:
             raise RuntimeError("the raw release deleted nothing")
         self._acquired_at = None

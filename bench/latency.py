@@ -10,10 +10,11 @@ to `SELECT 1` measured in the same rounds:
   table (two statements): the floor under any lock kept as a row;
 - ``raw_bare``: the library's acquire and release statements without their
   settings prefix, with psycopg's defaults (server-side binding, prepared
-  after five executions): the baseline of the 1.3x target;
+  after five executions): the baseline of the 1.3x target, and what the
+  library sends on a direct connection (where it prepares them at once);
 - ``raw_bare_unprepared``: the same, never prepared (as behind PgBouncer);
 - ``raw_prefixed``: the library's exact texts (``SET LOCAL`` prefix) on a
-  `psycopg.ClientCursor`, as the library sends them;
+  `psycopg.ClientCursor`, as the library sends them behind a pooler;
 - ``mutex_sync``: ``with mutex.acquire() as acquired`` (non-blocking, uncontended);
 - ``raw_bare_async``, ``raw_bare_unprepared_async``, ``raw_prefixed_async``,
   ``mutex_async``: the same on an

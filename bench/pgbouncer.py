@@ -2,10 +2,12 @@
 
 Debian's PgBouncer (see `bench.servers.pgbouncer`) stands in front of the
 same server. On one connection each, interleaved: ``SELECT 1``, the library's
-statements as it sends them (`bench.statements.RawCycle`, prefixed), and
-``with mutex.acquire()`` in dsn mode, direct and through PgBouncer. Nothing
-is prepared on either side (``prepare_threshold=None``): a statement prepared
-on one server connection would be missing on the next one PgBouncer picks.
+statements as it sends them through a pooler (`bench.statements.RawCycle`,
+prefixed, ``prepare_threshold=None``: a statement prepared on one server
+connection would be missing on the next one PgBouncer picks), and ``with
+mutex.acquire()`` in dsn mode, direct and through PgBouncer: the library
+finds the pooler by itself and prepares nothing through it, while on the
+direct route it prepares its statements.
 """
 
 from __future__ import annotations

@@ -21,13 +21,14 @@ LATENCY_LABELS = {
     "select_1": "`SELECT 1`",
     "advisory": "`pg_try_advisory_lock` + `pg_advisory_unlock`",
     "insert_delete": "plain INSERT + DELETE of a lock row (the floor)",
-    "raw_bare": "library's acquire + release, bare, psycopg defaults (prepared after 5 runs)",
+    "raw_bare": "library's acquire + release, bare, psycopg defaults (prepared after 5 runs): "
+    "as the library sends them on a direct connection",
     "raw_bare_unprepared": "library's acquire + release, bare, never prepared",
-    "raw_prefixed": "library's acquire + release as it sends them (`SET LOCAL` prefix, `ClientCursor`)",
+    "raw_prefixed": "library's acquire + release as it sends them behind a pooler (`SET LOCAL` prefix, `ClientCursor`)",
     "mutex_sync": "**Mutex cycle, sync**: `with mutex.acquire()`",
     "raw_bare_async": "async: acquire + release, bare, psycopg defaults",
     "raw_bare_unprepared_async": "async: acquire + release, bare, never prepared",
-    "raw_prefixed_async": "async: acquire + release as the library sends them",
+    "raw_prefixed_async": "async: acquire + release as the library sends them behind a pooler",
     "mutex_async": "**Mutex cycle, async**: `async with mutex.acquire_async(blocking=False)`",
 }
 
@@ -122,7 +123,7 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
             "median",
             f"ratio to bare, psycopg defaults (target ≤ {goal['target']}x)",
             "ratio to bare, never prepared",
-            "ratio to as the library sends them",
+            "ratio to as sent behind a pooler",
         ],
         rows,
     )
@@ -291,8 +292,8 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
         rows = []
         labels = {
             "select_1": "`SELECT 1`",
-            "raw_prefixed": "library's acquire + release as it sends them",
-            "mutex_sync": "**Mutex cycle, sync** (dsn mode)",
+            "raw_prefixed": "library's acquire + release as it sends them through a pooler (`SET LOCAL` prefix)",
+            "mutex_sync": "**Mutex cycle, sync** (dsn mode; prepared on the direct route only)",
         }
         for name, label in labels.items():
             direct, through = bouncer["direct"][name], bouncer["pgbouncer"][name]
@@ -307,7 +308,8 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
             )
         out["pgbouncer"] = [
             f"PgBouncer {bouncer['version']}, `pool_mode = transaction`, `default_pool_size = "
-            f"{bouncer['pool_size']}`; nothing prepared; {bouncer['direct']['select_1']['n']} operations per row.",
+            f"{bouncer['pool_size']}`; nothing prepared through it; {bouncer['direct']['select_1']['n']} "
+            "operations per row.",
             "",
             *_table(
                 ["operation", "direct", "through PgBouncer", "ratio to direct", "ratio to `SELECT 1` direct"], rows

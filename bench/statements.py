@@ -1,16 +1,18 @@
 """The library's own acquire and release statements, sent raw with plain psycopg.
 
 The texts come from `postgres_mutex._sql.Statements` for the bench's table in
-its current shape (with fencing tokens, as `create_schema` makes it). Every
-library statement starts with ``SET LOCAL statement_timeout ...; SET LOCAL
-transaction_isolation ...;`` and is sent with `psycopg.ClientCursor` (simple
-query protocol, parameters bound on the client): that is the *prefixed* form.
-The *bare* form is the statement alone, as an application would write it.
+its current shape (with fencing tokens, as `create_schema` makes it). The
+*bare* form is the statement alone, as an application would write it, and as
+the library sends it on a connection of its own that reaches PostgreSQL
+directly (prepared on its first use there). Behind a pooler, or on a pool's
+connections, the library sends the *prefixed* form instead: ``SET LOCAL
+statement_timeout ...; SET LOCAL transaction_isolation ...;`` then the
+statement, with `psycopg.ClientCursor` (simple query protocol, parameters
+bound on the client), never prepared.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -19,9 +21,6 @@ import psycopg
 from psycopg import sql
 
 from postgres_mutex._sql import CURRENT, Names, Statements
-
-# The per-statement settings the library puts before each statement.
-_SETTINGS = re.compile(r"^(?:SET LOCAL [^;]+; )+")
 
 SERVER_TIMEOUT_MS = 4500
 """What the library binds as ``statement_timeout`` for the default operation timeout (5 s x 0.9)."""
@@ -42,12 +41,9 @@ class LibraryStatements:
 def library_statements(table: str, lock_name: str) -> LibraryStatements:
     names = Names(table)
     statements = Statements(names, CURRENT)
-    acquire = _SETTINGS.sub("", statements.acquire.text)
-    release = _SETTINGS.sub("", statements.release.text)
-    # If the library's prefix changes shape, this must fail rather than time something else.
-    for bare, text in ((acquire, statements.acquire.text), (release, statements.release.text)):
-        if bare == text or not bare.startswith("WITH"):
-            raise RuntimeError(f"the library's statement no longer starts as the bench expects: {text[:120]!r}")
+    acquire, release = statements.acquire.bare, statements.release.bare
+    if acquire is None or release is None:
+        raise RuntimeError("the library's acquire and release are no longer preparable statements")
     return LibraryStatements(
         statements.acquire.text, statements.release.text, acquire, release, names.channel(lock_name)
     )
