@@ -133,6 +133,7 @@ class Names:
         self.history = sql.Identifier(*self.history_parts)
         self.history_by_lock = sql.Identifier(_derived(self.parts, "_history_by_lock")[-1])
         self.history_by_expiry = sql.Identifier(_derived(self.parts, "_history_by_expiry")[-1])
+        self.history_open = sql.Identifier(_derived(self.parts, "_history_open")[-1])
 
     @functools.cached_property
     def fence(self) -> str:
@@ -566,13 +567,17 @@ def create_history(names: Names, retention_seconds: float) -> Statement:
   keep_until  TIMESTAMPTZ DEFAULT now() + make_interval(secs => {retention})
 );
 CREATE INDEX IF NOT EXISTS {by_lock} ON {history} (lock_name, acquired_at);
-CREATE INDEX IF NOT EXISTS {by_expiry} ON {history} (keep_until)"""
+CREATE INDEX IF NOT EXISTS {by_expiry} ON {history} (keep_until);
+CREATE INDEX IF NOT EXISTS {open} ON {history} (lock_name) WHERE ended_at IS NULL"""
             ).format(
                 history=names.history,
                 endings=sql.SQL(", ").join(sql.Literal(ending) for ending in HISTORY_ENDINGS),
                 retention=sql.Literal(float(retention_seconds)),
                 by_lock=names.history_by_lock,
                 by_expiry=names.history_by_expiry,
+                # An acquire ends the lock's open holds: found among its few open
+                # ones, not among every hold it had within the retention.
+                open=names.history_open,
             )
         ),
         names.table_name,
