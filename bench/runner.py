@@ -26,7 +26,7 @@ import postgres_mutex
 
 from . import ceiling, contention, handoff, history, latency, many_locks, pgbouncer, report
 from .latency import Sizes
-from .servers import HISTORY_TABLE, bench_table
+from .servers import HISTORY_TABLE, SWEEP_TABLE, bench_table
 from .servers import pgbouncer as start_pgbouncer
 from .servers import server as start_server
 
@@ -123,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         results["target"] = report.target(results["latency"])
 
         progress("the lock history's cost: the same operations on a table with a history and without")
-        with bench_table(target.dsn, HISTORY_TABLE, history=True) as history_table:
-            results["history"] = history.run(target.dsn, table, history_table, plan.latency)
+        with (
+            bench_table(target.dsn, HISTORY_TABLE, history=True) as history_table,
+            bench_table(target.dsn, SWEEP_TABLE, history=True) as sweep_table,
+        ):
+            results["history"] = history.run(target.dsn, table, history_table, sweep_table, plan.latency)
 
         progress(f"hand-off, {plan.handoffs} times")
         results["handoff"] = handoff.run(target.dsn, table, plan.handoffs, max_seconds=60 + plan.handoffs * 0.2)

@@ -34,6 +34,10 @@ TABLE = "mutex_lock_bench"
 HISTORY_TABLE = "mutex_lock_bench_hist"
 """The same with a lock history (``mutex_lock_bench_hist_history``), for what the history costs."""
 
+SWEEP_TABLE = "mutex_lock_bench_sweep"
+"""Another with a history, for the acquires that remove expired rows: every acquire on a table
+looks for expired rows, so those removed must not lie in the way of the plain history cycle."""
+
 
 @dataclass(frozen=True)
 class Server:
