@@ -7,13 +7,21 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
-from postgres_mutex import DatabaseError, LockNotHeldError, Mutex, OperationTimeout
+from postgres_mutex import (
+    DatabaseError,
+    LockNotHeldError,
+    LockTable,
+    Mutex,
+    OperationTimeout,
+)
 from tests.faultproxy import FaultProxy
 from tests.fixtures import FAST, RecordingMetrics, freeze, wait_until
 from tests.postgres_server import PostgresServer
@@ -143,6 +151,58 @@ def test_a_statement_stuck_behind_a_row_lock_is_ended_by_the_server_and_the_conn
     with mutex.acquire() as acquired:
         assert acquired, "the stale row is reclaimed once the row lock is gone"
     assert proxy.accepted == connections, "the same connection served on: nothing was cut"
+
+
+def test_a_blocking_acquire_near_its_deadline_is_ended_by_the_server_within_it(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, admin: psycopg.Connection[Any], dsn: str
+) -> None:
+    """A statement whose deadline is shorter than the session's carries its own, and the server keeps to it."""
+    slack = 0.5  # how late a thread may run on a busy two-core machine
+    mutex = make_mutex(proxy_dsn, operation_timeout=5.0)
+    for _ in range(2):  # the session's deadline is now the five-second operations'
+        with mutex.acquire():
+            pass
+    admin.execute(
+        "INSERT INTO mutex_lock (lock_name, locked, instance_id, last_heartbeat, acquired_at)"
+        " VALUES (%s, 1, 'gone', now() - interval '1 hour', now() - interval '1 hour')",
+        (mutex.lock_name,),
+    )
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (mutex.lock_name,))
+        connections = proxy.accepted
+        started = time.monotonic()
+        with (
+            pytest.raises(OperationTimeout, match="cancelled there"),
+            mutex.acquire(blocking=True, timeout=1.0),
+        ):
+            pytest.fail("must not run")
+        assert time.monotonic() - started < 1.0 + slack
+        blocker.rollback()
+    with mutex.acquire() as acquired:
+        assert acquired
+    assert proxy.accepted == connections, "every attempt was ended by the server: nothing was cut"
+
+
+def test_a_column_that_changes_type_under_prepared_statements_costs_no_acquire(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], dsn: str
+) -> None:
+    """A wider instance_id (or a table made again with other types) is met with a fresh preparation, not errors."""
+    table = f"mutex_lock_retyped_{uuid.uuid4().hex[:8]}"
+    LockTable(dsn, table=table).create()
+    try:
+        mutex = make_mutex(table=table)
+        for _ in range(3):
+            with mutex.acquire() as acquired:
+                assert acquired
+        admin.execute(
+            sql.SQL("ALTER TABLE {} ALTER COLUMN instance_id TYPE varchar(128)").format(sql.Identifier(table))
+        )
+        for _ in range(3):
+            with mutex.acquire() as acquired:
+                assert acquired
+        mutex.close()
+    finally:
+        admin.execute(sql.SQL("DROP TABLE {} CASCADE").format(sql.Identifier(table)))
 
 
 def test_a_silent_network_cannot_hang_an_acquire(

@@ -102,7 +102,8 @@ def discard(conn: psycopg.BaseConnection[Any]) -> None:
 class Session:
     """What the library knows of, and set on, the server session of one connection of its own.
 
-    Found out on the connection's first statement (`_sql.session_setup`) and
+    Found out with the connection's first lock statement (`_sql.session_setup`),
+    set again with any whose deadline the session's does not fit, and
     forgotten with the connection: a new connection starts a new session.
     """
 

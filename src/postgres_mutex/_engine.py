@@ -89,11 +89,11 @@ _LISTENER_LINGER = 10.0
 # behind a row lock ends with a clean error and the connection survives.
 _SERVER_SHARE = 0.9
 
-# On a direct connection the server's deadline is the session's, set again
-# only when a statement's own deadline no longer fits it: a setting above this
-# share of the statement's deadline could outlast the client's, and one below
-# the lower share would cut a statement short for no reason.
-_SESSION_SHARE_RANGE = (0.5, 0.95)
+# On a direct connection the server's deadline is the session's. A statement
+# goes prepared under it if it fits the statement's own server deadline: never
+# later (a millisecond of rounding aside), and not below this share of it,
+# which would cut the statement short for no reason.
+_SESSION_TIMEOUT_FLOOR = 0.5
 
 
 class Engine:
@@ -427,25 +427,30 @@ def _interrupt(conn: psycopg.Connection[Any], cutter: Cutter, timeout: float) ->
 def _statement(conn: psycopg.Connection[Any], op: flows.Execute, session: Session | None) -> flows.Result:
     timeout_ms = max(1, int(op.timeout * _SERVER_SHARE * 1000))
     bare = op.statement.bare
-    if session is not None and bare is not None and session.direct:
-        return _prepared(conn, op, bare, timeout_ms, session)
-    # A connection's first lock statement also asks whether it reaches
-    # PostgreSQL directly, and if so sets the session up: no extra round trip.
-    asking = session is not None and bare is not None and session.direct is None
+    settling = False
+    if session is not None and bare is not None:
+        kept = session.timeout_ms
+        if session.direct and kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
+            return _prepared(conn, op, bare)
+        # A connection's first lock statement asks whether it reaches PostgreSQL
+        # directly and, if so, sets the session up; a statement whose deadline the
+        # session's does not fit sets it again. Either way in the statement's own
+        # message, which carries its settings for its transaction: no extra round trip.
+        settling = session.direct is not False
     text = op.statement.text
-    if asking:
+    if settling:
         text += "; " + _sql.session_setup(conn.info.backend_pid, timeout_ms)
     params = {**op.params, "_server_timeout_ms": timeout_ms}
     cursor = psycopg.ClientCursor(conn)
     sent_at = now()
     cursor.execute(text, params)
-    if asking and session is not None:
+    if settling and session is not None:
         results = [_result(cursor, sent_at)]
         while cursor.nextset():
             results.append(_result(cursor, sent_at))
         answer, result = results[-1], results[-2]
         session.direct = answer.rows[0][0] is True
-        session.timeout_ms = timeout_ms
+        session.timeout_ms = timeout_ms if session.direct else None
         return result
     # The settings that precede the statement answer first: its own result is the last.
     while cursor.nextset():
@@ -453,24 +458,19 @@ def _statement(conn: psycopg.Connection[Any], op: flows.Execute, session: Sessio
     return _result(cursor, sent_at)
 
 
-def _prepared(
-    conn: psycopg.Connection[Any], op: flows.Execute, bare: str, timeout_ms: int, session: Session
-) -> flows.Result:
+def _prepared(conn: psycopg.Connection[Any], op: flows.Execute, bare: str) -> flows.Result:
     """The statement alone, prepared, on a direct connection whose session carries its settings."""
-    low, high = (share * op.timeout * 1000 for share in _SESSION_SHARE_RANGE)
-    if session.timeout_ms is None or not low <= session.timeout_ms <= high:
-        session.timeout_ms = None  # unknown until the server answers
-        conn.execute(_sql.set_statement_timeout(timeout_ms), prepare=False)
-        session.timeout_ms = timeout_ms
     cursor = conn.cursor()
     sent_at = now()
     try:
         # Prepared on its first use on this connection (one more round trip, once).
         cursor.execute(bare, op.params, prepare=True)
     except psycopg.errors.FeatureNotSupported:
-        # "cached plan must not change result type": the table was made again
-        # with other column types since the statement was prepared. Refused
-        # before it ran; psycopg has forgotten it, and prepares it afresh.
+        # "cached plan must not change result type": a column changed type since
+        # the statement was prepared (a table made again, a wider instance_id).
+        # Refused before it ran. Dropping every prepared statement (psycopg
+        # forgets them too) lets it be prepared afresh.
+        conn.execute("DEALLOCATE ALL", prepare=False)
         sent_at = now()
         cursor.execute(bare, op.params, prepare=True)
     return _result(cursor, sent_at)

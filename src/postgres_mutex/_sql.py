@@ -489,10 +489,12 @@ def create_table(names: Names) -> Statement:
 
     Sent as one message, so it is one transaction: a table never exists without
     its sequence. ``CACHE 1`` (the default, stated) keeps tokens in the order
-    sessions draw them.
+    sessions draw them. Like the lock statements, it sets its own deadline and
+    isolation first: a session of the library's may carry another deadline.
     """
     return Statement(
-        _render(
+        _PREFIX
+        + _render(
             sql.SQL(
                 """CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint CACHE 1 NO CYCLE;
 CREATE TABLE IF NOT EXISTS {table} (
@@ -521,9 +523,10 @@ CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)"""
 
 
 def inspect_table(names: Names) -> Statement:
-    """What the table has: one row ``(exists, has_token, has_history)``."""
+    """What the table has: one row ``(exists, has_token, has_history)``, under its own deadline."""
     return Statement(
-        _render(
+        _PREFIX
+        + _render(
             sql.SQL(
                 """SELECT to_regclass({table_text}) IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute
@@ -645,9 +648,10 @@ def session_setup(backend_pid: int, timeout_ms: int) -> str:
 
     ``backend_pid`` is the process id the connection was given at start-up
     (psycopg's ``info.backend_pid``). A direct connection's is the server
-    process running this statement; a pooler (PgBouncer in any mode, for one)
-    hands out its own, so a different one means a pooler sits between, and the
-    settings are not made. One round trip; the answer is its one column.
+    process running this statement; PgBouncer (in any mode) hands out its own,
+    so a different one means a pooler sits between, and the settings are not
+    made. Sent after a lock statement in the same message; the answer is the
+    first column of the message's last result.
     """
     return _render(
         sql.SQL(
@@ -657,11 +661,6 @@ def session_setup(backend_pid: int, timeout_ms: int) -> str:
   FROM (SELECT pg_backend_pid() = {backend_pid} AS direct) AS connection"""
         ).format(backend_pid=sql.Literal(backend_pid), timeout_ms=sql.Literal(str(timeout_ms)))
     )
-
-
-def set_statement_timeout(timeout_ms: int) -> str:
-    """The session's ``statement_timeout``, on a direct connection only (see `session_setup`)."""
-    return _render(sql.SQL("SET statement_timeout = {}").format(sql.Literal(timeout_ms)))
 
 
 def listen(channel: str) -> str:
