@@ -278,8 +278,9 @@ def test_7_a_reset_after_the_acquire_reached_the_server_leaves_no_orphan(
 ) -> None:
     net = chaos.net("acquirer")
     acquirer, other = chaos.mutex("acquirer", net.dsn, poll_interval=0.05), chaos.mutex("other")
-    with chaos.sections.holding(acquirer, "acquirer"):
-        pass  # connected
+    for _ in range(2):  # connected, and the acquire prepared: the next one is a single message
+        with chaos.sections.holding(acquirer, "acquirer"):
+            pass
     net.toxic("reset_peer", "downstream", timeout=0)  # the INSERT lands; its reply is a reset
     with pytest.raises(DatabaseError) as caught, chaos.sections.holding(acquirer, "acquirer"):
         pytest.fail("must not run")
@@ -321,6 +322,8 @@ def test_7_a_reset_after_the_acquire_reached_the_server_leaves_no_orphan(
 def test_8_a_reset_during_release_leaves_no_row_or_says_so(chaos: Chaos) -> None:
     net = chaos.net("holder")
     holder = chaos.mutex("holder", net.dsn, poll_interval=0.05)
+    with chaos.sections.holding(holder, "holder"):
+        pass  # connected, and the release prepared: the next one is a single message
     told: DatabaseError | None = None
     try:
         with chaos.sections.holding(holder, "holder"):
