@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -118,6 +119,20 @@ async def test_async_statements_are_parsed_once_per_connection(
     assert (proxy.sent("P"), proxy.sent("Q")) == (parsed, simple)
 
 
+@contextlib.contextmanager
+def stale_row_locked_elsewhere(admin: psycopg.Connection[Any], dsn: str, lock_name: str) -> Iterator[None]:
+    """A stale row of the lock, locked by another session's open transaction (a holder's fenced one, say)."""
+    admin.execute(
+        "INSERT INTO mutex_lock (lock_name, locked, instance_id, last_heartbeat, acquired_at)"
+        " VALUES (%s, 1, 'gone', now() - interval '1 hour', now() - interval '1 hour')",
+        (lock_name,),
+    )
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
+        yield
+        blocker.rollback()
+
+
 def test_a_statement_stuck_behind_a_row_lock_is_ended_by_the_server_and_the_connection_kept(
     make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, admin: psycopg.Connection[Any], dsn: str
 ) -> None:
@@ -131,23 +146,15 @@ def test_a_statement_stuck_behind_a_row_lock_is_ended_by_the_server_and_the_conn
     slack = 0.5  # how late a thread may run on a busy two-core machine
     timeout = 1.0
     mutex = make_mutex(proxy_dsn, operation_timeout=timeout)
-    with mutex.acquire():  # connected, session set up, statements prepared
-        pass
-    with mutex.acquire():
-        pass
-    admin.execute(
-        "INSERT INTO mutex_lock (lock_name, locked, instance_id, last_heartbeat, acquired_at)"
-        " VALUES (%s, 1, 'gone', now() - interval '1 hour', now() - interval '1 hour')",
-        (mutex.lock_name,),
-    )
-    with psycopg.connect(dsn) as blocker:
-        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (mutex.lock_name,))
+    for _ in range(2):  # connected, session set up, statements prepared
+        with mutex.acquire():
+            pass
+    with stale_row_locked_elsewhere(admin, dsn, mutex.lock_name):
         connections = proxy.accepted
         started = time.monotonic()
         attempt = mutex.acquire(blocking=False)
         assert not attempt.__enter__(), "not acquired: the row stayed locked for the whole attempt"
         assert time.monotonic() - started < timeout + slack
-        blocker.rollback()
     with mutex.acquire() as acquired:
         assert acquired, "the stale row is reclaimed once the row lock is gone"
     assert proxy.accepted == connections, "the same connection served on: nothing was cut"
@@ -162,13 +169,7 @@ def test_a_blocking_acquire_near_its_deadline_is_ended_by_the_server_within_it(
     for _ in range(2):  # the session's deadline is now the five-second operations'
         with mutex.acquire():
             pass
-    admin.execute(
-        "INSERT INTO mutex_lock (lock_name, locked, instance_id, last_heartbeat, acquired_at)"
-        " VALUES (%s, 1, 'gone', now() - interval '1 hour', now() - interval '1 hour')",
-        (mutex.lock_name,),
-    )
-    with psycopg.connect(dsn) as blocker:
-        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (mutex.lock_name,))
+    with stale_row_locked_elsewhere(admin, dsn, mutex.lock_name):
         connections = proxy.accepted
         started = time.monotonic()
         with (
@@ -177,7 +178,6 @@ def test_a_blocking_acquire_near_its_deadline_is_ended_by_the_server_within_it(
         ):
             pytest.fail("must not run")
         assert time.monotonic() - started < 1.0 + slack
-        blocker.rollback()
     with mutex.acquire() as acquired:
         assert acquired
     assert proxy.accepted == connections, "every attempt was ended by the server: nothing was cut"
