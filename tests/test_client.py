@@ -74,6 +74,30 @@ def _wait_briefly(waiter: Mutex) -> None:
         pass
 
 
+def _sleeps(thread: threading.Thread) -> int:
+    """How many times ``thread`` has gone to sleep (Linux counts its voluntary context switches)."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc")
+
+
+def test_statements_that_end_in_time_never_wake_the_deadline_watchdog(make_mutex: Callable[..., Mutex]) -> None:
+    timeout = 0.5
+    mutex = make_mutex(operation_timeout=timeout)
+    with mutex.acquire():
+        pass
+    watchdog = next(thread for thread in threading.enumerate() if thread.name == "postgres-mutex-watchdog")
+    before = _sleeps(watchdog)
+    for _ in range(300):
+        with mutex.acquire():
+            pass
+    time.sleep(2 * timeout)  # every deadline the 600 statements armed comes due meanwhile
+    woke = _sleeps(watchdog) - before
+    assert woke < 60, f"the watchdog woke {woke} times for 600 statements that each ended long before their deadline"
+
+
 def test_a_release_wakes_only_that_locks_waiters(make_mutex: Callable[..., Mutex], lock_name: str) -> None:
     slow_poll = {"poll_interval": 30.0}
     first, second = make_mutex(lock_name=f"{lock_name}-a"), make_mutex(lock_name=f"{lock_name}-b")
