@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -86,6 +88,98 @@ def test_an_exception_raised_into_a_waiting_acquire_leaves_the_mutex_usable_and_
         (f"%{lock_name}%",),
     ).fetchone()
     assert busy == (0,)
+
+
+# Slow heartbeats: no heartbeat queues behind the row lock these tests hold.
+QUIET_HEARTBEAT = {"heartbeat_interval": 20.0, "alert_threshold": 60.0, "stale_threshold": 120.0}
+
+
+def _ours_waiting_on_a_row_lock(admin: psycopg.Connection[Any]) -> bool:
+    """Whether a statement of this process's library connections waits on another session's row lock."""
+    found = admin.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name LIKE %s",
+        (f"postgres-mutex %:{os.getpid()}",),
+    ).fetchone()
+    return found is not None and found[0] > 0
+
+
+def _loop_and_driver_complaints(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What asyncio (an unhandled task error at shutdown) or psycopg (its own cancel handling) logged."""
+    return [r.getMessage() for r in caplog.records if r.name in ("asyncio", "psycopg") and r.levelno >= logging.WARNING]
+
+
+def test_a_release_under_way_when_asyncio_run_ends_is_finished_not_cut_off(
+    make_mutex: Callable[..., Mutex],
+    dsn: str,
+    lock_name: str,
+    admin: psycopg.Connection[Any],
+    holder_id: Holder,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mutex = make_mutex(operation_timeout=10.0, **QUIET_HEARTBEAT)
+    blocker = psycopg.connect(dsn)  # a transaction: it keeps the row locked until it ends
+    letting_go = threading.Timer(1.0, blocker.rollback)
+
+    async def main() -> None:
+        entered = asyncio.Event()
+
+        async def job() -> None:
+            async with mutex.acquire_async():
+                entered.set()
+                await asyncio.sleep(60)
+
+        task = asyncio.create_task(job())
+        await asyncio.wait_for(entered.wait(), 10)
+        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
+        task.cancel()  # the block ends: its release waits behind the other session's row lock
+        deadline = time.monotonic() + 10
+        while not _ours_waiting_on_a_row_lock(admin):
+            assert time.monotonic() < deadline, "the release never reached the server"
+            await asyncio.sleep(0.01)
+        letting_go.start()
+        # Returning now: asyncio.run cancels every task left, the release's included.
+
+    try:
+        asyncio.run(main())
+        letting_go.join()
+    finally:
+        letting_go.cancel()
+        blocker.close()
+    assert holder_id() is None, "the release ran to its end: no row is left to expire"
+    assert _loop_and_driver_complaints(caplog) == []
+
+
+def test_asyncio_run_ending_during_an_acquire_stops_it_on_the_server_within_a_moment(
+    make_mutex: Callable[..., Mutex],
+    uncommitted_insert: psycopg.Connection[Any],
+    admin: psycopg.Connection[Any],
+    holder_id: Holder,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mutex = make_mutex(operation_timeout=2.0, **QUIET_HEARTBEAT)
+    returned_at: list[float] = []
+    jobs: list[asyncio.Task[None]] = []
+
+    async def main() -> None:
+        async def job() -> None:
+            async with mutex.acquire_async():
+                pytest.fail("must not run")
+
+        jobs.append(asyncio.create_task(job()))
+        deadline = time.monotonic() + 10
+        while not _ours_waiting_on_a_row_lock(admin):
+            assert time.monotonic() < deadline, "the acquire never reached the server"
+            await asyncio.sleep(0.01)
+        returned_at.append(time.monotonic())
+        # Returning now: asyncio.run cancels the acquire while its statement waits on the server.
+
+    asyncio.run(main())
+    assert time.monotonic() - returned_at[0] < 1.5, "stopped by a cancel request, not by the 2 s deadline"
+    assert jobs[0].cancelled()
+    assert not _ours_waiting_on_a_row_lock(admin), "nothing of ours goes on waiting on the server"
+    uncommitted_insert.rollback()
+    assert holder_id() is None, "the stopped acquire's INSERT never lands"
+    assert _loop_and_driver_complaints(caplog) == [], "the statement's own error is the library's to handle"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])

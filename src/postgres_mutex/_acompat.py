@@ -16,8 +16,8 @@ import os
 import select
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar, cast
 
 from ._clock import MAX_SLICE, now
 
@@ -120,18 +120,12 @@ class AGate:
             False: collections.deque(),
         }
 
-    @contextlib.asynccontextmanager
-    async def turn(self, urgent: bool) -> AsyncIterator[None]:
-        await self._enter(urgent)
-        try:
-            yield
-        finally:
-            self._leave()
+    def turn(self, urgent: bool) -> _ATurn:
+        """The connection, for the ``async with`` block this is entered by."""
+        return _ATurn(self, urgent)
 
-    async def _enter(self, urgent: bool) -> None:
-        if not self._busy:
-            self._busy = True
-            return
+    async def _wait(self, urgent: bool) -> None:
+        """Wait for the busy connection to be handed over."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue = self._waiting[urgent]
         queue.append(waiter)
@@ -171,13 +165,9 @@ class Gate:
             False: collections.deque(),
         }
 
-    @contextlib.contextmanager
-    def turn(self, urgent: bool) -> Iterator[None]:
-        self._enter(urgent)
-        try:
-            yield
-        finally:
-            self._leave()
+    def turn(self, urgent: bool) -> _Turn:
+        """The connection, for the ``with`` block this is entered by."""
+        return _Turn(self, urgent)
 
     def _enter(self, urgent: bool) -> None:
         with self._lock:
@@ -205,6 +195,39 @@ class Gate:
                     queue.popleft().release()  # the gate stays busy: it is theirs now
                     return
             self._busy = False
+
+
+class _ATurn:
+    # A plain class, not a generator-based context manager: one is entered per statement.
+    __slots__ = ("_gate", "_urgent")
+
+    def __init__(self, gate: AGate, urgent: bool) -> None:
+        self._gate = gate
+        self._urgent = urgent
+
+    async def __aenter__(self) -> None:
+        gate = self._gate
+        if gate._busy:
+            await gate._wait(self._urgent)
+        else:
+            gate._busy = True  # one loop: nothing runs between the check and this
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._gate._leave()
+
+
+class _Turn:
+    __slots__ = ("_gate", "_urgent")
+
+    def __init__(self, gate: Gate, urgent: bool) -> None:
+        self._gate = gate
+        self._urgent = urgent
+
+    def __enter__(self) -> None:
+        self._gate._enter(self._urgent)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._gate._leave()
 
 
 # -- background workers ----------------------------------------------------------------
@@ -280,20 +303,78 @@ class Cancelled(BaseException):
     """Threads are never cancelled: nothing raises this."""
 
 
-async def auncancellable(work: Awaitable[T], on_cancel: Callable[[], Awaitable[object]]) -> T:
+Outcome = tuple[T | None, Exception | None]
+"""What a task of the library's returns instead of raising: asyncio.run's shutdown
+reports every task it finds ended with an exception, even one its awaiter saw."""
+
+
+async def _outcome(work: Coroutine[Any, Any, T]) -> Outcome[T]:
+    try:
+        return await work, None
+    except Exception as error:  # raised again in the awaiting task, by _unwrap
+        return None, error
+
+
+def _unwrap(outcome: Outcome[T]) -> T:
+    value, error = outcome
+    if error is not None:
+        raise error
+    return cast(T, value)
+
+
+class _Statement(asyncio.Task[Outcome[T]]):
+    """A statement's task: cancelling it starts the library's interruption rather than psycopg's.
+
+    Its awaiter, cancelled, asks it to cancel (asyncio cancels what a task
+    awaits); it refuses, so the awaiter's cancellation waits until the
+    statement has ended, and starts ``on_cancel`` to end it within the
+    library's deadlines.
+    """
+
+    def __init__(self, work: Coroutine[Any, Any, T], on_cancel: Callable[[], Coroutine[Any, Any, object]]) -> None:
+        super().__init__(_outcome(work))
+        self._on_cancel = on_cancel
+        self.interrupting: asyncio.Task[object] | None = None
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if self.interrupting is None and not self.done():
+            # Not necessarily from a running loop: asyncio.run cancels what is left before it runs the loop again.
+            self.interrupting = self.get_loop().create_task(self._on_cancel())
+        return False
+
+
+class _ToTheEnd(asyncio.Task[Outcome[T]]):
+    """A task that refuses cancellation (the loop's own at shutdown included): it runs to its end.
+
+    Statements it awaits itself need no protection of their own, and skip the
+    task that would cost.
+    """
+
+    def __init__(self, work: Coroutine[Any, Any, T]) -> None:
+        super().__init__(_outcome(work))
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        return False
+
+
+async def auncancellable(work: Coroutine[Any, Any, T], on_cancel: Callable[[], Coroutine[Any, Any, object]]) -> T:
     """Await ``work``; if the caller is cancelled meanwhile, await ``on_cancel`` and let the work end first.
 
     psycopg would answer a cancellation with a server-side cancel bounded only
     by its own timeouts, over what may be a dead network; ``on_cancel`` stops
     the statement within the library's deadlines instead.
     """
-    task = asyncio.ensure_future(work)
-    task.add_done_callback(_retrieve)
+    if isinstance(asyncio.current_task(), _ToTheEnd):
+        return await work  # nothing can cancel it
+    task = _Statement(work, on_cancel)
     try:
-        return await asyncio.shield(task)
+        return _unwrap(await task)
     except asyncio.CancelledError:
-        await on_cancel()
-        await asyncio.wait([task])
+        if not task.done():  # this very task was cancelled, not the statement's
+            task.cancel()
+            await asyncio.wait([task])
+        if task.interrupting is not None:
+            await asyncio.wait([task.interrupting])
         raise
 
 
@@ -302,21 +383,29 @@ def uncancellable(work: T, on_cancel: Callable[[], object]) -> T:
     return work
 
 
-async def ato_the_end(work: Awaitable[T]) -> T:
-    """Run ``work`` to its end even if the awaiting task is cancelled meanwhile (a release, say)."""
-    task = asyncio.ensure_future(work)
-    task.add_done_callback(_retrieve)
-    return await asyncio.shield(task)
+async def ato_the_end(work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` to its end even if the awaiting task is cancelled meanwhile (a release, say).
+
+    The awaiting task, cancelled, returns at once; the work goes on in a task
+    of its own that nothing cancels, not even the loop's shutdown (which then
+    waits for it).
+    """
+    task = _ToTheEnd(work)
+    # What asyncio.shield does, for one task: the awaiting task waits on a
+    # future of its own, which its cancellation cancels instead.
+    ended = task.get_loop().create_future()
+
+    def on_end(task: asyncio.Task[Outcome[T]]) -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    task.add_done_callback(on_end)
+    await ended
+    return _unwrap(task.result())
 
 
 def to_the_end(work: T) -> T:
     return work
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    # Mark an abandoned task's outcome as seen, so asyncio does not log it.
-    if not task.cancelled():
-        task.exception()
 
 
 # -- the listener's wait: a socket, or a wake-up ----------------------------------------

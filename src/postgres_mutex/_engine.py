@@ -131,7 +131,9 @@ class Engine:
                     return done.value  # type: ignore[no-any-return]
                 reply, error = None, None
                 try:
-                    reply = steps.perform(op)
+                    reply = steps.perform_now(op)
+                    if reply is _WAITS:
+                        reply = steps.perform(op)
                 except BaseException as exc:  # handed to the flow, which decides
                     error = exc
         finally:
@@ -163,7 +165,8 @@ class Engine:
                 ticket = cutter.arm(op.timeout)
                 try:
                     return uncancellable(
-                        _statement(conn, op, source.session), functools.partial(_interrupt, conn, cutter, op.timeout)
+                        _statement(conn, op, source.session, source.cursor),
+                        functools.partial(_interrupt, conn, cutter, op.timeout),
                     )
                 except _FAILURES as exc:
                     # As the statement left it, before the connection is put away.
@@ -424,14 +427,19 @@ def _interrupt(conn: psycopg.Connection[Any], cutter: Cutter, timeout: float) ->
     cutter.cut()
 
 
-def _statement(conn: psycopg.Connection[Any], op: flows.Execute, session: Session | None) -> flows.Result:
+def _statement(
+    conn: psycopg.Connection[Any],
+    op: flows.Execute,
+    session: Session | None,
+    cursor: psycopg.Cursor[Any] | None,
+) -> flows.Result:
     timeout_ms = max(1, int(op.timeout * _SERVER_SHARE * 1000))
     bare = op.statement.bare
     settling = False
     if session is not None and bare is not None:
         kept = session.timeout_ms
         if session.direct and kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
-            return _prepared(conn, op, bare)
+            return _prepared(cursor or conn.cursor(), op, bare)
         # A connection's first lock statement asks whether it reaches PostgreSQL
         # directly and, if so, sets the session up; a statement whose deadline the
         # session's does not fit sets it again. Either way in the statement's own
@@ -458,9 +466,8 @@ def _statement(conn: psycopg.Connection[Any], op: flows.Execute, session: Sessio
     return _result(cursor, sent_at)
 
 
-def _prepared(conn: psycopg.Connection[Any], op: flows.Execute, bare: str) -> flows.Result:
+def _prepared(cursor: psycopg.Cursor[Any], op: flows.Execute, bare: str) -> flows.Result:
     """The statement alone, prepared, on a direct connection whose session carries its settings."""
-    cursor = conn.cursor()
     sent_at = now()
     try:
         # Prepared on its first use on this connection (one more round trip, once).
@@ -470,7 +477,7 @@ def _prepared(conn: psycopg.Connection[Any], op: flows.Execute, bare: str) -> fl
         # the statement was prepared (a table made again, a wider instance_id).
         # Refused before it ran. Dropping every prepared statement (psycopg
         # forgets them too) lets it be prepared afresh.
-        conn.execute("DEALLOCATE ALL", prepare=False)
+        cursor.connection.execute("DEALLOCATE ALL", prepare=False)
         sent_at = now()
         cursor.execute(bare, op.params, prepare=True)
     return _result(cursor, sent_at)
@@ -482,6 +489,10 @@ def _result(cursor: psycopg.Cursor[Any], sent_at: float) -> flows.Result:
     return flows.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
 
 
+_WAITS = object()
+"""What `_Steps.perform_now` returns for a step that must be awaited."""
+
+
 class _Steps:
     """Performs the steps of one flow run; remembers what the run subscribed to."""
 
@@ -489,19 +500,17 @@ class _Steps:
         self._engine = engine
         self._subscription: _Subscription | None = None
 
-    def perform(self, op: flows.Op) -> Any:
+    def perform_now(self, op: flows.Op) -> Any:
+        """Perform ``op`` if it needs no waiting (most steps of a cycle); else return `_WAITS`."""
         engine = self._engine
         if isinstance(op, flows.Execute):
-            return engine.execute(op)
+            return _WAITS
         if isinstance(op, flows.Shape):
-            if op.fresh:
-                engine.client._shapes.pop(op.names.table_name, None)
-            return engine.shape(op.names, op.timeout)
-        if isinstance(op, flows.Pause):
-            sleep(op.seconds)
-            return not engine.closed
+            statements = None if op.fresh else engine.client._shapes.get(op.names.table_name)
+            return _WAITS if statements is None else statements
         if isinstance(op, flows.Settle):
-            acquire_lock(op.lock.cleanup_sending)
+            if not op.lock.cleanup_sending.acquire(blocking=False):
+                return _WAITS  # a clean-up of this Mutex's row is being sent
             op.lock.cleanup_sending.release()
             return None
         if isinstance(op, flows.Keep):
@@ -517,22 +526,40 @@ class _Steps:
         if isinstance(op, flows.Schedule):
             engine.schedule(op.cleanup)
             return None
+        if isinstance(op, flows.StopListening):
+            self.finish()
+            return None
+        return _WAITS
+
+    def perform(self, op: flows.Op) -> Any:
+        """Perform a step that waits: a statement, an inspection, a pause, a wait for a release."""
+        engine = self._engine
+        if isinstance(op, flows.Execute):
+            return engine.execute(op)
+        if isinstance(op, flows.Shape):
+            if op.fresh:
+                engine.client._shapes.pop(op.names.table_name, None)
+            return engine.shape(op.names, op.timeout)
+        if isinstance(op, flows.Pause):
+            sleep(op.seconds)
+            return not engine.closed
+        if isinstance(op, flows.Settle):
+            acquire_lock(op.lock.cleanup_sending)
+            op.lock.cleanup_sending.release()
+            return None
         if isinstance(op, flows.Listen):
             listener = engine.listener
             if listener is None:
                 return False
             self._subscription = listener.subscribe(op.channel)
             return self._subscription.confirmed.wait(op.timeout)
-        if isinstance(op, flows.WaitForRelease):
-            subscription = self._subscription
-            # A release wakes the wait, and so does a stop (an election's), set from any thread.
-            wake = Event() if subscription is None else subscription.released
-            with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
-                wake.wait(op.seconds)
-            wake.clear()
-            return None
-        assert isinstance(op, flows.StopListening)
-        self.finish()
+        assert isinstance(op, flows.WaitForRelease)
+        subscription = self._subscription
+        # A release wakes the wait, and so does a stop (an election's), set from any thread.
+        wake = Event() if subscription is None else subscription.released
+        with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
+            wake.wait(op.seconds)
+        wake.clear()
         return None
 
     def finish(self) -> None:
@@ -555,24 +582,39 @@ class _OwnConnection:
         self._cutter: Cutter | None = None
         self._used_at = 0.0
         self._replace = False
+        self._timeout = 0.0
+        self._in_use: tuple[psycopg.Connection[Any], Cutter]
         self.connected_before = False
         self.session: Session | None = None
         """The session of the connection in use (None before the first connect)."""
+        self.cursor: psycopg.Cursor[Any] | None = None
+        """The connection's cursor for its prepared statements: reused, since making one
+        per statement is a measurable share of a lock cycle."""
 
     def replace(self) -> None:
         """Drop the connection in use once the statement is over."""
         self._replace = True
 
-    @contextlib.contextmanager
-    def connection(self, timeout: float) -> Iterator[tuple[psycopg.Connection[Any], Cutter]]:
-        conn, cutter = self._open(timeout)
+    def connection(self, timeout: float) -> _OwnConnection:
+        """The connection for one statement, as an ``async with`` block: dropped after it if it broke.
+
+        Itself, not a generator-based context manager (one is entered per
+        statement); the gate lets one statement at a time in.
+        """
+        self._timeout = timeout
+        return self
+
+    def __enter__(self) -> tuple[psycopg.Connection[Any], Cutter]:
+        conn, cutter = self._open(self._timeout)
         self._replace = False
-        try:
-            yield conn, cutter
-        finally:
-            self._used_at = now()
-            if cutter.fired or self._replace or unusable(conn):
-                self._drop()
+        self._in_use = conn, cutter
+        return conn, cutter
+
+    def __exit__(self, *exc_info: object) -> None:
+        conn, cutter = self._in_use
+        self._used_at = now()
+        if cutter.fired or self._replace or unusable(conn):
+            self._drop()
 
     def _open(self, timeout: float) -> tuple[psycopg.Connection[Any], Cutter]:
         # A connection used a moment ago was not closed for idling; one that sat
@@ -586,12 +628,14 @@ class _OwnConnection:
             )
             self._conn, self._cutter = conn, Cutter(conn.fileno())
             self.session = Session()
+            self.cursor = conn.cursor()
             self.connected_before = True
         return self._conn, self._cutter
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         cutter, self._cutter = self._cutter, None
+        self.cursor = None
         if cutter is not None:
             cutter.close()
         if conn is not None:
@@ -616,6 +660,7 @@ class _PooledConnection:
 
     session = None
     """The pool's connections belong to the application: the library sets nothing on their sessions."""
+    cursor = None
 
     def __init__(self, pool: ConnectionPool[Any]) -> None:
         self._pool = pool

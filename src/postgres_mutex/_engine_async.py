@@ -129,7 +129,9 @@ class AsyncEngine:
                     return done.value  # type: ignore[no-any-return]
                 reply, error = None, None
                 try:
-                    reply = await steps.perform(op)
+                    reply = steps.perform_now(op)
+                    if reply is _WAITS:
+                        reply = await steps.perform(op)
                 except BaseException as exc:  # handed to the flow, which decides
                     error = exc
         finally:
@@ -161,7 +163,8 @@ class AsyncEngine:
                 ticket = cutter.arm(op.timeout)
                 try:
                     return await auncancellable(
-                        _statement(conn, op, source.session), functools.partial(_interrupt, conn, cutter, op.timeout)
+                        _statement(conn, op, source.session, source.cursor),
+                        functools.partial(_interrupt, conn, cutter, op.timeout),
                     )
                 except _FAILURES as exc:
                     # As the statement left it, before the connection is put away.
@@ -422,14 +425,19 @@ async def _interrupt(conn: psycopg.AsyncConnection[Any], cutter: Cutter, timeout
     cutter.cut()
 
 
-async def _statement(conn: psycopg.AsyncConnection[Any], op: flows.Execute, session: Session | None) -> flows.Result:
+async def _statement(
+    conn: psycopg.AsyncConnection[Any],
+    op: flows.Execute,
+    session: Session | None,
+    cursor: psycopg.AsyncCursor[Any] | None,
+) -> flows.Result:
     timeout_ms = max(1, int(op.timeout * _SERVER_SHARE * 1000))
     bare = op.statement.bare
     settling = False
     if session is not None and bare is not None:
         kept = session.timeout_ms
         if session.direct and kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
-            return await _prepared(conn, op, bare)
+            return await _prepared(cursor or conn.cursor(), op, bare)
         # A connection's first lock statement asks whether it reaches PostgreSQL
         # directly and, if so, sets the session up; a statement whose deadline the
         # session's does not fit sets it again. Either way in the statement's own
@@ -456,9 +464,8 @@ async def _statement(conn: psycopg.AsyncConnection[Any], op: flows.Execute, sess
     return await _result(cursor, sent_at)
 
 
-async def _prepared(conn: psycopg.AsyncConnection[Any], op: flows.Execute, bare: str) -> flows.Result:
+async def _prepared(cursor: psycopg.AsyncCursor[Any], op: flows.Execute, bare: str) -> flows.Result:
     """The statement alone, prepared, on a direct connection whose session carries its settings."""
-    cursor = conn.cursor()
     sent_at = now()
     try:
         # Prepared on its first use on this connection (one more round trip, once).
@@ -468,7 +475,7 @@ async def _prepared(conn: psycopg.AsyncConnection[Any], op: flows.Execute, bare:
         # the statement was prepared (a table made again, a wider instance_id).
         # Refused before it ran. Dropping every prepared statement (psycopg
         # forgets them too) lets it be prepared afresh.
-        await conn.execute("DEALLOCATE ALL", prepare=False)
+        await cursor.connection.execute("DEALLOCATE ALL", prepare=False)
         sent_at = now()
         await cursor.execute(bare, op.params, prepare=True)
     return await _result(cursor, sent_at)
@@ -480,6 +487,10 @@ async def _result(cursor: psycopg.AsyncCursor[Any], sent_at: float) -> flows.Res
     return flows.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
 
 
+_WAITS = object()
+"""What `_Steps.perform_now` returns for a step that must be awaited."""
+
+
 class _Steps:
     """Performs the steps of one flow run; remembers what the run subscribed to."""
 
@@ -487,19 +498,17 @@ class _Steps:
         self._engine = engine
         self._subscription: _Subscription | None = None
 
-    async def perform(self, op: flows.Op) -> Any:
+    def perform_now(self, op: flows.Op) -> Any:
+        """Perform ``op`` if it needs no waiting (most steps of a cycle); else return `_WAITS`."""
         engine = self._engine
         if isinstance(op, flows.Execute):
-            return await engine.execute(op)
+            return _WAITS
         if isinstance(op, flows.Shape):
-            if op.fresh:
-                engine.client._shapes.pop(op.names.table_name, None)
-            return await engine.shape(op.names, op.timeout)
-        if isinstance(op, flows.Pause):
-            await asleep(op.seconds)
-            return not engine.closed
+            statements = None if op.fresh else engine.client._shapes.get(op.names.table_name)
+            return _WAITS if statements is None else statements
         if isinstance(op, flows.Settle):
-            await aacquire_lock(op.lock.cleanup_sending)
+            if not op.lock.cleanup_sending.acquire(blocking=False):
+                return _WAITS  # a clean-up of this Mutex's row is being sent
             op.lock.cleanup_sending.release()
             return None
         if isinstance(op, flows.Keep):
@@ -515,22 +524,40 @@ class _Steps:
         if isinstance(op, flows.Schedule):
             engine.schedule(op.cleanup)
             return None
+        if isinstance(op, flows.StopListening):
+            self.finish()
+            return None
+        return _WAITS
+
+    async def perform(self, op: flows.Op) -> Any:
+        """Perform a step that waits: a statement, an inspection, a pause, a wait for a release."""
+        engine = self._engine
+        if isinstance(op, flows.Execute):
+            return await engine.execute(op)
+        if isinstance(op, flows.Shape):
+            if op.fresh:
+                engine.client._shapes.pop(op.names.table_name, None)
+            return await engine.shape(op.names, op.timeout)
+        if isinstance(op, flows.Pause):
+            await asleep(op.seconds)
+            return not engine.closed
+        if isinstance(op, flows.Settle):
+            await aacquire_lock(op.lock.cleanup_sending)
+            op.lock.cleanup_sending.release()
+            return None
         if isinstance(op, flows.Listen):
             listener = engine.listener
             if listener is None:
                 return False
             self._subscription = listener.subscribe(op.channel)
             return await self._subscription.confirmed.wait(op.timeout)
-        if isinstance(op, flows.WaitForRelease):
-            subscription = self._subscription
-            # A release wakes the wait, and so does a stop (an election's), set from any thread.
-            wake = AEvent() if subscription is None else subscription.released
-            with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
-                await wake.wait(op.seconds)
-            wake.clear()
-            return None
-        assert isinstance(op, flows.StopListening)
-        self.finish()
+        assert isinstance(op, flows.WaitForRelease)
+        subscription = self._subscription
+        # A release wakes the wait, and so does a stop (an election's), set from any thread.
+        wake = AEvent() if subscription is None else subscription.released
+        with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
+            await wake.wait(op.seconds)
+        wake.clear()
         return None
 
     def finish(self) -> None:
@@ -553,24 +580,39 @@ class _OwnConnection:
         self._cutter: Cutter | None = None
         self._used_at = 0.0
         self._replace = False
+        self._timeout = 0.0
+        self._in_use: tuple[psycopg.AsyncConnection[Any], Cutter]
         self.connected_before = False
         self.session: Session | None = None
         """The session of the connection in use (None before the first connect)."""
+        self.cursor: psycopg.AsyncCursor[Any] | None = None
+        """The connection's cursor for its prepared statements: reused, since making one
+        per statement is a measurable share of a lock cycle."""
 
     def replace(self) -> None:
         """Drop the connection in use once the statement is over."""
         self._replace = True
 
-    @contextlib.asynccontextmanager
-    async def connection(self, timeout: float) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], Cutter]]:
-        conn, cutter = await self._open(timeout)
+    def connection(self, timeout: float) -> _OwnConnection:
+        """The connection for one statement, as an ``async with`` block: dropped after it if it broke.
+
+        Itself, not a generator-based context manager (one is entered per
+        statement); the gate lets one statement at a time in.
+        """
+        self._timeout = timeout
+        return self
+
+    async def __aenter__(self) -> tuple[psycopg.AsyncConnection[Any], Cutter]:
+        conn, cutter = await self._open(self._timeout)
         self._replace = False
-        try:
-            yield conn, cutter
-        finally:
-            self._used_at = now()
-            if cutter.fired or self._replace or unusable(conn):
-                self._drop()
+        self._in_use = conn, cutter
+        return conn, cutter
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        conn, cutter = self._in_use
+        self._used_at = now()
+        if cutter.fired or self._replace or unusable(conn):
+            self._drop()
 
     async def _open(self, timeout: float) -> tuple[psycopg.AsyncConnection[Any], Cutter]:
         # A connection used a moment ago was not closed for idling; one that sat
@@ -584,12 +626,14 @@ class _OwnConnection:
             )
             self._conn, self._cutter = conn, Cutter(conn.fileno())
             self.session = Session()
+            self.cursor = conn.cursor()
             self.connected_before = True
         return self._conn, self._cutter
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         cutter, self._cutter = self._cutter, None
+        self.cursor = None
         if cutter is not None:
             cutter.close()
         if conn is not None:
@@ -614,6 +658,7 @@ class _PooledConnection:
 
     session = None
     """The pool's connections belong to the application: the library sets nothing on their sessions."""
+    cursor = None
 
     def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
         self._pool = pool

@@ -245,6 +245,7 @@ class _Silent:
     def __getattr__(self, method: str) -> Callable[..., None]:
         if method not in HOOK_METHODS:
             raise AttributeError(method)
+        setattr(self, method, _nothing)  # found without this call from now on
         return _nothing
 
 

@@ -27,6 +27,9 @@ LOCK_NAME = "postgres_mutex.lock_name"
 INSTANCE_ID = "postgres_mutex.instance_id"
 OUTCOME = "postgres_mutex.outcome"
 
+# The global providers of opentelemetry-api alone: no SDK configured.
+_NO_SDK = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+
 
 def database_attributes(conninfo: str | None, table: str) -> dict[str, AttributeValue]:
     """The OpenTelemetry database attributes for a connection string, with PG* fallbacks.
@@ -67,7 +70,7 @@ class Tracing:
         """
         if self._provider is not None:
             return isinstance(self._provider, trace.NoOpTracerProvider)
-        return isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+        return isinstance(trace.get_tracer_provider(), _NO_SDK)
 
     @contextlib.contextmanager
     def span(
