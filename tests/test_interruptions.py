@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -98,13 +99,14 @@ def _ours_waiting_on_a_row_lock(admin: psycopg.Connection[Any]) -> bool:
     """Whether a statement of this process's library connections waits on another session's row lock."""
     found = admin.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name LIKE %s",
-        (f"postgres-mutex %:{os.getpid()}",),
+        (f"postgres-mutex %{socket.gethostname()}:{os.getpid()}",),
     ).fetchone()
     return found is not None and found[0] > 0
 
 
 def _loop_and_driver_complaints(caplog: pytest.LogCaptureFixture) -> list[str]:
     """What asyncio (an unhandled task error at shutdown) or psycopg (its own cancel handling) logged."""
+    gc.collect()  # a task destroyed while pending is reported when it is collected
     return [r.getMessage() for r in caplog.records if r.name in ("asyncio", "psycopg") and r.levelno >= logging.WARNING]
 
 

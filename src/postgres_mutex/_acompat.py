@@ -322,39 +322,45 @@ def _unwrap(outcome: Outcome[T]) -> T:
     return cast(T, value)
 
 
-class _Statement(asyncio.Task[Outcome[T]]):
-    """A statement's task: cancelling it starts the library's interruption rather than psycopg's.
+class _Protected(asyncio.Task[Outcome[T]]):
+    """A task the event loop's shutdown does not cancel: whoever awaits it decides how it ends.
 
-    Its awaiter, cancelled, asks it to cancel (asyncio cancels what a task
-    awaits); it refuses, so the awaiter's cancellation waits until the
-    statement has ended, and starts ``on_cancel`` to end it within the
-    library's deadlines.
-    """
-
-    def __init__(self, work: Coroutine[Any, Any, T], on_cancel: Callable[[], Coroutine[Any, Any, object]]) -> None:
-        super().__init__(_outcome(work))
-        self._on_cancel = on_cancel
-        self.interrupting: asyncio.Task[object] | None = None
-
-    def cancel(self, msg: Any | None = None) -> bool:
-        if self.interrupting is None and not self.done():
-            # Not necessarily from a running loop: asyncio.run cancels what is left before it runs the loop again.
-            self.interrupting = self.get_loop().create_task(self._on_cancel())
-        return False
-
-
-class _ToTheEnd(asyncio.Task[Outcome[T]]):
-    """A task that refuses cancellation (the loop's own at shutdown included): it runs to its end.
-
-    Statements it awaits itself need no protection of their own, and skip the
-    task that would cost.
+    asyncio.run, ending, cancels every task left (with the loop stopped, the
+    only time this is refused). Cancellations while the loop runs, asyncio's
+    own timeouts inside the work among them, go through as usual.
     """
 
     def __init__(self, work: Coroutine[Any, Any, T]) -> None:
         super().__init__(_outcome(work))
 
     def cancel(self, msg: Any | None = None) -> bool:
-        return False
+        if not self.get_loop().is_running():
+            return False
+        return super().cancel(msg)
+
+
+class _ToTheEnd(_Protected[T]):
+    """The task of work that must run to its end (a release).
+
+    Statements it awaits itself need no task of their own: nothing of the
+    library's cancels it, and the loop's shutdown does not either.
+    """
+
+
+async def _until_done(task: asyncio.Task[Outcome[T]]) -> T:
+    """Wait for ``task`` to end; the awaiting task's cancellation cancels this wait, not the task.
+
+    What asyncio.shield does, for one task and with one future fewer.
+    """
+    ended = task.get_loop().create_future()
+
+    def on_end(task: asyncio.Task[Outcome[T]]) -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    task.add_done_callback(on_end)
+    await ended
+    return _unwrap(task.result())
 
 
 async def auncancellable(work: Coroutine[Any, Any, T], on_cancel: Callable[[], Coroutine[Any, Any, object]]) -> T:
@@ -365,16 +371,13 @@ async def auncancellable(work: Coroutine[Any, Any, T], on_cancel: Callable[[], C
     the statement within the library's deadlines instead.
     """
     if isinstance(asyncio.current_task(), _ToTheEnd):
-        return await work  # nothing can cancel it
-    task = _Statement(work, on_cancel)
+        return await work  # nothing of the library's cancels it
+    task = _Protected(work)
     try:
-        return _unwrap(await task)
+        return await _until_done(task)
     except asyncio.CancelledError:
-        if not task.done():  # this very task was cancelled, not the statement's
-            task.cancel()
-            await asyncio.wait([task])
-        if task.interrupting is not None:
-            await asyncio.wait([task.interrupting])
+        await on_cancel()
+        await asyncio.wait([task])
         raise
 
 
@@ -387,21 +390,9 @@ async def ato_the_end(work: Coroutine[Any, Any, T]) -> T:
     """Run ``work`` to its end even if the awaiting task is cancelled meanwhile (a release, say).
 
     The awaiting task, cancelled, returns at once; the work goes on in a task
-    of its own that nothing cancels, not even the loop's shutdown (which then
-    waits for it).
+    of its own, which the loop's shutdown waits for rather than cancels.
     """
-    task = _ToTheEnd(work)
-    # What asyncio.shield does, for one task: the awaiting task waits on a
-    # future of its own, which its cancellation cancels instead.
-    ended = task.get_loop().create_future()
-
-    def on_end(task: asyncio.Task[Outcome[T]]) -> None:
-        if not ended.done():
-            ended.set_result(None)
-
-    task.add_done_callback(on_end)
-    await ended
-    return _unwrap(task.result())
+    return await _until_done(_ToTheEnd(work))
 
 
 def to_the_end(work: T) -> T:
