@@ -107,10 +107,12 @@ class Session:
     forgotten with the connection: a new connection starts a new session.
     """
 
-    __slots__ = ("direct", "timeout_ms")
+    __slots__ = ("direct", "retired", "timeout_ms")
 
     def __init__(self) -> None:
         self.direct: bool | None = None
         """Whether it reaches PostgreSQL with no pooler between; None until the first statement asks."""
         self.timeout_ms: int | None = None
         """The session's ``statement_timeout`` as the library last set it (direct connections only)."""
+        self.retired = False
+        """Its prepared statements no longer fit the table (a column changed type): the connection is replaced."""

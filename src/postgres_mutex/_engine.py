@@ -439,7 +439,7 @@ def _statement(
     if session is not None and bare is not None:
         kept = session.timeout_ms
         if session.direct and kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
-            return _prepared(cursor or conn.cursor(), op, bare)
+            return _prepared(cursor or conn.cursor(), op, bare, session)
         # A connection's first lock statement asks whether it reaches PostgreSQL
         # directly and, if so, sets the session up; a statement whose deadline the
         # session's does not fit sets it again. Either way in the statement's own
@@ -466,7 +466,7 @@ def _statement(
     return _result(cursor, sent_at)
 
 
-def _prepared(cursor: psycopg.Cursor[Any], op: flows.Execute, bare: str) -> flows.Result:
+def _prepared(cursor: psycopg.Cursor[Any], op: flows.Execute, bare: str, session: Session) -> flows.Result:
     """The statement alone, prepared, on a direct connection whose session carries its settings."""
     sent_at = now()
     try:
@@ -475,11 +475,12 @@ def _prepared(cursor: psycopg.Cursor[Any], op: flows.Execute, bare: str) -> flow
     except psycopg.errors.FeatureNotSupported:
         # "cached plan must not change result type": a column changed type since
         # the statement was prepared (a table made again, a wider instance_id).
-        # Refused before it ran. Dropping every prepared statement (psycopg
-        # forgets them too) lets it be prepared afresh.
-        cursor.connection.execute("DEALLOCATE ALL", prepare=False)
+        # Refused before it ran: it runs again unprepared, and the connection is
+        # replaced after it (psycopg before 3.3 would go on using its prepared
+        # statements even after a DEALLOCATE ALL); a new one prepares afresh.
+        session.retired = True
         sent_at = now()
-        cursor.execute(bare, op.params, prepare=True)
+        cursor.execute(bare, op.params, prepare=False)
     return _result(cursor, sent_at)
 
 
@@ -613,7 +614,7 @@ class _OwnConnection:
     def __exit__(self, *exc_info: object) -> None:
         conn, cutter = self._in_use
         self._used_at = now()
-        if cutter.fired or self._replace or unusable(conn):
+        if cutter.fired or self._replace or unusable(conn) or (self.session is not None and self.session.retired):
             self._drop()
 
     def _open(self, timeout: float) -> tuple[psycopg.Connection[Any], Cutter]:

@@ -437,7 +437,7 @@ async def _statement(
     if session is not None and bare is not None:
         kept = session.timeout_ms
         if session.direct and kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
-            return await _prepared(cursor or conn.cursor(), op, bare)
+            return await _prepared(cursor or conn.cursor(), op, bare, session)
         # A connection's first lock statement asks whether it reaches PostgreSQL
         # directly and, if so, sets the session up; a statement whose deadline the
         # session's does not fit sets it again. Either way in the statement's own
@@ -464,7 +464,7 @@ async def _statement(
     return await _result(cursor, sent_at)
 
 
-async def _prepared(cursor: psycopg.AsyncCursor[Any], op: flows.Execute, bare: str) -> flows.Result:
+async def _prepared(cursor: psycopg.AsyncCursor[Any], op: flows.Execute, bare: str, session: Session) -> flows.Result:
     """The statement alone, prepared, on a direct connection whose session carries its settings."""
     sent_at = now()
     try:
@@ -473,11 +473,12 @@ async def _prepared(cursor: psycopg.AsyncCursor[Any], op: flows.Execute, bare: s
     except psycopg.errors.FeatureNotSupported:
         # "cached plan must not change result type": a column changed type since
         # the statement was prepared (a table made again, a wider instance_id).
-        # Refused before it ran. Dropping every prepared statement (psycopg
-        # forgets them too) lets it be prepared afresh.
-        await cursor.connection.execute("DEALLOCATE ALL", prepare=False)
+        # Refused before it ran: it runs again unprepared, and the connection is
+        # replaced after it (psycopg before 3.3 would go on using its prepared
+        # statements even after a DEALLOCATE ALL); a new one prepares afresh.
+        session.retired = True
         sent_at = now()
-        await cursor.execute(bare, op.params, prepare=True)
+        await cursor.execute(bare, op.params, prepare=False)
     return await _result(cursor, sent_at)
 
 
@@ -611,7 +612,7 @@ class _OwnConnection:
     async def __aexit__(self, *exc_info: object) -> None:
         conn, cutter = self._in_use
         self._used_at = now()
-        if cutter.fired or self._replace or unusable(conn):
+        if cutter.fired or self._replace or unusable(conn) or (self.session is not None and self.session.retired):
             self._drop()
 
     async def _open(self, timeout: float) -> tuple[psycopg.AsyncConnection[Any], Cutter]:
