@@ -58,6 +58,20 @@ async def await_until(predicate: Callable[[], object], *, timeout: float = 10.0,
         await asyncio.sleep(interval)
 
 
+async def held_in_a_task(mutex: Mutex) -> asyncio.Task[None]:
+    """A task that holds ``mutex`` in an ``async with`` block until cancelled; returned once it holds it."""
+    entered = asyncio.Event()
+
+    async def job() -> None:
+        async with mutex.acquire_async():
+            entered.set()
+            await asyncio.sleep(3600)
+
+    task = asyncio.create_task(job())
+    await asyncio.wait_for(entered.wait(), 10)
+    return task
+
+
 def skip_or_fail_in_ci(reason: str, *, module: bool = False) -> NoReturn:
     """Skip a test that needs what this machine lacks; in CI (CI=true) such a gap fails instead.
 

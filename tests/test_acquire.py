@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, LockNotHeldError, Mutex
-from tests.fixtures import RecordingMetrics, await_until, frozen_holder, listener_reconnected, listens, wait_until
+from tests.fixtures import (
+    RecordingMetrics,
+    await_until,
+    frozen_holder,
+    held_in_a_task,
+    listener_reconnected,
+    listens,
+    wait_until,
+)
 
 Row = Callable[..., tuple[Any, ...] | None]
 Holder = Callable[..., str | None]
@@ -297,15 +305,7 @@ def test_keyboard_interrupt_in_the_block_releases(make_mutex: Callable[..., Mute
 
 async def test_cancelling_the_task_releases_the_lock(amake_mutex: Callable[..., Mutex], row: Row) -> None:
     mutex = amake_mutex()
-    entered = asyncio.Event()
-
-    async def job() -> None:
-        async with mutex.acquire_async():
-            entered.set()
-            await asyncio.sleep(60)
-
-    task = asyncio.create_task(job())
-    await asyncio.wait_for(entered.wait(), 10)
+    task = await held_in_a_task(mutex)
     assert row() is not None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -24,7 +24,7 @@ from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
 from postgres_mutex._secrets import Redactor
 from postgres_mutex.watcher import StaleWatcher
 from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, ROOT, RecordingMetrics, wait_until
+from tests.fixtures import FAST, ROOT, RecordingMetrics, await_until, held_in_a_task, wait_until
 from tests.postgres_server import PostgresServer
 
 Holder = Callable[..., str | None]
@@ -123,21 +123,10 @@ def test_a_release_under_way_when_asyncio_run_ends_is_finished_not_cut_off(
     letting_go = threading.Timer(1.0, blocker.rollback)
 
     async def main() -> None:
-        entered = asyncio.Event()
-
-        async def job() -> None:
-            async with mutex.acquire_async():
-                entered.set()
-                await asyncio.sleep(60)
-
-        task = asyncio.create_task(job())
-        await asyncio.wait_for(entered.wait(), 10)
+        task = await held_in_a_task(mutex)
         blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
         task.cancel()  # the block ends: its release waits behind the other session's row lock
-        deadline = time.monotonic() + 10
-        while not _ours_waiting_on_a_row_lock(admin):
-            assert time.monotonic() < deadline, "the release never reached the server"
-            await asyncio.sleep(0.01)
+        await await_until(lambda: _ours_waiting_on_a_row_lock(admin))
         letting_go.start()
         # Returning now: asyncio.run cancels every task left, the release's included.
 
@@ -168,10 +157,7 @@ def test_asyncio_run_ending_during_an_acquire_stops_it_on_the_server_within_a_mo
                 pytest.fail("must not run")
 
         jobs.append(asyncio.create_task(job()))
-        deadline = time.monotonic() + 10
-        while not _ours_waiting_on_a_row_lock(admin):
-            assert time.monotonic() < deadline, "the acquire never reached the server"
-            await asyncio.sleep(0.01)
+        await await_until(lambda: _ours_waiting_on_a_row_lock(admin))
         returned_at.append(time.monotonic())
         # Returning now: asyncio.run cancels the acquire while its statement waits on the server.
 
