@@ -292,8 +292,9 @@ class Engine:
                 )
                 if wake_at > now():
                     self._wake.wait(min(wake_at - now(), MAX_SLICE))
-        except Cancelled:
-            # The event loop is shutting down: its holds end with it (the exit releases them).
+        except (Cancelled, GeneratorExit):
+            # The event loop is shutting down, or closed with this task pending (it
+            # is then destroyed): its holds end with it (the exit releases them).
             with self.client._state_lock:
                 self._worker = None
             raise

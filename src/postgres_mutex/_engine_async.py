@@ -290,8 +290,9 @@ class AsyncEngine:
                 )
                 if wake_at > now():
                     await self._wake.wait(min(wake_at - now(), MAX_SLICE))
-        except ACancelled:
-            # The event loop is shutting down: its holds end with it (the exit releases them).
+        except (ACancelled, GeneratorExit):
+            # The event loop is shutting down, or closed with this task pending (it
+            # is then destroyed): its holds end with it (the exit releases them).
             with self.client._state_lock:
                 self._worker = None
             raise
