@@ -2,6 +2,8 @@
 
     python -m tests.workers hold DSN LOCK               acquire, print "held <id>", sleep until killed
     python -m tests.workers exit-holding DSN LOCK       acquire, print "held <id>", exit without releasing
+    python -m tests.workers exit-in-thread DSN LOCK     the same, inside `with` in a daemon thread
+    python -m tests.workers exit-in-task DSN LOCK       the same, asyncio.run returning with an entered acquisition
     python -m tests.workers wait DSN LOCK               print "waiting", acquire (blocking), print "held <id> <t>", hold
     python -m tests.workers contend DSN LOCK N OUT MODE acquire N times (MODE sync|async), log intervals to OUT
     python -m tests.workers fork DSN LOCK ID            hold, fork a child that tries the same Mutex, report JSON
@@ -40,6 +42,34 @@ def hold(dsn: str, lock: str, *, exit_at_once: bool, announce_wait: bool = False
         return  # a normal interpreter exit, lock still held
     while True:
         time.sleep(60)
+
+
+def exit_in_thread(dsn: str, lock: str) -> None:
+    """The main thread returns while a daemon thread is inside ``with``: the exit releases its lock."""
+    mutex = Mutex(dsn, lock, **FAST)  # type: ignore[arg-type]
+    entered = threading.Event()
+
+    def job() -> None:
+        with mutex.acquire(blocking=True, timeout=60):
+            entered.set()
+            while True:
+                time.sleep(60)
+
+    threading.Thread(target=job, daemon=True).start()
+    if not entered.wait(60):
+        sys.exit(3)
+    print(f"held {mutex.instance_id}", flush=True)
+
+
+def exit_in_task(dsn: str, lock: str) -> None:
+    """asyncio.run returns with an acquisition entered and never left: the exit releases it."""
+    mutex = Mutex(dsn, lock, **FAST)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await mutex.acquire_async(blocking=True, timeout=60).__aenter__()
+        print(f"held {mutex.instance_id}", flush=True)
+
+    asyncio.run(main())
 
 
 def contend(dsn: str, lock: str, iterations: int, out: str, mode: str) -> None:
@@ -245,6 +275,10 @@ def main(argv: list[str]) -> None:
         hold(dsn, lock, exit_at_once=False)
     elif command == "exit-holding":
         hold(dsn, lock, exit_at_once=True)
+    elif command == "exit-in-thread":
+        exit_in_thread(dsn, lock)
+    elif command == "exit-in-task":
+        exit_in_task(dsn, lock)
     elif command == "wait":
         hold(dsn, lock, exit_at_once=False, announce_wait=True)
     elif command == "fleet":

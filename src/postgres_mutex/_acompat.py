@@ -251,19 +251,33 @@ class AWorker:
         self._task.cancel()
 
 
+def start_thread(target: Callable[[], object], name: str) -> threading.Thread | None:
+    """Start a daemon thread running ``target``; None if the interpreter refuses new threads.
+
+    Python 3.12 refuses them once it is shutting down, in ``atexit`` callbacks
+    included, where the exit's release runs: callers then do the work in the
+    calling thread, or leave it to that release.
+    """
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:
+        return None
+    return thread
+
+
 class Worker:
-    """A daemon thread running one of the engine's loops."""
+    """A daemon thread running one of the engine's loops (none once the interpreter is shutting down)."""
 
     def __init__(self, target: Callable[[], None], name: str) -> None:
-        self._thread = threading.Thread(target=target, name=name, daemon=True)
-        self._thread.start()
+        self._thread = start_thread(target, name)
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def join(self, timeout: float) -> None:
-        if self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def cancel(self) -> None:

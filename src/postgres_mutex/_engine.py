@@ -25,6 +25,7 @@ on goes on running there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -95,6 +96,10 @@ _SERVER_SHARE = 0.9
 # which would cut the statement short for no reason.
 _SESSION_TIMEOUT_FLOOR = 0.5
 
+# The least a statement gets once the exit's budget is nearly spent: enough for
+# a release on a database that answers, too little to hold the exit up.
+_LAST_STATEMENT = 0.05
+
 
 class Engine:
     """Runs flows for one client on one event loop: its connections, heartbeats, listener and clean-ups."""
@@ -115,6 +120,8 @@ class Engine:
         self._wake = Event()
         self._worker: Worker | None = None
         self.closed = False
+        self.deadline: float | None = None
+        """When set (by the release at interpreter exit), no statement waits past it."""
 
     # -- running flows -----------------------------------------------------------
 
@@ -140,6 +147,9 @@ class Engine:
             steps.finish()
 
     def execute(self, op: flows.Execute) -> flows.Result:
+        if self.deadline is not None:
+            # At exit: no statement may outlast the exit's budget.
+            op = dataclasses.replace(op, timeout=max(min(op.timeout, self.deadline - now()), _LAST_STATEMENT))
         if op.guard is None:
             return self._send(op)
         # A clean-up of any row carrying our id must never cross an acquire of
@@ -260,8 +270,9 @@ class Engine:
             return pending
 
     def _start_worker(self) -> None:
-        # Under the state lock: the worker decides to end under it too.
-        if self._worker is None and not self.closed:
+        # Under the state lock: the worker decides to end under it too. One
+        # that could not start (at interpreter exit) is tried again next time.
+        if (self._worker is None or not self._worker.running) and not self.closed:
             self._worker = Worker(self._background, name="postgres-mutex-heartbeat")
 
     def _background(self) -> None:
@@ -733,7 +744,7 @@ class _Listener:
         subscription = _Subscription(channel)
         with self._engine.client._state_lock:
             self._subscriptions.setdefault(channel, set()).add(subscription)
-            if self._worker is None and not self._closed:
+            if (self._worker is None or not self._worker.running) and not self._closed:
                 self._worker = Worker(self._run, name="postgres-mutex-listener")
         self._waker.wake()
         return subscription

@@ -23,6 +23,7 @@ on goes on running there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -93,6 +94,10 @@ _SERVER_SHARE = 0.9
 # which would cut the statement short for no reason.
 _SESSION_TIMEOUT_FLOOR = 0.5
 
+# The least a statement gets once the exit's budget is nearly spent: enough for
+# a release on a database that answers, too little to hold the exit up.
+_LAST_STATEMENT = 0.05
+
 
 class AsyncEngine:
     """Runs flows for one client on one event loop: its connections, heartbeats, listener and clean-ups."""
@@ -113,6 +118,8 @@ class AsyncEngine:
         self._wake = AEvent()
         self._worker: AWorker | None = None
         self.closed = False
+        self.deadline: float | None = None
+        """When set (by the release at interpreter exit), no statement waits past it."""
 
     # -- running flows -----------------------------------------------------------
 
@@ -138,6 +145,9 @@ class AsyncEngine:
             steps.finish()
 
     async def execute(self, op: flows.Execute) -> flows.Result:
+        if self.deadline is not None:
+            # At exit: no statement may outlast the exit's budget.
+            op = dataclasses.replace(op, timeout=max(min(op.timeout, self.deadline - now()), _LAST_STATEMENT))
         if op.guard is None:
             return await self._send(op)
         # A clean-up of any row carrying our id must never cross an acquire of
@@ -258,8 +268,9 @@ class AsyncEngine:
             return pending
 
     def _start_worker(self) -> None:
-        # Under the state lock: the worker decides to end under it too.
-        if self._worker is None and not self.closed:
+        # Under the state lock: the worker decides to end under it too. One
+        # that could not start (at interpreter exit) is tried again next time.
+        if (self._worker is None or not self._worker.running) and not self.closed:
             self._worker = AWorker(self._background, name="postgres-mutex-heartbeat")
 
     async def _background(self) -> None:
@@ -731,7 +742,7 @@ class _Listener:
         subscription = _Subscription(channel)
         with self._engine.client._state_lock:
             self._subscriptions.setdefault(channel, set()).add(subscription)
-            if self._worker is None and not self._closed:
+            if (self._worker is None or not self._worker.running) and not self._closed:
                 self._worker = AWorker(self._run, name="postgres-mutex-listener")
         self._waker.wake()
         return subscription

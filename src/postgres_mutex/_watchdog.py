@@ -27,6 +27,7 @@ import socket
 import struct
 import threading
 
+from ._acompat import start_thread
 from ._clock import now, slice_until
 
 logger = logging.getLogger("postgres_mutex")
@@ -116,8 +117,9 @@ class _Watchdog:
             self._drop_disarmed()
             heapq.heappush(self._heap, (at, next(self._counter), cutter, ticket))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="postgres-mutex-watchdog", daemon=True)
-                self._thread.start()
+                # None at interpreter exit if it was never started: then only the
+                # connect timeout and the server's statement_timeout bound this one.
+                self._thread = start_thread(self._run, "postgres-mutex-watchdog")
             elif at < self._sleeping_until:
                 self._cond.notify()
 

@@ -37,6 +37,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from . import _flows as flows
+from ._acompat import start_thread
 from ._clock import MAX_SLICE, now, slice_until
 from ._connections import connect_defaults
 from ._engine import Engine
@@ -384,7 +385,13 @@ class MutexClient:
     # -- exit and fork ----------------------------------------------------------------
 
     def _release_at_exit(self, budget: float) -> None:
-        """At interpreter exit: release what is held and delete what may remain, within ``budget`` seconds."""
+        """At interpreter exit: release what is held and delete what may remain, within ``budget`` seconds.
+
+        In the exiting thread, never a new one: Python 3.12 refuses to start
+        threads in ``atexit`` callbacks. The engine's deadline caps every
+        statement, so the budget holds however many locks there are; what does
+        not fit stays until reclaimed.
+        """
         if not self._held_locks() and not self._pending_cleanups():
             return
         if not self._has_sync() or self._closed:
@@ -394,10 +401,10 @@ class MutexClient:
                     "another instance reclaims them after stale_threshold"
                 )
             return
-        worker = threading.Thread(target=self._finish_at_exit, name="postgres-mutex-exit", daemon=True)
-        worker.start()
-        worker.join(budget)
-        if worker.is_alive():
+        deadline = now() + budget
+        self._get_engine().deadline = deadline
+        self._finish_at_exit(deadline)
+        if self._held_locks() or self._pending_cleanups():
             logger.warning("could not release every lock within %.3gs at exit; they stay until reclaimed", budget)
 
     def _pending_cleanups(self) -> bool:
@@ -411,9 +418,11 @@ class MutexClient:
         timeouts = [lock.timing.operation_timeout for lock in list(self._locks)]
         return max(timeouts) if timeouts else self.operation_timeout
 
-    def _finish_at_exit(self) -> None:
+    def _finish_at_exit(self, deadline: float) -> None:
         engine = self._get_engine()
         for lock in self._held_locks():
+            if now() >= deadline:
+                return
             try:
                 engine.run(flows.release(lock, lock.tracing, caller=None))
             except Exception as exc:
@@ -426,6 +435,8 @@ class MutexClient:
             pending.extend(async_engine.take_cleanups())
         pending.extend(engine.take_cleanups())
         for cleanup in pending:
+            if now() >= deadline:
+                return
             with contextlib.suppress(Exception):
                 engine.run(flows.clean_up(cleanup))
         engine.close_connections()
@@ -477,10 +488,26 @@ class _EventThread:
         self._queue.put(_Stop())
 
     def _ensure(self) -> None:
+        inline = False
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="postgres-mutex-events", daemon=True)
-                self._thread.start()
+                self._thread = start_thread(self._run, "postgres-mutex-events")
+                inline = self._thread is None
+        if inline:
+            # The interpreter is shutting down and starts no thread: tell now, in order.
+            self._report_now()
+
+    def _report_now(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if callable(item):
+                try:
+                    item()
+                except Exception:
+                    logger.exception("a postgres-mutex callback failed")
 
     def _run(self) -> None:
         idle_since: float | None = None
