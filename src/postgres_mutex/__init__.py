@@ -20,6 +20,7 @@ from .errors import (
     PgMutexError,
     SchemaError,
 )
+from .shutdown import exit_on_sigterm
 from .table import ForcedRelease, HoldRecord, LockTable
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "PgMutexError",
     "SchemaError",
     "__version__",
+    "exit_on_sigterm",
 ]
