@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from psycopg_pool import AsyncConnectionPool
 
 from postgres_mutex import Mutex
 from postgres_mutex.watcher import StaleWatcher
 from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, RecordingMetrics, freeze, row_locked, wait_until
+from tests.fixtures import FAST, RecordingMetrics, await_until, freeze, row_locked, wait_until
 
 INTERVAL = 0.1
 
@@ -153,6 +154,36 @@ def test_a_mutex_can_watch_its_own_lock(make_mutex: Callable[..., Mutex], metric
     assert watcher._thread is None, "close() stops the watcher..."
     assert _watcher_of(holder) is None, "...for good: releasing on close does not start it again"
     assert not any(t.name == "postgres-mutex-watcher" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_mutex_that_only_watches_its_lock_is_alerted_without_acquiring(
+    make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, lock_name: str
+) -> None:
+    # A process that watches a lock others hold: no acquire, ever.
+    holder = make_mutex(lock_name=lock_name)
+    watching = make_mutex(lock_name=lock_name, watch=True, metrics=metrics)
+    with holder.acquire():
+        freeze(holder)
+        wait_until(lambda: metrics.named("alert"), timeout=10)
+    assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+    watching.close()
+
+
+async def test_an_async_mutex_that_only_watches_its_lock_is_alerted_without_acquiring(
+    make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, lock_name: str, dsn: str
+) -> None:
+    pool = AsyncConnectionPool(dsn, min_size=1, max_size=2, open=False, kwargs={"autocommit": True})
+    await pool.open()
+    try:
+        holder = make_mutex(lock_name=lock_name)
+        watching = Mutex(async_pool=pool, lock_name=lock_name, watch=True, metrics=metrics, **FAST)  # type: ignore[arg-type]
+        with holder.acquire():
+            freeze(holder)
+            await await_until(lambda: metrics.named("alert"), timeout=10)
+        assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+        await watching.aclose()
+    finally:
+        await pool.close()
 
 
 def _watcher_of(mutex: Mutex) -> StaleWatcher | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -162,6 +163,8 @@ class Mutex:
         self._explicit_id = instance_id is not None
         self._siblings: dict[str, Mutex] = {}
         self._watch: _OwnLockWatch | None = _OwnLockWatch(self) if watch else None
+        if self._watch is not None:
+            self._watch.start_at_creation(client._has_sync())
 
     # -- introspection -------------------------------------------------------------
 
@@ -563,7 +566,9 @@ class _OwnLockWatch:
 
     It uses the Mutex's client and shares its alert gate (one alert per
     episode, whether a contender or the watcher saw it first), and starts with
-    the Mutex's first acquire: a thread for sync use, a task for async use.
+    the Mutex, so that a process that only watches its lock is alerted too: a
+    thread if the client has a sync path, else a task of the running loop (with
+    only an ``async_pool`` and no running loop, at the first ``acquire_async``).
     """
 
     def __init__(self, mutex: Mutex) -> None:
@@ -582,11 +587,25 @@ class _OwnLockWatch:
             _shared_gates={lock.lock_name: lock.alert_gate},
         )
 
+        self._in_thread = False
+
+    def start_at_creation(self, has_sync: bool) -> None:
+        if has_sync:
+            self.start_sync()
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # the first acquire_async starts it, on its loop
+        self.start_async()
+
     def start_sync(self) -> None:
+        self._in_thread = True
         self.watcher.start()
 
     def start_async(self) -> None:
-        self.watcher.start_task()
+        if not self._in_thread:  # one watcher is enough: the thread watches for async code too
+            self.watcher.start_task()
 
     def stop(self) -> None:
         self.watcher.stop()
