@@ -375,9 +375,21 @@ def _attempt_until_done(
                     quick_retry_spent = True
                     events.attempt_failed(span, exc, retrying_in=None)
                     continue
-                if not blocking or not exc.transient or _passed(deadline):
+                if not blocking or not exc.transient:
                     events.attempt_failed(span, exc, retrying_in=None)
                     raise
+                if _passed(deadline):
+                    # Out of time while the database stood in the way (a row locked by
+                    # another session, a silent network): to the caller, that is the
+                    # timeout it asked for, with what stood in the way as its cause.
+                    events.attempt_failed(span, exc, retrying_in=None)
+                    raise LockAcquisitionTimeout(
+                        f"lock {lock.lock_name!r} not acquired within {max(timeout or 0.0, 0.0):g}s: "
+                        f"the last attempt failed: {exc}",
+                        timeout,
+                        lock_name=lock.lock_name,
+                        holder=lock.last_holder,
+                    ) from exc
                 pause = _until(deadline, timing.poll_interval)
                 events.attempt_failed(span, exc, retrying_in=pause)
                 yield Pause(pause)
