@@ -14,7 +14,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import LockNotHeldError, LockTable, Mutex, SchemaError
+from postgres_mutex import LockNotHeldError, LockTable, Mutex, OperationTimeout, SchemaError
+from tests.faultproxy import FaultProxy
 from tests.fixtures import FAST, ROOT, freeze, wait_until
 from tests.postgres_server import PASSWORD, PostgresServer
 
@@ -256,6 +257,48 @@ async def test_fence_async_on_an_async_connection(
         assert token == mutex.token
         await conn.execute(f"UPDATE {ledger} SET counter = counter + 1 WHERE id = 1")  # noqa: S608
     assert counter(admin, ledger) == 1
+
+
+def test_a_fence_on_a_silent_network_ends_within_operation_timeout_and_nothing_commits(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, admin: psycopg.Connection[Any], ledger: str
+) -> None:
+    mutex = make_mutex(operation_timeout=0.7)  # its own connection is direct: the holder stays healthy
+    slack = 1.0  # how late a thread may run on a busy two-core machine
+    with mutex.acquire(), psycopg.connect(proxy_dsn) as conn:
+        conn.execute(f"UPDATE {ledger} SET counter = counter + 1 WHERE id = 1")  # noqa: S608
+        proxy.silence()
+        started = time.monotonic()
+        with pytest.raises(OperationTimeout, match=r"fencing lock .* within operation_timeout \(0.7s\)"):
+            mutex.fence(conn)
+        assert time.monotonic() - started < 0.7 + slack
+        assert conn.broken or conn.closed, "the transaction can go no further"
+    proxy.heal()
+    wait_until(lambda: counter(admin, ledger) == 0 and not _writing(admin, ledger), timeout=10)
+
+
+def _writing(admin: psycopg.Connection[Any], ledger: str) -> bool:
+    """Whether a session still holds the ledger's row (its transaction not yet rolled back)."""
+    try:
+        with admin.transaction():
+            admin.execute("SET LOCAL lock_timeout = '50ms'")
+            admin.execute(f"SELECT 1 FROM {ledger} WHERE id = 1 FOR UPDATE")  # noqa: S608
+    except psycopg.errors.LockNotAvailable:
+        return True
+    return False
+
+
+async def test_fence_async_on_a_silent_network_ends_within_operation_timeout(
+    amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
+) -> None:
+    mutex = amake_mutex(operation_timeout=0.7)
+    async with mutex.acquire_async(), await psycopg.AsyncConnection.connect(proxy_dsn) as conn:
+        await conn.execute("SELECT 1")
+        proxy.silence()
+        started = time.monotonic()
+        with pytest.raises(OperationTimeout, match="fencing lock"):
+            await mutex.fence_async(conn)
+        assert time.monotonic() - started < 0.7 + 1.0
+    proxy.heal()
 
 
 def test_fence_needs_an_open_transaction(make_mutex: Callable[..., Mutex], dsn: str) -> None:

@@ -54,7 +54,7 @@ from ._settings import retry_pause
 from ._sql import Names, Statements
 from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, HeartbeatGroup, Hold, LockState, Phase
 from ._watchdog import Cutter
-from .errors import DatabaseError, LockNotHeldError, MutexError, SchemaError
+from .errors import DatabaseError, LockNotHeldError, MutexError, OperationTimeout, SchemaError
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
@@ -957,6 +957,8 @@ async def fence_async(lock: LockState, conn: psycopg.AsyncConnection[Any]) -> in
     One round trip on the caller's connection; nothing of the library's is
     opened. On success the row is share-locked until that transaction ends,
     so no other instance can take the lock over meanwhile; returns the token.
+    Within one ``operation_timeout``, else `OperationTimeout` (the caller's
+    connection is then closed, and its transaction rolled back).
     """
     hold = lock.require_held()
     if hold.token is None:
@@ -976,9 +978,29 @@ async def fence_async(lock: LockState, conn: psycopg.AsyncConnection[Any]) -> in
         "acquired_at": hold.acquired_at,
         "token": hold.token,
     }
-    cursor = conn.cursor()
-    await cursor.execute(lock.names.fence, params, prepare=False)
-    row = await cursor.fetchone()
+    # Bounded like every statement, though on the caller's connection: past the
+    # deadline its socket is shut down, so the server ends the session and
+    # rolls the transaction back; nothing it wrote can commit after that.
+    timeout = lock.timing.operation_timeout
+    cutter = Cutter(conn.fileno())
+    ticket = cutter.arm(timeout)
+    try:
+        cursor = conn.cursor()
+        await cursor.execute(lock.names.fence, params, prepare=False)
+        row = await cursor.fetchone()
+    except _FAILURES as exc:
+        if not cutter.fired:
+            raise
+        raise OperationTimeout(
+            f"fencing lock {lock.lock_name!r} did not finish within operation_timeout ({timeout:g}s): "
+            "the connection was closed, and the server rolls its transaction back; "
+            "nothing the transaction wrote is committed",
+            transient=True,
+            outcome_unknown=True,
+        ) from exc
+    finally:
+        cutter.disarm(ticket)
+        cutter.close()
     if row is None or row[0] is None:
         holder = None if row is None else row[1]
         now_held = f"it is now held by {holder}" if holder else "it is not held by anyone now"

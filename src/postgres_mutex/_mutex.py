@@ -363,6 +363,12 @@ class Mutex:
         `LockNotHeldError` (reason: fenced out), so the transaction's writes
         are rolled back by the caller. Raises `SchemaError` on a table without
         tokens, `ValueError` if ``conn`` has no open transaction.
+
+        It takes one ``operation_timeout`` at most, like the library's own
+        statements: past it (a silent network, a row locked elsewhere) it
+        closes ``conn`` and raises `OperationTimeout`. The server then rolls
+        the transaction back, so nothing it wrote commits; use a new
+        connection (a pool replaces a closed one by itself).
         """
         return _engine.fence(self._lock, conn)
 
