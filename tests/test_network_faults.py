@@ -293,6 +293,35 @@ def test_a_silent_network_cannot_hang_a_heartbeat_or_a_release(
     wait_until(lambda: holder_id() is None, timeout=10)
 
 
+def test_a_release_behind_a_heartbeats_reconnect_takes_one_connect_not_two(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, metrics: RecordingMetrics
+) -> None:
+    timeout = 0.75
+    mutex = make_mutex(
+        proxy_dsn,
+        heartbeat_interval=0.2,
+        alert_threshold=1.0,
+        stale_threshold=3.0,
+        operation_timeout=timeout,
+        metrics=metrics,
+    )
+    acquire = mutex.acquire()
+    assert acquire.__enter__()
+    proxy.silence()
+    wait_until(lambda: metrics.named("heartbeat_failed"), timeout=10)
+    connections = proxy.accepted
+    # The next heartbeat is reconnecting, on a network that answers nothing.
+    wait_until(lambda: proxy.accepted > connections, timeout=10)
+    started = time.monotonic()
+    with pytest.raises(DatabaseError):
+        acquire.__exit__(None, None, None)
+    elapsed = time.monotonic() - started
+    connect = 2.0  # libpq's least connect_timeout
+    # The documented bound: one operation_timeout plus one connect, not the
+    # heartbeat's connect and then one of its own.
+    assert elapsed < timeout + connect + 0.5, elapsed
+
+
 def test_an_acquire_whose_reply_is_lost_leaves_no_row_behind(
     make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder
 ) -> None:

@@ -170,7 +170,8 @@ class Engine:
         cutter: Cutter | None = None
         lost = True
         try:
-            with self._gate.turn(op.urgent), source.connection(op.timeout) as (conn, cutter):
+            asked_at = now()
+            with self._gate.turn(op.urgent), source.connection(op.timeout, asked_at) as (conn, cutter):
                 sent = True
                 ticket = cutter.arm(op.timeout)
                 try:
@@ -596,6 +597,9 @@ class _OwnConnection:
         self._used_at = 0.0
         self._replace = False
         self._timeout = 0.0
+        self._asked_at = 0.0
+        self._connect_failed: tuple[float, BaseException] | None = None
+        """When the last connect failed, and how (None once one succeeds)."""
         self._in_use: tuple[psycopg.Connection[Any], Cutter]
         self.connected_before = False
         self.session: Session | None = None
@@ -608,13 +612,17 @@ class _OwnConnection:
         """Drop the connection in use once the statement is over."""
         self._replace = True
 
-    def connection(self, timeout: float) -> _OwnConnection:
+    def connection(self, timeout: float, asked_at: float) -> _OwnConnection:
         """The connection for one statement, as an ``async with`` block: dropped after it if it broke.
 
         Itself, not a generator-based context manager (one is entered per
-        statement); the gate lets one statement at a time in.
+        statement); the gate lets one statement at a time in. A statement
+        that asked (at ``asked_at``) while another was connecting, and saw
+        that connect fail, fails with it rather than wait out a second one:
+        its bound stays one connect, however many statements queue behind.
         """
         self._timeout = timeout
+        self._asked_at = asked_at
         return self
 
     def __enter__(self) -> tuple[psycopg.Connection[Any], Cutter]:
@@ -636,9 +644,17 @@ class _OwnConnection:
             logger.debug("the server closed the library's idle connection; opening a new one")
             self._drop()
         if self._conn is None or self._cutter is None:
-            conn = psycopg.Connection.connect(
-                self._dsn, autocommit=True, **{**self._kwargs, **_connect_within(self._kwargs, timeout)}
-            )
+            failed = self._connect_failed
+            if failed is not None and failed[0] >= self._asked_at:
+                raise failed[1]
+            try:
+                conn = psycopg.Connection.connect(
+                    self._dsn, autocommit=True, **{**self._kwargs, **_connect_within(self._kwargs, timeout)}
+                )
+            except _FAILURES as exc:
+                self._connect_failed = now(), exc
+                raise
+            self._connect_failed = None
             self._conn, self._cutter = conn, Cutter(conn.fileno())
             self.session = Session()
             self.cursor = conn.cursor()
@@ -685,7 +701,8 @@ class _PooledConnection:
         self._replace = True
 
     @contextlib.contextmanager
-    def connection(self, timeout: float) -> Iterator[tuple[psycopg.Connection[Any], Cutter]]:
+    def connection(self, timeout: float, asked_at: float) -> Iterator[tuple[psycopg.Connection[Any], Cutter]]:
+        # ``asked_at`` is the own connection's concern: the pool connects on its own schedule.
         with self._pool.connection(timeout=timeout) as conn:
             self.connected_before = True
             cutter = Cutter(conn.fileno())

@@ -168,7 +168,8 @@ class AsyncEngine:
         cutter: Cutter | None = None
         lost = True
         try:
-            async with self._gate.turn(op.urgent), source.connection(op.timeout) as (conn, cutter):
+            asked_at = now()
+            async with self._gate.turn(op.urgent), source.connection(op.timeout, asked_at) as (conn, cutter):
                 sent = True
                 ticket = cutter.arm(op.timeout)
                 try:
@@ -594,6 +595,9 @@ class _OwnConnection:
         self._used_at = 0.0
         self._replace = False
         self._timeout = 0.0
+        self._asked_at = 0.0
+        self._connect_failed: tuple[float, BaseException] | None = None
+        """When the last connect failed, and how (None once one succeeds)."""
         self._in_use: tuple[psycopg.AsyncConnection[Any], Cutter]
         self.connected_before = False
         self.session: Session | None = None
@@ -606,13 +610,17 @@ class _OwnConnection:
         """Drop the connection in use once the statement is over."""
         self._replace = True
 
-    def connection(self, timeout: float) -> _OwnConnection:
+    def connection(self, timeout: float, asked_at: float) -> _OwnConnection:
         """The connection for one statement, as an ``async with`` block: dropped after it if it broke.
 
         Itself, not a generator-based context manager (one is entered per
-        statement); the gate lets one statement at a time in.
+        statement); the gate lets one statement at a time in. A statement
+        that asked (at ``asked_at``) while another was connecting, and saw
+        that connect fail, fails with it rather than wait out a second one:
+        its bound stays one connect, however many statements queue behind.
         """
         self._timeout = timeout
+        self._asked_at = asked_at
         return self
 
     async def __aenter__(self) -> tuple[psycopg.AsyncConnection[Any], Cutter]:
@@ -634,9 +642,17 @@ class _OwnConnection:
             logger.debug("the server closed the library's idle connection; opening a new one")
             self._drop()
         if self._conn is None or self._cutter is None:
-            conn = await psycopg.AsyncConnection.connect(
-                self._dsn, autocommit=True, **{**self._kwargs, **_connect_within(self._kwargs, timeout)}
-            )
+            failed = self._connect_failed
+            if failed is not None and failed[0] >= self._asked_at:
+                raise failed[1]
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    self._dsn, autocommit=True, **{**self._kwargs, **_connect_within(self._kwargs, timeout)}
+                )
+            except _FAILURES as exc:
+                self._connect_failed = now(), exc
+                raise
+            self._connect_failed = None
             self._conn, self._cutter = conn, Cutter(conn.fileno())
             self.session = Session()
             self.cursor = conn.cursor()
@@ -683,7 +699,10 @@ class _PooledConnection:
         self._replace = True
 
     @contextlib.asynccontextmanager
-    async def connection(self, timeout: float) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], Cutter]]:
+    async def connection(
+        self, timeout: float, asked_at: float
+    ) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], Cutter]]:
+        # ``asked_at`` is the own connection's concern: the pool connects on its own schedule.
         async with self._pool.connection(timeout=timeout) as conn:
             self.connected_before = True
             cutter = Cutter(conn.fileno())
