@@ -139,6 +139,51 @@ def test_two_lock_tables_can_share_a_schema(make_mutex: Callable[..., Mutex], ad
     admin.execute(f'DROP TABLE "{table}"')
 
 
+@pytest.mark.parametrize("length", [61, 62, 63])
+def test_a_table_name_of_up_to_63_bytes_works_with_tokens_and_history(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], dsn: str, length: int
+) -> None:
+    # PostgreSQL's limit; the names derived from the table (sequence, history, indexes) must fit too.
+    table = fresh_table().ljust(length, "x")
+    try:
+        with MutexClient(dsn) as client:
+            client.table(table).create(history=True)
+            mutex = make_mutex(table=table)
+            with mutex.acquire() as acquired:
+                assert acquired
+                first = mutex.token
+                mutex.heartbeat()
+            with mutex.acquire():
+                assert mutex.token is not None
+                assert first is not None
+                assert mutex.token > first
+            assert len(client.table(table).history()) == 2
+    finally:
+        _drop_everything_named(admin, table[:16])
+
+
+def test_two_long_table_names_sharing_a_prefix_get_names_of_their_own(dsn: str, admin: psycopg.Connection[Any]) -> None:
+    prefix = fresh_table().ljust(60, "x")
+    tables = [f"{prefix}_a", f"{prefix}_b"]
+    try:
+        with MutexClient(dsn) as client:
+            for table in tables:
+                client.table(table).create(history=True)
+            for table in tables:
+                assert client.table(table).has_tokens()
+    finally:
+        _drop_everything_named(admin, prefix[:16])
+
+
+def _drop_everything_named(admin: psycopg.Connection[Any], prefix: str) -> None:
+    """Drop the tables and sequences whose names start with ``prefix`` (a test's own)."""
+    for kind, what in (("r", "TABLE"), ("S", "SEQUENCE")):
+        for (name,) in admin.execute(
+            "SELECT relname FROM pg_class WHERE relname LIKE %s AND relkind = %s", (f"{prefix}%", kind)
+        ).fetchall():
+            admin.execute(sql.SQL(f"DROP {what} IF EXISTS {{}} CASCADE").format(sql.Identifier(name)))
+
+
 def test_a_missing_table_is_a_clear_error(make_mutex: Callable[..., Mutex]) -> None:
     mutex = make_mutex(table="no_such_table")
     with pytest.raises(SchemaError, match=r"no_such_table does not exist.*create_schema"), mutex.acquire():

@@ -106,9 +106,22 @@ def _render(composed: sql.Composable) -> str:
     return composed.as_string(None)
 
 
-def _derived(parts: tuple[str, ...], suffix: str) -> tuple[str, ...]:
-    """A name derived from the table's, in the table's schema (truncated as PostgreSQL would)."""
-    name = (parts[-1] + suffix).encode()[:_MAX_IDENTIFIER_BYTES].decode(errors="ignore")
+def _derived(parts: tuple[str, ...], suffix: str, *, prefix: str = "") -> tuple[str, ...]:
+    """A name derived from the table's, in the table's schema, that always fits and never collides.
+
+    ``prefix + table + suffix`` when it fits in 63 bytes (so the README's
+    ``uq_mutex_lock``). A longer one is not left for PostgreSQL to truncate,
+    which would cut the suffixes off and give the sequence, the history table
+    and their indexes one name, or two tables sharing a long prefix one
+    constraint: the table's name is shortened instead, and a digest of it
+    keeps names of different tables apart.
+    """
+    name = prefix + parts[-1] + suffix
+    if len(name.encode()) > _MAX_IDENTIFIER_BYTES:
+        digest = hashlib.sha256(".".join(parts).encode()).hexdigest()[:8]
+        room = _MAX_IDENTIFIER_BYTES - len(prefix.encode()) - len(suffix.encode()) - len(digest) - 1
+        head = parts[-1].encode()[:room].decode(errors="ignore")
+        name = f"{prefix}{head}_{digest}{suffix}"
     return (*parts[:-1], name)
 
 
@@ -122,7 +135,7 @@ class Names:
         # Index names share the schema's namespace: derive the unique
         # constraint's name from the table so several lock tables can coexist.
         # For the default table this is exactly the README's uq_mutex_lock.
-        self.unique = sql.Identifier(f"uq_{self.parts[-1]}"[:_MAX_IDENTIFIER_BYTES])
+        self.unique = sql.Identifier(_derived(self.parts, "", prefix="uq_")[-1])
         self.sequence_parts = _derived(self.parts, "_token_seq")
         self.sequence = sql.Identifier(*self.sequence_parts)
         self.token_index = sql.Identifier(_derived(self.parts, "_token_key")[-1])
