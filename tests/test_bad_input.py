@@ -54,6 +54,18 @@ def test_bad_argument_is_named(kwargs: dict[str, Any], error: type[Exception], n
         Mutex(DSN, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("argument", "value", "minimum"),
+    [("heartbeat_interval", 1e-9, "0.05"), ("heartbeat_interval", 0.049, "0.05"), ("poll_interval", 1e-6, "0.01")],
+)
+def test_an_interval_that_would_hammer_the_server_is_refused_naming_the_minimum(
+    argument: str, value: float, minimum: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"{argument} must be at least {minimum} seconds"):
+        Mutex(DSN, "job", **{argument: value})  # type: ignore[arg-type]
+    Mutex(DSN, "job", **{argument: float(minimum)}).close()  # type: ignore[arg-type]  # the minimum is allowed
+
+
 def test_lock_name_is_required() -> None:
     with pytest.raises(TypeError, match="lock_name"):
         Mutex(DSN)

@@ -59,7 +59,23 @@ def check_names(value: object, argument: str) -> frozenset[str] | None:
     return frozenset(check_name(item, argument) for item in items)
 
 
-def check_seconds(value: object, argument: str, *, allow_zero: bool = False, maximum: float = MAX_SECONDS) -> float:
+MIN_HEARTBEAT_INTERVAL = 0.05
+"""The shortest heartbeat_interval: 20 statements a second per group of holds is plenty for
+any lease, and a shorter one would only hammer the server (1e-9 gave 2,500 a second)."""
+
+MIN_POLL_INTERVAL = 0.01
+"""The shortest poll_interval: a waiter polling faster would load the server, not wake sooner
+(a release wakes a listening waiter at once)."""
+
+
+def check_seconds(
+    value: object,
+    argument: str,
+    *,
+    allow_zero: bool = False,
+    minimum: float = 0.0,
+    maximum: float = MAX_SECONDS,
+) -> float:
     """Return ``value`` as a float number of seconds, or raise naming ``argument``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
@@ -71,6 +87,10 @@ def check_seconds(value: object, argument: str, *, allow_zero: bool = False, max
         raise ValueError(f"{argument} must be {bound}, got {value!r}")
     if seconds > maximum:
         raise ValueError(f"{argument} must be at most {maximum:g} seconds, got {value!r}")
+    if 0 < seconds < minimum:
+        raise ValueError(
+            f"{argument} must be at least {minimum:g} seconds, got {value!r}: a shorter one would hammer the server"
+        )
     return seconds
 
 
@@ -111,10 +131,10 @@ class Timing:
         poll_interval: object,
         operation_timeout: object | None,
     ) -> Timing:
-        heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval")
+        heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval", minimum=MIN_HEARTBEAT_INTERVAL)
         alert = check_seconds(alert_threshold, "alert_threshold")
         stale = check_seconds(stale_threshold, "stale_threshold")
-        poll = check_seconds(poll_interval, "poll_interval")
+        poll = check_seconds(poll_interval, "poll_interval", minimum=MIN_POLL_INTERVAL)
         if not heartbeat < alert:
             raise ValueError(
                 f"heartbeat_interval ({heartbeat:g}s) must be shorter than "
