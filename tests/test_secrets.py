@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
-from postgres_mutex import DatabaseError, Mutex
+from postgres_mutex import DatabaseError, Election, LockTable, Mutex, MutexClient
 from tests.fixtures import FAST, RecordingMetrics
 from tests.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer, free_port
 
@@ -18,7 +18,17 @@ SECRET = "Hunter2-is-not-a-password"
 
 
 def everything_said(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc)) + repr(exc) + str(exc)
+    """What the error shows, and what code can reach from it: every error it chains, shown or not."""
+    said, seen = [], set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        each = todo.pop()
+        if each is None or id(each) in seen:
+            continue
+        seen.add(id(each))
+        said += ["".join(traceback.format_exception(each)), repr(each), str(each), repr(vars(each))]
+        todo += [each.__cause__, each.__context__]
+    return "".join(said)
 
 
 @pytest.mark.parametrize(
@@ -48,6 +58,27 @@ def test_repr_and_str_never_show_the_dsn(dsn: str) -> None:
 def test_a_malformed_dsn_error_does_not_quote_the_password(dsn: str) -> None:
     with pytest.raises(ValueError, match="dsn is not a valid connection string") as caught:
         Mutex(dsn, "job")
+    assert SECRET not in everything_said(caught.value)
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        f"postgresql://app:{SECRET}@[::1/db",  # an unclosed IPv6 bracket: libpq quotes the host part
+        f"postgresql://app:{SECRET}%zz@127.0.0.1/db",
+    ],
+)
+@pytest.mark.parametrize("entry", ["Mutex", "MutexClient", "LockTable", "Election"])
+def test_nothing_reachable_from_a_malformed_dsn_error_holds_the_password(dsn: str, entry: str) -> None:
+    make: dict[str, Callable[[], object]] = {
+        "Mutex": lambda: Mutex(dsn, "job"),
+        "MutexClient": lambda: MutexClient(dsn),
+        "LockTable": lambda: LockTable(dsn),
+        "Election": lambda: Election(dsn, "leader"),
+    }
+    with pytest.raises(ValueError, match="dsn is not a valid connection string") as caught:
+        make[entry]()
+    assert caught.value.__context__ is None
     assert SECRET not in everything_said(caught.value)
 
 

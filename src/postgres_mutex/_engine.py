@@ -211,7 +211,12 @@ class Engine:
                 redact=self.client._redact,
                 timeout=op.timeout,
             )
-            raise error from self.client._shown_cause(exc)
+            shown = self.client._shown_cause(exc)
+            if shown is not None:
+                raise error from shown
+        # psycopg's error held a secret: raised out here, where it is not even
+        # the error's __context__ (which `from None` would merely hide).
+        raise error
 
     def shape(self, names: Names, timeout: float) -> Statements:
         """The statements for this table's shape; the table is inspected once per client."""

@@ -161,8 +161,14 @@ class MutexClient:
         return self._redactor.redact(text)
 
     def _shown_cause(self, exc: BaseException) -> BaseException | None:
-        """psycopg's error, to chain for the traceback, unless its text held a secret."""
-        return None if self._redact(str(exc)) != str(exc) else exc
+        """psycopg's error, to chain for the traceback, unless it holds a secret.
+
+        Its text may quote one; and a failed connect's error keeps the
+        connection's options (``pgconn.info``), the password among them.
+        """
+        if self._redact(str(exc)) != str(exc) or getattr(exc, "pgconn", None) is not None:
+            return None
+        return exc
 
     def _tracing(self, tracer_provider: TracerProvider | None, table_name: str) -> Tracing:
         """One `Tracing` per provider and table: the Mutexes sharing it share heartbeat statements."""
@@ -582,6 +588,7 @@ def check_connection_args(dsn: object, pool: object, async_pool: object) -> Reda
         raise ValueError("Mutex needs a connection source: pass dsn, or pool and/or async_pool")
     redactor = Redactor(dsn)
     if dsn is not None:
+        detail = None
         try:
             conninfo_to_dict(dsn)
         except psycopg.Error as exc:
@@ -589,9 +596,12 @@ def check_connection_args(dsn: object, pool: object, async_pool: object) -> Reda
             # a password (an unquoted one with a space, say): then say less.
             detail = redactor.redact(str(exc)) if not _may_hold_password(dsn) else "libpq could not parse it"
             detail = " ".join(detail.split())
+        if detail is not None:
+            # Raised out here: inside the except block psycopg's error, which may
+            # quote the password, would be this one's __context__.
             raise ValueError(
                 f"dsn is not a valid connection string ({detail}); quote values with spaces: password='a b'"
-            ) from None
+            )
     if pool is not None or async_pool is not None:
         try:
             from psycopg_pool import AsyncConnectionPool, ConnectionPool

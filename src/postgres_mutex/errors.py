@@ -117,7 +117,9 @@ class DatabaseError(MutexError):
     on their own (lost connection, deadline, server restart); false for errors
     the server reported about the statement itself. ``sqlstate`` is the
     server's error code, when it sent one. The original psycopg error is
-    chained as ``__cause__`` unless its text had to be redacted.
+    chained as ``__cause__`` unless it holds a secret: its text had to be
+    redacted, or it is a failed connect's, which keeps the connection's
+    options, the password among them (then nothing is chained at all).
     """
 
     def __init__(
