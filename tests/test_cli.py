@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -238,6 +240,24 @@ def test_a_missing_command_exits_127(dsn: str, lock_name: str, holder_id: Holder
     assert holder_id() is None
 
 
+@pytest.mark.parametrize("what", ["no #! line", "not executable", "a directory"])
+def test_a_command_that_cannot_be_executed_exits_126_with_one_line(
+    dsn: str, lock_name: str, holder_id: Holder, tmp_path: Path, what: str
+) -> None:
+    command = tmp_path / "job"
+    if what == "a directory":
+        command.mkdir()
+    else:
+        command.write_text("echo hello\n")
+        command.chmod(0o755 if what == "no #! line" else 0o644)
+    result = cli("run", "--dsn", dsn, "--lock", lock_name, "--", str(command))
+    assert result.returncode == 126, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert any(f"command could not be executed: {command}" in line for line in lines), lines
+    assert "Traceback" not in result.stderr
+    assert holder_id() is None
+
+
 # -- status ----------------------------------------------------------------------
 
 
@@ -406,6 +426,7 @@ def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg
         (["run", "--lock", "x", "--timeout", "5", "--", "true"], 2, "pass --wait, or drop --timeout"),
         (["status", "--table", "no_such_table"], 69, "postgres-mutex init"),
         (["watch", "--listen", "nonsense"], 2, "HOST:PORT"),
+        (["watch", "--listen", "127.0.0.1:99999"], 2, "a port from 0 to 65535"),
     ],
 )
 def test_user_errors_are_one_line_and_no_traceback(dsn: str, args: list[str], code: int, message: str) -> None:
@@ -437,12 +458,33 @@ def test_the_dsn_can_come_from_the_environment(dsn: str, lock_name: str) -> None
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("command", ["run", "status", "watch", "init", "release", "demo"])
+def _subcommands() -> list[str]:
+    """The parser's own subcommands, in its order: the reference and the help are held against them."""
+    from postgres_mutex._cli import _parser
+
+    (commands,) = (action for action in _parser()._actions if isinstance(action, argparse._SubParsersAction))
+    return list(commands.choices)
+
+
+def test_the_parser_has_the_subcommands_these_tests_know() -> None:
+    # A guard on _subcommands itself: a parser read wrongly would make the tests below vacuous.
+    assert {"run", "status", "watch", "init", "migrate", "history", "release", "demo"} <= set(_subcommands())
+
+
+@pytest.mark.parametrize("command", _subcommands())
 def test_every_subcommand_has_help_with_examples(command: str) -> None:
     result = cli(command, "--help")
     assert result.returncode == 0
     assert "examples:" in result.stdout
     assert f"postgres-mutex {command}" in result.stdout
+
+
+def test_the_command_line_reference_shows_every_subcommand_in_the_parsers_order() -> None:
+    reference = (ROOT / "docs" / "reference" / "cli.md").read_text(encoding="utf-8")
+    sections = re.findall(r"^## (\S+)$", reference, re.MULTILINE)
+    helps = re.findall(r"^<!-- cli-help: (\S+) -->$", reference, re.MULTILINE)
+    assert sections == _subcommands(), "docs/reference/cli.md: one section per subcommand, as the parser orders them"
+    assert helps == sections, "each section of docs/reference/cli.md shows its own subcommand's --help"
 
 
 def test_version_and_the_console_script() -> None:

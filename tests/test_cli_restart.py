@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -135,6 +136,24 @@ def test_a_command_that_exits_is_run_again_after_a_back_off(
     lines = [err.next() for _ in range(3)]
     assert any("the command exited with status 3" in line for line in lines), lines
     assert not any("Traceback" in line for line in lines), "a command's exit status needs no traceback"
+
+
+def test_a_command_that_cannot_be_executed_is_said_in_one_line_each_time(
+    dsn: str, lock_name: str, holder_id: Holder, runners: list[subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    command = tmp_path / "job"
+    command.write_text("echo hello\n")  # no #! line: the kernel will not run it
+    command.chmod(0o755)
+    args = ["--dsn", dsn, "--lock", lock_name, "--restart", "--restart-delay", "0.2", *FAST_FLAGS]
+    proc, _, err = runner(*args, "--", str(command))
+    runners.append(proc)
+    said: list[str] = []
+    while sum("command could not be executed" in line for line in said) < 2:
+        said.append(err.next())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) in (126, 128 + signal.SIGTERM)
+    assert holder_id() is None
+    assert not any("Traceback" in line for line in said), said
 
 
 def test_sigterm_while_waiting_for_the_lock_stops_the_runner_at_once(

@@ -54,8 +54,10 @@ class Supervisor:
             except FileNotFoundError:
                 say(f"command not found: {self._command[0]}")
                 return 127, False
-            except PermissionError:
-                say(f"command not executable: {self._command[0]}")
+            except OSError as exc:
+                # Found, but the kernel would not run it: not executable, no #! line
+                # (ENOEXEC), a directory, a bad interpreter... 126, as a shell says.
+                say(f"command could not be executed: {self._command[0]}: {exc.strerror or exc}")
                 return 126, False
             try:
                 self._terminal = _give_terminal(self._child.pid)
