@@ -138,6 +138,36 @@ def test_a_command_that_exits_is_run_again_after_a_back_off(
     assert not any("Traceback" in line for line in lines), "a command's exit status needs no traceback"
 
 
+def test_the_back_off_is_each_runners_own_another_runner_starts_the_command_at_once(
+    dsn: str, lock_name: str, admin: psycopg.Connection[Any], runners: list[subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    # As the docs say: with N runners a failing command starts up to N times per --restart-delay.
+    go = tmp_path / "go"
+    failing = f"""
+        import os, pathlib, time
+        print("run", os.getppid(), flush=True)
+        deadline = time.monotonic() + 30
+        while not pathlib.Path({str(go)!r}).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raise SystemExit(3)
+    """
+    args = ["--dsn", dsn, "--lock", lock_name, "--restart", "--restart-delay", "10", *SLOW_FLAGS]
+    first, first_out, _ = runner(*args, "--", *python(failing))
+    runners.append(first)
+    assert first_out.next() == f"run {first.pid}"
+    second, second_out, _ = runner(*args, "--", *python(failing))
+    runners.append(second)
+    wait_until(waiting_for_the_lock(admin, second), timeout=15)
+    failed_at = time.monotonic()
+    go.touch()
+    assert second_out.next(timeout=8) == f"run {second.pid}", "the other runner ran the command"
+    assert time.monotonic() - failed_at < 5.0, "at once, not after the failed runner's 10 s back-off"
+    for proc in (first, second):
+        proc.send_signal(signal.SIGTERM)
+    for proc in (first, second):
+        proc.wait(timeout=10)
+
+
 def test_a_command_that_cannot_be_executed_is_said_in_one_line_each_time(
     dsn: str, lock_name: str, holder_id: Holder, runners: list[subprocess.Popen[str]], tmp_path: Path
 ) -> None:

@@ -642,7 +642,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_seconds("--restart-delay"),
         default=1.0,
         help="with --restart: seconds before running a command that exited non-zero again, "
-        f"doubling after each failure in a row up to {_MAX_RESTART_DELAY:g}s (default 1)",
+        f"doubling after each failure in a row up to {_MAX_RESTART_DELAY:g}s (default 1); each runner's own: "
+        "while it waits, another runner may take the lock and run the command",
     )
     run.add_argument("--instance-id", help="this holder's id in the table (default: <hostname>-<random>)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")

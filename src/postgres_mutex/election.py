@@ -374,7 +374,10 @@ class Election:
       reclaim the lock);
     - ``failure_backoff`` and ``max_failure_backoff``: after ``lead`` raises,
       the candidate waits ``failure_backoff`` seconds before campaigning
-      again, doubling after each consecutive failure up to the cap.
+      again, doubling after each consecutive failure up to the cap. The
+      back-off is this candidate's own: it resigns while it waits, so another
+      candidate may lead at once (with N candidates whose ``lead`` keeps
+      failing, up to N terms begin per back-off).
 
     One `run` (or `run_async`) at a time per Election. Raises `TypeError` or
     `ValueError`, naming the argument, on bad input.
