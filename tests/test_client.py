@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import re
 import threading
 import time
 import uuid
@@ -16,7 +18,7 @@ import pytest
 from postgres_mutex import LockTable, Mutex, MutexClient, MutexError
 from postgres_mutex._settings import Timing
 from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, RecordingMetrics, wait_until
+from tests.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, wait_until
 from tests.postgres_server import PostgresServer
 
 
@@ -55,13 +57,18 @@ def test_many_locks_share_two_connections_one_heartbeat_statement_and_a_few_thre
         statements = proxy.ready_for_query - before
         assert 3 <= statements <= 5, f"{statements} round trips in {window:g}s: one heartbeat statement per interval"
         assert all(holder.held for holder in holders)
-        # Per client: heartbeats, the listener, the event thread; per process: the watchdog.
+        # As docs/concepts/client.md says: per client heartbeats, the listener and the event
+        # thread; per process the watchdog, whichever client started it.
+        per_client, per_process = _documented_threads()
         ours = [
             thread.name
             for thread in threading.enumerate()
-            if thread.name.startswith("postgres-mutex") and (thread not in earlier or "watchdog" in thread.name)
+            if thread.name.startswith("postgres-mutex") and thread not in earlier and "watchdog" not in thread.name
         ]
-        assert len(ours) <= 4, ours
+        assert {"postgres-mutex-heartbeat", "postgres-mutex-listener"} <= set(ours), ours
+        assert len(ours) <= per_client, ours
+        watchdogs = [thread.name for thread in threading.enumerate() if "watchdog" in thread.name]
+        assert len(watchdogs) == per_process, watchdogs
         assert _connections(admin, name) == 2, "300 held locks and 20 waiters, two connections"
         for thread in waiting:
             thread.join(timeout=60)
@@ -72,6 +79,16 @@ def test_many_locks_share_two_connections_one_heartbeat_statement_and_a_few_thre
             mutex.close()
         proxy.close()
     wait_until(lambda: _connections(admin, name) <= 1, timeout=15)  # the listener lingers a little
+
+
+def _documented_threads() -> tuple[int, int]:
+    """The threads docs/concepts/client.md promises: at most so many per client, plus so many per process."""
+    text = (ROOT / "docs" / "concepts" / "client.md").read_text(encoding="utf-8")
+    found = re.search(
+        r"^\| threads \| at most (\d+) \(.*?\), whatever the number of locks, plus (\d+) per process", text, re.M
+    )
+    assert found is not None, "docs/concepts/client.md has a threads row: at most N per client, plus M per process"
+    return int(found[1]), int(found[2])
 
 
 def _wait_briefly(waiter: Mutex) -> None:
@@ -135,6 +152,47 @@ def test_a_release_wakes_only_that_locks_waiters(make_mutex: Callable[..., Mutex
     assert len(attempts["b"].named("contended")) == 2, "B's waiter was not woken by A's release"
     holding_b.__exit__(None, None, None)
     thread_b.join(timeout=10)
+
+
+def test_a_listener_that_keeps_failing_is_reported_at_warning_and_its_waiter_still_gets_the_lock(
+    pg: PostgresServer, admin: psycopg.Connection[Any], lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A database that takes no new connection: the waiter's statement connection, open
+    # before, goes on working, and the listener's connection fails each time it is made.
+    database = f"pm_listener_{uuid.uuid4().hex[:8]}"
+    admin.execute(f'CREATE DATABASE "{database}"')
+    made: list[Mutex] = []
+    try:
+        holder = Mutex(pg.dsn(dbname=database), lock_name, **FAST)  # type: ignore[arg-type]
+        waiter = Mutex(pg.dsn(dbname=database, application_name="waiter"), lock_name, **FAST)  # type: ignore[arg-type]
+        made += [holder, waiter]
+        holder.create_schema()
+        got: list[bool] = []
+        with caplog.at_level(logging.DEBUG, logger="postgres_mutex"), holder.acquire():
+            with waiter.acquire(blocking=False) as acquired:
+                assert not acquired
+            admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+
+            def wait() -> None:
+                with waiter.acquire(blocking=True, timeout=30) as acquired:
+                    got.append(bool(acquired))
+
+            thread = threading.Thread(target=wait)
+            thread.start()
+
+            def warned() -> list[logging.LogRecord]:
+                return [r for r in caplog.records if LISTENER_LOST in r.getMessage() and r.levelno == logging.WARNING]
+
+            wait_until(lambda: len(warned()) > 0, timeout=20)
+            assert "times in a row" in warned()[0].getMessage()
+            assert "not currently accepting connections" in warned()[0].getMessage(), "the reason is said"
+        thread.join(timeout=30)
+        assert got == [True], "the waiter got the lock by polling"
+        assert len(warned()) == 1, "said once, not at every attempt"
+    finally:
+        for mutex in made:
+            mutex.close()
+        admin.execute(f'DROP DATABASE "{database}" WITH (FORCE)')
 
 
 def test_a_client_you_own_shares_its_connections_and_closes_them(

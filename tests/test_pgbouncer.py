@@ -48,7 +48,7 @@ from postgres_mutex import (
 )
 from tests.exclusion import Sections
 from tests.figures import Figures, ran_whole
-from tests.fixtures import wait_until
+from tests.fixtures import channel_of, wait_until
 from tests.pgbouncer import PgBouncer
 from tests.postgres_server import PostgresServer
 from tests.test_cli import cli
@@ -316,6 +316,28 @@ def test_transaction_mode_the_library_prepares_and_sets_nothing_on_the_server_co
                 mutex.heartbeat()
         with psycopg.connect(one_server_connection.dsn(), autocommit=True, prepare_threshold=None) as other:
             assert other.execute(queries, prepare=False).fetchone() == as_the_server_makes_it
+
+
+def test_transaction_mode_the_release_listener_prepares_nothing_on_the_server_connection_either(
+    one_server_connection: PgBouncer, pg: PostgresServer, admin: psycopg.Connection[Any], lock_name: str, schema: None
+) -> None:
+    """LISTEN and UNLISTEN, sent again and again, stay unprepared: a prepared one would collide with another's."""
+    unlisten = f'UNLISTEN "{channel_of(lock_name)}"'
+
+    def unlistened() -> bool:
+        return admin.execute("SELECT 1 FROM pg_stat_activity WHERE query = %s", (unlisten,)).fetchone() is not None
+
+    with Mutex(pg.dsn(), lock_name, **TIMING).acquire(), MutexClient(one_server_connection.dsn()) as client:
+        waiter = client.mutex(lock_name, **TIMING)
+        for _ in range(8):  # past psycopg's own threshold of five
+            with pytest.raises(LockAcquisitionTimeout), waiter.acquire(blocking=True, timeout=0.5):
+                pass
+            # The listener's last statement on the one server connection: this round's UNLISTEN
+            # (the waiter's attempts came through it since the last round's).
+            wait_until(unlistened, timeout=10)
+        with psycopg.connect(one_server_connection.dsn(), autocommit=True, prepare_threshold=None) as other:
+            found = other.execute("SELECT name, statement FROM pg_prepared_statements", prepare=False).fetchall()
+    assert found == []
 
 
 def test_transaction_mode_waiters_poll_and_a_notification_for_another_client_does_no_harm(

@@ -83,6 +83,12 @@ _WORKER_LINGER = 10.0
 # in bursts, and each new connection costs the first waiter of a burst a moment.
 _LISTENER_LINGER = 10.0
 
+# A listener that fails this many times in a row is a fault to report (one
+# lost connection is a failover or a restart, and waiters poll through it);
+# while it goes on failing, the report repeats at most every _LISTENER_REPORT_EVERY.
+_LISTENER_FAILURES_REPORTED = 3
+_LISTENER_REPORT_EVERY = 60.0
+
 # The server's share of a statement's deadline: it cancels the statement a
 # little before the client would cut the connection, so a statement stuck
 # behind a row lock ends with a clean error and the connection survives.
@@ -808,6 +814,7 @@ class _Listener:
         listening = self._listening
         cutter: Cutter | None = None
         failures = 0
+        reported_at: float | None = None
         idle_since: float | None = None
         try:
             while not self._closed:
@@ -837,15 +844,25 @@ class _Listener:
                         await self._execute(conn, cutter, _sql.unlisten(channel))
                         listening.discard(channel)
                     self._confirm(listening)
-                    failures = 0
+                    failures, reported_at = 0, None
                     if await self._waker.wait_readable(conn.fileno(), MAX_SLICE):
                         self._drain(conn)
                 except _FAILURES as exc:
                     failures += 1
-                    logger.debug(
-                        "the release listener lost its connection (%s); waiters poll meanwhile",
-                        self._engine.client._redact(str(exc)),
+                    reason = self._engine.client._redact(str(exc))
+                    persistent = failures >= _LISTENER_FAILURES_REPORTED and (
+                        reported_at is None or now() - reported_at >= _LISTENER_REPORT_EVERY
                     )
+                    if persistent:
+                        reported_at = now()
+                        logger.warning(
+                            "the release listener lost its connection (%s), %d times in a row; waiters poll "
+                            "every poll_interval meanwhile, so a release reaches them later",
+                            reason,
+                            failures,
+                        )
+                    else:
+                        logger.debug("the release listener lost its connection (%s); waiters poll meanwhile", reason)
                     if cutter is not None:
                         cutter.close()
                     cutter = None
@@ -867,7 +884,12 @@ class _Listener:
         timeout = self._engine.client.operation_timeout
         ticket = cutter.arm(timeout)
         try:
-            await auncancellable(conn.execute(text), functools.partial(_interrupt, conn, cutter, timeout))
+            # Never prepared (psycopg prepares a statement it has run five times): behind a
+            # transaction-mode pooler a prepared statement would stay on a server connection
+            # other clients share, and collide with theirs.
+            await auncancellable(
+                conn.execute(text, prepare=False), functools.partial(_interrupt, conn, cutter, timeout)
+            )
         finally:
             cutter.disarm(ticket)
 
