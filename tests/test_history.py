@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -428,6 +429,26 @@ def test_dropping_the_history_under_running_holders_costs_them_nothing(
     thread.join(timeout=20)
     assert got == [True], "the release went through, and the waiter got the lock"
     assert not LockTable(dsn, table=table).has_history()
+
+
+def test_a_history_dropped_under_a_holder_is_said_once_and_is_no_failed_heartbeat(
+    make: Callable[..., Mutex], table: str, admin: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    seen = RecordingMetrics()
+    mutex = make(metrics=seen)
+    with caplog.at_level(logging.WARNING, logger="postgres_mutex"), mutex.acquire():
+        wait_until(lambda: len(seen.named("heartbeat_latency")) >= 2)  # renewing, with its history
+        admin.execute(f"DROP TABLE {table}_history")  # an operator turns the history off
+        renewed = len(seen.named("heartbeat_latency"))
+        wait_until(lambda: len(seen.named("heartbeat_latency")) >= renewed + 5)  # and it goes on renewing
+        assert mutex.held
+    said = [record.getMessage() for record in caplog.records]
+    assert seen.named("heartbeat_failed") == [], said
+    assert not any("does not exist" in line for line in said), said
+    gone = [line for line in said if "history of lock table" in line]
+    assert len(gone) == 1, said
+    assert f"{table}_history" in gone[0]
+    assert "holds go on without a history" in gone[0]
 
 
 def take(mutex: Mutex) -> bool:

@@ -128,6 +128,8 @@ class Engine:
         self.closed = False
         self.deadline: float | None = None
         """When set (by the release at interpreter exit), no statement waits past it."""
+        self._with_history: set[str] = set()
+        """Tables last inspected with a history: one found without it again had it dropped."""
 
     # -- running flows -----------------------------------------------------------
 
@@ -240,6 +242,16 @@ class Engine:
                 )
             statements = Statements(names, _sql.TableShape(tokens=bool(has_token), history=bool(has_history)))
             self.client._shapes[names.table_name] = statements
+            if has_history:
+                self._with_history.add(names.table_name)
+            elif names.table_name in self._with_history:
+                self._with_history.discard(names.table_name)
+                logger.warning(
+                    "the history of lock table %s (%s) is gone, dropped while its locks were in use: "
+                    "holds go on without a history; create_schema(history=True) makes a new one",
+                    names.table_name,
+                    names.history_name,
+                )
         return statements
 
     # -- holds and their heartbeats ------------------------------------------------

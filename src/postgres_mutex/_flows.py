@@ -626,8 +626,11 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
     renewed from the moment the statement was sent. A row another session
     has locked is skipped, then tried once more by a statement that waits for
     it briefly (a contender's acquire locks the row for an instant): if it is
-    still locked, that hold is busy, and tried again soon. A failure of the
-    statement renews nothing: the caller retries until the leases run out.
+    still locked, that hold is busy, and tried again soon. A table that
+    changed shape since it was inspected (its history dropped) is inspected
+    again and the statement sent as the table is now: that is no failure. A
+    failure of the statement renews nothing: the caller retries until the
+    leases run out.
     """
     attributes: dict[str, AttributeValue] = {"postgres_mutex.locks": len(holds)}
     if len(holds) == 1:
@@ -636,13 +639,8 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
     with tracing.span("postgres_mutex.heartbeat", attributes, links=links) as span:
         action = holds[0].lock.describe("heartbeat") if len(holds) == 1 else f"heartbeat of {len(holds)} locks"
         beat = Beat([], [], 0.0)
-        by_token = statements.heartbeat_by_token is not None and all(hold.token is not None for hold in holds)
-        renew, renew_waiting = (
-            statements.heartbeat_by_token
-            if statements.heartbeat_by_token is not None and by_token
-            else (statements.heartbeat, statements.heartbeat_waiting)
-        )
-        pending, waiting = holds, False
+        by_token, renew, renew_waiting = _heartbeat_statements(holds, statements)
+        pending, waiting, reshaped = holds, False, False
         while pending:
             statement = renew_waiting if waiting else renew
             params = _heartbeat_params(pending, tokens=by_token)
@@ -651,6 +649,12 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
             try:
                 reply = yield Execute(statement, params, timeout, action, urgent=True)
             except DatabaseError as exc:
+                if exc.sqlstate in SHAPE_CHANGED and not reshaped:
+                    # Rejected before it ran (at parse time): nothing renewed, safe to send again.
+                    reshaped = True
+                    statements = yield Shape(holds[0].lock.names, timeout, fresh=True)
+                    by_token, renew, renew_waiting = _heartbeat_statements(holds, statements)
+                    continue
                 if not waiting:
                     set_outcome(span, "failed")
                     return Beat([], [], 0.0, exc)
@@ -682,6 +686,13 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
         if beat.lost:
             mark_error(span, f"{len(beat.lost)} of {len(holds)} locks were lost: their rows were gone")
         return beat
+
+
+def _heartbeat_statements(holds: list[Hold], statements: Statements) -> tuple[bool, Statement, Statement]:
+    """Whether ``holds`` are renewed by token, and the statement (and its waiting twin) that does it."""
+    if statements.heartbeat_by_token is not None and all(hold.token is not None for hold in holds):
+        return (True, *statements.heartbeat_by_token)
+    return False, statements.heartbeat, statements.heartbeat_waiting
 
 
 def _heartbeat_params(holds: list[Hold], *, tokens: bool) -> dict[str, object]:
