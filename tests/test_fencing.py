@@ -16,7 +16,7 @@ import pytest
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex, OperationTimeout, SchemaError
 from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, ROOT, freeze, wait_until
+from tests.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
 from tests.postgres_server import PASSWORD, PostgresServer
 
 Holder = Callable[..., str | None]
@@ -176,6 +176,41 @@ def test_a_fence_after_a_forced_release_names_the_change(
                 pytest.fail("must not run")
             assert caught.value.reason.startswith("fenced out")
             assert "now held by other" in str(caught.value)
+
+
+def test_a_forced_release_waiting_behind_a_fenced_transaction_does_not_starve_the_holder(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str
+) -> None:
+    # The operator's forced release runs in the holder's own process (one client, one
+    # connection) and waits longer than the holder's lease: the holder must go on renewing.
+    seen = RecordingMetrics()
+    holder = make_mutex(metrics=seen)
+    lease = FAST["stale_threshold"] - FAST["heartbeat_interval"]
+    table = LockTable(dsn, operation_timeout=2 * lease)
+    outcome: list[BaseException | object] = []
+
+    def force() -> None:
+        try:
+            outcome.append(table.force_release(lock_name))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with holder.acquire(), psycopg.connect(dsn) as conn, conn.transaction():
+        holder.fence(conn)  # the holder's fenced transaction stays open through the forced release
+        thread = threading.Thread(target=force)
+        beats_before = len(seen.named("heartbeat_latency"))
+        thread.start()
+        thread.join(timeout=4 * lease)
+        assert not thread.is_alive()
+        assert holder.held, "its heartbeats went on while the forced release waited, past its lease"
+        renewed = len(seen.named("heartbeat_latency")) - beats_before
+        # Each try of the forced release waits for the row a quarter of a second, the heartbeat between.
+        assert renewed >= 4, f"{renewed} heartbeats in {2 * lease:g}s"
+        assert seen.named("heartbeat_failed") == []
+    (error,) = outcome
+    assert isinstance(error, OperationTimeout), error
+    assert "kept the lock's row locked" in str(error)
+    assert "nothing was deleted" in str(error)
 
 
 def test_a_fenced_transaction_makes_a_reclaim_wait_until_it_ends(

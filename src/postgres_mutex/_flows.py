@@ -19,6 +19,7 @@ from . import _sql
 from ._clock import now
 from ._rules import (
     CANCELLED,
+    LOCK_NOT_AVAILABLE,
     PRIVILEGE,
     SERIALIZATION_FAILURE,
     SHAPE_CHANGED,
@@ -712,8 +713,11 @@ def _hold_key(hold: Hold, *, tokens: bool) -> tuple[object, ...]:
     return (hold.lock.lock_name, hold.lock.instance_id, hold.acquired_at)
 
 
-# How long a heartbeat waits for a row another session holds locked, once it skipped it.
+# How long a heartbeat waits for a row another session holds locked, once it skipped it;
+# and a forced release, in each of its tries.
 _BRIEF_WAIT = 0.25
+# Between a forced release's tries: the client's other statements (heartbeats) go first.
+_FORCED_RELEASE_PAUSE = 0.02
 
 
 def busy_error(hold: Hold) -> DatabaseError:
@@ -954,19 +958,43 @@ def read_history(
 
 
 def force_release(names: Names, lock_name: str, timeout: float) -> Flow[tuple[str, float, int | None] | None]:
-    """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free."""
+    """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free.
+
+    A row a fenced transaction holds locked is waited for up to ``timeout``,
+    in brief waits with the connection free between them, so that the
+    heartbeats of the same client (a holder in this process) go on meanwhile.
+    """
     statements: Statements = yield Shape(names, timeout)
-    reply = yield Execute(
-        statements.force_release,
-        {
-            "lock_name": lock_name,
-            "channel": names.channel(lock_name),
-            "ended_how": "force_released",
-            "alert_seconds": None,  # the table does not know the holders' thresholds
-        },
-        timeout,
-        f"forced release of lock {lock_name!r}",
-    )
+    action = f"forced release of lock {lock_name!r}"
+    deadline = now() + timeout
+    while True:
+        left = deadline - now()
+        try:
+            reply: Result = yield Execute(
+                statements.force_release,
+                {
+                    "lock_name": lock_name,
+                    "channel": names.channel(lock_name),
+                    "ended_how": "force_released",
+                    "alert_seconds": None,  # the table does not know the holders' thresholds
+                    "lock_timeout_ms": max(1, int(min(_BRIEF_WAIT, left) * 1000)),
+                },
+                max(left, _BRIEF_WAIT),
+                action,
+            )
+            break
+        except DatabaseError as exc:
+            if exc.sqlstate != LOCK_NOT_AVAILABLE:
+                raise
+            if deadline - now() <= 0:
+                raise OperationTimeout(
+                    f"{action} did not finish within operation_timeout ({timeout:g}s): another session kept the "
+                    "lock's row locked (the holder's fenced transaction, or SELECT ... FOR UPDATE); nothing was "
+                    "deleted",
+                    transient=True,
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            yield Pause(_FORCED_RELEASE_PAUSE)
     if reply.row is None:
         return None
     holder, age, token, _ = reply.row

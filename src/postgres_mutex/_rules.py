@@ -158,12 +158,14 @@ UNDEFINED_TABLE = "42P01"
 SHAPE_CHANGED = frozenset({UNDEFINED_TABLE, UNDEFINED_COLUMN})
 """A statement named a table or column that is not there: the table changed since it was inspected."""
 SERIALIZATION_FAILURE = "40001"
+LOCK_NOT_AVAILABLE = "55P03"
+"""A row lock not had within ``lock_timeout``: another session holds the row locked."""
 
 # SQLSTATE classes that describe the moment, not the statement: connection
 # exceptions, insufficient resources, operator intervention (shutdown,
 # restart, cancel), transaction rollback.
 _TRANSIENT_CLASSES = frozenset({"08", "53", "57", "40"})
-_TRANSIENT_STATES = frozenset({"55P03", "58000", "58030", READ_ONLY})
+_TRANSIENT_STATES = frozenset({LOCK_NOT_AVAILABLE, "58000", "58030", READ_ONLY})
 _MISSING_TABLE_STATES = frozenset({"42P01", "3F000"})
 
 

@@ -460,10 +460,13 @@ RETURNING token"""
         )
 
         # An operator's override: delete the lock whoever holds it, and say whom.
+        # It waits for a fenced transaction's row lock only briefly, and is sent
+        # again: waiting in one statement would keep the client's connection, and
+        # with it the heartbeats of every lock the process holds, from going out.
         self.force_release = statement(
             "forced release",
             sql.SQL(
-                """WITH released AS (
+                """SET LOCAL lock_timeout = %(lock_timeout_ms)s; WITH released AS (
   DELETE FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat,
