@@ -353,12 +353,18 @@ class PatroniCluster:
         return {member["name"]: member["role"] for member in self.patroni_view()["members"]}
 
     def primary(self) -> Node | None:
-        """The node whose PostgreSQL accepts writes now (asked directly), if exactly one does."""
+        """The node whose PostgreSQL accepts writes now (asked directly), if exactly one does.
+
+        Out of recovery is not yet writable: a node just promoted can still
+        start its sessions read-only (``default_transaction_read_only``) for a
+        moment, and a client's statements there fail with "read-only
+        transaction". A new session must find ``transaction_read_only`` off.
+        """
         writable = []
         for node in self.nodes:
             with contextlib.suppress(psycopg.Error), psycopg.connect(node.dsn(connect_timeout=2)) as conn:
-                found = conn.execute("SELECT pg_is_in_recovery()").fetchone()
-                if found is not None and found[0] is False:
+                found = conn.execute("SELECT pg_is_in_recovery(), current_setting('transaction_read_only')").fetchone()
+                if found is not None and found[0] is False and found[1] == "off":
                     writable.append(node)
         return writable[0] if len(writable) == 1 else None
 

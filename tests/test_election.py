@@ -92,7 +92,13 @@ class Candidate:
             self.returned.append(time.monotonic())
 
     def leading(self) -> bool:
-        return self.election.leading
+        """Leading, and its lead running: the term is in ``terms``.
+
+        ``election.leading`` turns True a moment before ``lead`` is called (on
+        the campaign's thread): a test that waited on it alone and then read
+        ``terms`` raced that thread.
+        """
+        return self.election.leading and len(self.terms) > len(self.returned)
 
     def stop(self, timeout: float = 10.0) -> float:
         """Stop the election; returns how long run() took to return."""
