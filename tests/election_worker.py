@@ -13,7 +13,16 @@ process on the machine shares::
 returns: if two processes ever led at once, their intervals overlap. ``lead``
 returns after a random time in ``"hold": [low, high]`` seconds, or, without
 ``hold``, once leadership ends. SIGTERM stops the election (the graceful
-hand-over); SIGKILL is the crash. The other options are the Election's
+hand-over); SIGUSR1 resigns the current term; SIGKILL is the crash. With
+``"sample": true`` a thread reads the candidate's own ``leading`` and the
+term's ``held`` every few milliseconds and writes each stretch of belief::
+
+    believed PID FROM TO
+
+where it saw True throughout, FROM after the first such read and TO before
+the last (so a stretch is never longer than what was seen). Each term's end
+that the Election reports to its metrics hook is written as
+``reported PID TOKEN ENDED``. The other options are the Election's
 (thresholds, ``grace_period`` ...). It prints "ready" once the Election exists.
 """
 
@@ -25,19 +34,57 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
 from postgres_mutex import Election, Leadership
 
 
+class _Reports:
+    """The metrics hook: every term end the Election reports, written to the log."""
+
+    def __init__(self, log: TextIO) -> None:
+        self.log = log
+
+    def election_term_ended(
+        self, lock_name: str, *, instance_id: str, ended: str, seconds: float, token: int | None = None
+    ) -> None:
+        self.log.write(f"reported {os.getpid()} {token} {ended}\n")
+
+
+def _sample(election: Election, log: TextIO, done: threading.Event) -> None:
+    since: float | None = None
+    last = 0.0
+    while True:
+        before = time.monotonic()
+        term = election.leadership
+        believes = election.leading or (term is not None and term.held)
+        after = time.monotonic()
+        if believes:
+            since = after if since is None else since
+            last = before
+        if since is not None and (not believes or done.is_set()):
+            log.write(f"believed {os.getpid()} {since!r} {last!r}\n")
+            since = None
+        if done.is_set():
+            return
+        time.sleep(0.002)
+
+
 def main(dsn: str, name: str, out: str, options: dict[str, Any]) -> None:
     mode = options.pop("mode", "sync")
     hold = options.pop("hold", None)
+    sample = options.pop("sample", False)
     rng = random.Random(os.getpid())
-    election = Election(dsn, name, **options)
-    signal.signal(signal.SIGTERM, lambda *_: election.stop())
     with open(out, "a", buffering=1) as log:
+        election = Election(dsn, name, metrics=_Reports(log), **options)
+        signal.signal(signal.SIGTERM, lambda *_: election.stop())
+        signal.signal(signal.SIGUSR1, lambda *_: election.resign())
+        done = threading.Event()
+        sampler = threading.Thread(target=_sample, args=(election, log, done), daemon=True)
+        if sample:
+            sampler.start()
 
         def record(what: str, leadership: Leadership) -> None:
             log.write(f"{what} {os.getpid()} {leadership.token} {time.monotonic()!r}\n")
@@ -63,6 +110,9 @@ def main(dsn: str, name: str, out: str, options: dict[str, Any]) -> None:
         else:
             election.run(lead)
             election.close()
+        done.set()
+        if sample:
+            sampler.join(5)
     _report(sys.stdout)
 
 

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -327,6 +328,8 @@ def read_terms(*files: Path) -> list[tuple[float, float | None, int, int]]:
             continue
         for line in file.read_text().splitlines():
             what, pid, token, at = line.split()
+            if what not in ("begin", "end"):
+                continue  # a sampling worker's beliefs and reports: read_beliefs, read_reports
             entry = terms.setdefault((int(pid), int(token)), [None, None])
             entry[0 if what == "begin" else 1] = float(at)
     return sorted((begin, end, token, pid) for (pid, token), (begin, end) in terms.items())
@@ -375,6 +378,83 @@ def test_a_fleet_has_exactly_one_leader_at_a_time(
     terms = read_terms(*logs)
     assert_one_leader_at_a_time(terms)
     assert len({pid for _, _, _, pid in terms}) >= 2, "leadership moved between processes"
+
+
+def read_lines(kind: str, *files: Path) -> list[list[str]]:
+    """The fields after ``kind`` of each such line in the workers' logs."""
+    return [line.split()[1:] for file in files for line in file.read_text().splitlines() if line.startswith(kind + " ")]
+
+
+@contextlib.contextmanager
+def cpu_starved(hogs: int) -> Iterator[None]:
+    """``hogs`` processes that spin (each for two minutes at most), starving everything else of CPU."""
+    spin = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(hogs)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_under_cpu_starvation_a_candidate_stops_believing_it_leads_before_the_next_one_leads(
+    dsn: str, lock_name: str, schema: None, tmp_path: Path, fleet: list[subprocess.Popen[str]]
+) -> None:
+    # Each candidate reads its own leading and held every few milliseconds while the CPU is
+    # starved, through stop -> resign -> stop: no stretch of belief may reach into another's term.
+    options = {"heartbeat_interval": 0.2, "alert_threshold": 1.0, "stale_threshold": 3.0, "poll_interval": 0.05}
+    logs = [tmp_path / f"candidate-{index}.log" for index in range(3)]
+    fleet.extend(start_candidate(dsn, lock_name, log, sample=True, **options) for log in logs)
+    for proc in fleet:
+        ready(proc)
+    by_pid = {proc.pid: proc for proc in fleet}
+
+    def leader_after(token: int) -> tuple[int, int]:
+        def found() -> tuple[int, int] | None:
+            later = [(t, pid) for _, end, t, pid in read_terms(*logs) if t > token and end is None]
+            return later[0] if later else None
+
+        wait_until(lambda: found() is not None, timeout=60)
+        term = found()
+        assert term is not None
+        return term
+
+    token, pid = leader_after(0)
+    with cpu_starved(hogs=4 * (os.cpu_count() or 2)):
+        by_pid[pid].send_signal(signal.SIGTERM)  # stop
+        assert by_pid[pid].wait(timeout=60) == 0
+        token, pid = leader_after(token)
+        by_pid[pid].send_signal(signal.SIGUSR1)  # resign
+        token, pid = leader_after(token)
+        by_pid[pid].send_signal(signal.SIGTERM)  # stop
+        assert by_pid[pid].wait(timeout=60) == 0
+        token, pid = leader_after(token)
+    for proc in fleet:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in fleet:
+        assert proc.wait(timeout=30) == 0, proc.stderr.read() if proc.stderr else ""
+
+    terms = read_terms(*logs)
+    assert len(terms) >= 4
+    assert_one_leader_at_a_time(terms)
+    beliefs = [(int(who), float(since), float(last)) for who, since, last in read_lines("believed", *logs)]
+    assert {who for who, _, _ in beliefs} >= {pid for _, _, _, pid in terms}, "every leader saw itself lead"
+    for who, since, last in beliefs:
+        for begin, end, term_token, term_pid in terms:
+            assert end is not None
+            if term_pid != who:
+                overlap = min(last, end) - max(since, begin)
+                assert overlap <= 0, f"{who} still believed it led {overlap:.3f}s into term {term_token} of {term_pid}"
+            elif since < end:
+                # Stopped or resigned: told before lead returned, so before the lock was released.
+                assert last <= end, f"{who} believed it led {last - end:.3f}s after its term {term_token} ended"
+    reported = {int(t): how for _, t, how in read_lines("reported", *logs)}
+    assert {term_token for _, _, term_token, _ in terms} == set(reported), "every term's end was reported"
+    assert list(reported.values()).count("resigned") == 1
+    # A lease that ran out while the CPU was starved is a lost term, told as such: never a failure.
+    assert set(reported.values()) <= {"stopped", "resigned", "lost"}, reported
 
 
 def test_failover_is_immediate_on_a_graceful_stop_and_after_the_stale_threshold_on_a_crash(
