@@ -139,7 +139,14 @@ def test_a_lost_lock_shows_on_the_heartbeat_span(
     with pytest.raises(LockNotHeldError), mutex.acquire():
         admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (mutex.lock_name,))
         wait_until(lambda: not mutex.held)
-    lost = [s for s in spans(exporter, "postgres_mutex.heartbeat") if attr(s, "postgres_mutex.outcome") == "lost"]
+
+    def lost_beats() -> list[Any]:
+        beats = spans(exporter, "postgres_mutex.heartbeat")
+        return [s for s in beats if attr(s, "postgres_mutex.outcome") == "lost"]
+
+    # The heartbeat marks the hold lost, then ends its span: wait for the span, not the flag.
+    wait_until(lambda: len(lost_beats()) >= 1)
+    lost = lost_beats()
     assert len(lost) == 1
     assert lost[0].status.status_code is StatusCode.ERROR
 
