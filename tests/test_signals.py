@@ -42,6 +42,19 @@ async def main():
         await asyncio.Event().wait()
 asyncio.run(main())
 """,
+    # The signal lands inside a task that is running, not in the loop's wait.
+    "asyncio-busy-task": """
+async def spin():
+    while True:
+        sum(range(10_000))
+        await asyncio.sleep(0)
+async def main():
+    busy = asyncio.create_task(spin())
+    async with mutex.acquire_async(blocking=True, timeout=30):
+        print("held", flush=True)
+        await asyncio.Event().wait()
+asyncio.run(main())
+""",
 }
 
 

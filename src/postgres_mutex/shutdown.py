@@ -10,6 +10,7 @@ reclaims it after ``stale_threshold``. `exit_on_sigterm` makes SIGTERM raise
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import sys
@@ -38,7 +39,20 @@ class _OrderlyExit:
             return
         self.exiting = True
         logger.info("SIGTERM: exiting, releasing every lock held")
-        sys.exit(SIGTERM_EXIT_CODE)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            sys.exit(SIGTERM_EXIT_CODE)
+        # Raised here, the SystemExit would end whichever task the signal
+        # interrupted (a heartbeat, a user's task) and be kept in it as its
+        # result, to come out again while asyncio.run cancels the others, so
+        # that their ``async with`` blocks never release. Raised from a loop
+        # callback it ends the loop itself, as Ctrl-C under asyncio.run does.
+        loop.call_soon_threadsafe(_exit)
+
+
+def _exit() -> None:
+    sys.exit(SIGTERM_EXIT_CODE)
 
 
 _handler = _OrderlyExit()
@@ -56,9 +70,11 @@ def exit_on_sigterm() -> None:
     It never replaces a handler the application installed (nor SIG_IGN):
     raises `MutexError` naming it, so two shutdown plans cannot silently
     fight; have that handler raise `SystemExit` itself. Calling it again is
-    harmless. An asyncio application is covered too: `asyncio.run` ends with
-    the `SystemExit`, cancelling its tasks, whose ``async with`` blocks
-    release.
+    harmless. An asyncio application is covered too: when the main thread
+    runs an event loop, the `SystemExit` is raised from one of the loop's
+    callbacks rather than inside whichever task the signal interrupted, so
+    `asyncio.run` ends with it, cancelling every task, whose ``async with``
+    blocks release.
     """
     if threading.current_thread() is not threading.main_thread():
         raise MutexError("exit_on_sigterm() must be called from the main thread: Python runs signal handlers there")
