@@ -213,6 +213,26 @@ def test_a_forced_release_waiting_behind_a_fenced_transaction_does_not_starve_th
     assert "nothing was deleted" in str(error)
 
 
+@pytest.mark.parametrize("operation_timeout", [0.05, 0.26, 0.7])
+def test_a_forced_release_behind_a_locked_row_ends_at_its_deadline_saying_why(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, operation_timeout: float
+) -> None:
+    # Whatever the budget, the row's lock, not the statement's own deadline, ends
+    # each try: the operator reads why nothing was deleted, on time.
+    holder = make_mutex()
+    table = LockTable(dsn, operation_timeout=operation_timeout)
+    with holder.acquire(), psycopg.connect(dsn) as conn, conn.transaction():
+        holder.fence(conn)
+        started = time.monotonic()
+        with pytest.raises(OperationTimeout) as caught:
+            table.force_release(lock_name)
+        took = time.monotonic() - started
+        assert holder.held
+    assert "kept the lock's row locked" in str(caught.value)
+    assert f"operation_timeout ({operation_timeout:g}s)" in str(caught.value)
+    assert took < operation_timeout + 1.0
+
+
 def test_a_fenced_transaction_makes_a_reclaim_wait_until_it_ends(
     make_mutex: Callable[..., Mutex], dsn: str, admin: psycopg.Connection[Any], ledger: str, lock_name: str
 ) -> None:
