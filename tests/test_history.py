@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -449,6 +450,39 @@ def test_a_history_dropped_under_a_holder_is_said_once_and_is_no_failed_heartbea
     assert len(gone) == 1, said
     assert f"{table}_history" in gone[0]
     assert "holds go on without a history" in gone[0]
+
+
+def test_a_history_dropped_is_said_by_the_client_whichever_of_its_loops_finds_out(
+    make: Callable[..., Mutex], table: str, admin: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The client learns the table's shape from its sync side; the heartbeats that
+    # find the history gone are its async side's: it is the same client, said once.
+    seen = RecordingMetrics()
+    mutex = make(metrics=seen)
+    with mutex.acquire() as acquired:
+        assert acquired
+    holding, done = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        async with mutex.acquire_async() as got:
+            assert got
+            holding.set()
+            await asyncio.to_thread(done.wait, 20)
+
+    holder = threading.Thread(target=asyncio.run, args=(hold(),))
+    with caplog.at_level(logging.WARNING, logger="postgres_mutex"):
+        holder.start()
+        try:
+            assert holding.wait(10)
+            admin.execute(f"DROP TABLE {table}_history")
+            renewed = len(seen.named("heartbeat_latency"))
+            wait_until(lambda: len(seen.named("heartbeat_latency")) >= renewed + 5)
+        finally:
+            done.set()
+            holder.join(10)
+    said = [record.getMessage() for record in caplog.records]
+    assert seen.named("heartbeat_failed") == [], said
+    assert len([line for line in said if "history of lock table" in line]) == 1, said
 
 
 def take(mutex: Mutex) -> bool:

@@ -126,8 +126,6 @@ class AsyncEngine:
         self.closed = False
         self.deadline: float | None = None
         """When set (by the release at interpreter exit), no statement waits past it."""
-        self._with_history: set[str] = set()
-        """Tables last inspected with a history: one found without it again had it dropped."""
 
     # -- running flows -----------------------------------------------------------
 
@@ -224,9 +222,9 @@ class AsyncEngine:
         # the error's __context__ (which `from None` would merely hide).
         raise error
 
-    async def shape(self, names: Names, timeout: float) -> Statements:
-        """The statements for this table's shape; the table is inspected once per client."""
-        statements = self.client._shapes.get(names.table_name)
+    async def shape(self, names: Names, timeout: float, *, fresh: bool = False) -> Statements:
+        """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""
+        statements = None if fresh else self.client._shapes.get(names.table_name)
         if statements is None:
             op = flows.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
             row = (await self.execute(op)).row
@@ -239,11 +237,16 @@ class AsyncEngine:
                     sqlstate="42P01",
                 )
             statements = Statements(names, _sql.TableShape(tokens=bool(has_token), history=bool(has_history)))
-            self.client._shapes[names.table_name] = statements
-            if has_history:
-                self._with_history.add(names.table_name)
-            elif names.table_name in self._with_history:
-                self._with_history.discard(names.table_name)
+            with self.client._state_lock:
+                # Compared with what the client knew, under its lock: its engines
+                # and flows that find the history gone at once say so only once.
+                self.client._shapes[names.table_name] = statements
+                known = names.table_name in self.client._with_history
+                if has_history:
+                    self.client._with_history.add(names.table_name)
+                else:
+                    self.client._with_history.discard(names.table_name)
+            if known and not has_history:
                 logger.warning(
                     "the history of lock table %s (%s) is gone, dropped while its locks were in use: "
                     "holds go on without a history; create_schema(history=True) makes a new one",
@@ -572,9 +575,7 @@ class _Steps:
         if isinstance(op, flows.Execute):
             return await engine.execute(op)
         if isinstance(op, flows.Shape):
-            if op.fresh:
-                engine.client._shapes.pop(op.names.table_name, None)
-            return await engine.shape(op.names, op.timeout)
+            return await engine.shape(op.names, op.timeout, fresh=op.fresh)
         if isinstance(op, flows.Pause):
             await asleep(op.seconds)
             return not engine.closed

@@ -98,6 +98,8 @@ class MutexClient:
         self._conninfo = dsn if dsn is not None else str(getattr(pool or async_pool, "conninfo", "") or "")
         self._state_lock = threading.Lock()
         self._shapes: dict[str, Statements] = {}
+        self._with_history: set[str] = set()
+        """Tables last inspected with a history: one inspected without it again had it dropped."""
         self._engine: Engine | None = None
         self._async_engines: dict[asyncio.AbstractEventLoop, AsyncEngine] = {}
         self._events = _EventThread(self)
