@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,13 @@ class Supervisor:
         self.received: list[int] = []
         """The signals the supervisor got (and forwarded) while the command ran, in order."""
 
+    def _found(self) -> bool:
+        """Whether the command names a file, found as the kernel would look it up (by PATH, if no slash)."""
+        name = self._command[0]
+        if os.sep in name:
+            return os.path.lexists(name)
+        return shutil.which(name, mode=os.F_OK, path=self._env.get("PATH", os.defpath)) is not None
+
     def run(self, kill_after: float, say: Callable[[str], None]) -> tuple[int, bool]:
         """Run the command to its end; returns (exit code, whether the lock was lost meanwhile).
 
@@ -51,9 +59,13 @@ class Supervisor:
         try:
             try:
                 self._child = subprocess.Popen(self._command, process_group=0, env=self._env)
-            except FileNotFoundError:
-                say(f"command not found: {self._command[0]}")
-                return 127, False
+            except FileNotFoundError as exc:
+                if not self._found():
+                    say(f"command not found: {self._command[0]}")
+                    return 127, False
+                # The command is there; what is missing is its #! interpreter.
+                say(f"command could not be executed: {self._command[0]}: bad interpreter ({exc.strerror or exc})")
+                return 126, False
             except OSError as exc:
                 # Found, but the kernel would not run it: not executable, no #! line
                 # (ENOEXEC), a directory, a bad interpreter... 126, as a shell says.
