@@ -234,19 +234,24 @@ def test_run_needs_a_command(dsn: str, lock_name: str) -> None:
     assert "needs a command" in result.stderr
 
 
-def test_a_missing_command_exits_127(dsn: str, lock_name: str, holder_id: Holder) -> None:
-    result = cli("run", "--dsn", dsn, "--lock", lock_name, "--", "/no/such/command")
+@pytest.mark.parametrize("command", ["/no/such/command", "no-such-command-on-path"])
+def test_a_missing_command_exits_127(dsn: str, lock_name: str, holder_id: Holder, command: str) -> None:
+    result = cli("run", "--dsn", dsn, "--lock", lock_name, "--", command)
     assert result.returncode == 127
+    assert f"command not found: {command}" in result.stderr
     assert holder_id() is None
 
 
-@pytest.mark.parametrize("what", ["no #! line", "not executable", "a directory"])
+@pytest.mark.parametrize("what", ["no #! line", "not executable", "a directory", "a missing #! interpreter"])
 def test_a_command_that_cannot_be_executed_exits_126_with_one_line(
     dsn: str, lock_name: str, holder_id: Holder, tmp_path: Path, what: str
 ) -> None:
     command = tmp_path / "job"
     if what == "a directory":
         command.mkdir()
+    elif what == "a missing #! interpreter":
+        command.write_text("#!/nonexistent/interpreter\necho hello\n")
+        command.chmod(0o755)
     else:
         command.write_text("echo hello\n")
         command.chmod(0o755 if what == "no #! line" else 0o644)
@@ -427,6 +432,8 @@ def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg
         (["status", "--table", "no_such_table"], 69, "postgres-mutex init"),
         (["watch", "--listen", "nonsense"], 2, "HOST:PORT"),
         (["watch", "--listen", "127.0.0.1:99999"], 2, "a port from 0 to 65535"),
+        (["watch", "--listen", "127.0.0.1:\u00b2"], 2, "a port from 0 to 65535"),
+        (["watch", "--listen", "127.0.0.1:\u0661"], 2, "a port from 0 to 65535"),
     ],
 )
 def test_user_errors_are_one_line_and_no_traceback(dsn: str, args: list[str], code: int, message: str) -> None:

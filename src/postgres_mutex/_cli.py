@@ -515,7 +515,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     from .watcher import StaleWatcher
 
     host, _, port_text = args.listen.rpartition(":")
-    if not host or not port_text.isdigit() or int(port_text) > 65535:
+    if not host or not port_text.isdecimal() or not port_text.isascii() or int(port_text) > 65535:
         raise _UsageError(f"--listen must be HOST:PORT with a port from 0 to 65535, got {args.listen!r}")
     if not args.alert_threshold < args.stale_threshold:
         raise _UsageError("--alert-threshold must be shorter than --stale-threshold")
