@@ -15,8 +15,10 @@ returns after a random time in ``"hold": [low, high]`` seconds, or, without
 ``hold``, once leadership ends. SIGTERM stops the election (the graceful
 hand-over); SIGUSR1 resigns the current term; SIGKILL is the crash. With
 ``"sample": true`` a thread reads the candidate's own ``leading`` and the
-term's ``held`` every few milliseconds and writes each stretch of belief::
+term's ``held`` every few milliseconds and writes each stretch of belief,
+as it starts and once it has ended::
 
+    believes PID FROM
     believed PID FROM TO
 
 where it saw True throughout, FROM after the first such read and TO before
@@ -62,7 +64,9 @@ def _sample(election: Election, log: TextIO, done: threading.Event) -> None:
         believes = election.leading or (term is not None and term.held)
         after = time.monotonic()
         if believes:
-            since = after if since is None else since
+            if since is None:
+                since = after
+                log.write(f"believes {os.getpid()} {since!r}\n")
             last = before
         if since is not None and (not believes or done.is_set()):
             log.write(f"believed {os.getpid()} {since!r} {last!r}\n")

@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -326,10 +325,11 @@ def read_terms(*files: Path) -> list[tuple[float, float | None, int, int]]:
     for file in files:
         if not file.exists():
             continue
-        for line in file.read_text().splitlines():
-            what, pid, token, at = line.split()
+        for line in complete_lines(file):
+            what, *fields = line.split()
             if what not in ("begin", "end"):
-                continue  # a sampling worker's beliefs and reports: read_beliefs, read_reports
+                continue  # a sampling worker's beliefs and reports: read_lines
+            pid, token, at = fields
             entry = terms.setdefault((int(pid), int(token)), [None, None])
             entry[0 if what == "begin" else 1] = float(at)
     return sorted((begin, end, token, pid) for (pid, token), (begin, end) in terms.items())
@@ -380,9 +380,20 @@ def test_a_fleet_has_exactly_one_leader_at_a_time(
     assert len({pid for _, _, _, pid in terms}) >= 2, "leadership moved between processes"
 
 
+def complete_lines(file: Path) -> list[str]:
+    """The lines of a worker's log that it has finished writing (a last one may be half written)."""
+    return file.read_text().split("\n")[:-1]
+
+
 def read_lines(kind: str, *files: Path) -> list[list[str]]:
     """The fields after ``kind`` of each such line in the workers' logs."""
-    return [line.split()[1:] for file in files for line in file.read_text().splitlines() if line.startswith(kind + " ")]
+    return [
+        line.split()[1:]
+        for file in files
+        if file.exists()
+        for line in complete_lines(file)
+        if line.startswith(kind + " ")
+    ]
 
 
 @contextlib.contextmanager
@@ -411,21 +422,34 @@ def test_under_cpu_starvation_a_candidate_stops_believing_it_leads_before_the_ne
     by_pid = {proc.pid: proc for proc in fleet}
 
     def leader_after(token: int) -> tuple[int, int]:
-        def found() -> tuple[int, int] | None:
-            later = [(t, pid) for _, end, t, pid in read_terms(*logs) if t > token and end is None]
+        """The next leader's term and pid, once that leader has seen itself lead."""
+
+        def found() -> tuple[float, int, int] | None:
+            later = [(begin, t, pid) for begin, end, t, pid in read_terms(*logs) if t > token and end is None]
             return later[0] if later else None
 
         wait_until(lambda: found() is not None, timeout=60)
         term = found()
         assert term is not None
-        return term
+        _, token_after, pid = term
+        # The previous term began before this one could: a belief of this pid that started
+        # after it is a belief in this term (the sampler may see `leading` before `begin`).
+        previous = [begin for begin, _, t, _ in read_terms(*logs) if t == token]
+        after = previous[0] if previous else float("-inf")
+
+        def believes() -> bool:
+            return any(int(who) == pid and float(since) > after for who, since in read_lines("believes", *logs))
+
+        wait_until(believes, timeout=60)  # every leader sees itself lead
+        return token_after, pid
 
     token, pid = leader_after(0)
-    with cpu_starved(hogs=4 * (os.cpu_count() or 2)):
+    with cpu_starved(hogs=4):
         by_pid[pid].send_signal(signal.SIGTERM)  # stop
         assert by_pid[pid].wait(timeout=60) == 0
         token, pid = leader_after(token)
         by_pid[pid].send_signal(signal.SIGUSR1)  # resign
+        resigned = token
         token, pid = leader_after(token)
         by_pid[pid].send_signal(signal.SIGTERM)  # stop
         assert by_pid[pid].wait(timeout=60) == 0
@@ -440,7 +464,6 @@ def test_under_cpu_starvation_a_candidate_stops_believing_it_leads_before_the_ne
     assert len(terms) >= 4
     assert_one_leader_at_a_time(terms)
     beliefs = [(int(who), float(since), float(last)) for who, since, last in read_lines("believed", *logs)]
-    assert {who for who, _, _ in beliefs} >= {pid for _, _, _, pid in terms}, "every leader saw itself lead"
     for who, since, last in beliefs:
         for begin, end, term_token, term_pid in terms:
             assert end is not None
@@ -452,7 +475,9 @@ def test_under_cpu_starvation_a_candidate_stops_believing_it_leads_before_the_ne
                 assert last <= end, f"{who} believed it led {last - end:.3f}s after its term {term_token} ended"
     reported = {int(t): how for _, t, how in read_lines("reported", *logs)}
     assert {term_token for _, _, term_token, _ in terms} == set(reported), "every term's end was reported"
-    assert list(reported.values()).count("resigned") == 1
+    # Resigned, or lost if its lease ran out while the CPU was starved, before the resignation.
+    assert reported[resigned] in ("resigned", "lost"), reported
+    assert list(reported.values()).count("resigned") <= 1, reported
     # A lease that ran out while the CPU was starved is a lost term, told as such: never a failure.
     assert set(reported.values()) <= {"stopped", "resigned", "lost"}, reported
 
