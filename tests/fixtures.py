@@ -21,6 +21,7 @@ import pytest
 
 from postgres_mutex import LockNotHeldError, Mutex
 from postgres_mutex._sql import Names
+from postgres_mutex.client import core_of
 from tests.faultproxy import FaultProxy
 from tests.postgres_server import PostgresServer, configured_server, local_server
 from tests.timing import FAST as FAST  # the suite's one table of short thresholds, re-exported
@@ -136,7 +137,7 @@ def listens(mutex: Mutex, *, engine: Any = None) -> bool:
     more, then waits: with `contended` counting two attempts as well, it is
     waiting for the release and will be woken by its notification.
     """
-    listener = (engine or mutex.client._get_engine()).listener
+    listener = (engine or core_of(mutex.client).engine()).listener
     return listener is not None and channel_of(mutex.lock_name, mutex.table) in listener.listening
 
 

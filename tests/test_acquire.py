@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, LockNotHeldError, Mutex
+from postgres_mutex.client import core_of
 from tests.fixtures import (
     RecordingMetrics,
     await_until,
@@ -122,7 +123,7 @@ async def test_async_release_wakes_an_async_waiter_at_once(
     holder, waiter = amake_mutex(), amake_mutex(poll_interval=30.0, metrics=metrics)
     async with holder.acquire_async():
         task = asyncio.create_task(_acquire_and_time(waiter))
-        engine = waiter.client._get_engine_async()
+        engine = core_of(waiter.client).engine_async()
         await await_until(lambda: listens(waiter, engine=engine) and len(metrics.named("contended")) >= 2)
         released_at = time.monotonic()
     acquired_at = await asyncio.wait_for(task, 25)

@@ -17,6 +17,7 @@ import pytest
 
 from postgres_mutex import LockTable, Mutex, MutexClient, MutexError
 from postgres_mutex._settings import Timing
+from postgres_mutex.client import core_of
 from tests.faultproxy import FaultProxy
 from tests.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, wait_until
 from tests.postgres_server import PostgresServer
@@ -139,7 +140,7 @@ def test_a_release_wakes_only_that_locks_waiters(make_mutex: Callable[..., Mutex
     thread_b = threading.Thread(target=wait, args=(waiter_b, []))
     thread_a.start()
     thread_b.start()
-    listener = first.client._get_engine().listener
+    listener = core_of(first.client).engine().listener
     assert listener is not None
     wait_until(lambda: len(listener.listening) == 2)  # both wait on their own channel
     wait_until(lambda: len(attempts["a"].named("contended")) == 2 and len(attempts["b"].named("contended")) == 2)

@@ -24,6 +24,7 @@ from postgres_mutex import (
     Mutex,
     OperationTimeout,
 )
+from postgres_mutex.client import core_of
 from tests.faultproxy import FaultProxy
 from tests.fixtures import FAST, RecordingMetrics, freeze, wait_until
 from tests.postgres_server import PostgresServer
@@ -491,7 +492,7 @@ def test_a_connection_closed_by_the_server_while_idle_does_not_fail_the_next_acq
 
 def test_a_waiter_stops_listening_once_it_has_the_lock(make_mutex: Callable[..., Mutex]) -> None:
     holder, waiter = make_mutex(), make_mutex()
-    listener = waiter.client._get_engine().listener
+    listener = core_of(waiter.client).engine().listener
     assert listener is not None
     holding = holder.acquire()
     assert holding.__enter__()
@@ -576,5 +577,5 @@ def test_a_cleanup_begun_before_an_acquire_is_never_sent_after_it(
             yield Execute(statements.cleanup, lock.params(), 2.0, "cleanup", guard=guard)
 
         with pytest.raises(CleanupSuperseded):
-            mutex.client._get_engine().run(late_cleanup())
+            core_of(mutex.client).engine().run(late_cleanup())
         assert holder_id() == mutex.instance_id, "...so it cannot delete the new hold's row"

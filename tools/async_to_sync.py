@@ -1,4 +1,4 @@
-"""Generate the sync engine (``_engine.py``) from the async one (``_engine_async.py``).
+"""Generate the sync engine (``_engine.py`` and its parts) from the async one (``_engine_async.py`` ...).
 
 The async module is the one written by hand; the sync one is derived from it
 token by token, so the two cannot drift apart:
@@ -14,7 +14,7 @@ Comments, docstrings and layout are kept; ``ruff format`` then settles the
 layout. ``--check`` exits 1 if the committed file is not what this generates
 (CI runs it).
 
-    python tools/async_to_sync.py          # rewrite src/postgres_mutex/_engine.py
+    python tools/async_to_sync.py          # rewrite src/postgres_mutex/_engine.py and its parts
     python tools/async_to_sync.py --check  # fail if it is out of date
 """
 
@@ -30,7 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "postgres_mutex"
-PAIRS = [(PACKAGE / "_engine_async.py", PACKAGE / "_engine.py")]
+PAIRS = [
+    (PACKAGE / f"_{part}_async.py", PACKAGE / f"_{part}.py")
+    for part in ("engine", "heartbeat", "listener", "sources", "acquisition")
+]
 
 RENAMES = {
     "ACancelled": "Cancelled",

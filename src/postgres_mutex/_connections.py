@@ -5,7 +5,8 @@ statements and one that listens for releases. Both run in autocommit (every
 lock statement is its own transaction: one round trip), with
 ``application_name``, TCP keepalives and a connect timeout unless the DSN or
 the ``PG*`` environment already sets them. The DSN itself is passed to
-psycopg untouched.
+psycopg untouched; it is checked first (`check_connection_args`), in words
+that never quote its password.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from typing import Any
 import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
+
+from ._secrets import Redactor
+
+FAILURES = (psycopg.Error, OSError)
+"""What a failing psycopg call can raise: its own errors (pool errors derive
+from them) and OS errors from a socket the watchdog shut down."""
 
 _ENV_FOR_PARAM = {
     "application_name": "PGAPPNAME",
@@ -99,7 +106,7 @@ def discard(conn: psycopg.BaseConnection[Any]) -> None:
     conn.pgconn.finish()
 
 
-class Session:
+class ServerSession:
     """What the library knows of, and set on, the server session of one connection of its own.
 
     Found out with the connection's first lock statement (`_sql.session_setup`),
@@ -116,3 +123,55 @@ class Session:
         """The session's ``statement_timeout`` as the library last set it (direct connections only)."""
         self.retired = False
         """Its prepared statements no longer fit the table (a column changed type): the connection is replaced."""
+
+
+def describe_dsn(dsn: str) -> str:
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return "dsn"
+    host = params.get("host") or os.environ.get("PGHOST") or "localhost"
+    port = params.get("port") or os.environ.get("PGPORT") or "5432"
+    dbname = params.get("dbname") or os.environ.get("PGDATABASE") or ""
+    return f"{host}:{port}/{dbname}"
+
+
+def check_connection_args(dsn: object, pool: object, async_pool: object) -> Redactor:
+    """Validate how to reach PostgreSQL (exactly one way); returns what masks the DSN's password."""
+    if dsn is not None and not isinstance(dsn, str):
+        raise TypeError(f"dsn must be a str, not {type(dsn).__name__}")
+    if dsn is not None and (pool is not None or async_pool is not None):
+        raise ValueError("pass either dsn or pool/async_pool, not both: with a pool, the library opens no connection")
+    if dsn is None and pool is None and async_pool is None:
+        raise ValueError("Mutex needs a connection source: pass dsn, or pool and/or async_pool")
+    redactor = Redactor(dsn)
+    if dsn is not None:
+        detail = None
+        try:
+            conninfo_to_dict(dsn)
+        except psycopg.Error as exc:
+            # libpq quotes the part it could not parse, which may be part of
+            # a password (an unquoted one with a space, say): then say less.
+            detail = redactor.redact(str(exc)) if not _may_hold_password(dsn) else "libpq could not parse it"
+            detail = " ".join(detail.split())
+        if detail is not None:
+            # Raised out here: inside the except block psycopg's error, which may
+            # quote the password, would be this one's __context__.
+            raise ValueError(
+                f"dsn is not a valid connection string ({detail}); quote values with spaces: password='a b'"
+            )
+    if pool is not None or async_pool is not None:
+        try:
+            from psycopg_pool import AsyncConnectionPool, ConnectionPool
+        except ImportError:  # pragma: no cover - a pool object implies the package
+            raise ImportError("pool mode needs psycopg-pool: pip install 'postgres-mutex[pool]'") from None
+        if pool is not None and not isinstance(pool, ConnectionPool):
+            raise TypeError(f"pool must be a psycopg_pool.ConnectionPool, not {type(pool).__name__}")
+        if async_pool is not None and not isinstance(async_pool, AsyncConnectionPool):
+            raise TypeError(f"async_pool must be a psycopg_pool.AsyncConnectionPool, not {type(async_pool).__name__}")
+    return redactor
+
+
+def _may_hold_password(dsn: str) -> bool:
+    lowered = dsn.lower()
+    return "password" in lowered or "@" in lowered

@@ -12,25 +12,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
-from . import _engine, _engine_async
+from . import _acquisition, _acquisition_async
 from . import _flows as flows
 from ._acompat import current_owner
-from ._engine import Acquisition
-from ._engine_async import AsyncAcquisition
+from ._acquisition import Acquisition
+from ._acquisition_async import AsyncAcquisition
 from ._events import LockEvents, LostCallback
 from ._metrics import guard
 from ._settings import Timing, check_name, check_seconds, default_instance_id
 from ._sql import Names
 from ._state import LockState, Phase
-from .client import MutexClient, shared_client
+from .client import BUILT_ON_IT, MutexClient, core_of, shared_client
 from .errors import LockAlreadyHeldError, MutexError
+from .watcher import StaleWatcher
 
 if TYPE_CHECKING:
     import psycopg
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-    from .watcher import StaleWatcher
 
 logger = logging.getLogger("postgres_mutex")
 
@@ -126,9 +126,10 @@ class Mutex:
         elif dsn is not None or pool is not None or async_pool is not None:
             raise ValueError("pass either client or dsn/pool/async_pool, not both")
         self._client = client
+        core = self._core = core_of(client)
         self._metrics = metrics
         chosen_id = instance_id if instance_id is not None else default_instance_id()
-        tracing = client._tracing(tracer_provider, names.table_name)
+        tracing = core.tracing(tracer_provider, names.table_name)
         events = LockEvents(
             lock_name=lock_name,
             instance_id=chosen_id,
@@ -144,10 +145,12 @@ class Mutex:
             timing=timing,
             events=events,
             tracing=tracing,
-            state_lock=client._state_lock,
+            state_lock=core.state_lock,
         )
-        client._register(self._lock, explicit_id=instance_id is not None)
-        client._attach()
+        self._engine_for = functools.partial(core.engine_for, self._lock)
+        self._engine_async_for = functools.partial(core.engine_async_for, self._lock)
+        core.register(self._lock, explicit_id=instance_id is not None)
+        core.attach()
         self._attached = True
         self._options: dict[str, Any] = {
             "table": table,
@@ -164,7 +167,7 @@ class Mutex:
         self._siblings: dict[str, Mutex] = {}
         self._watch: _OwnLockWatch | None = _OwnLockWatch(self) if watch else None
         if self._watch is not None:
-            self._watch.start_at_creation(client._has_sync())
+            self._watch.start_at_creation(core.has_sync)
 
     # -- introspection -------------------------------------------------------------
 
@@ -294,13 +297,13 @@ class Mutex:
         """
         timeout = _check_wait(blocking, timeout)
         self._start_watch()
-        return Acquisition(self._client, self._lock, blocking=blocking, timeout=timeout)
+        return Acquisition(self._engine_for, self._lock, blocking=blocking, timeout=timeout)
 
     def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
         """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
         timeout = _check_wait(blocking, timeout)
         self._start_watch_async()
-        return AsyncAcquisition(self._client, self._lock, blocking=blocking, timeout=timeout)
+        return AsyncAcquisition(self._engine_async_for, self._lock, blocking=blocking, timeout=timeout)
 
     def _campaign(self, stop: flows.StopSignal) -> Acquisition:
         """A blocking acquire without a timeout that ``stop`` ends at once (entering then yields False).
@@ -309,12 +312,12 @@ class Mutex:
         wait the moment it is set, from any thread.
         """
         self._start_watch()
-        return Acquisition(self._client, self._lock, blocking=True, timeout=None, stop=stop)
+        return Acquisition(self._engine_for, self._lock, blocking=True, timeout=None, stop=stop)
 
     def _campaign_async(self, stop: flows.StopSignal) -> AsyncAcquisition:
         """Async `_campaign`."""
         self._start_watch_async()
-        return AsyncAcquisition(self._client, self._lock, blocking=True, timeout=None, stop=stop)
+        return AsyncAcquisition(self._engine_async_for, self._lock, blocking=True, timeout=None, stop=stop)
 
     def release(self) -> None:
         """Delete this Mutex's lock row (waking waiters at once).
@@ -330,13 +333,11 @@ class Mutex:
         holds the lock, it releases the lock and that block's exit raises
         `LockNotHeldError`: the block learns that it ran partly unlocked.
         """
-        self._client._get_engine().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
+        self._core.engine().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
 
     async def release_async(self) -> None:
         """Async `release`."""
-        await self._client._get_engine_async().run(
-            flows.release(self._lock, self._lock.tracing, caller=current_owner())
-        )
+        await self._core.engine_async().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
 
     def heartbeat(self) -> None:
         """Renew the lock now (the client's heartbeat does this on its own).
@@ -344,11 +345,11 @@ class Mutex:
         Raises `LockNotHeldError` if the lock is not held or turns out lost,
         `DatabaseError` if the heartbeat failed.
         """
-        self._client._get_engine().run(flows.heartbeat_now(self._lock, self._lock.tracing))
+        self._core.engine().run(flows.heartbeat_now(self._lock, self._lock.tracing))
 
     async def heartbeat_async(self) -> None:
         """Async `heartbeat`."""
-        await self._client._get_engine_async().run(flows.heartbeat_now(self._lock, self._lock.tracing))
+        await self._core.engine_async().run(flows.heartbeat_now(self._lock, self._lock.tracing))
 
     # -- fencing -------------------------------------------------------------------
 
@@ -370,11 +371,11 @@ class Mutex:
         the transaction back, so nothing it wrote commits; use a new
         connection (a pool replaces a closed one by itself).
         """
-        return _engine.fence(self._lock, conn)
+        return _acquisition.fence(self._lock, conn)
 
     async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
         """Async `fence`, on an `AsyncConnection`."""
-        return await _engine_async.fence_async(self._lock, conn)
+        return await _acquisition_async.fence_async(self._lock, conn)
 
     @contextlib.contextmanager
     def fenced(self, conn: psycopg.Connection[Any]) -> Iterator[int]:
@@ -493,7 +494,7 @@ class Mutex:
             # One identity for the Mutex, whichever of its names it holds.
             sibling = self._client.mutex(lock_name, instance_id=self.instance_id, **self._options)
             if not self._explicit_id:
-                self._client._register(sibling._lock, explicit_id=False)
+                self._core.register(sibling._lock, explicit_id=False)
             self._siblings[lock_name] = sibling
         return sibling
 
@@ -519,7 +520,7 @@ class Mutex:
             # 0.1.0's close() left the lock held; releasing it now is right, but say so.
             logger.warning("close() releases lock %r, which this Mutex still held", self.lock_name)
         if lock.phase is Phase.HOLDING:
-            if not self._client._has_sync():
+            if not self._core.has_sync:
                 logger.warning(
                     "lock %r is still held and only an async_pool is available to release it: use "
                     "aclose(); the lock stays until another instance reclaims it after stale_threshold",
@@ -554,7 +555,7 @@ class Mutex:
     def _detach(self) -> None:
         if self._attached:
             self._attached = False
-            self._client._detach()
+            self._core.detach()
 
     # -- the watcher of this Mutex's own lock ------------------------------------------
 
@@ -578,8 +579,6 @@ class _OwnLockWatch:
     """
 
     def __init__(self, mutex: Mutex) -> None:
-        from .watcher import StaleWatcher
-
         lock = mutex._lock
         timing = lock.timing
         self.watcher: StaleWatcher = StaleWatcher(
@@ -634,3 +633,6 @@ def _check_wait(blocking: object, timeout: object) -> float | None:
         # A deadline already past (timeout=deadline - now()): one attempt, as in 0.1.0.
         return float(timeout)
     return check_seconds(timeout, "timeout", allow_zero=True)
+
+
+BUILT_ON_IT.mutex = Mutex

@@ -57,3 +57,13 @@ class Redactor:
         for secret in self._standalone:
             text = secret.sub(MASK, text)
         return text
+
+    def shown_cause(self, exc: BaseException) -> BaseException | None:
+        """psycopg's error, to chain for the traceback, unless it holds a secret.
+
+        Its text may quote one; and a failed connect's error keeps the
+        connection's options (``pgconn.info``), the password among them.
+        """
+        if self.redact(str(exc)) != str(exc) or getattr(exc, "pgconn", None) is not None:
+            return None
+        return exc

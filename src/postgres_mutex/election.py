@@ -65,8 +65,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-    from ._engine import Acquisition
-    from ._engine_async import AsyncAcquisition
+    from ._acquisition import Acquisition
+    from ._acquisition_async import AsyncAcquisition
     from ._state import Hold
     from .client import MutexClient
 

@@ -15,7 +15,7 @@ from . import _flows as flows
 from ._metrics import LockObservation
 from ._settings import DEFAULT_OPERATION_TIMEOUT, check_name, check_names, check_operation_timeout, check_seconds
 from ._sql import Names
-from .client import MutexClient, shared_client
+from .client import BUILT_ON_IT, MutexClient, core_of, shared_client
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -91,6 +91,7 @@ class LockTable:
         elif dsn is not None or pool is not None or async_pool is not None:
             raise ValueError("pass either client or dsn/pool/async_pool, not both")
         self._client = client
+        self._core = core_of(client)
 
     @property
     def name(self) -> str:
@@ -113,17 +114,17 @@ class LockTable:
         """
         flow = flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
         try:
-            return self._client._get_engine().run(flow)
+            return self._core.engine().run(flow)
         finally:
-            self._client._shapes.pop(self.name, None)
+            self._core.host.shapes.forget(self.name)
 
     async def create_async(self, *, history: bool = False, history_retention: float | None = None) -> bool:
         """Async `create`."""
         flow = flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
         try:
-            return await self._client._get_engine_async().run(flow)
+            return await self._core.engine_async().run(flow)
         finally:
-            self._client._shapes.pop(self.name, None)
+            self._core.host.shapes.forget(self.name)
 
     def migrate(self, *, history: bool = False, history_retention: float | None = None) -> bool:
         """Add fencing tokens to a table made without them (the README's DDL, or an earlier release).
@@ -138,33 +139,33 @@ class LockTable:
         """
         flow = flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
         try:
-            return self._client._get_engine().run(flow)
+            return self._core.engine().run(flow)
         finally:
-            self._client._shapes.pop(self.name, None)
+            self._core.host.shapes.forget(self.name)
 
     async def migrate_async(self, *, history: bool = False, history_retention: float | None = None) -> bool:
         """Async `migrate`."""
         flow = flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
         try:
-            return await self._client._get_engine_async().run(flow)
+            return await self._core.engine_async().run(flow)
         finally:
-            self._client._shapes.pop(self.name, None)
+            self._core.host.shapes.forget(self.name)
 
     def has_tokens(self) -> bool:
         """Whether the table has the token column (False also if it does not exist)."""
-        return self._client._get_engine().run(flows.inspect(self._names, self._timeout))[1]
+        return self._core.engine().run(flows.inspect(self._names, self._timeout))[1]
 
     async def has_tokens_async(self) -> bool:
         """Async `has_tokens`."""
-        return (await self._client._get_engine_async().run(flows.inspect(self._names, self._timeout)))[1]
+        return (await self._core.engine_async().run(flows.inspect(self._names, self._timeout)))[1]
 
     def has_history(self) -> bool:
         """Whether the table keeps a history (see `history`)."""
-        return self._client._get_engine().run(flows.inspect(self._names, self._timeout))[2]
+        return self._core.engine().run(flows.inspect(self._names, self._timeout))[2]
 
     async def has_history_async(self) -> bool:
         """Async `has_history`."""
-        return (await self._client._get_engine_async().run(flows.inspect(self._names, self._timeout)))[2]
+        return (await self._core.engine_async().run(flows.inspect(self._names, self._timeout)))[2]
 
     # -- reading -----------------------------------------------------------------------
 
@@ -181,7 +182,7 @@ class LockTable:
         are judged against the thresholds given (those of the Mutexes, which
         the table does not know).
         """
-        return self._client._get_engine().run(self._holders(lock_names, alert_threshold, stale_threshold))
+        return self._core.engine().run(self._holders(lock_names, alert_threshold, stale_threshold))
 
     async def holders_async(
         self,
@@ -191,7 +192,7 @@ class LockTable:
         stale_threshold: float = 600.0,
     ) -> list[LockObservation]:
         """Async `holders`."""
-        return await self._client._get_engine_async().run(self._holders(lock_names, alert_threshold, stale_threshold))
+        return await self._core.engine_async().run(self._holders(lock_names, alert_threshold, stale_threshold))
 
     def _holders(
         self, lock_names: Iterable[str] | None, alert_threshold: float, stale_threshold: float
@@ -214,14 +215,14 @@ class LockTable:
         (`create` / `migrate` with ``history=True``).
         """
         flow = self._history(lock_name, since, limit)
-        return [HoldRecord(*row) for row in self._client._get_engine().run(flow)]
+        return [HoldRecord(*row) for row in self._core.engine().run(flow)]
 
     async def history_async(
         self, lock_name: str | None = None, *, since: datetime | timedelta | None = None, limit: int = 100
     ) -> list[HoldRecord]:
         """Async `history`."""
         flow = self._history(lock_name, since, limit)
-        return [HoldRecord(*row) for row in await self._client._get_engine_async().run(flow)]
+        return [HoldRecord(*row) for row in await self._core.engine_async().run(flow)]
 
     def _history(
         self, lock_name: str | None, since: datetime | timedelta | None, limit: int
@@ -254,14 +255,12 @@ class LockTable:
         fenced transaction to end, up to ``operation_timeout``.
         """
         check_name(lock_name, "lock_name")
-        return _forced(
-            lock_name, self._client._get_engine().run(flows.force_release(self._names, lock_name, self._timeout))
-        )
+        return _forced(lock_name, self._core.engine().run(flows.force_release(self._names, lock_name, self._timeout)))
 
     async def force_release_async(self, lock_name: str) -> ForcedRelease | None:
         """Async `force_release`."""
         check_name(lock_name, "lock_name")
-        found = await self._client._get_engine_async().run(flows.force_release(self._names, lock_name, self._timeout))
+        found = await self._core.engine_async().run(flows.force_release(self._names, lock_name, self._timeout))
         return _forced(lock_name, found)
 
 
@@ -280,3 +279,6 @@ def _forced(lock_name: str, found: tuple[str, float, int | None] | None) -> Forc
         return None
     holder, age, token = found
     return ForcedRelease(lock_name, holder, age, token)
+
+
+BUILT_ON_IT.table = LockTable

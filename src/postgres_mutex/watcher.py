@@ -31,7 +31,7 @@ from ._events import WatcherEvents
 from ._metrics import LockObservation, guard
 from ._rules import AlertGate, WatchAlerts
 from ._settings import check_names, check_seconds
-from .client import MutexClient, shared_client
+from .client import MutexClient, core_of, shared_client
 from .errors import DatabaseError
 from .table import LockTable
 
@@ -74,7 +74,7 @@ class StaleWatcher:
         self._interval = check_seconds(interval, "interval")
         if client is None:
             client = shared_client(dsn, pool, async_pool)
-            client._attach()
+            core_of(client).attach()
             self._owns_attachment = True
         else:
             self._owns_attachment = False
@@ -203,7 +203,7 @@ class StaleWatcher:
         self.stop()
         if self._owns_attachment:
             self._owns_attachment = False
-            self._client._detach()
+            core_of(self._client).detach()
 
     async def aclose(self) -> None:
         """Async `close`."""

@@ -1,0 +1,162 @@
+# Generated from _acquisition_async.py by tools/async_to_sync.py: do not edit.
+# Change the async module and run `python tools/async_to_sync.py`.
+"""What ``acquire_async()`` returns, and the fence a hold puts in the caller's own transaction.
+
+`AsyncAcquisition` is the ``async with`` block: acquire on entering, release
+on leaving, whichever way the block ends. `fence_async` checks, in one round
+trip on the caller's connection, that a hold is still the lock's current one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import pq
+
+from . import _flows as flows
+from ._acompat import current_owner, to_the_end
+from ._connections import FAILURES
+from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, LockState, Phase
+from ._watchdog import Cutter
+from .errors import LockNotHeldError, MutexError, OperationTimeout, SchemaError
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+logger = logging.getLogger("postgres_mutex")
+
+
+class Acquisition:
+    """Acquire on entering the block, release on leaving it; enter it once.
+
+    Entering yields whether the lock was acquired (a blocking acquire that
+    runs out of time raises `LockAcquisitionTimeout` instead, so the body
+    never runs unlocked). Leaving releases the lock, whichever way the block
+    ends; if the lock was lost meanwhile (or released from another thread or
+    task while the block ran), a normal exit raises `LockNotHeldError`. An
+    acquisition that is entered and never left keeps the lock until
+    ``release()``. ``engine`` gives the engine each step runs on (and refuses,
+    for a closed client or a forked child, with the error the user sees).
+    """
+
+    def __init__(
+        self,
+        engine: Callable[[], Engine],
+        lock: LockState,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        stop: flows.StopSignal | None = None,
+    ) -> None:
+        self._engine = engine
+        self._lock = lock
+        self._blocking = blocking
+        self._timeout = timeout
+        self._stop = stop
+        self._entered = False
+        self._hold: Hold | None = None
+
+    def __enter__(self) -> bool:
+        if self._entered:
+            raise MutexError("this acquisition was entered already: call acquire() again for another one")
+        self._entered = True
+        engine = self._engine()
+        flow = flows.acquire(
+            self._lock,
+            self._lock.tracing,
+            blocking=self._blocking,
+            timeout=self._timeout,
+            owner=current_owner(),
+            stop=self._stop,
+        )
+        self._hold = engine.run(flow)
+        return self._hold is not None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        hold = self._hold
+        if hold is None:
+            return
+        lock = self._lock
+        if lock.hold is hold and lock.phase is Phase.HOLDING:
+            engine = self._engine()
+            # Run to its end even if this task is cancelled again meanwhile: no row left behind.
+            if exc_type is None:
+                to_the_end(engine.run(flows.release(lock, lock.tracing, caller=current_owner())))
+                return
+            try:
+                to_the_end(engine.run(flows.release(lock, lock.tracing, caller=current_owner())))
+            except MutexError as error:
+                # The block's own exception is what the caller must see.
+                logger.warning("while leaving the block after an error: %s", error)
+            return
+        if exc_type is None and hold.reason in (RELEASED_ELSEWHERE, LEASE_EXPIRED):
+            raise hold.error()
+
+
+def fence(lock: LockState, conn: psycopg.Connection[Any]) -> int:
+    """Check, in the caller's open transaction on ``conn``, that this hold is still the lock's current one.
+
+    One round trip on the caller's connection; nothing of the library's is
+    opened. On success the row is share-locked until that transaction ends,
+    so no other instance can take the lock over meanwhile; returns the token.
+    Within one ``operation_timeout``, else `OperationTimeout` (the caller's
+    connection is then closed, and its transaction rolled back).
+    """
+    hold = lock.require_held()
+    if hold.token is None:
+        raise SchemaError(
+            f"lock {lock.lock_name!r} was acquired without a fencing token: the lock table "
+            f"{lock.names.table_name} has no token column. Run LockTable.migrate() "
+            "(or 'postgres-mutex migrate'); the lock's next acquire gets a token"
+        )
+    if conn.info.transaction_status == pq.TransactionStatus.IDLE and conn.autocommit:
+        raise ValueError(
+            "fence() needs an open transaction on conn: call it inside 'with conn.transaction():' "
+            "(or with autocommit off), before the writes it protects"
+        )
+    params = {
+        "lock_name": lock.lock_name,
+        "instance_id": lock.instance_id,
+        "acquired_at": hold.acquired_at,
+        "token": hold.token,
+    }
+    # Bounded like every statement, though on the caller's connection: past the
+    # deadline its socket is shut down, so the server ends the session and
+    # rolls the transaction back; nothing it wrote can commit after that.
+    timeout = lock.timing.operation_timeout
+    cutter = Cutter(conn.fileno())
+    ticket = cutter.arm(timeout)
+    try:
+        cursor = conn.cursor()
+        cursor.execute(lock.names.fence, params, prepare=False)
+        row = cursor.fetchone()
+    except FAILURES as exc:
+        if not cutter.fired:
+            raise
+        raise OperationTimeout(
+            f"fencing lock {lock.lock_name!r} did not finish within operation_timeout ({timeout:g}s): "
+            "the connection was closed, and the server rolls its transaction back; "
+            "nothing the transaction wrote is committed",
+            transient=True,
+            outcome_unknown=True,
+        ) from exc
+    finally:
+        cutter.disarm(ticket)
+        cutter.close()
+    if row is None or row[0] is None:
+        holder = None if row is None else row[1]
+        now_held = f"it is now held by {holder}" if holder else "it is not held by anyone now"
+        raise LockNotHeldError(
+            f"lock {lock.lock_name!r} changed hands: the hold with token {hold.token} is no longer current "
+            f"({now_held}); roll back the writes of this transaction",
+            lock_name=lock.lock_name,
+            instance_id=lock.instance_id,
+            reason=FENCE_REJECTED,
+        )
+    return int(row[0])
+
+
+FENCE_REJECTED = "fenced out: the lock changed hands (reclaimed, force-released, or its row was lost)"

@@ -1,0 +1,225 @@
+# Generated from _listener_async.py by tools/async_to_sync.py: do not edit.
+# Change the async module and run `python tools/async_to_sync.py`.
+"""The listener of one engine: one LISTENing connection for every waiter, in dsn mode.
+
+A waiter subscribes to its lock's channel and is told when a release is
+notified there, so it tries again at once rather than at its next poll. The
+connection is opened for the first waiter and closed a while after the last
+one; through a transaction-mode pooler nothing it sends is prepared. While
+it is down, waiters poll; a listener that keeps failing is reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import pq
+
+from . import _sql
+from ._acompat import Event, Waker, Worker, sleep, uncancellable
+from ._clock import MAX_SLICE, now
+from ._connections import FAILURES, discard
+from ._sources import interrupt
+from ._watchdog import Cutter
+
+if TYPE_CHECKING:
+    from ._host import EngineHost
+
+logger = logging.getLogger("postgres_mutex")
+
+# How long the listener keeps its connection once nobody waits: waiters come
+# in bursts, and each new connection costs the first waiter of a burst a moment.
+_LISTENER_LINGER = 10.0
+
+# A listener that fails this many times in a row is a fault to report (one
+# lost connection is a failover or a restart, and waiters poll through it);
+# while it goes on failing, the report repeats at most every _LISTENER_REPORT_EVERY.
+_LISTENER_FAILURES_REPORTED = 3
+_LISTENER_REPORT_EVERY = 60.0
+
+
+class Subscription:
+    """One waiter's interest in one lock's releases."""
+
+    __slots__ = ("channel", "confirmed", "released")
+
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
+        self.confirmed = Event()
+        """Set once the listener LISTENs on the channel: a release from then on is heard."""
+        self.released = Event()
+        """Set when a release is announced on the channel (or may have been missed)."""
+
+
+class Listener:
+    """One LISTENing connection for every waiter of the engine; a release wakes only its lock's waiters."""
+
+    def __init__(self, host: EngineHost, dsn: str, connect_kwargs: dict[str, Any]) -> None:
+        self._host = host
+        self._dsn = dsn
+        self._kwargs = connect_kwargs
+        self._subscriptions: dict[str, set[Subscription]] = {}
+        self._waker = Waker()
+        self._worker: Worker | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        self._listening: set[str] = set()
+        self._closed = False
+
+    def subscribe(self, channel: str) -> Subscription:
+        subscription = Subscription(channel)
+        with self._host.state_lock:
+            self._subscriptions.setdefault(channel, set()).add(subscription)
+            if (self._worker is None or not self._worker.running) and not self._closed:
+                self._worker = Worker(self._run, name="postgres-mutex-listener")
+        self._waker.wake()
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        with self._host.state_lock:
+            waiting = self._subscriptions.get(subscription.channel)
+            if waiting is not None:
+                waiting.discard(subscription)
+                if not waiting:
+                    del self._subscriptions[subscription.channel]
+        self._waker.wake()
+
+    @property
+    def channels(self) -> frozenset[str]:
+        """The channels waited on right now."""
+        with self._host.state_lock:
+            return frozenset(self._subscriptions)
+
+    @property
+    def listening(self) -> frozenset[str]:
+        """The channels the connection LISTENs on right now (UNLISTEN follows the last waiter shortly)."""
+        return frozenset(self._listening)
+
+    def _released(self, channel: str) -> None:
+        with self._host.state_lock:
+            waiting = list(self._subscriptions.get(channel, ()))
+        for subscription in waiting:
+            subscription.released.set()
+
+    def _wake_everyone(self) -> None:
+        # The connection was lost: a release may have gone unheard. Every waiter retries now.
+        with self._host.state_lock:
+            waiting = [sub for subs in self._subscriptions.values() for sub in subs]
+        for subscription in waiting:
+            subscription.released.set()
+
+    def _run(self) -> None:
+        listening = self._listening
+        cutter: Cutter | None = None
+        failures = 0
+        reported_at: float | None = None
+        idle_since: float | None = None
+        try:
+            while not self._closed:
+                with self._host.state_lock:
+                    wanted = set(self._subscriptions)
+                    if wanted or listening:
+                        idle_since = None
+                    elif idle_since is None:
+                        idle_since = now()
+                    elif now() - idle_since >= _LISTENER_LINGER:
+                        # Nobody has waited for a while: close the connection until someone does.
+                        self._worker = None
+                        return
+                try:
+                    if self._conn is None or cutter is None:
+                        self._conn = psycopg.Connection.connect(self._dsn, autocommit=True, **self._kwargs)
+                        self._conn.add_notify_handler(lambda notify: self._released(notify.channel))
+                        cutter = Cutter(self._conn.fileno())
+                        listening.clear()
+                        if failures:
+                            self._wake_everyone()
+                    conn = self._conn
+                    for channel in sorted(wanted - listening):
+                        self._execute(conn, cutter, _sql.listen(channel))
+                        listening.add(channel)
+                    for channel in sorted(listening - wanted):
+                        self._execute(conn, cutter, _sql.unlisten(channel))
+                        listening.discard(channel)
+                    self._confirm(listening)
+                    failures, reported_at = 0, None
+                    if self._waker.wait_readable(conn.fileno(), MAX_SLICE):
+                        self._drain(conn)
+                except FAILURES as exc:
+                    failures += 1
+                    reason = self._host.redactor.redact(str(exc))
+                    persistent = failures >= _LISTENER_FAILURES_REPORTED and (
+                        reported_at is None or now() - reported_at >= _LISTENER_REPORT_EVERY
+                    )
+                    if persistent:
+                        reported_at = now()
+                        logger.warning(
+                            "the release listener lost its connection (%s), %d times in a row; waiters poll "
+                            "every poll_interval meanwhile, so a release reaches them later",
+                            reason,
+                            failures,
+                        )
+                    else:
+                        logger.debug("the release listener lost its connection (%s); waiters poll meanwhile", reason)
+                    if cutter is not None:
+                        cutter.close()
+                    cutter = None
+                    self._drop()
+                    self._wake_everyone()
+                    # Not a busy loop: a pause that grows, up to a few seconds.
+                    sleep(min(0.05 * 2**failures, 5.0))
+        except BaseException:
+            # Ended by something unexpected (or the loop's shutdown): the next waiter starts a new one.
+            with self._host.state_lock:
+                self._worker = None
+            raise
+        finally:
+            if cutter is not None:
+                cutter.close()
+            self._drop()
+
+    def _execute(self, conn: psycopg.Connection[Any], cutter: Cutter, text: str) -> None:
+        timeout = self._host.operation_timeout
+        ticket = cutter.arm(timeout)
+        try:
+            # Never prepared (psycopg prepares a statement it has run five times): behind a
+            # transaction-mode pooler a prepared statement would stay on a server connection
+            # other clients share, and collide with theirs.
+            uncancellable(conn.execute(text, prepare=False), functools.partial(interrupt, conn, cutter, timeout))
+        finally:
+            cutter.disarm(ticket)
+
+    def _confirm(self, listening: set[str]) -> None:
+        with self._host.state_lock:
+            heard = [sub for channel in listening for sub in self._subscriptions.get(channel, ())]
+        for subscription in heard:
+            subscription.confirmed.set()
+
+    def _drain(self, conn: psycopg.Connection[Any]) -> None:
+        pgconn = conn.pgconn
+        pgconn.consume_input()
+        while (notify := pgconn.notifies()) is not None:
+            self._released(notify.relname.decode(errors="replace"))
+        if conn.broken or pgconn.status != pq.ConnStatus.OK:
+            raise psycopg.OperationalError("the listener's connection was closed")
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            discard(conn)
+
+    def close(self) -> None:
+        self._closed = True
+        self._waker.wake()
+        with self._host.state_lock:
+            worker = self._worker
+        if worker is not None:
+            worker.join(self._host.operation_timeout + 1.0)
+        self._drop()
+        self._waker.close()
+
+    def abandon(self) -> None:
+        self._closed = True
+        self._drop()

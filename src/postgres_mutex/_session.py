@@ -1,0 +1,202 @@
+"""`Session`: the lease of a client's holds, and the one thread that tells what happens to them.
+
+etcd's ``concurrency.Session`` is the model: one object keeps the lease, and
+the primitives (`Mutex`, `Election`) are built on it side by side. Here a
+lease is per hold, renewed by the heartbeats of the engine that acquired it,
+and the session keeps what every hold of the client has in common:
+
+- the heartbeat groups of each engine (the holds renewed by one statement),
+  changed only under `state_lock`;
+- lease expiry: a hold whose lease ran out is declared lost on time, by the
+  session's event thread, even while a heartbeat is stuck on the network;
+- that event thread, which calls what users gave the library (``on_lost``,
+  metrics hooks) in order, off the heartbeat: a slow callback never delays one.
+
+The session never opens a connection: the engines do, and report to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+
+from ._acompat import start_thread
+from ._clock import MAX_SLICE, now, slice_until
+from ._state import LEASE_EXPIRED, HeartbeatGroup, Hold, HoldStatus, StateLock
+
+logger = logging.getLogger("postgres_mutex")
+
+Groups = dict[object, HeartbeatGroup]
+"""An engine's heartbeat groups, by what their holds share (table, interval, what they report)."""
+
+
+class Session:
+    """The holds of one client: their heartbeat groups, their leases, and the thread that reports on them.
+
+    Every change to a group happens under `state_lock`, which the client's
+    lock states share.
+    """
+
+    def __init__(self) -> None:
+        self.state_lock: StateLock = threading.Lock()
+        self._groups: dict[object, Groups] = {}
+        self._events = _EventThread(self)
+
+    def groups_of(self, engine: object) -> Groups:
+        """The heartbeat groups of ``engine``: it adds and removes them, under `state_lock`.
+
+        Called as the engine is made, which the client does under `state_lock`
+        already (so it does not take it again).
+        """
+        return self._groups.setdefault(engine, {})
+
+    def drop(self, engine: object) -> None:
+        """``engine`` was closed or left behind: its holds are no longer the session's to keep."""
+        with self.state_lock:
+            self._groups.pop(engine, None)
+
+    def kept(self, hold: Hold) -> None:
+        """``hold`` was added to a group: its lease is kept from now on (looked at again within a second)."""
+        if hold.lease_deadline - now() < MAX_SLICE:
+            self._events.nudge()
+        else:
+            self._events.ensure()
+
+    def forget(self, hold: Hold) -> None:
+        """Stop renewing ``hold`` (released, lost, or being released)."""
+        with self.state_lock:
+            group = hold.group
+            if group is not None:
+                group.holds.pop(hold, None)
+                hold.group = None
+
+    def post(self, report: Callable[[], object]) -> None:
+        """Run ``report`` on the event thread: user callbacks, in order, off the heartbeat."""
+        self._events.post(report)
+
+    def next_lease(self) -> float | None:
+        """When the next lease of a hold runs out (None: nothing is held)."""
+        with self.state_lock:
+            deadlines = [hold.lease_deadline for hold in self._held()]
+        return min(deadlines) if deadlines else None
+
+    def expire(self) -> None:
+        """Declare lost every hold whose lease ran out; on the event thread, on time."""
+        current = now()
+        with self.state_lock:
+            expired = [hold for hold in self._held() if hold.lease_deadline <= current]
+        for hold in expired:
+            error = hold.lock.lose(hold, LEASE_EXPIRED, only_if_expired=True)
+            if error is not None:
+                self.forget(hold)
+                hold.lock.events.lost(error)
+
+    def stop(self) -> None:
+        """End the event thread once what was posted before has run."""
+        self._events.stop()
+
+    def _held(self) -> list[Hold]:
+        return [
+            hold
+            for groups in self._groups.values()
+            for group in groups.values()
+            for hold in group.holds
+            if hold.status is HoldStatus.HELD
+        ]
+
+
+class _EventThread:
+    """Keeps the leases of a session's holds and runs its callbacks, in order, on one thread.
+
+    It exists while something is held or to be reported, and ends when idle.
+    """
+
+    def __init__(self, session: Session) -> None:
+        self._session = weakref.ref(session)
+        self._queue: queue.SimpleQueue[Callable[[], object] | _Stop | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def post(self, report: Callable[[], object]) -> None:
+        self._queue.put(report)
+        self._ensure()
+
+    def nudge(self) -> None:
+        self._queue.put(None)
+        self._ensure()
+
+    def ensure(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._ensure()
+
+    def stop(self) -> None:
+        self._queue.put(_Stop())
+
+    def _ensure(self) -> None:
+        inline = False
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = start_thread(self._run, "postgres-mutex-events")
+                inline = self._thread is None
+        if inline:
+            # The interpreter is shutting down and starts no thread: tell now, in order.
+            self._report_now()
+
+    def _report_now(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if callable(item):
+                try:
+                    item()
+                except Exception:
+                    logger.exception("a postgres-mutex callback failed")
+
+    def _run(self) -> None:
+        idle_since: float | None = None
+        while True:
+            session = self._session()
+            if session is None:
+                return
+            deadline = session.next_lease()
+            del session
+            try:
+                item = self._queue.get(timeout=MAX_SLICE if deadline is None else max(slice_until(deadline), 0.001))
+            except queue.Empty:
+                item = None
+            if isinstance(item, _Stop):
+                return
+            if item is not None:
+                try:
+                    item()
+                except Exception:
+                    logger.exception("a postgres-mutex callback failed")
+            session = self._session()
+            if session is None:
+                return
+            session.expire()
+            holding = session.next_lease() is not None
+            del session
+            if holding or not self._queue.empty():
+                idle_since = None
+                continue
+            # Nothing held, nothing to tell: end after a while (locks come and go in bursts).
+            idle_since = idle_since if idle_since is not None else now()
+            if now() - idle_since >= _LINGER:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+
+
+_LINGER = 10.0
+"""How long the event thread stays once nothing is held (holds come and go in bursts)."""
+
+
+class _Stop:
+    """Tells the event thread to end."""
