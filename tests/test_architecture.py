@@ -16,6 +16,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "postgres_mutex"
 
 CORE = {
     "_acompat",
+    "_admin_flows",
     "_clock",
     "_connections",
     "_core",
@@ -25,6 +26,7 @@ CORE = {
     "_engine_async",
     "_heartbeat",
     "_heartbeat_async",
+    "_heartbeat_flows",
     "_listener",
     "_listener_async",
     "_sources",
@@ -40,6 +42,7 @@ CORE = {
     "_shared",
     "_sql",
     "_state",
+    "_steps",
     "_tracing",
     "_version",
     "_watchdog",
@@ -91,7 +94,7 @@ def test_the_reader_finds_every_module_and_what_it_imports() -> None:
     # The checks below mean something only if the graph is the real one.
     assert {"client", "_core", "_session", "_host", "_engine_async", "_mutex"} <= set(MODULES)
     assert {"_core", "_shared"} <= GRAPH["client"]
-    assert {"_flows", "_sql", "_connections"} <= GRAPH["_engine_async"]
+    assert {"_steps", "_sql", "_connections", "_heartbeat_async"} <= GRAPH["_engine_async"]
 
 
 def test_no_import_cycle() -> None:
@@ -133,7 +136,16 @@ def test_the_engine_and_its_listener_are_given_a_host() -> None:
 
 
 def test_the_session_opens_no_connection_and_sends_nothing() -> None:
-    forbidden = GRAPH["_session"] & {*ENGINES, "_connections", "_sql", "_flows", "_core"}
+    forbidden = GRAPH["_session"] & {
+        *ENGINES,
+        "_connections",
+        "_sql",
+        "_steps",
+        "_flows",
+        "_heartbeat_flows",
+        "_admin_flows",
+        "_core",
+    }
     assert not forbidden, f"_session imports {sorted(forbidden)}"
 
 

@@ -18,7 +18,15 @@ import pytest
 from postgres_mutex import LockNotHeldError
 from postgres_mutex._clock import now
 from postgres_mutex._events import LockEvents
-from postgres_mutex._flows import (
+from postgres_mutex._flows import acquire as acquire_flow
+from postgres_mutex._flows import clean_up
+from postgres_mutex._flows import release as release_flow
+from postgres_mutex._heartbeat_flows import heartbeat
+from postgres_mutex._metrics import guard
+from postgres_mutex._settings import Timing
+from postgres_mutex._sql import CURRENT, Names, Statements
+from postgres_mutex._state import LEASE_EXPIRED, ROW_GONE, Hold, HoldStatus, LockState, Phase
+from postgres_mutex._steps import (
     Cleanup,
     Execute,
     Flow,
@@ -32,15 +40,7 @@ from postgres_mutex._flows import (
     StopListening,
     Tell,
     WaitForRelease,
-    clean_up,
-    heartbeat,
 )
-from postgres_mutex._flows import acquire as acquire_flow
-from postgres_mutex._flows import release as release_flow
-from postgres_mutex._metrics import guard
-from postgres_mutex._settings import Timing
-from postgres_mutex._sql import CURRENT, Names, Statements
-from postgres_mutex._state import LEASE_EXPIRED, ROW_GONE, Hold, HoldStatus, LockState, Phase
 from postgres_mutex._tracing import Tracing
 from postgres_mutex.errors import OperationTimeout, SchemaError
 

@@ -565,7 +565,7 @@ def test_the_loss_is_declared_when_the_lease_runs_out_even_while_a_heartbeat_han
 def test_a_cleanup_begun_before_an_acquire_is_never_sent_after_it(
     make_mutex: Callable[..., Mutex], holder_id: Holder
 ) -> None:
-    from postgres_mutex._flows import CleanupGuard, CleanupSuperseded, Execute, Shape
+    from postgres_mutex._steps import CleanupGuard, CleanupSuperseded, Execute, Shape
 
     mutex = make_mutex()
     lock = mutex._lock

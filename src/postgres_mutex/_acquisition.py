@@ -1,9 +1,9 @@
 # Generated from _acquisition_async.py by tools/async_to_sync.py: do not edit.
 # Change the async module and run `python tools/async_to_sync.py`.
-"""What ``acquire_async()`` returns, and the fence a hold puts in the caller's own transaction.
+"""What ``acquire()`` returns, and the fence a hold puts in the caller's own transaction.
 
-`AsyncAcquisition` is the ``async with`` block: acquire on entering, release
-on leaving, whichever way the block ends. `fence_async` checks, in one round
+`Acquisition` is the ``with`` block: acquire on entering, release
+on leaving, whichever way the block ends. `fence` checks, in one round
 trip on the caller's connection, that a hold is still the lock's current one.
 """
 
@@ -17,6 +17,7 @@ import psycopg
 from psycopg import pq
 
 from . import _flows as flows
+from . import _steps as steps
 from ._acompat import current_owner, to_the_end
 from ._connections import FAILURES
 from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, LockState, Phase
@@ -35,11 +36,14 @@ class Acquisition:
     Entering yields whether the lock was acquired (a blocking acquire that
     runs out of time raises `LockAcquisitionTimeout` instead, so the body
     never runs unlocked). Leaving releases the lock, whichever way the block
-    ends; if the lock was lost meanwhile (or released from another thread or
-    task while the block ran), a normal exit raises `LockNotHeldError`. An
+    ends; if the lock was lost meanwhile (or released elsewhere in the process
+    while the block ran), a normal exit raises `LockNotHeldError`. An
     acquisition that is entered and never left keeps the lock until
-    ``release()``. ``engine`` gives the engine each step runs on (and refuses,
-    for a closed client or a forked child, with the error the user sees).
+    ``release()``.
+
+    Made by `Mutex.acquire`, not by hand: its ``engine`` gives the
+    engine each step runs on (refusing, with the error the user sees, for a
+    closed client or a forked child).
     """
 
     def __init__(
@@ -49,7 +53,7 @@ class Acquisition:
         *,
         blocking: bool,
         timeout: float | None,
-        stop: flows.StopSignal | None = None,
+        stop: steps.StopSignal | None = None,
     ) -> None:
         self._engine = engine
         self._lock = lock
@@ -82,7 +86,7 @@ class Acquisition:
         lock = self._lock
         if lock.hold is hold and lock.phase is Phase.HOLDING:
             engine = self._engine()
-            # Run to its end even if this task is cancelled again meanwhile: no row left behind.
+            # Run to its end even if the caller is cancelled again meanwhile: no row left behind.
             if exc_type is None:
                 to_the_end(engine.run(flows.release(lock, lock.tracing, caller=current_owner())))
                 return

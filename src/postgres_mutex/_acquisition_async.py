@@ -15,6 +15,7 @@ import psycopg
 from psycopg import pq
 
 from . import _flows as flows
+from . import _steps as steps
 from ._acompat import ato_the_end, current_owner
 from ._connections import FAILURES
 from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, LockState, Phase
@@ -33,11 +34,14 @@ class AsyncAcquisition:
     Entering yields whether the lock was acquired (a blocking acquire that
     runs out of time raises `LockAcquisitionTimeout` instead, so the body
     never runs unlocked). Leaving releases the lock, whichever way the block
-    ends; if the lock was lost meanwhile (or released from another thread or
-    task while the block ran), a normal exit raises `LockNotHeldError`. An
+    ends; if the lock was lost meanwhile (or released elsewhere in the process
+    while the block ran), a normal exit raises `LockNotHeldError`. An
     acquisition that is entered and never left keeps the lock until
-    ``release()``. ``engine`` gives the engine each step runs on (and refuses,
-    for a closed client or a forked child, with the error the user sees).
+    ``release()``.
+
+    Made by `Mutex.acquire_async`, not by hand: its ``engine`` gives the
+    engine each step runs on (refusing, with the error the user sees, for a
+    closed client or a forked child).
     """
 
     def __init__(
@@ -47,7 +51,7 @@ class AsyncAcquisition:
         *,
         blocking: bool,
         timeout: float | None,
-        stop: flows.StopSignal | None = None,
+        stop: steps.StopSignal | None = None,
     ) -> None:
         self._engine = engine
         self._lock = lock
@@ -80,7 +84,7 @@ class AsyncAcquisition:
         lock = self._lock
         if lock.hold is hold and lock.phase is Phase.HOLDING:
             engine = self._engine()
-            # Run to its end even if this task is cancelled again meanwhile: no row left behind.
+            # Run to its end even if the caller is cancelled again meanwhile: no row left behind.
             if exc_type is None:
                 await ato_the_end(engine.run(flows.release(lock, lock.tracing, caller=current_owner())))
                 return

@@ -24,6 +24,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from . import _flows as flows
+from . import _steps as steps
 from ._clock import now
 from ._connections import check_connection_args, connect_defaults
 from ._engine import Engine
@@ -72,7 +73,7 @@ class ClientCore:
         self._tracings: dict[tuple[int, str], Tracing] = {}
         self._locks: weakref.WeakSet[LockState] = weakref.WeakSet()
         self._explicit_ids: weakref.WeakKeyDictionary[LockState, int] = weakref.WeakKeyDictionary()
-        self._stray_cleanups: list[flows.Cleanup] = []
+        self._stray_cleanups: list[steps.Cleanup] = []
         self._attached = 0
         self.closed = False
         self._start_session()
@@ -203,7 +204,7 @@ class ClientCore:
         name = f"{role} {socket.gethostname() or 'host'}:{os.getpid()}"
         return connect_defaults(self.dsn, application_name=name, operation_timeout=self.operation_timeout)
 
-    def _adopt_cleanup(self, cleanup: flows.Cleanup) -> None:
+    def _adopt_cleanup(self, cleanup: steps.Cleanup) -> None:
         """A clean-up whose engine closed: the sync engine takes it, or it waits for exit."""
         engine = self._engine if self.has_sync and not self.closed else None
         if engine is not None and not engine.closed:

@@ -1,11 +1,6 @@
 # Generated from _engine_async.py by tools/async_to_sync.py: do not edit.
 # Change the async module and run `python tools/async_to_sync.py`.
-"""The engine that runs the flows on PostgreSQL for one client, on one event loop.
-
-Written once, here, with async primitives; ``_engine.py`` (the engine of sync
-code, on threads) is generated from it by ``tools/async_to_sync.py`` and CI
-checks the two never drift apart. What differs between a task and a thread
-lives in ``_acompat.py``.
+"""The engine that runs the flows on PostgreSQL for one client's callers.
 
 An engine owns, in dsn mode, at most two connections: one for statements
 (acquire, heartbeat, release, clean-up, admin), used by one caller at a time
@@ -13,8 +8,8 @@ with heartbeats first in line, and one that LISTENs for releases on behalf of
 every waiter of the client. In pool mode it borrows one pooled connection per
 statement and never listens. One background worker renews every hold the
 engine acquired, one statement per heartbeat interval, and deletes rows that
-unanswered statements may have left; one more worker runs the listener. No
-thread or task per lock.
+unanswered statements may have left; one more worker runs the listener.
+Nothing is started per lock.
 
 Every statement runs under a deadline that shuts the socket down if it passes,
 so a silent network cannot hold anything past its timeout, and the server
@@ -33,8 +28,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psycopg
 from psycopg import pq
 
-from . import _flows as flows
 from . import _sql
+from . import _steps as steps
 from ._acompat import (
     Event,
     Gate,
@@ -79,7 +74,7 @@ _LAST_STATEMENT = 0.05
 
 
 class Engine:
-    """Runs flows for one client on one event loop: its connections, heartbeats, listener and clean-ups."""
+    """Runs the flows of one client's callers: their connections, heartbeats, listener and clean-ups."""
 
     def __init__(self, host: EngineHost, *, dsn: str | None, pool: ConnectionPool[Any] | None) -> None:
         self.host = host
@@ -99,7 +94,7 @@ class Engine:
 
     # -- running flows -----------------------------------------------------------
 
-    def run(self, flow: flows.Flow[T]) -> T:
+    def run(self, flow: steps.Flow[T]) -> T:
         """Drive ``flow`` to its end, performing each step it asks for."""
         steps = _Steps(self)
         reply: Any = None
@@ -120,7 +115,7 @@ class Engine:
         finally:
             steps.finish()
 
-    def execute(self, op: flows.Execute) -> flows.Result:
+    def execute(self, op: steps.Execute) -> steps.Result:
         if self.deadline is not None:
             # At exit: no statement may outlast the exit's budget.
             op = dataclasses.replace(op, timeout=max(min(op.timeout, self.deadline - now()), _LAST_STATEMENT))
@@ -131,12 +126,12 @@ class Engine:
         acquire_lock(op.guard.lock.cleanup_sending)
         try:
             if op.guard.superseded:
-                raise flows.CleanupSuperseded
+                raise steps.CleanupSuperseded
             return self._send(op)
         finally:
             op.guard.lock.cleanup_sending.release()
 
-    def _send(self, op: flows.Execute) -> flows.Result:
+    def _send(self, op: steps.Execute) -> steps.Result:
         source = self._source
         connect_retryable = source.connected_before
         sent = False
@@ -168,7 +163,7 @@ class Engine:
                     raise
                 except BaseException:
                     # Interrupted mid-statement: a signal handler's exception (a job
-                    # runner's timeout, SIGTERM), or a cancelled task.
+                    # runner's timeout, SIGTERM), or the caller was cancelled.
                     interrupt(conn, cutter, op.timeout)
                     raise
                 finally:
@@ -196,7 +191,7 @@ class Engine:
         """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""
         statements = None if fresh else self.host.shapes.get(names.table_name)
         if statements is None:
-            op = flows.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
+            op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
             row = (self.execute(op)).row
             assert row is not None
             exists, has_token, has_history = row
@@ -228,14 +223,14 @@ class Engine:
         """Renew ``hold`` from now on, with the other holds of its table and interval."""
         self._heartbeats.keep(hold)
 
-    def schedule(self, cleanup: flows.Cleanup) -> None:
+    def schedule(self, cleanup: steps.Cleanup) -> None:
         """Delete a row that may remain, in the background, as soon as the database answers."""
         self._heartbeats.schedule(cleanup)
 
     def has_cleanups(self) -> bool:
         return self._heartbeats.has_cleanups()
 
-    def take_cleanups(self) -> list[flows.Cleanup]:
+    def take_cleanups(self) -> list[steps.Cleanup]:
         return self._heartbeats.take_cleanups()
 
     # -- listening for releases ------------------------------------------------------
@@ -262,7 +257,7 @@ class Engine:
         self._source.abandon()
 
     def abandon(self) -> None:
-        """The engine's event loop is gone: close its connections without it."""
+        """Close the connections without waiting on anything: nothing will run this engine again."""
         self.closed = True
         if self._listener is not None:
             self._listener.abandon()
@@ -271,10 +266,10 @@ class Engine:
 
 def _statement(
     conn: psycopg.Connection[Any],
-    op: flows.Execute,
+    op: steps.Execute,
     session: ServerSession | None,
     cursor: psycopg.Cursor[Any] | None,
-) -> flows.Result:
+) -> steps.Result:
     timeout_ms = max(1, int(op.timeout * _SERVER_SHARE * 1000))
     bare = op.statement.bare
     settling = False
@@ -308,7 +303,7 @@ def _statement(
     return _result(cursor, sent_at)
 
 
-def _prepared(cursor: psycopg.Cursor[Any], op: flows.Execute, bare: str, session: ServerSession) -> flows.Result:
+def _prepared(cursor: psycopg.Cursor[Any], op: steps.Execute, bare: str, session: ServerSession) -> steps.Result:
     """The statement alone, prepared, on a direct connection whose session carries its settings."""
     sent_at = now()
     try:
@@ -326,14 +321,14 @@ def _prepared(cursor: psycopg.Cursor[Any], op: flows.Execute, bare: str, session
     return _result(cursor, sent_at)
 
 
-def _result(cursor: psycopg.Cursor[Any], sent_at: float) -> flows.Result:
+def _result(cursor: psycopg.Cursor[Any], sent_at: float) -> steps.Result:
     result = cursor.pgresult
     rows = cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else []
-    return flows.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
+    return steps.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
 
 
 _WAITS = object()
-"""What `_Steps.perform_now` returns for a step that must be awaited."""
+"""What `_Steps.perform_now` returns for a step that must wait."""
 
 
 class _Steps:
@@ -343,58 +338,58 @@ class _Steps:
         self._engine = engine
         self._subscription: Subscription | None = None
 
-    def perform_now(self, op: flows.Op) -> Any:
+    def perform_now(self, op: steps.Op) -> Any:
         """Perform ``op`` if it needs no waiting (most steps of a cycle); else return `_WAITS`."""
         engine = self._engine
-        if isinstance(op, flows.Execute):
+        if isinstance(op, steps.Execute):
             return _WAITS
-        if isinstance(op, flows.Shape):
+        if isinstance(op, steps.Shape):
             statements = None if op.fresh else engine.host.shapes.get(op.names.table_name)
             return _WAITS if statements is None else statements
-        if isinstance(op, flows.Settle):
+        if isinstance(op, steps.Settle):
             if not op.lock.cleanup_sending.acquire(blocking=False):
                 return _WAITS  # a clean-up of this Mutex's row is being sent
             op.lock.cleanup_sending.release()
             return None
-        if isinstance(op, flows.Keep):
+        if isinstance(op, steps.Keep):
             engine.keep(op.hold)
             return None
-        if isinstance(op, flows.Forget):
+        if isinstance(op, steps.Forget):
             engine.host.session.forget(op.hold)
             return None
-        if isinstance(op, flows.Tell):
+        if isinstance(op, steps.Tell):
             lock, error = op.lock, op.error
             engine.host.session.post(lambda: lock.events.lost(error))
             return None
-        if isinstance(op, flows.Schedule):
+        if isinstance(op, steps.Schedule):
             engine.schedule(op.cleanup)
             return None
-        if isinstance(op, flows.StopListening):
+        if isinstance(op, steps.StopListening):
             self.finish()
             return None
         return _WAITS
 
-    def perform(self, op: flows.Op) -> Any:
+    def perform(self, op: steps.Op) -> Any:
         """Perform a step that waits: a statement, an inspection, a pause, a wait for a release."""
         engine = self._engine
-        if isinstance(op, flows.Execute):
+        if isinstance(op, steps.Execute):
             return engine.execute(op)
-        if isinstance(op, flows.Shape):
+        if isinstance(op, steps.Shape):
             return engine.shape(op.names, op.timeout, fresh=op.fresh)
-        if isinstance(op, flows.Pause):
+        if isinstance(op, steps.Pause):
             sleep(op.seconds)
             return not engine.closed
-        if isinstance(op, flows.Settle):
+        if isinstance(op, steps.Settle):
             acquire_lock(op.lock.cleanup_sending)
             op.lock.cleanup_sending.release()
             return None
-        if isinstance(op, flows.Listen):
+        if isinstance(op, steps.Listen):
             listener = engine.listener
             if listener is None:
                 return False
             self._subscription = listener.subscribe(op.channel)
             return self._subscription.confirmed.wait(op.timeout)
-        assert isinstance(op, flows.WaitForRelease)
+        assert isinstance(op, steps.WaitForRelease)
         subscription = self._subscription
         # A release wakes the wait, and so does a stop (an election's), set from any thread.
         wake = Event() if subscription is None else subscription.released

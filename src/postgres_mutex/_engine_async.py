@@ -1,9 +1,4 @@
-"""The engine that runs the flows on PostgreSQL for one client, on one event loop.
-
-Written once, here, with async primitives; ``_engine.py`` (the engine of sync
-code, on threads) is generated from it by ``tools/async_to_sync.py`` and CI
-checks the two never drift apart. What differs between a task and a thread
-lives in ``_acompat.py``.
+"""The engine that runs the flows on PostgreSQL for one client's callers.
 
 An engine owns, in dsn mode, at most two connections: one for statements
 (acquire, heartbeat, release, clean-up, admin), used by one caller at a time
@@ -11,14 +6,21 @@ with heartbeats first in line, and one that LISTENs for releases on behalf of
 every waiter of the client. In pool mode it borrows one pooled connection per
 statement and never listens. One background worker renews every hold the
 engine acquired, one statement per heartbeat interval, and deletes rows that
-unanswered statements may have left; one more worker runs the listener. No
-thread or task per lock.
+unanswered statements may have left; one more worker runs the listener.
+Nothing is started per lock.
 
 Every statement runs under a deadline that shuts the socket down if it passes,
 so a silent network cannot hold anything past its timeout, and the server
 gets the same deadline as ``statement_timeout``, so nothing the client gave up
 on goes on running there.
 """
+
+# async-only
+# Written once, here, with async primitives (one engine per event loop);
+# ``_engine.py``, the engine of sync code (one, on threads), is generated
+# from it by ``tools/async_to_sync.py`` and CI checks the two never drift
+# apart. What differs between a task and a thread lives in ``_acompat.py``.
+# end async-only
 
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psycopg
 from psycopg import pq
 
-from . import _flows as flows
 from . import _sql
+from . import _steps as steps
 from ._acompat import (
     AEvent,
     AGate,
@@ -77,7 +79,7 @@ _LAST_STATEMENT = 0.05
 
 
 class AsyncEngine:
-    """Runs flows for one client on one event loop: its connections, heartbeats, listener and clean-ups."""
+    """Runs the flows of one client's callers: their connections, heartbeats, listener and clean-ups."""
 
     def __init__(self, host: EngineHost, *, dsn: str | None, pool: AsyncConnectionPool[Any] | None) -> None:
         self.host = host
@@ -97,7 +99,7 @@ class AsyncEngine:
 
     # -- running flows -----------------------------------------------------------
 
-    async def run(self, flow: flows.Flow[T]) -> T:
+    async def run(self, flow: steps.Flow[T]) -> T:
         """Drive ``flow`` to its end, performing each step it asks for."""
         steps = _Steps(self)
         reply: Any = None
@@ -118,7 +120,7 @@ class AsyncEngine:
         finally:
             steps.finish()
 
-    async def execute(self, op: flows.Execute) -> flows.Result:
+    async def execute(self, op: steps.Execute) -> steps.Result:
         if self.deadline is not None:
             # At exit: no statement may outlast the exit's budget.
             op = dataclasses.replace(op, timeout=max(min(op.timeout, self.deadline - now()), _LAST_STATEMENT))
@@ -129,12 +131,12 @@ class AsyncEngine:
         await aacquire_lock(op.guard.lock.cleanup_sending)
         try:
             if op.guard.superseded:
-                raise flows.CleanupSuperseded
+                raise steps.CleanupSuperseded
             return await self._send(op)
         finally:
             op.guard.lock.cleanup_sending.release()
 
-    async def _send(self, op: flows.Execute) -> flows.Result:
+    async def _send(self, op: steps.Execute) -> steps.Result:
         source = self._source
         connect_retryable = source.connected_before
         sent = False
@@ -166,7 +168,7 @@ class AsyncEngine:
                     raise
                 except BaseException:
                     # Interrupted mid-statement: a signal handler's exception (a job
-                    # runner's timeout, SIGTERM), or a cancelled task.
+                    # runner's timeout, SIGTERM), or the caller was cancelled.
                     await interrupt(conn, cutter, op.timeout)
                     raise
                 finally:
@@ -194,7 +196,7 @@ class AsyncEngine:
         """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""
         statements = None if fresh else self.host.shapes.get(names.table_name)
         if statements is None:
-            op = flows.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
+            op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
             row = (await self.execute(op)).row
             assert row is not None
             exists, has_token, has_history = row
@@ -226,14 +228,14 @@ class AsyncEngine:
         """Renew ``hold`` from now on, with the other holds of its table and interval."""
         self._heartbeats.keep(hold)
 
-    def schedule(self, cleanup: flows.Cleanup) -> None:
+    def schedule(self, cleanup: steps.Cleanup) -> None:
         """Delete a row that may remain, in the background, as soon as the database answers."""
         self._heartbeats.schedule(cleanup)
 
     def has_cleanups(self) -> bool:
         return self._heartbeats.has_cleanups()
 
-    def take_cleanups(self) -> list[flows.Cleanup]:
+    def take_cleanups(self) -> list[steps.Cleanup]:
         return self._heartbeats.take_cleanups()
 
     # -- listening for releases ------------------------------------------------------
@@ -260,7 +262,7 @@ class AsyncEngine:
         self._source.abandon()
 
     def abandon(self) -> None:
-        """The engine's event loop is gone: close its connections without it."""
+        """Close the connections without waiting on anything: nothing will run this engine again."""
         self.closed = True
         if self._listener is not None:
             self._listener.abandon()
@@ -269,10 +271,10 @@ class AsyncEngine:
 
 async def _statement(
     conn: psycopg.AsyncConnection[Any],
-    op: flows.Execute,
+    op: steps.Execute,
     session: ServerSession | None,
     cursor: psycopg.AsyncCursor[Any] | None,
-) -> flows.Result:
+) -> steps.Result:
     timeout_ms = max(1, int(op.timeout * _SERVER_SHARE * 1000))
     bare = op.statement.bare
     settling = False
@@ -307,8 +309,8 @@ async def _statement(
 
 
 async def _prepared(
-    cursor: psycopg.AsyncCursor[Any], op: flows.Execute, bare: str, session: ServerSession
-) -> flows.Result:
+    cursor: psycopg.AsyncCursor[Any], op: steps.Execute, bare: str, session: ServerSession
+) -> steps.Result:
     """The statement alone, prepared, on a direct connection whose session carries its settings."""
     sent_at = now()
     try:
@@ -326,14 +328,14 @@ async def _prepared(
     return await _result(cursor, sent_at)
 
 
-async def _result(cursor: psycopg.AsyncCursor[Any], sent_at: float) -> flows.Result:
+async def _result(cursor: psycopg.AsyncCursor[Any], sent_at: float) -> steps.Result:
     result = cursor.pgresult
     rows = await cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else []
-    return flows.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
+    return steps.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
 
 
 _WAITS = object()
-"""What `_Steps.perform_now` returns for a step that must be awaited."""
+"""What `_Steps.perform_now` returns for a step that must wait."""
 
 
 class _Steps:
@@ -343,58 +345,58 @@ class _Steps:
         self._engine = engine
         self._subscription: Subscription | None = None
 
-    def perform_now(self, op: flows.Op) -> Any:
+    def perform_now(self, op: steps.Op) -> Any:
         """Perform ``op`` if it needs no waiting (most steps of a cycle); else return `_WAITS`."""
         engine = self._engine
-        if isinstance(op, flows.Execute):
+        if isinstance(op, steps.Execute):
             return _WAITS
-        if isinstance(op, flows.Shape):
+        if isinstance(op, steps.Shape):
             statements = None if op.fresh else engine.host.shapes.get(op.names.table_name)
             return _WAITS if statements is None else statements
-        if isinstance(op, flows.Settle):
+        if isinstance(op, steps.Settle):
             if not op.lock.cleanup_sending.acquire(blocking=False):
                 return _WAITS  # a clean-up of this Mutex's row is being sent
             op.lock.cleanup_sending.release()
             return None
-        if isinstance(op, flows.Keep):
+        if isinstance(op, steps.Keep):
             engine.keep(op.hold)
             return None
-        if isinstance(op, flows.Forget):
+        if isinstance(op, steps.Forget):
             engine.host.session.forget(op.hold)
             return None
-        if isinstance(op, flows.Tell):
+        if isinstance(op, steps.Tell):
             lock, error = op.lock, op.error
             engine.host.session.post(lambda: lock.events.lost(error))
             return None
-        if isinstance(op, flows.Schedule):
+        if isinstance(op, steps.Schedule):
             engine.schedule(op.cleanup)
             return None
-        if isinstance(op, flows.StopListening):
+        if isinstance(op, steps.StopListening):
             self.finish()
             return None
         return _WAITS
 
-    async def perform(self, op: flows.Op) -> Any:
+    async def perform(self, op: steps.Op) -> Any:
         """Perform a step that waits: a statement, an inspection, a pause, a wait for a release."""
         engine = self._engine
-        if isinstance(op, flows.Execute):
+        if isinstance(op, steps.Execute):
             return await engine.execute(op)
-        if isinstance(op, flows.Shape):
+        if isinstance(op, steps.Shape):
             return await engine.shape(op.names, op.timeout, fresh=op.fresh)
-        if isinstance(op, flows.Pause):
+        if isinstance(op, steps.Pause):
             await asleep(op.seconds)
             return not engine.closed
-        if isinstance(op, flows.Settle):
+        if isinstance(op, steps.Settle):
             await aacquire_lock(op.lock.cleanup_sending)
             op.lock.cleanup_sending.release()
             return None
-        if isinstance(op, flows.Listen):
+        if isinstance(op, steps.Listen):
             listener = engine.listener
             if listener is None:
                 return False
             self._subscription = listener.subscribe(op.channel)
             return await self._subscription.confirmed.wait(op.timeout)
-        assert isinstance(op, flows.WaitForRelease)
+        assert isinstance(op, steps.WaitForRelease)
         subscription = self._subscription
         # A release wakes the wait, and so does a stop (an election's), set from any thread.
         wake = AEvent() if subscription is None else subscription.released

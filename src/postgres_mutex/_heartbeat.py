@@ -1,6 +1,6 @@
 # Generated from _heartbeat_async.py by tools/async_to_sync.py: do not edit.
 # Change the async module and run `python tools/async_to_sync.py`.
-"""The heartbeat and clean-up worker of one engine: one task (or thread) for every hold it renews.
+"""The heartbeat and clean-up worker of one engine: one worker for every hold it renews.
 
 It renews every hold the engine acquired, one statement per heartbeat group
 (the holds that share a table, an interval and what they report) per
@@ -18,6 +18,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from . import _flows as flows
+from . import _heartbeat_flows as heartbeat_flows
+from . import _steps as steps
 from ._acompat import Cancelled, Event, Worker
 from ._clock import MAX_SLICE, now
 from ._settings import retry_pause
@@ -41,7 +43,7 @@ class HeartbeatWorker:
         self._engine = engine
         self._host = engine.host
         self.groups = engine.host.session.groups_of(engine)
-        self._cleanups: list[flows.Cleanup] = []
+        self._cleanups: list[steps.Cleanup] = []
         self._wake = Event()
         self._worker: Worker | None = None
 
@@ -62,7 +64,7 @@ class HeartbeatWorker:
         if new_group:
             self._wake.set()  # its first heartbeat may be due before the worker would look again
 
-    def schedule(self, cleanup: flows.Cleanup) -> None:
+    def schedule(self, cleanup: steps.Cleanup) -> None:
         """Delete a row that may remain, in the background, as soon as the database answers."""
         with self._host.state_lock:
             closed = self._engine.closed
@@ -77,7 +79,7 @@ class HeartbeatWorker:
     def has_cleanups(self) -> bool:
         return bool(self._cleanups)
 
-    def take_cleanups(self) -> list[flows.Cleanup]:
+    def take_cleanups(self) -> list[steps.Cleanup]:
         with self._host.state_lock:
             pending, self._cleanups = self._cleanups, []
             return pending
@@ -117,8 +119,8 @@ class HeartbeatWorker:
                 if wake_at > now():
                     self._wake.wait(min(wake_at - now(), MAX_SLICE))
         except (Cancelled, GeneratorExit):
-            # The event loop is shutting down, or closed with this task pending (it
-            # is then destroyed): its holds end with it (the exit releases them).
+            # Stopped from outside (what runs the worker is shutting down, or was
+            # closed with it unfinished): its holds end with it (the exit releases them).
             with self._host.state_lock:
                 self._worker = None
             raise
@@ -141,9 +143,9 @@ class HeartbeatWorker:
         timeout = min(hold.lock.timing.operation_timeout for hold in holds)
         try:
             statements = self._engine.shape(holds[0].lock.names, timeout)
-            beat = self._engine.run(flows.heartbeat(holds, statements, group.tracing, timeout))
+            beat = self._engine.run(heartbeat_flows.heartbeat(holds, statements, group.tracing, timeout))
         except DatabaseError as exc:  # the inspection failed
-            beat = flows.Beat([], [], 0.0, exc)
+            beat = heartbeat_flows.Beat([], [], 0.0, exc)
         if beat.error is not None:
             error = beat.error
             if flows.died_while_idle(error) and not group.quiet_retry:
@@ -165,12 +167,12 @@ class HeartbeatWorker:
             self._host.session.post(_failed(beat.busy, None))
         self._host.session.post(_renewed(beat))
 
-    def _clean(self, cleanup: flows.Cleanup) -> None:
+    def _clean(self, cleanup: steps.Cleanup) -> None:
         lock = cleanup.lock
         try:
             done = self._engine.run(flows.clean_up(cleanup))
             retry_at = cleanup.settled_at
-        except flows.CleanupSuperseded:
+        except steps.CleanupSuperseded:
             done, retry_at = True, now()
         except DatabaseError as exc:
             lock.events.row_may_remain(exc)
@@ -198,12 +200,14 @@ def _failed(holds: list[Hold], error: DatabaseError | None) -> Any:
 
     def report() -> None:
         for index, hold in enumerate(holds):
-            hold.lock.events.heartbeat_failed(error or flows.busy_error(hold), log=error is None or index == 0)
+            hold.lock.events.heartbeat_failed(
+                error or heartbeat_flows.busy_error(hold), log=error is None or index == 0
+            )
 
     return report
 
 
-def _renewed(beat: flows.Beat) -> Any:
+def _renewed(beat: heartbeat_flows.Beat) -> Any:
     def report() -> None:
         for hold in beat.renewed:
             hold.lock.events.heartbeat_renewed(beat.latency)

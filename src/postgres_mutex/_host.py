@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 from ._sql import Statements
 
 if TYPE_CHECKING:
-    from ._flows import Cleanup
     from ._secrets import Redactor
     from ._session import Session
     from ._state import StateLock
+    from ._steps import Cleanup
 
 
 class Shapes:

@@ -2,34 +2,36 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
-import math
-import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from . import _acquisition, _acquisition_async
 from . import _flows as flows
+from . import _heartbeat_flows as heartbeat_flows
+from . import _steps as steps
 from ._acompat import current_owner
 from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._events import LockEvents, LostCallback
 from ._metrics import guard
-from ._settings import Timing, check_name, check_seconds, default_instance_id
+from ._own_watch import OwnLockWatch
+from ._settings import Timing, check_name, check_wait, default_instance_id
+from ._singleton import only_while_held, only_while_held_async
 from ._sql import Names
 from ._state import LockState, Phase
 from .client import BUILT_ON_IT, MutexClient, core_of, shared_client
-from .errors import LockAlreadyHeldError, MutexError
-from .watcher import StaleWatcher
+from .errors import MutexError
 
 if TYPE_CHECKING:
     import psycopg
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    from .watcher import StaleWatcher
 
 
 logger = logging.getLogger("postgres_mutex")
@@ -165,7 +167,8 @@ class Mutex:
         }
         self._explicit_id = instance_id is not None
         self._siblings: dict[str, Mutex] = {}
-        self._watch: _OwnLockWatch | None = _OwnLockWatch(self) if watch else None
+        self._candidacy = Candidacy(self._lock, self._campaign, self._campaign_async)
+        self._watch: OwnLockWatch | None = OwnLockWatch(client, table, self._lock, metrics) if watch else None
         if self._watch is not None:
             self._watch.start_at_creation(core.has_sync)
 
@@ -295,27 +298,23 @@ class Mutex:
         if this Mutex already holds the lock, `DatabaseError` if PostgreSQL
         cannot be used.
         """
-        timeout = _check_wait(blocking, timeout)
+        timeout = check_wait(blocking, timeout)
         self._start_watch()
         return Acquisition(self._engine_for, self._lock, blocking=blocking, timeout=timeout)
 
     def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
         """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
-        timeout = _check_wait(blocking, timeout)
+        timeout = check_wait(blocking, timeout)
         self._start_watch_async()
         return AsyncAcquisition(self._engine_async_for, self._lock, blocking=blocking, timeout=timeout)
 
-    def _campaign(self, stop: flows.StopSignal) -> Acquisition:
-        """A blocking acquire without a timeout that ``stop`` ends at once (entering then yields False).
-
-        What an `Election` campaigns with: unlike a timeout, a stop wakes the
-        wait the moment it is set, from any thread.
-        """
+    def _campaign(self, stop: steps.StopSignal) -> Acquisition:
+        """An election's campaign (see `Candidacy`)."""
         self._start_watch()
         return Acquisition(self._engine_for, self._lock, blocking=True, timeout=None, stop=stop)
 
-    def _campaign_async(self, stop: flows.StopSignal) -> AsyncAcquisition:
-        """Async `_campaign`."""
+    def _campaign_async(self, stop: steps.StopSignal) -> AsyncAcquisition:
+        """An election's async campaign."""
         self._start_watch_async()
         return AsyncAcquisition(self._engine_async_for, self._lock, blocking=True, timeout=None, stop=stop)
 
@@ -345,11 +344,11 @@ class Mutex:
         Raises `LockNotHeldError` if the lock is not held or turns out lost,
         `DatabaseError` if the heartbeat failed.
         """
-        self._core.engine().run(flows.heartbeat_now(self._lock, self._lock.tracing))
+        self._core.engine().run(heartbeat_flows.heartbeat_now(self._lock, self._lock.tracing))
 
     async def heartbeat_async(self) -> None:
         """Async `heartbeat`."""
-        await self._core.engine_async().run(flows.heartbeat_now(self._lock, self._lock.tracing))
+        await self._core.engine_async().run(heartbeat_flows.heartbeat_now(self._lock, self._lock.tracing))
 
     # -- fencing -------------------------------------------------------------------
 
@@ -423,25 +422,7 @@ class Mutex:
         if callable(lock_name):
             return self.singleton()(lock_name)
         target = self if lock_name is None else self._sibling(lock_name)
-        timeout = _check_wait(blocking, timeout)
-
-        def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
-            @functools.wraps(func)
-            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-                with contextlib.ExitStack() as stack:
-                    try:
-                        acquired = stack.enter_context(target.acquire(blocking=blocking, timeout=timeout))
-                    except LockAlreadyHeldError:
-                        logger.info("lock %r is held in this process already: not running %s", target.lock_name, func)
-                        return None
-                    if not acquired:
-                        logger.info("lock %r is held elsewhere: not running %s", target.lock_name, func)
-                        return None
-                    return func(*args, **kwargs)
-
-            return wrapper
-
-        return decorate
+        return only_while_held(target, blocking=blocking, timeout=check_wait(blocking, timeout))
 
     @overload
     def singleton_async(self, lock_name: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]: ...
@@ -462,27 +443,7 @@ class Mutex:
         if callable(lock_name):
             return self.singleton_async()(lock_name)
         target = self if lock_name is None else self._sibling(lock_name)
-        timeout = _check_wait(blocking, timeout)
-
-        def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]:
-            @functools.wraps(func)
-            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-                async with contextlib.AsyncExitStack() as stack:
-                    try:
-                        acquired = await stack.enter_async_context(
-                            target.acquire_async(blocking=blocking, timeout=timeout)
-                        )
-                    except LockAlreadyHeldError:
-                        logger.info("lock %r is held in this process already: not running %s", target.lock_name, func)
-                        return None
-                    if not acquired:
-                        logger.info("lock %r is held elsewhere: not running %s", target.lock_name, func)
-                        return None
-                    return await func(*args, **kwargs)
-
-            return wrapper
-
-        return decorate
+        return only_while_held_async(target, blocking=blocking, timeout=check_wait(blocking, timeout))
 
     def _sibling(self, lock_name: str) -> Mutex:
         """A Mutex for another lock name, on the same client, with the same settings."""
@@ -568,71 +529,23 @@ class Mutex:
             self._watch.start_async()
 
 
-class _OwnLockWatch:
-    """``Mutex(..., watch=True)``: a watcher of the Mutex's own lock, through its own hook.
+@dataclass(frozen=True)
+class Candidacy:
+    """What an `Election` needs of its Mutex beyond the public API: its lock state, and a campaign.
 
-    It uses the Mutex's client and shares its alert gate (one alert per
-    episode, whether a contender or the watcher saw it first), and starts with
-    the Mutex, so that a process that only watches its lock is alerted too: a
-    thread if the client has a sync path, else a task of the running loop (with
-    only an ``async_pool`` and no running loop, at the first ``acquire_async``).
+    A campaign is a blocking acquire without a timeout that a stop ends at
+    once (entering then yields False): unlike a timeout, a stop wakes the
+    wait the moment it is set, from any thread.
     """
 
-    def __init__(self, mutex: Mutex) -> None:
-        lock = mutex._lock
-        timing = lock.timing
-        self.watcher: StaleWatcher = StaleWatcher(
-            client=mutex.client,
-            table=mutex.table,
-            lock_names=[lock.lock_name],
-            alert_threshold=timing.alert_threshold,
-            stale_threshold=timing.stale_threshold,
-            interval=min(5.0, timing.alert_threshold / 2),
-            metrics=mutex._metrics,
-            _shared_gates={lock.lock_name: lock.alert_gate},
-        )
-
-        self._in_thread = False
-
-    def start_at_creation(self, has_sync: bool) -> None:
-        if has_sync:
-            self.start_sync()
-            return
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return  # the first acquire_async starts it, on its loop
-        self.start_async()
-
-    def start_sync(self) -> None:
-        self._in_thread = True
-        self.watcher.start()
-
-    def start_async(self) -> None:
-        if not self._in_thread:  # one watcher is enough: the thread watches for async code too
-            self.watcher.start_task()
-
-    def stop(self) -> None:
-        self.watcher.stop()
+    lock: LockState
+    campaign: Callable[[steps.StopSignal], Acquisition]
+    campaign_async: Callable[[steps.StopSignal], AsyncAcquisition]
 
 
-def _check_wait(blocking: object, timeout: object) -> float | None:
-    if not isinstance(blocking, bool):
-        raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
-    if timeout is None:
-        return None
-    if not blocking:
-        # 0.1.0 ignored it: programs written for it pass one to non-blocking tries.
-        warnings.warn(
-            "timeout has no effect on a non-blocking acquire: pass blocking=True to wait, or drop timeout",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return None
-    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and -math.inf < timeout < 0:
-        # A deadline already past (timeout=deadline - now()): one attempt, as in 0.1.0.
-        return float(timeout)
-    return check_seconds(timeout, "timeout", allow_zero=True)
+def candidacy(mutex: Mutex) -> Candidacy:
+    """``mutex``'s side of an election (see `Candidacy`)."""
+    return mutex._candidacy
 
 
 BUILT_ON_IT.mutex = Mutex

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import secrets
 import socket
+import warnings
 from dataclasses import dataclass
 
 # VARCHAR(64) in the table: PostgreSQL counts characters, not bytes.
@@ -186,3 +187,28 @@ def default_operation_timeout(heartbeat_interval: float, stale_threshold: float)
     window = stale_threshold - 2 * heartbeat_interval
     with_retries = (window - 2 * retry_pause(heartbeat_interval)) / 3
     return min(DEFAULT_OPERATION_TIMEOUT, max(with_retries, window / 4))
+
+
+BRIEF_WAIT = 0.25
+"""How long a heartbeat waits for a row another session holds locked (once it found it so), and a
+forced release in each of its tries: brief, so the client's other statements are not held up."""
+
+
+def check_wait(blocking: object, timeout: object) -> float | None:
+    """An acquire's ``blocking`` and ``timeout``, checked: the timeout to wait (None: no limit, or no wait)."""
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
+    if timeout is None:
+        return None
+    if not blocking:
+        # 0.1.0 ignored it: programs written for it pass one to non-blocking tries.
+        warnings.warn(
+            "timeout has no effect on a non-blocking acquire: pass blocking=True to wait, or drop timeout",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return None
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and -math.inf < timeout < 0:
+        # A deadline already past (timeout=deadline - now()): one attempt, as in 0.1.0.
+        return float(timeout)
+    return check_seconds(timeout, "timeout", allow_zero=True)

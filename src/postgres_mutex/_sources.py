@@ -78,7 +78,7 @@ class OwnConnection:
         self._replace = True
 
     def connection(self, timeout: float, asked_at: float) -> OwnConnection:
-        """The connection for one statement, as an ``async with`` block: dropped after it if it broke.
+        """The connection for one statement, as an ``with`` block: dropped after it if it broke.
 
         Itself, not a generator-based context manager (one is entered per
         statement); the gate lets one statement at a time in. A statement

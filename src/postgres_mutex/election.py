@@ -43,31 +43,30 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _flows as flows
+from . import _steps as steps
 from ._clock import now
 from ._events import ElectionEvents
 from ._metrics import LockObservation, guard
-from ._mutex import Mutex
+from ._mutex import Mutex, candidacy
+from ._relay import Relay
 from ._settings import check_name, check_seconds
-from ._state import LEASE_EXPIRED, HoldStatus
+from ._state import HoldStatus
+from ._term import Flag, Leadership, Term, TermPolicy
 from ._tracing import INSTANCE_ID, LOCK_NAME
 from .errors import DatabaseError, LockNotHeldError, MutexError
 from .table import LockTable
 
 if TYPE_CHECKING:
-    import psycopg
     from opentelemetry.trace import Span, TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
     from ._acquisition import Acquisition
     from ._acquisition_async import AsyncAcquisition
-    from ._state import Hold
     from .client import MutexClient
 
 __all__ = ["Election", "Flag", "Leader", "Leadership"]
@@ -97,268 +96,6 @@ class Leader:
     """Seconds since its last heartbeat."""
     alerting: bool
     """Silent for ``alert_threshold`` or longer: slow, or dead? (Past ``stale_threshold`` there is no leader.)"""
-
-
-class Flag:
-    """A flag like `threading.Event` that only the election sets: `is_set`, `wait`."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until set, or ``timeout`` seconds; returns whether it is set (`threading.Event.wait`)."""
-        return self._event.wait(timeout)
-
-    def _set(self) -> None:
-        self._event.set()
-
-    def __repr__(self) -> str:
-        return f"<Flag {'set' if self.is_set() else 'clear'}>"
-
-
-class _Relay:
-    """Carries `Election.stop` and `Election.resign` out of a signal handler, to a thread of its own.
-
-    A signal handler runs in the main thread between two bytecodes, possibly
-    while that thread holds the internal lock of the very event it waits on
-    (``leadership.ended.wait()``, the campaign's wait): setting that event
-    from the handler would wait for itself forever. The handler only writes
-    a byte to a pipe (no lock taken); this thread reads it and sets the
-    events.
-    """
-
-    STOP = b"s"
-    RESIGN = b"r"
-    _QUIT = b"q"
-
-    def __init__(self, stop: Callable[[], None], resign: Callable[[], None]) -> None:
-        self._read, self._write = os.pipe()
-        self._stop, self._resign = stop, resign
-        self._thread = threading.Thread(target=self._run, name="postgres-mutex-election-relay", daemon=True)
-        self._thread.start()
-
-    def send(self, what: bytes) -> bool:
-        """Pass ``what`` on; False if the relay is closed (then the caller acts itself)."""
-        try:
-            os.write(self._write, what)
-        except OSError:
-            return False
-        return True
-
-    def _run(self) -> None:
-        while True:
-            try:
-                received = os.read(self._read, 64)
-            except OSError:
-                return
-            if self.STOP in received:
-                self._stop()
-            elif self.RESIGN in received:
-                self._resign()
-            if not received or self._QUIT in received:
-                return
-
-    def close(self) -> None:
-        """Act on what was sent before, then end the thread.
-
-        The write end stays open while anyone may still hold this relay (a
-        `send` after this fails, and its caller acts itself): closed with it,
-        its descriptor number could be reused by a file of the user's.
-        """
-        self.send(self._QUIT)
-        self._thread.join()
-        os.close(self._read)
-
-    def __del__(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._write)
-
-
-class Leadership:
-    """One term of leadership, handed to ``lead``: its fencing token and how to learn that it ends.
-
-    `ended` is set the moment the term must end: leadership was lost (then
-    `lost` is True), or `Election.stop` or `Election.resign` was called.
-    ``lead`` should then return promptly; the lock is released when it does.
-    """
-
-    def __init__(self, election: Election, hold: Hold, span: Span) -> None:
-        self._election = election
-        self._mutex = election._mutex
-        self._hold = hold
-        self._span = span
-        self._began = now()
-        self._endings: list[tuple[str, str]] = []
-        self._ended_at = 0.0
-        self._returned = threading.Event()
-        self._wake = threading.Event()
-        self._task: asyncio.Future[Any] | None = None
-        self.ended = Flag()
-        """Set when the term must end: lost, stopped or resigned. ``lead`` returns once it is set."""
-
-    @property
-    def name(self) -> str:
-        """The election's name (its lock's name)."""
-        return self._election.name
-
-    @property
-    def instance_id(self) -> str:
-        return self._election.instance_id
-
-    @property
-    def token(self) -> int | None:
-        """This term's fencing token: greater than every earlier term's (None on a table without tokens)."""
-        return self._hold.token
-
-    @property
-    def lost(self) -> bool:
-        """True if the term ended because leadership was lost, rather than given up."""
-        return self._ending == "lost"
-
-    @property
-    def reason(self) -> str | None:
-        """Why the term ends (None while it does not)."""
-        return self._endings[0][1] if self._endings else None
-
-    @property
-    def held(self) -> bool:
-        """True while this term leads: its lock is held and it has not been told to end. Never touches the database."""
-        return not self._endings and self._hold.held and self._mutex._lock.hold is self._hold
-
-    def ensure_held(self) -> None:
-        """Raise `LockNotHeldError` unless this term still leads; call it between steps of the work.
-
-        It raises once the term was told to end, whether leadership was lost
-        or given up (`stop`, `resign`): the error's ``reason`` says which.
-        Raising it out of ``lead`` ends the term quietly; it is not counted
-        as a failure of ``lead``.
-        """
-        if self._mutex._lock.hold is not self._hold:
-            raise self._error("this term is over: its lock was released")
-        if not self._endings and not self._hold.held:
-            # The lease ran out a moment before the loss was reported: the term is lost all the same.
-            self._end("lost", f"leadership was lost: {self._hold.reason or LEASE_EXPIRED}")
-        if self._endings:
-            raise self._error(self._endings[0][1])
-
-    def fence(self, conn: psycopg.Connection[Any]) -> int:
-        """`Mutex.fence` for this term: in ``conn``'s open transaction, check that this term still holds the lock.
-
-        Returns the token; raises `LockNotHeldError` if the lock changed
-        hands since (roll the transaction back), which also ends the term as
-        lost. A term told to end but not yet released still passes: until
-        ``lead`` returns, the lock is its.
-        """
-        self._require_current()
-        try:
-            return self._check_token(self._mutex.fence(conn))
-        except LockNotHeldError as exc:
-            self._end("lost", f"leadership was lost: {exc.reason}")
-            raise
-
-    async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
-        """Async `fence`, on an `AsyncConnection`."""
-        self._require_current()
-        try:
-            return self._check_token(await self._mutex.fence_async(conn))
-        except LockNotHeldError as exc:
-            self._end("lost", f"leadership was lost: {exc.reason}")
-            raise
-
-    @contextlib.contextmanager
-    def fenced(self, conn: psycopg.Connection[Any]) -> Iterator[int]:
-        """`Mutex.fenced` for this term: a transaction on ``conn``, fenced first; yields the token."""
-        with conn.transaction():
-            yield self.fence(conn)
-
-    @contextlib.asynccontextmanager
-    async def fenced_async(self, conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[int]:
-        """Async `fenced`, on an `AsyncConnection`."""
-        async with conn.transaction():
-            yield await self.fence_async(conn)
-
-    def __repr__(self) -> str:
-        state = "leading" if self.held else f"ended ({self._ending})" if self._endings else "not held"
-        return f"<Leadership election={self.name!r} token={self.token} {state}>"
-
-    # -- the election's side ---------------------------------------------------------
-
-    @property
-    def _ending(self) -> str | None:
-        return self._endings[0][0] if self._endings else None
-
-    def _end(self, ending: str, reason: str) -> bool:
-        """Tell the term to end; the first call wins. No lock: a signal handler may call it."""
-        entry = (ending, reason)
-        self._endings.append(entry)
-        if self._endings[0] is not entry:
-            return False
-        self._ended_at = now()
-        self.ended._set()
-        self._wake.set()
-        return True
-
-    def _finish(self) -> None:
-        """``lead`` has returned."""
-        self._returned.set()
-        self._wake.set()
-
-    def _require_current(self) -> None:
-        if self._mutex._lock.hold is not self._hold:
-            raise self._error("this term is over: its lock was released")
-
-    def _check_token(self, token: int) -> int:
-        if token != self.token:
-            raise self._error(f"this term is over: the lock is held with token {token} now")
-        return token
-
-    def _error(self, reason: str) -> LockNotHeldError:
-        return LockNotHeldError(
-            f"leadership of election {self.name!r} (token {self.token}) has ended: {reason}",
-            lock_name=self.name,
-            instance_id=self.instance_id,
-            reason=reason,
-        )
-
-
-class _Policy:
-    """What follows a term, decided once for `run` and `run_async` (no I/O): how it ended, and the pause."""
-
-    def __init__(self, failure_backoff: float, max_failure_backoff: float, rejoin_pause: float) -> None:
-        self.failure_backoff = failure_backoff
-        self.max_failure_backoff = max_failure_backoff
-        self.rejoin_pause = rejoin_pause
-        self.failures = 0
-
-    def ended(self, term: Leadership, told: str | None, error: BaseException | None) -> str:
-        """How the term ended. ``told``: how it was told to end before ``lead`` returned (None: it was not)."""
-        if told is not None:
-            return told
-        if error is not None and not (isinstance(error, LockNotHeldError) and term._ending == "lost"):
-            return "failed"
-        # A loss found only by the release counts as one, and so does lead's LockNotHeldError then.
-        return term._ending or "returned"
-
-    def pause_after(self, ended: str) -> float:
-        """Seconds to wait before campaigning again.
-
-        A failure backs off exponentially, up to the cap; giving the term up
-        (``lead`` returned, `resign`) sits out a short pause so that another
-        candidate, woken by the release, takes over; after a loss the
-        candidate campaigns at once (it waits for the lock anyway).
-        """
-        if ended == "failed":
-            self.failures += 1
-            return min(self.max_failure_backoff, self.failure_backoff * 2.0 ** (self.failures - 1))
-        self.failures = 0
-        if ended in ("returned", "resigned"):
-            return self.rejoin_pause
-        return 0.0
 
 
 class Election:
@@ -431,20 +168,21 @@ class Election:
             tracer_provider=tracer_provider,
             on_lost=self._on_lost,
         )
+        self._candidacy = candidacy(self._mutex)
         config = self._mutex.config
         self._grace = config.heartbeat_interval if grace is None else grace
-        self._policy = _Policy(backoff, max_backoff, rejoin_pause=max(0.25, 2 * config.poll_interval))
+        self._policy = TermPolicy(backoff, max_backoff, rejoin_pause=max(0.25, 2 * config.poll_interval))
         self._table = LockTable(client=self._mutex.client, table=table, operation_timeout=config.operation_timeout)
         self._events = ElectionEvents(
             lock_name=name, instance_id=self._mutex.instance_id, hook=guard(metrics), grace_period=self._grace
         )
-        self._stop = flows.StopSignal()
+        self._stop = steps.StopSignal()
         self._stopped = threading.Event()
         # Set by stop() itself: a plain flag, as a signal handler may set it.
         self._stop_requested = False
-        self._relay: _Relay | None = None
+        self._relay: Relay | None = None
         self._running = threading.Lock()
-        self._term: Leadership | None = None
+        self._term: Term | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._close_when_done = False
@@ -469,12 +207,13 @@ class Election:
     def leading(self) -> bool:
         """True while this candidate leads and its term has not been told to end. Never touches the database."""
         term = self._term
-        return term is not None and term.held
+        return term is not None and term.leadership.held
 
     @property
     def leadership(self) -> Leadership | None:
         """The current term, while ``lead`` runs (None otherwise)."""
-        return self._term
+        term = self._term
+        return None if term is None else term.leadership
 
     @property
     def stopped(self) -> bool:
@@ -529,30 +268,30 @@ class Election:
 
     def _serve(self, lead: Lead) -> float | None:
         """Campaign, then one term; returns the pause before the next campaign, None once stopped."""
-        acquisition = self._mutex._campaign(self._stop)
+        acquisition = self._candidacy.campaign(self._stop)
         if not acquisition.__enter__():
             return None
         if self._stop_requested:  # won just as stop() came: no term
             self._release(acquisition, None)
             return None
-        with self._mutex._lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
+        with self._candidacy.lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
             term = self._begin(span)
             watch = self._watch(term)
             error: BaseException | None = None
             misuse: TypeError | None = None
             try:
-                result = lead(term)
+                result = lead(term.leadership)
             except BaseException as exc:
                 error = exc
                 if not isinstance(exc, Exception):
-                    term._end("stopped", f"the run was interrupted ({type(exc).__name__})")
+                    term.end("stopped", f"the run was interrupted ({type(exc).__name__})")
             else:
                 if inspect.isawaitable(result):
                     _discard(result)
                     misuse = TypeError("lead returned an awaitable: use 'await election.run_async(lead)'")
-                    term._end("stopped", "lead is async")
-            told = term._ending
-            term._finish()
+                    term.end("stopped", "lead is async")
+            told = term.ending
+            term.finish()
             watch.join()
             self._release(acquisition, term)
             pause = self._conclude(term, told, error)
@@ -562,12 +301,12 @@ class Election:
                 raise error
             return pause
 
-    def _release(self, acquisition: Acquisition, term: Leadership | None) -> None:
+    def _release(self, acquisition: Acquisition, term: Term | None) -> None:
         try:
             acquisition.__exit__(None, None, None)
         except LockNotHeldError as exc:
             if term is not None:
-                term._end("lost", f"leadership was lost: {exc.reason}")
+                term.end("lost", f"leadership was lost: {exc.reason}")
         except DatabaseError as exc:
             self._events.release_failed(exc)
 
@@ -608,42 +347,42 @@ class Election:
                     self._running.release()
 
     async def _serve_async(self, lead: AsyncLead) -> float | None:
-        acquisition = self._mutex._campaign_async(self._stop)
+        acquisition = self._candidacy.campaign_async(self._stop)
         if not await acquisition.__aenter__():
             return None
         if self._stop_requested:
             await self._release_async(acquisition, None)
             return None
-        with self._mutex._lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
+        with self._candidacy.lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
             term = self._begin(span)
             error: BaseException | None = None
             interrupted: BaseException | None = None
             task: asyncio.Future[Any] | None = None
             try:
-                work: object = lead(term)
+                work: object = lead(term.leadership)
             except Exception as exc:
                 error = exc
             else:
                 if inspect.isawaitable(work):
-                    task = term._task = asyncio.ensure_future(work)
+                    task = term.task = asyncio.ensure_future(work)
                 else:
                     interrupted = TypeError("lead is not async: use election.run(lead) for a plain function")
-                    term._end("stopped", "lead is not async")
+                    term.end("stopped", "lead is not async")
             watch = self._watch(term)
             if task is not None:
                 try:
                     await asyncio.wait([task])
                 except asyncio.CancelledError as exc:  # the task running run_async was cancelled
                     interrupted = exc
-                    term._end("stopped", "run_async was cancelled")
+                    term.end("stopped", "run_async was cancelled")
                     task.cancel()
                     await asyncio.wait([task])
                 if not task.cancelled():
                     error = task.exception()
-                elif term._ending is None:
+                elif term.ending is None:
                     error = asyncio.CancelledError("lead's task was cancelled, not by the election")
-            told = term._ending
-            term._finish()
+            told = term.ending
+            term.finish()
             # To the end even if this task is cancelled again meanwhile: the lock must not stay held.
             hand_over = asyncio.ensure_future(self._hand_over_async(watch, acquisition, term))
             while not hand_over.done():
@@ -659,16 +398,16 @@ class Election:
                 raise error
             return pause
 
-    async def _hand_over_async(self, watch: threading.Thread, acquisition: AsyncAcquisition, term: Leadership) -> None:
+    async def _hand_over_async(self, watch: threading.Thread, acquisition: AsyncAcquisition, term: Term) -> None:
         await asyncio.to_thread(watch.join)  # it has only to finish reporting: a moment
         await self._release_async(acquisition, term)
 
-    async def _release_async(self, acquisition: AsyncAcquisition, term: Leadership | None) -> None:
+    async def _release_async(self, acquisition: AsyncAcquisition, term: Term | None) -> None:
         try:
             await acquisition.__aexit__(None, None, None)
         except LockNotHeldError as exc:
             if term is not None:
-                term._end("lost", f"leadership was lost: {exc.reason}")
+                term.end("lost", f"leadership was lost: {exc.reason}")
         except DatabaseError as exc:
             self._events.release_failed(exc)
 
@@ -678,7 +417,7 @@ class Election:
         if not self._running.acquire(blocking=False):
             raise MutexError(f"election {self.name!r} is running already: one run() or run_async() at a time")
         # Started here, never in stop(): a signal handler may not start a thread.
-        self._relay = _Relay(self._stop_now, self._resign_now)
+        self._relay = Relay(self._stop_now, self._resign_now)
 
     def _leave(self) -> None:
         relay, self._relay = self._relay, None
@@ -696,57 +435,57 @@ class Election:
     def _span_attributes(self) -> dict[str, str | bool | int | float]:
         return {LOCK_NAME: self.name, INSTANCE_ID: self.instance_id}
 
-    def _begin(self, span: Span) -> Leadership:
-        hold = self._mutex._lock.hold
+    def _begin(self, span: Span) -> Term:
+        hold = self._candidacy.lock.hold
         assert hold is not None
-        term = Leadership(self, hold, span)
+        term = Term(self._mutex, self._candidacy.lock, hold, span)
         self._term = term
         self._events.term_began(span, hold.token)
         if not hold.held:  # lost before the term was there to hear of it
-            term._end("lost", "leadership was lost: " + (hold.reason or "its lease ran out"))
+            term.end("lost", "leadership was lost: " + (hold.reason or "its lease ran out"))
         if self._stop_requested:
-            term._end("stopped", _STOPPED)
+            term.end("stopped", _STOPPED)
         return term
 
-    def _watch(self, term: Leadership) -> threading.Thread:
+    def _watch(self, term: Term) -> threading.Thread:
         """A thread that tells the term's end (and an async ``lead``'s task) and watches the grace period."""
         watch = threading.Thread(target=self._watch_term, args=(term,), name="postgres-mutex-election", daemon=True)
         watch.start()
         return watch
 
-    def _watch_term(self, term: Leadership) -> None:
-        term._wake.wait()
-        ending, reason = term._ending, term.reason
+    def _watch_term(self, term: Term) -> None:
+        term.wake.wait()
+        ending, reason = term.ending, term.reason
         if ending is None or reason is None:
             return  # lead returned on its own
-        self._events.ending(term._span, ending, reason)
-        task, loop = term._task, self._loop
+        self._events.ending(term.span, ending, reason)
+        task, loop = term.task, self._loop
         if task is not None and loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: the task is gone with it
                 loop.call_soon_threadsafe(task.cancel)
-        if term._returned.wait(self._grace):
+        if term.returned.wait(self._grace):
             return
-        self._events.grace_overrun(term._span, now() - term._ended_at, reason)
-        term._returned.wait()
-        self._events.returned_late(now() - term._ended_at)
+        self._events.grace_overrun(term.span, now() - term.ended_at, reason)
+        term.returned.wait()
+        self._events.returned_late(now() - term.ended_at)
 
-    def _conclude(self, term: Leadership, told: str | None, error: BaseException | None) -> float:
+    def _conclude(self, term: Term, told: str | None, error: BaseException | None) -> float:
         ended = self._policy.ended(term, told, error)
         pause = self._policy.pause_after(ended)
         if error is not None and isinstance(error, Exception | asyncio.CancelledError):
             if ended == "failed":
-                self._events.lead_failed(term._span, error, pause)
+                self._events.lead_failed(term.span, error, pause)
             elif not isinstance(error, asyncio.CancelledError):
                 self._events.raised_after_end(error)
         self._term = None
-        self._events.term_ended(term._span, ended, now() - term._began, term.token)
+        self._events.term_ended(term.span, ended, now() - term.began, term.hold.token)
         return pause
 
     def _on_lost(self, error: LockNotHeldError) -> None:
         """The Mutex lost its lock (on the client's event thread): tell the term it belongs to, at once."""
         term = self._term
-        if term is not None and term._hold.status is HoldStatus.LOST:
-            term._end("lost", f"leadership was lost: {error.reason}")
+        if term is not None and term.hold.status is HoldStatus.LOST:
+            term.end("lost", f"leadership was lost: {error.reason}")
 
     # -- ending ------------------------------------------------------------------------
 
@@ -760,11 +499,11 @@ class Election:
         """
         self._stop_requested = True
         relay = self._relay
-        if relay is None or not relay.send(_Relay.STOP):
+        if relay is None or not relay.send(Relay.STOP):
             self._stop_now()
 
     def _stop_now(self) -> None:
-        # Never in a signal handler's frame (see _Relay): it sets events a thread may be waiting on.
+        # Never in a signal handler's frame (see Relay): it sets events a thread may be waiting on.
         self._stopped.set()
         loop = self._loop
         if loop is None:
@@ -776,7 +515,7 @@ class Election:
                 self._stop.set()
         term = self._term
         if term is not None:
-            term._end("stopped", _STOPPED)
+            term.end("stopped", _STOPPED)
 
     def _stop_on_loop(self) -> None:
         # Async waits are woken on their loop, never from a signal handler's frame.
@@ -793,17 +532,17 @@ class Election:
         Returns False if this candidate was not leading. Safe from any thread.
         """
         term = self._term
-        if term is None or term._endings:
+        if term is None or term.endings:
             return False
         relay = self._relay
-        if relay is None or not relay.send(_Relay.RESIGN):
+        if relay is None or not relay.send(Relay.RESIGN):
             self._resign_now()
         return True
 
     def _resign_now(self) -> None:
         term = self._term
         if term is not None:
-            term._end("resigned", _RESIGNED)
+            term.end("resigned", _RESIGNED)
 
     def close(self) -> None:
         """`stop`, then close the Mutex underneath; safe to call while `run` runs.

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from . import _flows as flows
+from . import _admin_flows as admin_flows
+from . import _steps as steps
 from ._metrics import LockObservation
 from ._settings import DEFAULT_OPERATION_TIMEOUT, check_name, check_names, check_operation_timeout, check_seconds
 from ._sql import Names
@@ -112,7 +113,7 @@ class LockTable:
         An existing lock table is left as it is. Returns True if the table has
         fencing tokens. Raises `SchemaError` if the role may not create it.
         """
-        flow = flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
+        flow = admin_flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
         try:
             return self._core.engine().run(flow)
         finally:
@@ -120,7 +121,7 @@ class LockTable:
 
     async def create_async(self, *, history: bool = False, history_retention: float | None = None) -> bool:
         """Async `create`."""
-        flow = flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
+        flow = admin_flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
         try:
             return await self._core.engine_async().run(flow)
         finally:
@@ -137,7 +138,7 @@ class LockTable:
         too (options as in `create`); processes write it from the next time
         they start. Returns True if it changed anything.
         """
-        flow = flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
+        flow = admin_flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
         try:
             return self._core.engine().run(flow)
         finally:
@@ -145,7 +146,7 @@ class LockTable:
 
     async def migrate_async(self, *, history: bool = False, history_retention: float | None = None) -> bool:
         """Async `migrate`."""
-        flow = flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
+        flow = admin_flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
         try:
             return await self._core.engine_async().run(flow)
         finally:
@@ -153,19 +154,19 @@ class LockTable:
 
     def has_tokens(self) -> bool:
         """Whether the table has the token column (False also if it does not exist)."""
-        return self._core.engine().run(flows.inspect(self._names, self._timeout))[1]
+        return self._core.engine().run(admin_flows.inspect(self._names, self._timeout))[1]
 
     async def has_tokens_async(self) -> bool:
         """Async `has_tokens`."""
-        return (await self._core.engine_async().run(flows.inspect(self._names, self._timeout)))[1]
+        return (await self._core.engine_async().run(admin_flows.inspect(self._names, self._timeout)))[1]
 
     def has_history(self) -> bool:
         """Whether the table keeps a history (see `history`)."""
-        return self._core.engine().run(flows.inspect(self._names, self._timeout))[2]
+        return self._core.engine().run(admin_flows.inspect(self._names, self._timeout))[2]
 
     async def has_history_async(self) -> bool:
         """Async `has_history`."""
-        return (await self._core.engine_async().run(flows.inspect(self._names, self._timeout)))[2]
+        return (await self._core.engine_async().run(admin_flows.inspect(self._names, self._timeout)))[2]
 
     # -- reading -----------------------------------------------------------------------
 
@@ -196,13 +197,13 @@ class LockTable:
 
     def _holders(
         self, lock_names: Iterable[str] | None, alert_threshold: float, stale_threshold: float
-    ) -> flows.Flow[list[LockObservation]]:
+    ) -> steps.Flow[list[LockObservation]]:
         alert = check_seconds(alert_threshold, "alert_threshold")
         stale = check_seconds(stale_threshold, "stale_threshold")
         if not alert < stale:
             raise ValueError(f"alert_threshold ({alert:g}s) must be shorter than stale_threshold ({stale:g}s)")
         names = check_names(lock_names, "lock_names")
-        return flows.holders(self._names, names, self._timeout, alert_threshold=alert, stale_threshold=stale)
+        return admin_flows.holders(self._names, names, self._timeout, alert_threshold=alert, stale_threshold=stale)
 
     def history(
         self, lock_name: str | None = None, *, since: datetime | timedelta | None = None, limit: int = 100
@@ -226,7 +227,7 @@ class LockTable:
 
     def _history(
         self, lock_name: str | None, since: datetime | timedelta | None, limit: int
-    ) -> flows.Flow[list[tuple[Any, ...]]]:
+    ) -> steps.Flow[list[tuple[Any, ...]]]:
         if lock_name is not None:
             check_name(lock_name, "lock_name")
         moment: datetime | None = None
@@ -239,7 +240,7 @@ class LockTable:
             moment = since
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be a positive integer, got {limit!r}")
-        return flows.read_history(
+        return admin_flows.read_history(
             self._names, self._timeout, lock_name=lock_name, since=moment, since_seconds=age, limit=limit
         )
 
@@ -255,12 +256,14 @@ class LockTable:
         fenced transaction to end, up to ``operation_timeout``.
         """
         check_name(lock_name, "lock_name")
-        return _forced(lock_name, self._core.engine().run(flows.force_release(self._names, lock_name, self._timeout)))
+        return _forced(
+            lock_name, self._core.engine().run(admin_flows.force_release(self._names, lock_name, self._timeout))
+        )
 
     async def force_release_async(self, lock_name: str) -> ForcedRelease | None:
         """Async `force_release`."""
         check_name(lock_name, "lock_name")
-        found = await self._core.engine_async().run(flows.force_release(self._names, lock_name, self._timeout))
+        found = await self._core.engine_async().run(admin_flows.force_release(self._names, lock_name, self._timeout))
         return _forced(lock_name, found)
 
 

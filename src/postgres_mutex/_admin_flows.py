@@ -1,0 +1,270 @@
+"""The table's flows: create, migrate, inspect, read holders and history, force a release.
+
+What `LockTable` and the command line do, as flows an engine performs; like
+the lock flows, they do no I/O and own their retries and deadlines.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, TypeVar
+
+from . import _sql
+from ._clock import now
+from ._rules import (
+    CANCELLED,
+    LOCK_NOT_AVAILABLE,
+    PRIVILEGE,
+    UNDEFINED_COLUMN,
+    observe,
+)
+from ._settings import BRIEF_WAIT
+from ._sql import Names, Statement, Statements
+from ._steps import Execute, Flow, Pause, Result, Shape
+from .errors import DatabaseError, OperationTimeout, SchemaError
+
+T = TypeVar("T")
+
+
+# -- the table itself ------------------------------------------------------------------
+
+# Errors two sessions creating the same objects at once can get: the loser
+# sees the winner's catalog rows once it commits; one more try sees them exist.
+_CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})
+_LOCK_NOT_AVAILABLE = "55P03"
+
+# Between a forced release's tries: the client's other statements (heartbeats) go first.
+_FORCED_RELEASE_PAUSE = 0.02
+# The least time a forced release's last try gets: enough for a delete on a
+# database that answers, never more than a sliver past the deadline.
+_LEAST_TRY = 0.05
+
+
+def create_table(
+    names: Names, timeout: float, *, history: bool = False, history_retention: float | None = None
+) -> Flow[bool]:
+    """CREATE the lock table (with its token column) IF NOT EXISTS, safe when many instances start at once.
+
+    With ``history``, the history table too. Returns True if the table has a
+    token column. A table that already exists is left as it is (see `migrate`
+    to add tokens, or the history, to one).
+    """
+    action = f"create_schema of table {names.table_name}"
+    for attempt in range(1, 4):
+        exists, has_token, has_history = yield from inspect(names, timeout)
+        if exists:
+            if history:
+                yield from create_history(names, timeout, history_retention, exists=has_history)
+            return has_token
+        try:
+            yield Execute(_sql.create_table(names), {}, timeout, action)
+            if history:
+                yield from create_history(names, timeout, history_retention, exists=has_history)
+            return True
+        except DatabaseError as exc:
+            if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
+                continue
+            if exc.sqlstate == PRIVILEGE:
+                raise SchemaError(
+                    f"{action} failed: the role may not create it ({_server_words(exc)}). Create the table once "
+                    "as a privileged role (see the README's Permissions section), grant this role "
+                    "SELECT, INSERT, UPDATE, DELETE on it and USAGE on its sequence, and skip create_schema()",
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            if exc.sqlstate == "3F000":
+                raise SchemaError(
+                    f"{action} failed: its schema does not exist; create the schema first ({_server_words(exc)})",
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            if exc.sqlstate == UNDEFINED_COLUMN:
+                continue  # an older table appeared meanwhile (another release created it): look again
+            raise
+    _, has_token, _ = yield from inspect(names, timeout)
+    return has_token
+
+
+DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
+"""How long the history keeps a hold once it ended, unless told otherwise: 30 days."""
+
+
+def create_history(names: Names, timeout: float, retention: float | None, *, exists: bool) -> Flow[None]:
+    """The history table unless it ``exists`` (safe to race); with ``retention``, set it (None: leave it, or 30 days).
+
+    An existing history is not touched unless a retention is given: its
+    DDL would take locks every holder's statements need.
+    """
+    give_up_at = now() + max(timeout, 30.0)
+    if not exists:
+        statement = _sql.create_history(names, DEFAULT_HISTORY_RETENTION if retention is None else retention)
+        action = f"creation of the history of table {names.table_name}"
+        yield from _change_schema(statement, timeout, action, give_up_at)
+    elif retention is not None:
+        action = f"change of the retention of the history of table {names.table_name}"
+        yield from _change_schema(_sql.history_retention(names, retention), timeout, action, give_up_at)
+
+
+def inspect(names: Names, timeout: float) -> Flow[tuple[bool, bool, bool]]:
+    """Whether the table exists, whether it has a token column, and whether it has a history."""
+    reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
+    assert reply.row is not None
+    exists, has_token, has_history = reply.row
+    return bool(exists), bool(has_token), bool(has_history)
+
+
+def migrate(
+    names: Names, timeout: float, *, history: bool = False, history_retention: float | None = None
+) -> Flow[bool]:
+    """Add the token column, its sequence and its unique index to an existing table; idempotent.
+
+    Online: each step is a catalog change that takes the table's lock for an
+    instant, and waits at most a short ``lock_timeout`` for it (so it never
+    queues behind a long transaction with holders' heartbeats queued behind
+    it); a step that could not get the lock is retried until ``timeout``.
+    Safe when many instances run it at once. Returns True if anything changed.
+    """
+    exists, has_token, has_history = yield from inspect(names, timeout)
+    if not exists:
+        raise SchemaError(
+            f"the lock table {names.table_name} does not exist: create it with create_schema() "
+            "(it then has tokens already)"
+        )
+    give_up_at = now() + max(timeout, 30.0)
+    for step in _sql.migrate_steps(names):
+        yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
+    if history:
+        yield from create_history(names, timeout, history_retention, exists=has_history)
+    return not has_token or (history and not has_history)
+
+
+def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:
+    """One idempotent change of the schema, retried while its table is busy (or another instance makes it too).
+
+    Each try waits 50 ms at most for the table's lock, so the holders'
+    statements queued behind it wait no longer; the pause between tries
+    grows to a second, so that they mostly find the table free.
+    """
+    pause = 0.05
+    while True:
+        try:
+            yield Execute(statement, {}, timeout, action)
+            return
+        except DatabaseError as exc:
+            retry = exc.sqlstate in _CONCURRENT_CREATE or exc.sqlstate == _LOCK_NOT_AVAILABLE or exc.transient
+            if not retry or now() >= give_up_at:
+                if exc.sqlstate == PRIVILEGE:
+                    raise SchemaError(
+                        f"{action} failed: only the table's owner may change it ({_server_words(exc)}); "
+                        "run it as that role",
+                        sqlstate=exc.sqlstate,
+                    ) from exc
+                raise
+            yield Pause(min(pause, max(0.0, give_up_at - now())))
+            pause = min(pause * 2, 1.0)
+
+
+def holders(
+    names: Names,
+    lock_names: frozenset[str] | None,
+    timeout: float,
+    *,
+    alert_threshold: float,
+    stale_threshold: float,
+) -> Flow[list[Any]]:
+    """Every held lock (or those named) with its holder and ages by the server's clock: one query."""
+    statements: Statements = yield Shape(names, timeout)
+    reply = yield Execute(
+        statements.holders,
+        {"lock_names": None if lock_names is None else sorted(lock_names)},
+        timeout,
+        f"read of the lock table {names.table_name}",
+    )
+    return observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
+
+
+def read_history(
+    names: Names,
+    timeout: float,
+    *,
+    lock_name: str | None,
+    since: datetime | None,
+    since_seconds: float | None,
+    limit: int,
+) -> Flow[list[tuple[Any, ...]]]:
+    """Holds from the history, newest first. Raises `SchemaError` if the table keeps none."""
+    statements: Statements = yield Shape(names, timeout)
+    if statements.history is None:
+        # Added since this client looked (by another process, say)?
+        statements = yield Shape(names, timeout, fresh=True)
+    if statements.history is None:
+        raise SchemaError(
+            f"the lock table {names.table_name} keeps no history: add one with "
+            "LockTable.migrate(history=True) (or 'postgres-mutex migrate --history')"
+        )
+    reply = yield Execute(
+        statements.history,
+        {"lock_name": lock_name, "since": since, "since_seconds": since_seconds, "limit": limit},
+        timeout,
+        f"read of the history of table {names.table_name}",
+    )
+    return list(reply.rows)
+
+
+def force_release(names: Names, lock_name: str, timeout: float) -> Flow[tuple[str, float, int | None] | None]:
+    """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free.
+
+    A row a fenced transaction holds locked is waited for up to ``timeout``,
+    in brief waits with the connection free between them, so that the
+    heartbeats of the same client (a holder in this process) go on meanwhile.
+    """
+    statements: Statements = yield Shape(names, timeout)
+    action = f"forced release of lock {lock_name!r}"
+    deadline = now() + timeout
+    while True:
+        left = max(deadline - now(), _LEAST_TRY)
+        try:
+            reply: Result = yield Execute(
+                statements.force_release,
+                {
+                    "lock_name": lock_name,
+                    "channel": names.channel(lock_name),
+                    "ended_how": "force_released",
+                    "alert_seconds": None,  # the table does not know the holders' thresholds
+                    # At most half the statement's time, so the lock wait, not the
+                    # statement's own deadline, is what ends a try behind a locked row.
+                    "lock_timeout_ms": max(1, int(min(BRIEF_WAIT, left / 2) * 1000)),
+                },
+                left,
+                action,
+            )
+            break
+        except DatabaseError as exc:
+            # CANCELLED too: the server's deadline for the statement can still end
+            # a try that waited on the row (a slow server, the last try's sliver).
+            if exc.sqlstate not in (LOCK_NOT_AVAILABLE, CANCELLED):
+                raise
+            if deadline - now() <= 0:
+                raise OperationTimeout(
+                    f"{action} did not finish within operation_timeout ({timeout:g}s): another session kept the "
+                    "lock's row locked (the holder's fenced transaction, or SELECT ... FOR UPDATE); nothing was "
+                    "deleted",
+                    transient=True,
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            if not (yield Pause(_FORCED_RELEASE_PAUSE)):
+                raise DatabaseError(
+                    f"{action} stopped: the client was closed while the lock's row was locked by another "
+                    "session; nothing was deleted",
+                    transient=False,
+                    sqlstate=exc.sqlstate,
+                ) from exc
+    if reply.row is None:
+        return None
+    holder, age, token, _ = reply.row
+    return str(holder), float(age), None if token is None else int(token)
+
+
+def _server_words(exc: DatabaseError) -> str:
+    cause = exc.__cause__
+    diag = getattr(cause, "diag", None)
+    primary = getattr(diag, "message_primary", None)
+    return str(primary) if primary else str(exc)
