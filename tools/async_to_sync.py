@@ -8,10 +8,19 @@ token by token, so the two cannot drift apart:
   ours), ``foo_async`` becomes ``foo``, and the paired primitives of
   ``_acompat.py`` take their sync twin's name (`RENAMES`);
 - a line ending in a ``# sync: <code>`` comment is replaced by ``<code>``,
-  for the rare place where the two genuinely differ.
+  for the rare place where the two genuinely differ;
+- lines between ``# async-only`` and ``# end async-only`` are dropped, and
+  lines between ``# sync-only`` and ``# end sync-only`` (comments in the
+  async module, each ``# `` followed by the sync text) are uncommented:
+  for a docstring that says what only one flavour is;
+- in comments and docstrings, names are renamed as in the code (so
+  `AsyncAcquisition` and ``fence_async()`` read `Acquisition` and
+  ``fence()``), and the phrases of `TEXT_RENAMES` are replaced.
 
-Comments, docstrings and layout are kept; ``ruff format`` then settles the
-layout. ``--check`` exits 1 if the committed file is not what this generates
+Layout is kept; ``ruff format`` then settles it. Beyond its two-line
+header, a generated module may not speak of async code in its comments and
+docstrings (`ASYNC_WORDS`): the generator fails, naming the line, if one
+does. ``--check`` exits 1 if the committed file is not what this generates
 (CI runs it).
 
     python tools/async_to_sync.py          # rewrite src/postgres_mutex/_engine.py and its parts
@@ -52,7 +61,16 @@ RENAMES = {
     "_engine_async": "_engine",
 }
 
+TEXT_RENAMES = {
+    "``async with``": "``with``",
+    "``async for``": "``for``",
+}
+
+ASYNC_WORDS = re.compile(r"\b(async|await|awaits|awaited|asyncio|coroutines?|tasks?)\b|event loops?", re.IGNORECASE)
+"""What a generated module's comments and docstrings may not say."""
+
 _ASYNC_CLASS = re.compile(r"Async([A-Z]\w*)")
+_WORD = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
 _SYNC_DIRECTIVE = re.compile(r"^(?P<indent>\s*).*#\s*sync:\s*(?P<code>.*?)\s*$")
 
 HEADER = (
@@ -71,9 +89,71 @@ def rename(name: str) -> str:
     return name
 
 
+def flavour_blocks(source: str) -> list[str]:
+    """The lines of the sync module: async-only blocks dropped, sync-only ones uncommented."""
+    lines: list[str] = []
+    block: str | None = None
+    for line in source.splitlines(keepends=True):
+        marker = line.strip()
+        if marker in ("# async-only", "# sync-only") and block is None:
+            block = marker[2:]
+            continue
+        if marker in ("# end async-only", "# end sync-only"):
+            if block != marker[6:]:
+                raise SyntaxError(f"{marker!r} closes no {marker[6:]} block")
+            block = None
+            continue
+        if block == "async-only":
+            continue
+        if block == "sync-only":
+            indent = line[: len(line) - len(line.lstrip())]
+            body = line.lstrip()
+            if not body.startswith("#"):
+                raise SyntaxError(f"a sync-only line must be a comment: {line.strip()!r}")
+            line = indent + body[1:].removeprefix(" ") if body.strip() != "#" else "\n"
+        lines.append(line)
+    if block is not None:
+        raise SyntaxError(f"a {block} block is not closed")
+    return lines
+
+
+def rename_text(text: str) -> str:
+    """A comment or a docstring as the sync module says it."""
+    for phrase, replacement in TEXT_RENAMES.items():
+        text = text.replace(phrase, replacement)
+    return _WORD.sub(lambda word: rename(word.group()), text)
+
+
+def _text_edits(token: tokenize.TokenInfo) -> list[tuple[int, int, int, str]]:
+    """The renames inside a comment or a string, row by row (a docstring spans several)."""
+    edits = []
+    (first, start), (last, end) = token.start, token.end
+    rows = token.line.splitlines(keepends=True) if first != last else [token.line]
+    for offset, line in enumerate(rows):
+        row = first + offset
+        begin = start if row == first else 0
+        stop = end if row == last else len(line.rstrip("\n"))
+        segment = line[begin:stop]
+        renamed = rename_text(segment)
+        if renamed != segment:
+            edits.append((row, begin, stop, renamed))
+    return edits
+
+
+def async_words(code: str) -> list[str]:
+    """Where a generated module's comments and docstrings still speak of async code (its header aside)."""
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(code).readline):
+        if token.type in (tokenize.COMMENT, tokenize.STRING) and token.start[0] > len(HEADER.splitlines()):
+            for offset, line in enumerate(token.string.splitlines()):
+                if ASYNC_WORDS.search(line):
+                    found.append(f"{token.start[0] + offset}: {line.strip()}")
+    return found
+
+
 def convert(source: str, source_name: str) -> str:
     lines = []
-    for line in source.splitlines(keepends=True):
+    for line in flavour_blocks(source):
         directive = _SYNC_DIRECTIVE.match(line)
         lines.append(f"{directive['indent']}{directive['code']}\n" if directive else line)
     text = "".join(lines)
@@ -82,6 +162,9 @@ def convert(source: str, source_name: str) -> str:
     edits: list[tuple[int, int, int, str]] = []
     tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
     for index, token in enumerate(tokens):
+        if token.type in (tokenize.COMMENT, tokenize.STRING):
+            edits.extend(_text_edits(token))
+            continue
         if token.type != tokenize.NAME:
             continue
         (row, col), (_, end) = token.start, token.end
@@ -143,6 +226,13 @@ def main() -> int:
     stale = []
     for source, target in PAIRS:
         generated = formatted(convert(source.read_text(), source.name), target)
+        if leftovers := async_words(generated):
+            for leftover in leftovers:
+                print(f"{target.relative_to(ROOT)}:{leftover}", file=sys.stderr)
+            print(
+                f"say it for both flavours in {source.relative_to(ROOT)} (see this tool's docstring)", file=sys.stderr
+            )
+            return 1
         if args.check:
             if not target.exists() or target.read_text() != generated:
                 stale.append(target)
