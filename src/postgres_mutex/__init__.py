@@ -5,6 +5,8 @@ recovery from crashed holders, fencing tokens, and leader election on top. See t
 contract.
 """
 
+from ._acquisition import Acquisition
+from ._acquisition_async import AsyncAcquisition
 from ._metrics import FanOutMetrics, LockObservation, MetricsHook, NullMetrics
 from ._mutex import Mutex
 from ._version import __version__
@@ -24,6 +26,8 @@ from .shutdown import exit_on_sigterm
 from .table import ForcedRelease, HoldRecord, LockTable
 
 __all__ = [
+    "Acquisition",
+    "AsyncAcquisition",
     "DatabaseError",
     "Election",
     "FanOutMetrics",
