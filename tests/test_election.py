@@ -846,3 +846,33 @@ def test_misuse_of_run_is_refused(make_election: Make, candidates: list[Candidat
     with pytest.raises(MutexError, match="running already"):
         election.run(lambda leadership: None)
     candidate.stop()
+
+
+async def test_a_follower_in_async_code_sees_who_leads_and_each_change(
+    make_election: Make, admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    follower = make_election()  # never runs: it only asks who leads
+    assert await follower.leader_async() is None
+    admin.execute(
+        "INSERT INTO mutex_lock (lock_name, instance_id, last_heartbeat, acquired_at) "
+        "VALUES (%s, 'far-host', now(), now())",
+        (lock_name,),
+    )
+    seen = await follower.leader_async()
+    assert seen is not None
+    assert seen.instance_id == "far-host"
+    sync_seen = follower.leader()
+    assert sync_seen is not None
+    assert sync_seen.instance_id == seen.instance_id
+    changes: list[str | None] = []
+
+    async def watch() -> None:
+        async for leader in follower.watch_leader_async(interval=0.05):
+            changes.append(None if leader is None else leader.instance_id)
+            if len(changes) == 1:
+                admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+            if len(changes) == 2:
+                return
+
+    await asyncio.wait_for(watch(), timeout=30)
+    assert changes == ["far-host", None], "the leader, then its end: each change once"

@@ -589,3 +589,29 @@ def test_which_statements_wait_for_a_transaction_holding_the_lock_row(
         assert passes(statements.heartbeat_by_token[1].text, heartbeat) is heartbeat_passes
         fencer.rollback()
     admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+
+
+async def test_the_async_admin_calls_read_and_change_the_table_as_the_sync_ones_do(
+    make_mutex: Callable[..., Mutex], dsn: str, admin: psycopg.Connection[Any], readme_table: str
+) -> None:
+    table = LockTable(dsn, table=readme_table)
+    assert await table.has_tokens_async() is False
+    assert await table.migrate_async() is True
+    assert await table.has_tokens_async() is True
+    assert table.has_tokens(), "the sync side sees the migration"
+    assert await table.migrate_async() is False, "idempotent: nothing left to do"
+    holder = make_mutex(table=readme_table)
+    with holder.acquire():
+        (found,) = await table.holders_async()
+        assert found.lock_name == holder.lock_name
+        assert found.holder == holder.instance_id
+        assert found.token == holder.token
+        assert [o.holder for o in table.holders()] == [found.holder]
+    assert await table.holders_async() == []
+    fresh = f"fresh_{uuid.uuid4().hex[:8]}"
+    try:
+        await LockTable(dsn, table=fresh).create_async()
+        assert await LockTable(dsn, table=fresh).has_tokens_async() is True
+        assert admin.execute("SELECT to_regclass(%s) IS NOT NULL", (fresh,)).fetchone() == (True,)
+    finally:
+        admin.execute(f"DROP TABLE IF EXISTS {fresh}")

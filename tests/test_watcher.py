@@ -188,3 +188,17 @@ async def test_an_async_mutex_that_only_watches_its_lock_is_alerted_without_acqu
 
 def _watcher_of(mutex: Mutex) -> StaleWatcher | None:
     return mutex.watcher
+
+
+async def test_a_check_from_async_code_reports_what_a_sync_one_does(
+    make_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher]
+) -> None:
+    holder = make_mutex()
+    watcher = make_watcher(lock_names=[holder.lock_name])
+    assert await watcher.check_async() == []
+    with holder.acquire():
+        (seen,) = await watcher.check_async()
+        assert seen.holder == holder.instance_id
+        assert not seen.alerting
+        assert [o.holder for o in watcher.check()] == [seen.holder]
+    assert await watcher.check_async() == [], "a released lock is free"
