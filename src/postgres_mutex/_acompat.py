@@ -3,7 +3,7 @@
 `_engine_async.py` is written once, with the async names; `_engine.py` is
 generated from it by ``tools/async_to_sync.py``, which drops ``async`` and
 ``await`` and renames each async primitive to its sync twin (``AEvent`` to
-``Event``, ``aspawn`` to ``spawn``, ...). Everything that genuinely differs
+``Event``, ``AWorker`` to ``Worker``, ...). Everything that genuinely differs
 between a thread and a task lives here, side by side, and nowhere else.
 """
 
@@ -247,9 +247,6 @@ class AWorker:
         if self._task is not asyncio.current_task():
             await asyncio.wait([self._task], timeout=timeout)
 
-    def cancel(self) -> None:
-        self._task.cancel()
-
 
 def start_thread(target: Callable[[], object], name: str) -> threading.Thread | None:
     """Start a daemon thread running ``target``; None if the interpreter refuses new threads.
@@ -279,9 +276,6 @@ class Worker:
     def join(self, timeout: float) -> None:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-
-    def cancel(self) -> None:
-        """Threads cannot be cancelled: they end at their next check of the engine's state."""
 
 
 async def asleep(seconds: float) -> None:

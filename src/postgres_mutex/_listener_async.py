@@ -85,12 +85,6 @@ class Listener:
         self._waker.wake()
 
     @property
-    def channels(self) -> frozenset[str]:
-        """The channels waited on right now."""
-        with self._host.state_lock:
-            return frozenset(self._subscriptions)
-
-    @property
     def listening(self) -> frozenset[str]:
         """The channels the connection LISTENs on right now (UNLISTEN follows the last waiter shortly)."""
         return frozenset(self._listening)

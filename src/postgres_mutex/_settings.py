@@ -163,11 +163,6 @@ class Timing:
     def lease(self) -> float:
         return self.stale_threshold - self.heartbeat_interval
 
-    @property
-    def heartbeat_retry(self) -> float:
-        """Pause before retrying a failed heartbeat: soon, but not a busy loop."""
-        return retry_pause(self.heartbeat_interval)
-
 
 def retry_pause(heartbeat_interval: float) -> float:
     return min(heartbeat_interval, 1.0)

@@ -685,7 +685,3 @@ def listen(channel: str) -> str:
 
 def unlisten(channel: str) -> str:
     return _render(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
-
-
-def notify(channel: str) -> str:
-    return _render(sql.SQL("NOTIFY {}").format(sql.Identifier(channel)))

@@ -294,7 +294,3 @@ class HeartbeatGroup:
 
     def live(self) -> list[Hold]:
         return [hold for hold in self.holds if hold.status is HoldStatus.HELD and not hold.paused]
-
-    def earliest_deadline(self) -> float | None:
-        deadlines = [hold.lease_deadline for hold in self.holds if hold.status is HoldStatus.HELD]
-        return min(deadlines) if deadlines else None
