@@ -56,6 +56,8 @@ RESTART_SPACING = 20.0
 """PostgreSQL restarts come this long apart, or up to twice as long."""
 DID_NOT_STOP = "did not stop"
 """The band of a kill the nemesis made at the end, of a worker that did not stop when asked: a failure."""
+FREE_WAIT = 2.0
+"""How long a fault waits for a worker to hit when a fault under way already hits every one."""
 QUIET_START = 2.0
 QUIET_END = 6.0
 """No fault starts in the run's first seconds or ends in its last: the workers start, and end, on a sound system."""
@@ -398,6 +400,7 @@ class Nemesis:
         self.applied: list[Applied] = []
         self._busy: set[int] = set()
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
         self._stopped = threading.Event()
 
     # -- workers ---------------------------------------------------------------------
@@ -424,15 +427,26 @@ class Nemesis:
 
     # -- faults ------------------------------------------------------------------------
 
-    def _target(self, fault: Fault) -> tuple[int, bool]:
-        """The worker slot a fault hits, and whether it holds a lock: the holder of the fault's lock now,
-        else one picked by the schedule's own draw."""
-        holders = self._holders()
+    def _target(self, fault: Fault, holders: dict[str, str], busy: set[int]) -> tuple[int, bool] | None:
+        """The worker slot a fault hits, and whether it holds a lock, or None while every slot is busy.
+
+        The holder of the fault's lock now, else (nobody holds it, or a fault under way already hits its
+        holder) a free worker that holds some lock, else any free one, each chosen by the schedule's own
+        draw. Skipping a fault whose first target is busy would leave the rarer kinds untried in a run:
+        holders spend much of it frozen or cut off.
+        """
+        holding = set(holders.values())
         holder = holders.get(self.locks[fault.target], "")
         slot = self.slot_of.get(holder)
-        if slot is None or self.current[slot] != holder:
-            slot = int(fault.pick * len(self.nets))
-        return slot, self.current[slot] in holders.values()
+        if slot is not None and self.current[slot] == holder and slot not in busy:
+            return slot, True
+        free = [n for n in range(len(self.nets)) if n not in busy]
+        if not free:
+            return None
+        free_holders = [n for n in free if self.current[n] in holding]
+        choices = free_holders or free
+        slot = choices[int(fault.pick * len(choices))]
+        return slot, self.current[slot] in holding
 
     def _apply(self, fault: Fault) -> None:
         if fault.kind == "restart":
@@ -440,17 +454,24 @@ class Nemesis:
             self._restart()
             self._record(Applied(fault, "", start, time.monotonic()))
             return
-        slot, holder = self._target(fault)
-        with self._lock:
-            if slot in self._busy:
-                self.applied.append(Applied(fault, "skipped", time.monotonic(), time.monotonic()))
-                return
+        # Every worker busy with a fault: wait a little for one to end, not past the run's stop.
+        deadline = time.monotonic() + FREE_WAIT
+        holders = self._holders()  # a query: not under the lock the other faults record with
+        with self._freed:
+            while (target := self._target(fault, holders, self._busy)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopped.is_set():
+                    self.applied.append(Applied(fault, "skipped", time.monotonic(), time.monotonic()))
+                    return
+                self._freed.wait(min(left, 0.1))
+            slot, holder = target
             self._busy.add(slot)
         try:
             self._hit(fault, slot, holder)
         finally:
-            with self._lock:
+            with self._freed:
                 self._busy.discard(slot)
+                self._freed.notify_all()
 
     def _hit(self, fault: Fault, slot: int, holder: bool) -> None:
         who, net = self.current[slot], self.nets[slot]

@@ -302,6 +302,26 @@ def test_the_schedule_freezes_and_cuts_across_the_thresholds_inside_the_run() ->
         assert all(RESTART_SPACING <= b - a <= 2 * RESTART_SPACING for a, b in itertools.pairwise(restarts))
 
 
+def test_a_fault_whose_holder_is_busy_hits_another_worker_not_nobody(tmp_path: Path) -> None:
+    nemesis = Nemesis(
+        directory=tmp_path,
+        locks=["x", "y", "z"],
+        workers=3,
+        seed=1,
+        net=lambda name: None,  # type: ignore[arg-type,return-value]
+        holders=dict,
+        restart=lambda: None,
+    )
+    nemesis.current = ["w0g1", "w1g1", "w2g1"]
+    nemesis.slot_of = {"w0g1": 0, "w1g1": 1, "w2g1": 2}
+    holders = {"x": "w0g1", "y": "w2g1"}
+    fault = Fault(3.0, "disable", target=0, duration=1.0, pick=0.0)
+    assert nemesis._target(fault, holders, busy=set()) == (0, True), "the holder of its lock, when free"
+    assert nemesis._target(fault, holders, busy={0}) == (2, True), "else another holder"
+    assert nemesis._target(fault, holders, busy={0, 2}) == (1, False), "else any worker"
+    assert nemesis._target(fault, holders, busy={0, 1, 2}) is None, "every worker busy: wait"
+
+
 def history(*events: dict[str, Any]) -> History:
     return History(list(events))
 
