@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
+from postgres_mutex.errors import InvalidArgument
 
 DSN = "host=127.0.0.1 dbname=app"
 
@@ -52,6 +53,28 @@ def test_bad_argument_is_named(kwargs: dict[str, Any], error: type[Exception], n
     kwargs = {"lock_name": "job", **kwargs}
     with pytest.raises(error, match=names):
         Mutex(DSN, **kwargs)
+
+
+def test_a_bad_value_names_its_arguments_as_data_for_every_interface() -> None:
+    # The command line names its flags where the library names its arguments: from the error's
+    # data, not by rewriting its English.
+    with pytest.raises(InvalidArgument) as caught:
+        Mutex(DSN, "job", heartbeat_interval=15, alert_threshold=20, stale_threshold=40)
+    error = caught.value
+    assert isinstance(error, ValueError)
+    assert error.arguments == ("stale_threshold", "heartbeat_interval")
+    assert str(error).startswith("stale_threshold (40s) must be at least three times heartbeat_interval (15s)")
+    said = error.phrase.render({"stale_threshold": "--stale-threshold", "heartbeat_interval": "--heartbeat-interval"})
+    assert said.startswith("--stale-threshold (40s) must be at least three times --heartbeat-interval (15s)")
+    assert "stale_threshold" not in said
+
+
+def test_a_value_quoted_in_an_error_is_text_never_a_term() -> None:
+    # A lock name with braces stays as it is, in every interface's words.
+    with pytest.raises(InvalidArgument) as caught:
+        Mutex(DSN, "{instance_id}\ud800")
+    assert caught.value.arguments == ("lock_name",)
+    assert "'{instance_id}\\ud800'" in caught.value.phrase.render({"instance_id": "--instance-id"})
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from ._acompat import current_owner, to_the_end
 from ._connections import FAILURES
 from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, LockState, Phase
 from ._watchdog import Cutter
-from .errors import LockNotHeldError, MutexError, OperationTimeout, SchemaError
+from .errors import LockNotHeldError, MutexError, OperationTimeout, SchemaError, phrase
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -112,9 +112,12 @@ def fence(lock: LockState, conn: psycopg.Connection[Any]) -> int:
     hold = lock.require_held()
     if hold.token is None:
         raise SchemaError(
-            f"lock {lock.lock_name!r} was acquired without a fencing token: the lock table "
-            f"{lock.names.table_name} has no token column. Run LockTable.migrate() "
-            "(or 'postgres-mutex migrate'); the lock's next acquire gets a token"
+            phrase(
+                "lock {lock!r} was acquired without a fencing token: the lock table {table} has no token column. "
+                "Run {LockTable.migrate()}; the lock's next acquire gets a token",
+                lock=lock.lock_name,
+                table=lock.names.table_name,
+            )
         )
     if conn.info.transaction_status == pq.TransactionStatus.IDLE and conn.autocommit:
         raise ValueError(

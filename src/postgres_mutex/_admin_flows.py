@@ -21,7 +21,7 @@ from ._rules import (
 from ._settings import BRIEF_WAIT
 from ._sql import Names, Statement, Statements
 from ._steps import Execute, Flow, Pause, Result, Shape
-from .errors import DatabaseError, OperationTimeout, SchemaError
+from .errors import DatabaseError, OperationTimeout, SchemaError, phrase
 
 T = TypeVar("T")
 
@@ -66,9 +66,13 @@ def create_table(
                 continue
             if exc.sqlstate == PRIVILEGE:
                 raise SchemaError(
-                    f"{action} failed: the role may not create it ({_server_words(exc)}). Create the table once "
-                    "as a privileged role (see the README's Permissions section), grant this role "
-                    "SELECT, INSERT, UPDATE, DELETE on it and USAGE on its sequence, and skip create_schema()",
+                    phrase(
+                        "{action} failed: the role may not create it ({detail}). Create the table once "
+                        "as a privileged role (see the README's Permissions section), grant this role "
+                        "SELECT, INSERT, UPDATE, DELETE on it and USAGE on its sequence, and skip {create_schema()}",
+                        action=action,
+                        detail=_server_words(exc),
+                    ),
                     sqlstate=exc.sqlstate,
                 ) from exc
             if exc.sqlstate == "3F000":
@@ -125,8 +129,10 @@ def migrate(
     exists, has_token, has_history = yield from inspect(names, timeout)
     if not exists:
         raise SchemaError(
-            f"the lock table {names.table_name} does not exist: create it with create_schema() "
-            "(it then has tokens already)"
+            phrase(
+                "the lock table {table} does not exist: create it with {create_schema()} (it then has tokens already)",
+                table=names.table_name,
+            )
         )
     give_up_at = now() + max(timeout, 30.0)
     for step in _sql.migrate_steps(names):
@@ -197,8 +203,10 @@ def read_history(
         statements = yield Shape(names, timeout, fresh=True)
     if statements.history is None:
         raise SchemaError(
-            f"the lock table {names.table_name} keeps no history: add one with "
-            "LockTable.migrate(history=True) (or 'postgres-mutex migrate --history')"
+            phrase(
+                "the lock table {table} keeps no history: add one with {LockTable.migrate(history=True)}",
+                table=names.table_name,
+            )
         )
     reply = yield Execute(
         statements.history,

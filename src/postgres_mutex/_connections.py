@@ -21,6 +21,7 @@ from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
 from ._secrets import Redactor
+from .errors import InvalidArgument
 
 FAILURES = (psycopg.Error, OSError)
 """What a failing psycopg call can raise: its own errors (pool errors derive
@@ -157,8 +158,9 @@ def check_connection_args(dsn: object, pool: object, async_pool: object) -> Reda
         if detail is not None:
             # Raised out here: inside the except block psycopg's error, which may
             # quote the password, would be this one's __context__.
-            raise ValueError(
-                f"dsn is not a valid connection string ({detail}); quote values with spaces: password='a b'"
+            raise InvalidArgument(
+                "{dsn} is not a valid connection string ({detail}); quote values with spaces: password='a b'",
+                detail=detail,
             )
     if pool is not None or async_pool is not None:
         try:

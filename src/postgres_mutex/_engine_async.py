@@ -51,7 +51,7 @@ from ._sources_async import OwnConnection, PooledConnection, interrupt
 from ._sql import Names, Statements
 from ._state import HeartbeatGroup, Hold
 from ._watchdog import Cutter
-from .errors import SchemaError
+from .errors import SchemaError, phrase
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
@@ -202,8 +202,11 @@ class AsyncEngine:
             exists, has_token, has_history = row
             if not exists:
                 raise SchemaError(
-                    f"the lock table {names.table_name} does not exist; call create_schema() or create it "
-                    "as the README shows (names are case-sensitive)",
+                    phrase(
+                        "the lock table {table} does not exist; {call create_schema()} or create it "
+                        "as the README shows (names are case-sensitive)",
+                        table=names.table_name,
+                    ),
                     sqlstate="42P01",
                 )
             statements = Statements(names, _sql.TableShape(tokens=bool(has_token), history=bool(has_history)))

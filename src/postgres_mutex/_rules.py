@@ -15,7 +15,7 @@ from datetime import datetime
 import psycopg
 
 from ._metrics import LockObservation
-from .errors import DatabaseError, OperationTimeout, SchemaError
+from .errors import DatabaseError, OperationTimeout, SchemaError, phrase
 
 
 class Outcome(enum.Enum):
@@ -199,6 +199,7 @@ def classify_failure(
     # statement was rolled back, so its outcome is known.
     unknown = sent and (timed_out or connection_lost or sqlstate is None)
     within = "" if timeout is None else f" ({timeout:g}s)"
+    said = {"action": action, "within": within, "detail": detail}
 
     error: DatabaseError
     if type(exc).__module__ == "psycopg_pool" and type(exc).__name__ == "PoolClosed":
@@ -211,21 +212,28 @@ def classify_failure(
         # The client cut its own statement off: libpq's words ("server closed
         # the connection unexpectedly") would blame the server.
         error = OperationTimeout(
-            f"{action} got no reply within operation_timeout{within}; the connection was closed",
+            phrase("{action} got no reply within {operation_timeout}{within}; the connection was closed", **said),
             transient=True,
             outcome_unknown=unknown,
         )
     elif sqlstate == CANCELLED:
         error = OperationTimeout(
-            f"{action} did not finish within operation_timeout{within} on the server and was cancelled "
-            f"there ({detail}); something held the lock row",
+            phrase(
+                "{action} did not finish within {operation_timeout}{within} on the server and was cancelled "
+                "there ({detail}); something held the lock row",
+                **said,
+            ),
             transient=True,
             sqlstate=sqlstate,
         )
     elif sqlstate in _MISSING_TABLE_STATES:
         error = SchemaError(
-            f"{action} failed: the lock table {table} does not exist ({detail}); "
-            "call create_schema() or create it as the README shows",
+            phrase(
+                "{action} failed: the lock table {table} does not exist ({detail}); "
+                "{call create_schema()} or create it as the README shows",
+                **said,
+                table=table,
+            ),
             sqlstate=sqlstate,
         )
     elif sqlstate == PRIVILEGE:

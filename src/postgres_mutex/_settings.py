@@ -13,6 +13,8 @@ import socket
 import warnings
 from dataclasses import dataclass
 
+from .errors import InvalidArgument
+
 # VARCHAR(64) in the table: PostgreSQL counts characters, not bytes.
 MAX_NAME_LENGTH = 64
 
@@ -33,15 +35,17 @@ def check_name(value: object, argument: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
     if not 1 <= len(value) <= MAX_NAME_LENGTH:
-        raise ValueError(f"{argument} must be 1 to {MAX_NAME_LENGTH} characters long, got {len(value)}")
+        raise _invalid(
+            argument, "must be 1 to {most} characters long, got {length}", most=MAX_NAME_LENGTH, length=len(value)
+        )
     if "\x00" in value:
         # PostgreSQL text cannot hold NUL; the server would reject it mid-flight.
-        raise ValueError(f"{argument} must not contain a NUL character")
+        raise _invalid(argument, "must not contain a NUL character")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         # A lone surrogate (say, from a mis-decoded file name) cannot be sent at all.
-        raise ValueError(f"{argument} must be valid text; it contains a lone surrogate: {value!r}") from None
+        raise _invalid(argument, "must be valid text; it contains a lone surrogate: {value!r}", value=value) from None
     return value
 
 
@@ -82,21 +86,43 @@ def check_seconds(
         raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
     seconds = float(value)
     if math.isnan(seconds) or math.isinf(seconds):
-        raise ValueError(f"{argument} must be a finite number of seconds, got {value!r}")
+        raise _invalid(argument, "must be a finite number of seconds, got {value!r}", value=value)
     if seconds < 0 or (seconds == 0 and not allow_zero):
         bound = "zero or more" if allow_zero else "greater than zero"
-        raise ValueError(f"{argument} must be {bound}, got {value!r}")
+        raise _invalid(argument, "must be {bound}, got {value!r}", bound=bound, value=value)
     if seconds > maximum:
-        raise ValueError(f"{argument} must be at most {maximum:g} seconds, got {value!r}")
+        raise _invalid(argument, "must be at most {maximum:g} seconds, got {value!r}", maximum=maximum, value=value)
     if 0 < seconds < minimum:
-        raise ValueError(
-            f"{argument} must be at least {minimum:g} seconds, got {value!r}: a shorter one would hammer the server"
+        raise _invalid(
+            argument,
+            "must be at least {minimum:g} seconds, got {value!r}: a shorter one would hammer the server",
+            minimum=minimum,
+            value=value,
         )
     return seconds
 
 
+def _invalid(argument: str, problem: str, /, **values: object) -> InvalidArgument:
+    """A bad value of ``argument``: the message names it as a term, said in each interface's words."""
+    return InvalidArgument("{" + argument + "} " + problem, **values)
+
+
 def check_operation_timeout(value: object) -> float:
     return check_seconds(value, "operation_timeout", maximum=MAX_OPERATION_TIMEOUT)
+
+
+def check_thresholds(alert_threshold: object, stale_threshold: object) -> tuple[float, float]:
+    """``alert_threshold`` and ``stale_threshold`` in seconds: the alert must come before the reclaim."""
+    alert = check_seconds(alert_threshold, "alert_threshold")
+    stale = check_seconds(stale_threshold, "stale_threshold")
+    if not alert < stale:
+        raise InvalidArgument(
+            "{alert_threshold} ({alert:g}s) must be shorter than "
+            "{stale_threshold} ({stale:g}s), so on-call hears before a reclaim",
+            alert=alert,
+            stale=stale,
+        )
+    return alert, stale
 
 
 def default_instance_id() -> str:
@@ -133,24 +159,22 @@ class Timing:
         operation_timeout: object | None,
     ) -> Timing:
         heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval", minimum=MIN_HEARTBEAT_INTERVAL)
-        alert = check_seconds(alert_threshold, "alert_threshold")
-        stale = check_seconds(stale_threshold, "stale_threshold")
+        alert, stale = check_thresholds(alert_threshold, stale_threshold)
         poll = check_seconds(poll_interval, "poll_interval", minimum=MIN_POLL_INTERVAL)
         if not heartbeat < alert:
-            raise ValueError(
-                f"heartbeat_interval ({heartbeat:g}s) must be shorter than "
-                f"alert_threshold ({alert:g}s), or every heartbeat would alert"
-            )
-        if not alert < stale:
-            raise ValueError(
-                f"alert_threshold ({alert:g}s) must be shorter than "
-                f"stale_threshold ({stale:g}s), so on-call hears before a reclaim"
+            raise InvalidArgument(
+                "{heartbeat_interval} ({heartbeat:g}s) must be shorter than "
+                "{alert_threshold} ({alert:g}s), or every heartbeat would alert",
+                heartbeat=heartbeat,
+                alert=alert,
             )
         if stale - heartbeat < 2 * heartbeat:
-            raise ValueError(
-                f"stale_threshold ({stale:g}s) must be at least three heartbeat_intervals "
-                f"({heartbeat:g}s): the holder's lease (stale_threshold - heartbeat_interval) "
-                "must leave room to retry a failed heartbeat"
+            raise InvalidArgument(
+                "{stale_threshold} ({stale:g}s) must be at least three times {heartbeat_interval} "
+                "({heartbeat:g}s): the holder's lease ({stale_threshold} - {heartbeat_interval}) "
+                "must leave room to retry a failed heartbeat",
+                stale=stale,
+                heartbeat=heartbeat,
             )
         timeout = (
             default_operation_timeout(heartbeat, stale)

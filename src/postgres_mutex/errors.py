@@ -2,7 +2,8 @@
 
 Everything the library raises on purpose derives from `MutexError`, except bad
 arguments, which raise the built-in `ValueError` or `TypeError` at construction
-and name the argument::
+and name the argument (a bad value raises `InvalidArgument`, a `ValueError`
+whose ``arguments`` say which)::
 
     MutexError (also importable as PgMutexError, its 0.1.0 name)
     ├── LockNotHeldError          the lock was lost, or this Mutex never held it
@@ -14,20 +15,30 @@ and name the argument::
 
 No message ever contains a password: messages that quote the DSN or a server
 error are redacted before they are raised.
+
+Where a message names the library's own parts (an argument, ``create_schema()``),
+the error keeps it as a `Phrase` in ``phrase``: ``phrase.render(words)`` says the
+same message with other names for those parts, as the command line does with
+its flags.
 """
 
 from __future__ import annotations
 
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "DatabaseError",
+    "InvalidArgument",
     "LockAcquisitionTimeout",
     "LockAlreadyHeldError",
     "LockNotHeldError",
     "MutexError",
     "OperationTimeout",
     "PgMutexError",
+    "Phrase",
     "SchemaError",
 ]
 
@@ -120,16 +131,23 @@ class DatabaseError(MutexError):
     chained as ``__cause__`` unless it holds a secret: its text had to be
     redacted, or it is a failed connect's, which keeps the connection's
     options, the password among them (then nothing is chained at all).
+    A message that names the library's own calls (``create_schema()``) keeps
+    them as data in ``phrase``, so the command line can name its own instead.
     """
+
+    phrase: Phrase | None = None
 
     def __init__(
         self,
-        message: str,
+        message: str | Phrase,
         *,
         transient: bool = False,
         outcome_unknown: bool = False,
         sqlstate: str | None = None,
     ) -> None:
+        if isinstance(message, Phrase):
+            self.phrase = message
+            message = message.render()
         super().__init__(message)
         self.transient = transient
         self.outcome_unknown = outcome_unknown
@@ -149,6 +167,90 @@ class SchemaError(DatabaseError):
     Raised by `Mutex.create_schema()` when the role may not create the table,
     and by any operation when the table does not exist or may not be used.
     """
+
+
+# -- messages that name the library's own terms ----------------------------------------------
+#
+# A user of the Python API knows ``heartbeat_interval`` and ``create_schema()``; a user of the
+# command line knows ``--heartbeat-interval`` and ``postgres-mutex init``. A message is written
+# once, as a template whose fields in braces are either values, given by keyword, or terms: the
+# names of the interface's own parts. The library raises it in the API's words; the command line
+# renders the same message with its own, so no message is rewritten by matching its English.
+
+_API_WORDS: Mapping[str, str] = {
+    "call create_schema()": "call create_schema()",
+    "create_schema()": "create_schema()",
+    "LockTable.migrate()": "LockTable.migrate() (or 'postgres-mutex migrate')",
+    "LockTable.migrate(history=True)": "LockTable.migrate(history=True) (or 'postgres-mutex migrate --history')",
+    "pass blocking=True": "pass blocking=True",
+}
+"""Terms whose words in the Python API differ from their name; any other term is said as its name."""
+
+
+@dataclass(frozen=True, slots=True)
+class Term:
+    """A part of the interface a message names: an argument, a method, a way to call it."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Phrase:
+    """A message as text and terms, to be said in one interface's words."""
+
+    parts: tuple[str | Term, ...]
+
+    def render(self, words: Mapping[str, str] | None = None) -> str:
+        """The message, each term in ``words`` if it is there, else in the Python API's."""
+        chosen = words or {}
+        return "".join(
+            part if isinstance(part, str) else chosen.get(part.name, _API_WORDS.get(part.name, part.name))
+            for part in self.parts
+        )
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        """The terms named, in order, each once."""
+        return tuple(dict.fromkeys(part.name for part in self.parts if isinstance(part, Term)))
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+_FORMATTER = string.Formatter()
+
+
+def phrase(template: str, /, **values: object) -> Phrase:
+    """A `Phrase` from ``template``: ``{name}`` is a value when given by keyword, else a term.
+
+    Values are formatted as `str.format` would (``{value!r}``, ``{seconds:g}``) and kept as plain
+    text, so braces in a value never read as a field.
+    """
+    parts: list[str | Term] = []
+    for literal, field, spec, conversion in _FORMATTER.parse(template):
+        if literal:
+            parts.append(literal)
+        if field is None:
+            continue
+        if field in values:
+            value = _FORMATTER.convert_field(values[field], conversion)
+            parts.append(format(value, spec or ""))
+        else:
+            parts.append(Term(field))
+    return Phrase(tuple(parts))
+
+
+class InvalidArgument(ValueError):
+    """A `ValueError` about the arguments it names, said in the words of the interface that reports it."""
+
+    def __init__(self, template: str, /, **values: object) -> None:
+        self.phrase = phrase(template, **values)
+        super().__init__(self.phrase.render())
+
+    @property
+    def arguments(self) -> tuple[str, ...]:
+        """The arguments (and other terms) the message names, in order."""
+        return self.phrase.terms
 
 
 def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:

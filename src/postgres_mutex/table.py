@@ -14,9 +14,17 @@ from typing import TYPE_CHECKING, Any
 from . import _admin_flows as admin_flows
 from . import _steps as steps
 from ._metrics import LockObservation
-from ._settings import DEFAULT_OPERATION_TIMEOUT, check_name, check_names, check_operation_timeout, check_seconds
+from ._settings import (
+    DEFAULT_OPERATION_TIMEOUT,
+    check_name,
+    check_names,
+    check_operation_timeout,
+    check_seconds,
+    check_thresholds,
+)
 from ._sql import Names
 from .client import BUILT_ON_IT, MutexClient, core_of, shared_client
+from .errors import InvalidArgument
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -198,10 +206,7 @@ class LockTable:
     def _holders(
         self, lock_names: Iterable[str] | None, alert_threshold: float, stale_threshold: float
     ) -> steps.Flow[list[LockObservation]]:
-        alert = check_seconds(alert_threshold, "alert_threshold")
-        stale = check_seconds(stale_threshold, "stale_threshold")
-        if not alert < stale:
-            raise ValueError(f"alert_threshold ({alert:g}s) must be shorter than stale_threshold ({stale:g}s)")
+        alert, stale = check_thresholds(alert_threshold, stale_threshold)
         names = check_names(lock_names, "lock_names")
         return admin_flows.holders(self._names, names, self._timeout, alert_threshold=alert, stale_threshold=stale)
 
@@ -236,10 +241,12 @@ class LockTable:
             age = check_seconds(since.total_seconds(), "since", allow_zero=True)
         elif since is not None:
             if not isinstance(since, datetime) or since.tzinfo is None:
-                raise ValueError(f"since must be a timezone-aware datetime or a timedelta, got {since!r}")
+                raise InvalidArgument(
+                    "{since} must be a timezone-aware datetime or a timedelta, got {value!r}", value=since
+                )
             moment = since
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit must be a positive integer, got {limit!r}")
+            raise InvalidArgument("{limit} must be a positive integer, got {value!r}", value=limit)
         return admin_flows.read_history(
             self._names, self._timeout, lock_name=lock_name, since=moment, since_seconds=age, limit=limit
         )
@@ -269,10 +276,10 @@ class LockTable:
 
 def _history_options(history: bool, retention: float | None) -> dict[str, Any]:
     if not isinstance(history, bool):
-        raise ValueError(f"history must be True or False, got {history!r}")
+        raise InvalidArgument("{history} must be True or False, got {value!r}", value=history)
     if retention is not None:
         if not history:
-            raise ValueError("history_retention applies to a history: pass history=True with it")
+            raise InvalidArgument("{history_retention} applies to a history: pass {history=True} with it")
         retention = check_seconds(retention, "history_retention")
     return {"history": history, "history_retention": retention}
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ._events import WatcherEvents
 from ._metrics import LockObservation, guard
 from ._rules import AlertGate, WatchAlerts
-from ._settings import check_names, check_seconds
+from ._settings import check_names, check_seconds, check_thresholds
 from .client import MutexClient, core_of, shared_client
 from .errors import DatabaseError
 from .table import LockTable
@@ -66,10 +66,7 @@ class StaleWatcher:
         metrics: object | None = None,
         _shared_gates: Mapping[str, AlertGate] | None = None,
     ) -> None:
-        alert = check_seconds(alert_threshold, "alert_threshold")
-        stale = check_seconds(stale_threshold, "stale_threshold")
-        if not alert < stale:
-            raise ValueError(f"alert_threshold ({alert:g}s) must be shorter than stale_threshold ({stale:g}s)")
+        alert, stale = check_thresholds(alert_threshold, stale_threshold)
         self._lock_names = check_names(lock_names, "lock_names")
         self._interval = check_seconds(interval, "interval")
         if client is None:
