@@ -54,7 +54,7 @@ def server(dsn: str | None) -> Iterator[Server]:
     if dsn is not None:
         yield Server(dsn, _version(dsn), throwaway=False, settings="as configured")
         return
-    from postgres_mutex._embedded import EmbeddedPostgres
+    from postgres_mutex._cli._embedded import EmbeddedPostgres
 
     with EmbeddedPostgres() as cluster:
         settings = "throwaway, loopback TCP, fsync=off, synchronous_commit=off, full_page_writes=off"
@@ -116,7 +116,7 @@ def pgbouncer(dsn: str, *, pool_mode: str = "transaction", pool_size: int = 4) -
     binary = shutil.which("pgbouncer")
     if binary is None:
         raise RuntimeError("--pgbouncer needs Debian's pgbouncer package (apt-get install pgbouncer)")
-    from postgres_mutex._embedded import free_port
+    from postgres_mutex._cli._embedded import free_port
 
     params = conninfo_to_dict(dsn)
     host = str(params.get("host") or "127.0.0.1")

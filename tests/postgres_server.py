@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from postgres_mutex._embedded import EmbeddedPostgres, free_port
+from postgres_mutex._cli._embedded import EmbeddedPostgres, free_port
 
 __all__ = ["PASSWORD", "PASSWORD_ROLE", "PostgresServer", "configured_server", "free_port", "local_server"]
 

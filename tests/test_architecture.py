@@ -152,3 +152,31 @@ def test_the_session_opens_no_connection_and_sends_nothing() -> None:
 def test_only_the_client_module_makes_a_core() -> None:
     makers = sorted(module for module in MODULES if "_core" in GRAPH[module])
     assert makers == ["client"], makers
+
+
+CLI = SRC / "_cli"
+
+
+def test_the_command_line_is_built_on_the_public_api_only() -> None:
+    import postgres_mutex
+
+    reached: set[str] = set()
+    for path in sorted(CLI.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level != 2:
+                continue
+            if node.module is None:
+                names = {alias.name for alias in node.names}
+                assert names <= set(postgres_mutex.__all__), f"{path.name} takes {sorted(names)} from the package"
+                reached.add("__init__")
+            else:
+                assert not node.module.startswith("_"), f"{path.name} imports the private {node.module}"
+                reached.add(node.module)
+    # A guard on the reading itself: the command line does use the library.
+    assert {"__init__", "errors"} <= reached
+
+
+def test_nothing_below_the_command_line_imports_it() -> None:
+    users = sorted(module for module in MODULES if "_cli" in GRAPH[module])
+    assert users == ["__main__"], users

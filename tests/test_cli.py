@@ -30,6 +30,9 @@ from tests.postgres_server import free_port
 from tests.timing import FAST, cli_flags
 
 Holder = Callable[..., str | None]
+# The default lock table exists whichever of these tests runs first, or alone.
+pytestmark = pytest.mark.usefixtures("schema")
+
 FAST_FLAGS = cli_flags()
 SECRET = "Cli-s3cret-pw"
 
@@ -429,7 +432,17 @@ def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg
         (["run", "--lock", "x", "--alert-threshold", "700", "--", "true"], 2, "--alert-threshold (700s) must be"),
         (["run", "--lock", "x", "--heartbeat-interval", "-1", "--", "true"], 2, "heartbeat-interval"),
         (["run", "--lock", "x", "--timeout", "5", "--", "true"], 2, "pass --wait, or drop --timeout"),
-        (["status", "--table", "no_such_table"], 69, "postgres-mutex init"),
+        (["run", "--lock", "x", "--heartbeat-interval", "0.001", "--", "true"], 2, "--heartbeat-interval must be at"),
+        (
+            [
+                *("run", "--lock", "x", "--heartbeat-interval", "15"),
+                *("--alert-threshold", "20", "--stale-threshold", "40", "--", "true"),
+            ],
+            2,
+            "--stale-threshold (40s) must be at least three times --heartbeat-interval (15s)",
+        ),
+        (["status", "--table", "no_such_table"], 69, "run 'postgres-mutex init'"),
+        (["history", "--table", "no_such_table"], 69, "postgres-mutex init"),
         (["watch", "--listen", "nonsense"], 2, "HOST:PORT"),
         (["watch", "--listen", "127.0.0.1:99999"], 2, "a port from 0 to 65535"),
         (["watch", "--listen", "127.0.0.1:\u00b2"], 2, "a port from 0 to 65535"),
@@ -442,6 +455,15 @@ def test_user_errors_are_one_line_and_no_traceback(dsn: str, args: list[str], co
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for python_word in ("create_schema", "LockTable", "_threshold", "_interval", "blocking=", "lock_name"):
+        assert python_word not in result.stderr, "said in the flags' words, not the Python API's"
+
+
+def test_a_connection_string_libpq_cannot_read_is_named_as_the_flag_and_its_variable() -> None:
+    result = cli("status", "--dsn", "host=127.0.0.1 no_such_option=1")
+    assert result.returncode == 2, result.stderr
+    assert "--dsn (or POSTGRES_MUTEX_DSN) is not a valid connection string" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("command", ["run --lock x -- true", "status", "init", "release x --force", "watch"])
@@ -467,9 +489,9 @@ def test_the_dsn_can_come_from_the_environment(dsn: str, lock_name: str) -> None
 
 def _subcommands() -> list[str]:
     """The parser's own subcommands, in its order: the reference and the help are held against them."""
-    from postgres_mutex._cli import _parser
+    from postgres_mutex._cli._parser import parser
 
-    (commands,) = (action for action in _parser()._actions if isinstance(action, argparse._SubParsersAction))
+    (commands,) = (action for action in parser()._actions if isinstance(action, argparse._SubParsersAction))
     return list(commands.choices)
 
 
@@ -647,7 +669,7 @@ def test_a_terminated_demo_still_removes_its_server_and_files(
     assert list(demo_tmp.glob("postgres-mutex-data-*")) == []
     assert _processes_with(f"-p {port} ") == [], "its PostgreSQL is stopped"
     # Its workers carry its server's DSN in their environment: other demos on this machine are not its own.
-    assert [pid for pid in _processes_with("postgres_mutex._demo") if f"port={port} " in _dsn_of(pid)] == [], (
+    assert [pid for pid in _processes_with("postgres_mutex._cli._demo") if f"port={port} " in _dsn_of(pid)] == [], (
         "no worker left behind"
     )
 

@@ -1,6 +1,6 @@
 """``postgres-mutex demo``: a fleet contends, its holder crashes, on-call is alerted, the lock comes back.
 
-Worker processes (this module run as ``python -m postgres_mutex._demo``)
+Worker processes (this module run as ``python -m postgres_mutex._cli._demo``)
 take turns at one lock with short thresholds and report every event as a
 JSON line; the demo kills the first holder in the middle of its job, runs a
 stale-holder watcher, and prints one timeline: acquisitions, heartbeats, the
@@ -11,6 +11,7 @@ and a summary. It uses a table of its own and removes it, and without
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -26,7 +27,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ._metrics import MetricsHook
+from .. import MetricsHook, Mutex
+from ..watcher import StaleWatcher
+from ._common import UsageError
+from ._embedded import EmbeddedPostgres, EmbeddedPostgresError
 
 HEARTBEAT, ALERT, STALE = 0.5, 2.0, 5.0
 JOB_SECONDS = 1.5
@@ -79,7 +83,6 @@ class _EventLine(MetricsHook):
 
 def worker_main(table: str, name: str) -> None:
     """Take turns at the lock, forever; SIGTERM leaves cleanly (the lock is released)."""
-    from . import Mutex
 
     def leave(signum: int, frame: object) -> None:
         raise SystemExit(0)
@@ -136,9 +139,6 @@ class _WatcherEvents(MetricsHook):
 
 def run_demo(*, dsn: str | None, workers: int, out: TextIO | None = None) -> int:
     """Run the demo; returns 0 when the whole story (crash, alert, reclaim) was seen."""
-    from . import Mutex
-    from ._embedded import EmbeddedPostgres, EmbeddedPostgresError
-    from .watcher import StaleWatcher
 
     stream = out or sys.stdout
     timeline = _Timeline(stream)
@@ -204,7 +204,7 @@ def _workers(
     env = {**os.environ, "POSTGRES_MUTEX_DSN": dsn}
     procs = {
         f"worker-{n}": subprocess.Popen(
-            [sys.executable, "-m", "postgres_mutex._demo", table, f"worker-{n}"],
+            [sys.executable, "-m", "postgres_mutex._cli._demo", table, f"worker-{n}"],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -321,6 +321,13 @@ def _summary(timeline: _Timeline, crashed: float | None, alerted: float | None, 
         print(f"  crash -> reclaim: {reclaimed - crashed:.2f}s (stale threshold {STALE:g}s, {since})", file=out)
     if None in (crashed, alerted, reclaimed):
         print("  the demo did not see the whole story in time", file=out)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        return run_demo(dsn=args.dsn, workers=args.workers)
+    except DemoError as exc:
+        raise UsageError(str(exc)) from None
 
 
 if __name__ == "__main__":

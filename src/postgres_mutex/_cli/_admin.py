@@ -1,0 +1,218 @@
+"""The operator's subcommands: ``status``, ``init``, ``migrate``, ``history``, ``release`` and ``watch``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import threading
+from datetime import UTC, datetime, timedelta
+
+from .. import LockTable
+from ._common import UsageError, dsn, duration, print_columns, say
+
+
+def _table(args: argparse.Namespace) -> LockTable:
+    return LockTable(dsn(args), table=args.table, operation_timeout=args.operation_timeout)
+
+
+def _check_thresholds(args: argparse.Namespace) -> None:
+    if not args.alert_threshold < args.stale_threshold:
+        raise UsageError("--alert-threshold must be shorter than --stale-threshold")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    _check_thresholds(args)
+    observations = _table(args).holders(
+        args.lock or None, alert_threshold=args.alert_threshold, stale_threshold=args.stale_threshold
+    )
+    rows = [
+        {
+            "lock_name": seen.lock_name,
+            "holder": seen.holder,
+            "held_for_seconds": round(seen.seconds_held, 3),
+            "seconds_since_heartbeat": round(seen.seconds_since_heartbeat, 3),
+            "state": "reclaimable" if seen.reclaimable else "alerting" if seen.alerting else "ok",
+            "token": seen.token,
+        }
+        for seen in observations
+    ]
+    if args.json:
+        shown = {
+            "table": args.table,
+            "alert_threshold": args.alert_threshold,
+            "stale_threshold": args.stale_threshold,
+            "locks": rows,
+        }
+        json.dump(shown, sys.stdout, indent=2)
+        print()
+        return 0
+    if not rows:
+        print(f"no lock is held in table {args.table}")
+        return 0
+    lines: list[tuple[str, ...]] = [("LOCK", "HOLDER", "HELD FOR", "SINCE HEARTBEAT", "STATE", "TOKEN")]
+    lines += [
+        (
+            seen.lock_name,
+            seen.holder,
+            duration(round(seen.seconds_held, 3)),
+            duration(round(seen.seconds_since_heartbeat, 3)),
+            str(row["state"]),
+            "-" if seen.token is None else str(seen.token),
+        )
+        for seen, row in zip(observations, rows, strict=True)
+    ]
+    print_columns(lines)
+    return 0
+
+
+def _history_retention(args: argparse.Namespace) -> float | None:
+    if args.history_retention is not None and not args.history:
+        raise UsageError("--history-retention applies to a history: pass --history with it")
+    return args.history_retention  # type: ignore[no-any-return]
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    table = _table(args)
+    tokens = table.create(history=args.history, history_retention=_history_retention(args))
+    print(
+        f"table {table.name} is ready"
+        + (" with its history" if args.history else "")
+        + ("" if tokens else " (without fencing tokens: run 'postgres-mutex migrate')")
+    )
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    table = _table(args)
+    changed = table.migrate(history=args.history, history_retention=_history_retention(args))
+    what = "fencing tokens and a history" if args.history else "fencing tokens"
+    print(f"table {table.name} {'now has' if changed else 'already had'} {what}")
+    return 0
+
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def since(text: str) -> datetime | timedelta:
+    """``--since``: an ISO 8601 moment (without a zone: this machine's), or an age such as 90s, 15m, 2h, 7d.
+
+    An age counts back from now by the server's clock, as every age here does.
+    """
+    relative = _RELATIVE.match(text.strip())
+    if relative:
+        return timedelta(seconds=float(relative.group(1)) * _UNIT_SECONDS[relative.group(2)])
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a moment or an age: {text!r} (examples: 2026-12-02T03:00, 2026-12-02 03:00+00:00, 90s, 15m, 2h, 7d)"
+        ) from None
+    return moment if moment.tzinfo is not None else moment.astimezone()
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    records = _table(args).history(args.lock, since=args.since, limit=args.limit)
+    if args.json:
+        holds = [
+            {
+                "lock_name": record.lock_name,
+                "token": record.token,
+                "holder": record.holder,
+                "acquired_at": record.acquired_at.isoformat(),
+                "ended_at": None if record.ended_at is None else record.ended_at.isoformat(),
+                "ended_how": record.ended_how,
+                "ended_by": record.ended_by,
+                "held_for_seconds": round(record.held_for, 3),
+                "alerts": record.alerts,
+            }
+            for record in records
+        ]
+        json.dump({"table": args.table, "holds": holds}, sys.stdout, indent=2)
+        print()
+        return 0
+    if not records:
+        about = f" for lock {args.lock!r}" if args.lock else ""
+        print(f"no hold recorded in the history of table {args.table}{about}")
+        return 0
+    lines: list[tuple[str, ...]] = [("LOCK", "TOKEN", "HOLDER", "ACQUIRED (UTC)", "HELD FOR", "ENDED", "ALERTS")]
+    for record in records:
+        ended = record.ended_how or "holding"
+        if record.ended_by is not None:
+            ended += f" by {record.ended_by}"
+        lines.append(
+            (
+                record.lock_name,
+                "-" if record.token is None else str(record.token),
+                record.holder,
+                record.acquired_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"),
+                duration(record.held_for),
+                ended,
+                str(record.alerts),
+            )
+        )
+    print_columns(lines)
+    return 0
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    if not args.force:
+        raise UsageError(
+            f"refusing to release lock {args.name!r} without --force: its holder may still be running. "
+            "Use it only when you know the holder is gone"
+        )
+    removed = _table(args).force_release(args.name)
+    if removed is None:
+        print(f"lock {args.name!r} is not held: nothing to release")
+        return 1
+    token = "" if removed.token is None else f", token {removed.token}"
+    print(
+        f"released lock {args.name!r}, held by {removed.holder}{token} "
+        f"(last heartbeat {duration(removed.seconds_since_heartbeat)} ago)"
+    )
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise UsageError("watch needs prometheus-client: pip install 'postgres-mutex[prometheus]'") from None
+    from ..prometheus import PrometheusMetrics
+    from ..watcher import StaleWatcher
+
+    host, _, port_text = args.listen.rpartition(":")
+    if not host or not port_text.isdecimal() or not port_text.isascii() or int(port_text) > 65535:
+        raise UsageError(f"--listen must be HOST:PORT with a port from 0 to 65535, got {args.listen!r}")
+    _check_thresholds(args)
+    registry = CollectorRegistry()
+    watcher = StaleWatcher(
+        dsn(args),
+        table=args.table,
+        lock_names=args.lock or None,
+        alert_threshold=args.alert_threshold,
+        stale_threshold=args.stale_threshold,
+        interval=args.interval,
+        operation_timeout=args.operation_timeout,
+        metrics=PrometheusMetrics(registry),
+    )
+    try:
+        server, thread = start_http_server(int(port_text), addr=host, registry=registry)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
+    stop = threading.Event()
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
+    say(f"watching table {args.table} every {args.interval:g}s; metrics on http://{args.listen}/metrics")
+    watcher.start()
+    try:
+        stop.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        watcher.close()
+        server.shutdown()
+        thread.join(5)
+    return 0

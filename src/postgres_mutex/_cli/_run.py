@@ -1,0 +1,179 @@
+"""``postgres-mutex run``: a command under a lock (flock(1) for a fleet), and ``--restart``: one running copy."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+
+from .. import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, Mutex
+from ..errors import DatabaseError
+from ._common import UsageError, command_env, dsn, say
+from ._supervisor import FORWARDED, Supervisor
+
+logger = logging.getLogger("postgres_mutex")
+
+MAX_RESTART_DELAY = 60.0
+"""The longest back-off between restarts of a command that keeps failing."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP before the command started: unwind like Ctrl-C, releasing everything."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("run needs a command after --, e.g. postgres-mutex run --lock job -- ./job.sh")
+    if args.timeout is not None and not args.wait and not args.restart:
+        raise UsageError("--timeout applies only to a wait: pass --wait, or drop --timeout")
+    # A lost lock is declared one heartbeat interval before anyone may reclaim
+    # it: the command must be gone (SIGKILL included) within that interval.
+    kill_after = args.heartbeat_interval / 2 if args.kill_after is None else args.kill_after
+    if kill_after >= args.heartbeat_interval:
+        raise UsageError(
+            f"--kill-after ({kill_after:g}s) must be shorter than --heartbeat-interval "
+            f"({args.heartbeat_interval:g}s): the command must be gone before anyone may reclaim the lock"
+        )
+    if args.restart:
+        return _run_restarting(args, command, kill_after)
+    lost = threading.Event()
+    # Until the command runs, SIGTERM or SIGHUP ends the wait cleanly (nothing left in the table).
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
+    mutex = Mutex(
+        dsn(args),
+        args.lock,
+        table=args.table,
+        instance_id=args.instance_id,
+        on_lost=lambda error: lost.set(),
+        heartbeat_interval=args.heartbeat_interval,
+        alert_threshold=args.alert_threshold,
+        stale_threshold=args.stale_threshold,
+        operation_timeout=args.operation_timeout,
+    )
+    try:
+        holding = mutex.acquire(blocking=args.wait, timeout=args.timeout)
+        try:
+            acquired = holding.__enter__()
+        except LockAcquisitionTimeout as exc:
+            say(f"lock {args.lock!r} still held by {exc.holder or 'another instance'} after {args.timeout:g}s")
+            return int(args.conflict_exit_code)
+        if not acquired:
+            say(f"lock {args.lock!r} is held by {mutex.last_holder or 'another instance'}; not running")
+            return int(args.conflict_exit_code)
+        supervisor = Supervisor(
+            command, env=command_env(mutex.token), lock_lost=lambda: lost.is_set() or not mutex.held
+        )
+        try:
+            code, lost_it = supervisor.run(kill_after, say)
+        except BaseException:
+            holding.__exit__(*sys.exc_info())
+            raise
+        try:
+            holding.__exit__(None, None, None)
+        except LockNotHeldError:
+            lost_it = True
+        except DatabaseError as exc:
+            say(f"the lock's row could not be deleted ({exc})")
+        if lost_it:
+            say(f"lost lock {args.lock!r} while the command ran; exiting {args.lost_exit_code}")
+            return int(args.lost_exit_code)
+        return code
+    finally:
+        mutex.close()
+
+
+class CommandError(Exception):
+    """The command exited non-zero under --restart: the election backs off before campaigning again."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the command exited with status {code}")
+
+
+class _WithoutTraceback(logging.Filter):
+    """The election logs a failed ``lead`` with its traceback; a command's exit status needs none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], CommandError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _run_restarting(args: argparse.Namespace, command: list[str], kill_after: float) -> int:
+    """``run --restart``: keep the command running on exactly one of the runners, through an `Election`.
+
+    Each term runs the command once: a lost lock stops it (as without
+    --restart) and the runner campaigns again; a command that exits is run
+    again, at once after status 0 (once another runner had its chance), after
+    a back-off otherwise. SIGTERM, SIGINT or SIGHUP is passed to a running
+    command; the runner then stops campaigning, releases the lock as soon as
+    the command is gone, and exits: with the command's status, or 128+N if no
+    command was running.
+    """
+    if args.timeout is not None:
+        raise UsageError("--restart campaigns until the runner is stopped: drop --timeout")
+    election = Election(
+        dsn(args),
+        args.lock,
+        table=args.table,
+        instance_id=args.instance_id,
+        heartbeat_interval=args.heartbeat_interval,
+        alert_threshold=args.alert_threshold,
+        stale_threshold=args.stale_threshold,
+        operation_timeout=args.operation_timeout,
+        failure_backoff=args.restart_delay,
+        max_failure_backoff=max(args.restart_delay, MAX_RESTART_DELAY),
+    )
+    signals: list[int] = []
+    status: list[int] = []  # the last command's, if a signal came while it ran
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        signals.append(signum)
+        election.stop()
+
+    def lead(leadership: Leadership) -> None:
+        token = "" if leadership.token is None else f" (token {leadership.token})"
+        say(f"holding lock {args.lock!r}{token}: running the command")
+        supervisor = Supervisor(command, env=command_env(leadership.token), lock_lost=leadership.ended.is_set)
+        code, lost_it = supervisor.run(kill_after, say)
+        if supervisor.received:
+            signals.extend(supervisor.received)
+            status.append(code)
+            election.stop()
+        elif lost_it:
+            say(f"lost lock {args.lock!r} while the command ran; waiting for the lock again")
+        elif code != 0:
+            raise CommandError(code)
+        else:
+            say("the command exited with status 0; running it again once this runner holds the lock again")
+
+    quiet = _WithoutTraceback()
+    logger.addFilter(quiet)
+    previous = {signum: signal.signal(signum, stop) for signum in FORWARDED}
+    try:
+        election.run(lead)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        logger.removeFilter(quiet)
+        election.close()
+    if status:
+        return status[-1]
+    first = signals[0] if signals else int(signal.SIGTERM)
+    say(f"stopped by signal {signal.Signals(first).name}")
+    return 128 + first
