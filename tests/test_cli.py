@@ -473,7 +473,10 @@ def test_no_output_ever_shows_the_password(command: str) -> None:
     if result is None:
         proc = start("watch", "--dsn", dsn, "--listen", f"127.0.0.1:{free_port()}", "--interval", "0.2")
         assert proc.stderr is not None
-        seen = [read_line(proc.stderr, timeout=30)]  # its first failed connection, told on stderr
+        # Its first line says what it watches; then it tells its first failed connection: wait for that.
+        seen = [read_line(proc.stderr, timeout=30)]
+        while "could not connect" not in seen[-1] and len(seen) < 20:
+            seen.append(read_line(proc.stderr, timeout=30))
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=30)
         result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "".join(seen) + stderr)
