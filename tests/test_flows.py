@@ -27,6 +27,7 @@ from postgres_mutex._settings import Timing
 from postgres_mutex._sql import CURRENT, Names, Statements
 from postgres_mutex._state import LEASE_EXPIRED, ROW_GONE, Hold, HoldStatus, LockState, Phase
 from postgres_mutex._steps import (
+    AwaitCleanup,
     Cleanup,
     Execute,
     Flow,
@@ -35,14 +36,13 @@ from postgres_mutex._steps import (
     Listen,
     Result,
     Schedule,
-    Settle,
     Shape,
     StopListening,
     Tell,
     WaitForRelease,
 )
 from postgres_mutex._tracing import Tracing
-from postgres_mutex.errors import OperationTimeout, SchemaError
+from postgres_mutex.errors import DatabaseError, OperationTimeout, SchemaError
 
 TIMING = Timing.validate(
     heartbeat_interval=0.1, alert_threshold=0.6, stale_threshold=1.5, poll_interval=0.05, operation_timeout=2.0
@@ -79,7 +79,7 @@ def step(flow: Flow[Any], reply: Any = None) -> Any:
 
 
 def until_execute(flow: Flow[Any], first: Any = None) -> Execute:
-    """Answer the preliminary steps (Settle, Shape) the way an engine would, up to the first statement."""
+    """Answer the preliminary steps (AwaitCleanup, Shape) the way an engine would, up to the first statement."""
     op = step(flow, first)
     while not isinstance(op, Execute):
         op = step(flow, STATEMENTS if isinstance(op, Shape) else None)
@@ -114,11 +114,11 @@ def test_an_acquire_interrupted_mid_statement_hands_its_possible_row_to_the_back
     scheduled = flow.throw(interruption)
     assert isinstance(scheduled, Schedule), "the statement may have inserted our row: remove it, later"
     assert scheduled.cleanup.acquired_at is None, "its stamp is unknown: any row of ours"
-    assert scheduled.cleanup.settled_at > now(), "and once more after it can no longer land"
+    assert scheduled.cleanup.conclusive_from > now(), "and once more after it can no longer land"
     with pytest.raises(type(interruption)):
         step(flow)
     assert state.phase is Phase.IDLE, "not stuck acquiring"
-    assert state.row_suspected
+    assert state.stray_row_possible
 
 
 def test_an_unanswered_acquire_hands_its_possible_row_to_the_background() -> None:
@@ -132,6 +132,31 @@ def test_an_unanswered_acquire_hands_its_possible_row_to_the_background() -> Non
     assert state.phase is Phase.IDLE
 
 
+@pytest.mark.parametrize(
+    ("then", "busy"),
+    [(contended_row(), "held elsewhere"), (SchemaError("canceling statement", sqlstate="57014"), "row locked")],
+    ids=["contended", "row-locked"],
+)
+def test_a_non_blocking_acquire_that_ends_busy_after_an_unanswered_try_leaves_nothing(
+    then: Result | SchemaError, busy: str
+) -> None:
+    state = lock()
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    until_execute(flow)
+    # The first try finds its connection dead after sending (it may have landed), the prompt retry
+    # finds the lock busy: the first try's row, if it lands, must still be deleted.
+    died = DatabaseError("server closed the connection unexpectedly", transient=True, outcome_unknown=True)
+    retry = flow.throw(died)
+    assert isinstance(retry, Execute), "one prompt retry"
+    ended = flow.throw(then) if isinstance(then, SchemaError) else step(flow, then)
+    assert isinstance(ended, Schedule), f"{busy}: the unanswered try's row is handed to the background"
+    assert ended.cleanup.acquired_at is None
+    with pytest.raises(StopIteration) as done:
+        step(flow)
+    assert done.value.value is None
+    assert state.phase is Phase.IDLE
+
+
 def test_a_refused_acquire_leaves_nothing_to_clean() -> None:
     state = lock()
     flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
@@ -139,7 +164,7 @@ def test_a_refused_acquire_leaves_nothing_to_clean() -> None:
 
     with pytest.raises(SchemaError):
         flow.throw(SchemaError("permission denied for table mutex", sqlstate="42501"))
-    assert not state.row_suspected, "the server answered: the statement did nothing"
+    assert not state.stray_row_possible, "the server answered: the statement did nothing"
 
 
 def test_an_acquire_the_table_changed_under_inspects_it_again_once_then_reports() -> None:
@@ -153,7 +178,7 @@ def test_an_acquire_the_table_changed_under_inspects_it_again_once_then_reports(
 
     with pytest.raises(SchemaError):
         flow.throw(SchemaError("no table", sqlstate="42P01"))
-    assert not state.row_suspected, "the server answered: the statement did nothing"
+    assert not state.stray_row_possible, "the server answered: the statement did nothing"
 
 
 def test_a_blocking_acquire_listens_tries_again_at_once_then_stops_listening() -> None:
@@ -183,7 +208,7 @@ def test_a_blocking_acquire_listens_tries_again_at_once_then_stops_listening() -
 def test_an_acquire_waits_for_a_clean_up_on_the_wire_before_sending() -> None:
     state = lock()
     flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
-    assert isinstance(step(flow), Settle), "a clean-up of rows carrying our id must not cross the acquire"
+    assert isinstance(step(flow), AwaitCleanup), "a clean-up of rows carrying our id must not cross the acquire"
 
 
 def test_a_release_interrupted_mid_statement_leaves_the_mutex_idle_and_the_row_to_the_background() -> None:
@@ -301,30 +326,28 @@ def test_a_failed_heartbeat_renews_nothing_and_loses_nothing() -> None:
 
 
 @pytest.fixture
-def suspected() -> LockState:
+def stray() -> LockState:
     state = lock()
-    state.row_suspected = True
+    state.attempt_sent()  # an acquire's statement went, and its reply never came
     return state
 
 
-def test_a_clean_up_superseded_by_an_acquire_is_dropped(suspected: LockState) -> None:
-    cleanup = Cleanup(
-        suspected, acquired_at=None, epoch=suspected.cleanup_epoch, settled_at=now(), give_up_at=now() + 9
-    )
-    suspected.begin_acquire()  # an acquire began: it takes any row of ours back itself
+def test_a_clean_up_superseded_by_an_acquire_is_dropped(stray: LockState) -> None:
+    cleanup = Cleanup(stray, acquired_at=None, generation=stray.generation, conclusive_from=now(), give_up_at=now() + 9)
+    stray.begin_acquire()  # an acquire began: it takes any row of ours back itself
     with pytest.raises(StopIteration) as done:
         step(clean_up(cleanup))
     assert done.value.value is True
 
 
-def test_a_clean_up_before_an_unanswered_statement_could_land_runs_again_later(suspected: LockState) -> None:
+def test_a_clean_up_before_an_unanswered_statement_could_land_runs_again_later(stray: LockState) -> None:
     later = now() + 60
-    cleanup = Cleanup(suspected, acquired_at=None, epoch=suspected.cleanup_epoch, settled_at=later, give_up_at=later)
+    cleanup = Cleanup(stray, acquired_at=None, generation=stray.generation, conclusive_from=later, give_up_at=later)
     flow = clean_up(cleanup)
     delete = until_execute(flow)
     assert delete.statement is STATEMENTS.cleanup
-    assert delete.guard is not None
+    assert delete.stray_row is cleanup
     with pytest.raises(StopIteration) as done:
         step(flow, Result(1, (("",),)))
     assert done.value.value is False, "the unanswered statement may still land: not settled"
-    assert suspected.row_suspected
+    assert stray.stray_row_possible

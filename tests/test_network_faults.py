@@ -565,16 +565,17 @@ def test_the_loss_is_declared_when_the_lease_runs_out_even_while_a_heartbeat_han
 def test_a_cleanup_begun_before_an_acquire_is_never_sent_after_it(
     make_mutex: Callable[..., Mutex], holder_id: Holder
 ) -> None:
-    from postgres_mutex._steps import CleanupGuard, CleanupSuperseded, Execute, Shape
+    from postgres_mutex._flows import stray_row_cleanup
+    from postgres_mutex._steps import CleanupSuperseded, Execute, Shape
 
     mutex = make_mutex()
     lock = mutex._lock
-    guard = CleanupGuard(lock, lock.cleanup_epoch)  # a clean-up begins...
+    cleanup = stray_row_cleanup(lock, lock.generation)  # a clean-up begins...
     with mutex.acquire():  # ...an acquire supersedes it...
 
         def late_cleanup() -> Any:
             statements = yield Shape(lock.names, 2.0)
-            yield Execute(statements.cleanup, lock.params(), 2.0, "cleanup", guard=guard)
+            yield Execute(statements.cleanup, lock.params(), 2.0, "cleanup", stray_row=cleanup)
 
         with pytest.raises(CleanupSuperseded):
             core_of(mutex.client).engine().run(late_cleanup())

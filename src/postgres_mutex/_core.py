@@ -73,7 +73,7 @@ class ClientCore:
         self._tracings: dict[tuple[int, str], Tracing] = {}
         self._locks: weakref.WeakSet[LockState] = weakref.WeakSet()
         self._explicit_ids: weakref.WeakKeyDictionary[LockState, int] = weakref.WeakKeyDictionary()
-        self._stray_cleanups: list[steps.Cleanup] = []
+        self._orphaned_cleanups: list[steps.Cleanup] = []
         self._attached = 0
         self.closed = False
         self._start_session()
@@ -166,7 +166,7 @@ class ClientCore:
             old_engine.abandon()
             self.session.drop(old_engine)
             with self.state_lock:
-                self._stray_cleanups.extend(cleanups)
+                self._orphaned_cleanups.extend(cleanups)
         return engine
 
     def engine_for(self, lock: LockState) -> Engine:
@@ -211,7 +211,7 @@ class ClientCore:
             engine.schedule(cleanup)
         else:
             with self.state_lock:
-                self._stray_cleanups.append(cleanup)
+                self._orphaned_cleanups.append(cleanup)
 
     def _engines(self) -> list[Engine | AsyncEngine]:
         engines: list[Engine | AsyncEngine] = list(self._async_engines.values())
@@ -298,7 +298,7 @@ class ClientCore:
     def _pending_cleanups(self) -> bool:
         with self.state_lock:
             engines = self._engines()
-            stray = bool(self._stray_cleanups)
+            stray = bool(self._orphaned_cleanups)
         return stray or any(engine.has_cleanups() for engine in engines)
 
     def _exit_budget(self) -> float:
@@ -316,8 +316,8 @@ class ClientCore:
             except Exception as exc:
                 logger.warning("releasing lock %r at exit: %s", lock.lock_name, exc)
         with self.state_lock:
-            pending = list(self._stray_cleanups)
-            self._stray_cleanups.clear()
+            pending = list(self._orphaned_cleanups)
+            self._orphaned_cleanups.clear()
             async_engines = list(self._async_engines.values())
         for async_engine in async_engines:
             pending.extend(async_engine.take_cleanups())
@@ -334,7 +334,7 @@ class ClientCore:
         _INHERITED.extend(self._engines())
         self._engine = None
         self._async_engines = {}
-        self._stray_cleanups = []
+        self._orphaned_cleanups = []
         self._start_session()
         for lock in list(self._locks):
             explicit = lock in self._explicit_ids

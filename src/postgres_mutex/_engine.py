@@ -119,17 +119,17 @@ class Engine:
         if self.deadline is not None:
             # At exit: no statement may outlast the exit's budget.
             op = dataclasses.replace(op, timeout=max(min(op.timeout, self.deadline - now()), _LAST_STATEMENT))
-        if op.guard is None:
+        if op.stray_row is None:
             return self._send(op)
         # A clean-up of any row carrying our id must never cross an acquire of
         # the same Mutex: the acquire waits for it, and a superseded one is dropped.
-        acquire_lock(op.guard.lock.cleanup_sending)
+        acquire_lock(op.stray_row.lock.cleanup_on_the_wire)
         try:
-            if op.guard.superseded:
+            if op.stray_row.superseded:
                 raise steps.CleanupSuperseded
             return self._send(op)
         finally:
-            op.guard.lock.cleanup_sending.release()
+            op.stray_row.lock.cleanup_on_the_wire.release()
 
     def _send(self, op: steps.Execute) -> steps.Result:
         source = self._source
@@ -349,10 +349,10 @@ class _Steps:
         if isinstance(op, steps.Shape):
             statements = None if op.fresh else engine.host.shapes.get(op.names.table_name)
             return _WAITS if statements is None else statements
-        if isinstance(op, steps.Settle):
-            if not op.lock.cleanup_sending.acquire(blocking=False):
+        if isinstance(op, steps.AwaitCleanup):
+            if not op.lock.cleanup_on_the_wire.acquire(blocking=False):
                 return _WAITS  # a clean-up of this Mutex's row is being sent
-            op.lock.cleanup_sending.release()
+            op.lock.cleanup_on_the_wire.release()
             return None
         if isinstance(op, steps.Keep):
             engine.keep(op.hold)
@@ -382,9 +382,9 @@ class _Steps:
         if isinstance(op, steps.Pause):
             sleep(op.seconds)
             return not engine.closed
-        if isinstance(op, steps.Settle):
-            acquire_lock(op.lock.cleanup_sending)
-            op.lock.cleanup_sending.release()
+        if isinstance(op, steps.AwaitCleanup):
+            acquire_lock(op.lock.cleanup_on_the_wire)
+            op.lock.cleanup_on_the_wire.release()
             return None
         if isinstance(op, steps.Listen):
             listener = engine.listener

@@ -12,7 +12,7 @@ I/O. The heartbeat's flows are in `_heartbeat_flows`, the table's in
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from ._clock import now
@@ -25,10 +25,10 @@ from ._rules import (
     interpret_acquire,
 )
 from ._sql import Statement, Statements
-from ._state import LEASE_EXPIRED, NOT_HELD, ROW_GONE, Hold, HoldStatus, LockState
+from ._state import LEASE_EXPIRED, NOT_HELD, Hold, HoldStatus, LockState
 from ._steps import (
+    AwaitCleanup,
     Cleanup,
-    CleanupGuard,
     Execute,
     Flow,
     Forget,
@@ -37,7 +37,6 @@ from ._steps import (
     Pause,
     Result,
     Schedule,
-    Settle,
     Shape,
     StopListening,
     StopSignal,
@@ -57,13 +56,6 @@ T = TypeVar("T")
 _MIN_STATEMENT_TIMEOUT = 0.1
 
 
-@dataclass
-class _Progress:
-    attempts: int = 0
-    result: AcquireResult | None = None
-    stopped: bool = False
-
-
 def acquire(
     lock: LockState,
     tracing: Tracing,
@@ -81,25 +73,22 @@ def acquire(
     of time, `LockAlreadyHeldError` if this Mutex holds the lock already, and
     `DatabaseError` for failures it cannot wait out. A non-blocking acquire
     returns within one ``operation_timeout`` (plus a connect). Whatever way it
-    ends without the lock (cancellation included), a row an unanswered
+    ends without the lock (cancellation included), a stray row an unanswered
     attempt may have left is handed to the background to delete.
 
     The whole acquire is one span, each attempt an event on it.
     """
-    epoch = lock.begin_acquire()
-    started = now()
-    progress = _Progress()
+    generation = lock.begin_acquire()
     extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
     if timeout is not None:
         extra["postgres_mutex.timeout"] = timeout
     outcome = "cancelled"
     with tracing.span("postgres_mutex.acquire", span_attributes(lock, **extra)) as span:
+        attempts = _Attempts(lock, span, blocking=blocking, timeout=timeout, generation=generation, stop=stop)
         try:
-            hold = yield from _attempt_until_done(
-                lock, tracing, span, progress, blocking=blocking, timeout=timeout, owner=owner, epoch=epoch, stop=stop
-            )
-            result = progress.result
-            if progress.stopped:
+            hold = yield from attempts.until_done(owner)
+            result = attempts.result
+            if attempts.stopped:
                 pass  # stays "cancelled": nobody is waiting for the lock any more
             elif hold is None:
                 outcome = "contended"
@@ -113,157 +102,187 @@ def acquire(
             outcome = "error"
             raise
         finally:
-            result = progress.result
+            result = attempts.result
             lock.events.acquire_ended(
                 span,
                 outcome,
-                attempts=progress.attempts,
-                waited=now() - started,
+                attempts=attempts.count,
+                waited=now() - attempts.started,
                 holder=None if result is None else result.holder,
             )
 
 
-def _attempt_until_done(
-    lock: LockState,
-    tracing: Tracing,
-    span: Any,
-    progress: _Progress,
-    *,
-    blocking: bool,
-    timeout: float | None,
-    owner: object,
-    epoch: int,
-    stop: StopSignal | None,
-) -> Flow[Hold | None]:
-    timing = lock.timing
-    events = lock.events
-    started = now()
-    deadline = None if timeout is None else started + timeout
-    # Without blocking, the whole acquire fits in one operation_timeout.
-    budget = deadline if blocking else started + timing.operation_timeout
-    quick_retry_spent = False
-    listening = False
-    try:
-        yield Settle(lock)
-        statements: Statements | None = None
-        while True:
-            if stop is not None and stop.is_set():
-                progress.stopped = True
-                if lock.row_suspected:
-                    yield Schedule(unanswered_cleanup(lock, epoch))
-                lock.abort_acquire()
-                return None
-            statement_timeout = timing.operation_timeout
-            if budget is not None:
-                statement_timeout = min(statement_timeout, max(_MIN_STATEMENT_TIMEOUT, budget - now()))
-            suspected_before = lock.row_suspected
-            # Until a reply says otherwise, this attempt may leave our row behind:
-            # an interruption (cancellation, a signal's exception) must clean up too.
-            lock.row_suspected = True
-            progress.attempts += 1
-            try:
-                if statements is None:
-                    # Inside the retries: the table's first inspection can meet a busy pool or a restart too.
-                    statements = yield Shape(lock.names, statement_timeout)
-                reply = yield Execute(statements.acquire, lock.params(), statement_timeout, lock.describe("acquire"))
-            except BaseException as exc:
-                if not isinstance(exc, DatabaseError):
-                    # Interrupted mid-statement (cancelled, a signal's exception): it may still land.
-                    lock.unanswered_until = max(lock.unanswered_until, now() + 2 * statement_timeout)
-                    raise
-                if exc.outcome_unknown:
-                    # Sent before now; it can run on the server for a statement_timeout at most.
-                    lock.unanswered_until = max(lock.unanswered_until, now() + 2 * statement_timeout)
-                else:
-                    lock.row_suspected = suspected_before
-                if exc.sqlstate == CANCELLED and not blocking:
-                    # The server gave up waiting for the row: another session has it
-                    # locked (an acquire in flight, a holder's fenced transaction).
-                    busy = AcquireResult(Outcome.CONTENDED, None, None)
-                    progress.result = busy
-                    events.contended(span, busy, alert=False)
+class _Attempts:
+    """One acquire's attempts, until one wins, the lock is busy, time runs out or a failure cannot be waited out.
+
+    Its deadlines: ``deadline``, the caller's timeout; ``budget``, the time the
+    statements may take (the deadline when blocking, one ``operation_timeout``
+    otherwise). What it saw is read by `acquire` for the span and the metrics.
+    """
+
+    def __init__(
+        self,
+        lock: LockState,
+        span: Any,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        generation: int,
+        stop: StopSignal | None,
+    ) -> None:
+        self.lock = lock
+        self.span = span
+        self.blocking = blocking
+        self.timeout = timeout
+        self.generation = generation
+        self.stop = stop
+        self.started = now()
+        self.deadline = None if timeout is None else self.started + timeout
+        # Without blocking, the whole acquire fits in one operation_timeout.
+        self.budget = self.deadline if blocking else self.started + lock.timing.operation_timeout
+        self.count = 0
+        self.result: AcquireResult | None = None
+        self.stopped = False
+        self.statements: Statements | None = None
+        self.quick_retry_spent = False
+
+    def until_done(self, owner: object) -> Flow[Hold | None]:
+        lock = self.lock
+        listening = False
+        try:
+            yield AwaitCleanup(lock)
+            while True:
+                if self.stop is not None and self.stop.is_set():
+                    self.stopped = True
+                    yield from self._leave_nothing_behind()
                     lock.abort_acquire()
                     return None
-                if exc.sqlstate in SHAPE_CHANGED and not quick_retry_spent:
-                    # Rejected at parse time (the history dropped, say): as the table is now.
-                    quick_retry_spent = True
-                    statements = yield Shape(lock.names, statement_timeout, fresh=True)
-                    continue
-                if _retry_at_once(exc) and not quick_retry_spent and (budget is None or now() < budget):
-                    # A connection the server closed while idle, or a serialization
-                    # failure a session default caused: one prompt retry, even
-                    # when not blocking.
-                    quick_retry_spent = True
-                    events.attempt_failed(span, exc, retrying_in=None)
-                    continue
-                if not blocking or not exc.transient:
-                    events.attempt_failed(span, exc, retrying_in=None)
+                statement_timeout = self._statement_timeout()
+                possible_before = lock.attempt_sent()
+                self.count += 1
+                try:
+                    if self.statements is None:
+                        # Inside the retries: the table's first inspection can meet a busy pool or a restart too.
+                        self.statements = yield Shape(lock.names, statement_timeout)
+                    reply = yield Execute(
+                        self.statements.acquire, lock.params(), statement_timeout, lock.describe("acquire")
+                    )
+                except DatabaseError as exc:
+                    if exc.outcome_unknown:
+                        # Sent before now; it can run on the server for a statement_timeout at most.
+                        lock.attempt_unanswered(statement_timeout)
+                    else:
+                        lock.attempt_refused(possible_before)
+                    if (yield from self._after_failure(exc)):
+                        continue
+                    lock.abort_acquire()
+                    return None
+                except BaseException:
+                    # Interrupted mid-statement (cancelled, a signal's exception): it may still land.
+                    lock.attempt_unanswered(statement_timeout)
                     raise
-                if _passed(deadline):
-                    # Out of time while the database stood in the way (a row locked by
-                    # another session, a silent network): to the caller, that is the
-                    # timeout it asked for, with what stood in the way as its cause.
-                    events.attempt_failed(span, exc, retrying_in=None)
-                    raise LockAcquisitionTimeout(
-                        f"lock {lock.lock_name!r} not acquired within {max(timeout or 0.0, 0.0):g}s: "
-                        f"the last attempt failed: {exc}",
-                        timeout,
-                        lock_name=lock.lock_name,
-                        holder=lock.last_holder,
-                    ) from exc
-                pause = _until(deadline, timing.poll_interval)
-                events.attempt_failed(span, exc, retrying_in=pause)
-                yield Pause(pause)
-                continue
 
-            result = interpret_acquire(reply.row, lock.instance_id)
-            if result.outcome.acquired and not statements.shape.tokens and result.token is not None:
-                result = yield from _tokens_appeared(lock, result, statement_timeout)
-            progress.result = result
-            if result.outcome.acquired:
-                assert result.acquired_at is not None
-                hold = lock.won(
-                    acquired_at=result.acquired_at,
-                    token=result.token,
-                    sent_at=reply.sent_at,
-                    owner=owner,
-                    span_context=span.get_span_context(),
-                )
-                events.acquired(span, result, expected_own_row=suspected_before)
-                yield Keep(hold)
-                return hold
-            # Our statement ran and the row is someone else's: nothing of ours
-            # is in the table, unless an unanswered attempt lands later.
-            lock.row_suspected = now() < lock.unanswered_until
-            lock.last_holder = result.holder
-            events.contended(span, result, alert=lock.alert_gate.should_alert(result.holder, result.heartbeat_age))
-            if not blocking:
-                lock.abort_acquire()
-                return None
-            if _passed(deadline):
-                raise LockAcquisitionTimeout(
-                    f"lock {lock.lock_name!r} still held by {result.holder or 'another instance'} "
-                    f"after {max(timeout or 0.0, 0.0):g}s",
-                    timeout,
-                    lock_name=lock.lock_name,
-                    holder=result.holder,
-                )
-            if not listening:
-                listening = True
-                if (yield Listen(lock.channel, timing.operation_timeout)):
-                    # Listening now: try once more at once, so that a release
-                    # between the attempt and the LISTEN cannot be missed.
-                    continue
-            yield WaitForRelease(_until(deadline, timing.poll_interval), stop)
-    except BaseException:
-        # Timeout, error or interruption: leave nothing behind, in the background.
-        if lock.row_suspected:
-            yield Schedule(unanswered_cleanup(lock, epoch))
-        lock.abort_acquire()
-        raise
-    finally:
-        if listening:
-            yield StopListening()
+                result = interpret_acquire(reply.row, lock.instance_id)
+                if result.outcome.acquired and not self.statements.shape.tokens and result.token is not None:
+                    result = yield from _tokens_appeared(lock, result, statement_timeout)
+                self.result = result
+                if result.outcome.acquired:
+                    assert result.acquired_at is not None
+                    hold = lock.won(
+                        acquired_at=result.acquired_at,
+                        token=result.token,
+                        sent_at=reply.sent_at,
+                        owner=owner,
+                        span_context=self.span.get_span_context(),
+                    )
+                    lock.events.acquired(self.span, result, expected_own_row=possible_before)
+                    yield Keep(hold)
+                    return hold
+                lock.attempt_contended(result.holder)
+                alert = lock.alert_gate.should_alert(result.holder, result.heartbeat_age)
+                lock.events.contended(self.span, result, alert=alert)
+                if not self.blocking:
+                    yield from self._leave_nothing_behind()  # an earlier attempt's, if it went unanswered
+                    lock.abort_acquire()
+                    return None
+                if _passed(self.deadline):
+                    raise LockAcquisitionTimeout(
+                        f"lock {lock.lock_name!r} still held by {result.holder or 'another instance'} "
+                        f"after {self._waited():g}s",
+                        self.timeout,
+                        lock_name=lock.lock_name,
+                        holder=result.holder,
+                    )
+                if not listening:
+                    listening = True
+                    if (yield Listen(lock.channel, lock.timing.operation_timeout)):
+                        # Listening now: try once more at once, so that a release
+                        # between the attempt and the LISTEN cannot be missed.
+                        continue
+                yield WaitForRelease(_until(self.deadline, lock.timing.poll_interval), self.stop)
+        except BaseException:
+            # Timeout, error or interruption: leave nothing behind, in the background.
+            yield from self._leave_nothing_behind()
+            lock.abort_acquire()
+            raise
+        finally:
+            if listening:
+                yield StopListening()
+
+    def _statement_timeout(self) -> float:
+        timeout = self.lock.timing.operation_timeout
+        if self.budget is not None:
+            timeout = min(timeout, max(_MIN_STATEMENT_TIMEOUT, self.budget - now()))
+        return timeout
+
+    def _waited(self) -> float:
+        return max(self.timeout or 0.0, 0.0)
+
+    def _leave_nothing_behind(self) -> Flow[None]:
+        if self.lock.stray_row_possible:
+            yield Schedule(stray_row_cleanup(self.lock, self.generation))
+
+    def _after_failure(self, exc: DatabaseError) -> Flow[bool]:
+        """What a failed attempt means: True to try again, False when the lock is busy; else it raises."""
+        lock, span = self.lock, self.span
+        if exc.sqlstate == CANCELLED and not self.blocking:
+            # The server gave up waiting for the row: another session has it
+            # locked (an acquire in flight, a holder's fenced transaction).
+            busy = AcquireResult(Outcome.CONTENDED, None, None)
+            self.result = busy
+            lock.events.contended(span, busy, alert=False)
+            yield from self._leave_nothing_behind()
+            return False
+        if exc.sqlstate in SHAPE_CHANGED and not self.quick_retry_spent:
+            # Rejected at parse time (the history dropped, say): as the table is now.
+            self.quick_retry_spent = True
+            self.statements = yield Shape(lock.names, self._statement_timeout(), fresh=True)
+            return True
+        if _retry_at_once(exc) and not self.quick_retry_spent and (self.budget is None or now() < self.budget):
+            # A connection the server closed while idle, or a serialization
+            # failure a session default caused: one prompt retry, even
+            # when not blocking.
+            self.quick_retry_spent = True
+            lock.events.attempt_failed(span, exc, retrying_in=None)
+            return True
+        if not self.blocking or not exc.transient:
+            lock.events.attempt_failed(span, exc, retrying_in=None)
+            raise exc
+        if _passed(self.deadline):
+            # Out of time while the database stood in the way (a row locked by
+            # another session, a silent network): to the caller, that is the
+            # timeout it asked for, with what stood in the way as its cause.
+            lock.events.attempt_failed(span, exc, retrying_in=None)
+            raise LockAcquisitionTimeout(
+                f"lock {lock.lock_name!r} not acquired within {self._waited():g}s: the last attempt failed: {exc}",
+                self.timeout,
+                lock_name=lock.lock_name,
+                holder=lock.last_holder,
+            ) from exc
+        pause = _until(self.deadline, lock.timing.poll_interval)
+        lock.events.attempt_failed(span, exc, retrying_in=pause)
+        yield Pause(pause)
+        return True
 
 
 def _tokens_appeared(lock: LockState, result: AcquireResult, timeout: float) -> Flow[AcquireResult]:
@@ -306,14 +325,14 @@ def _until(deadline: float | None, pause: float) -> float:
     return max(0.0, min(pause, deadline - now()))
 
 
-def unanswered_cleanup(lock: LockState, epoch: int) -> Cleanup:
+def stray_row_cleanup(lock: LockState, generation: int) -> Cleanup:
     """Delete whatever row of ours an unanswered acquire may have left, once it can no longer land."""
     current = now()
     return Cleanup(
         lock,
         acquired_at=None,
-        epoch=epoch,
-        settled_at=max(current, lock.unanswered_until),
+        generation=generation,
+        conclusive_from=max(current, lock.stray_row_may_land_until),
         give_up_at=current + lock.timing.stale_threshold,
         ended_how="abandoned",
     )
@@ -338,8 +357,8 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
     """
     hold = lock.begin_release(caller)
     if hold is None:
-        if lock.row_suspected:
-            yield Schedule(unanswered_cleanup(lock, lock.cleanup_epoch))
+        if lock.stray_row_possible:
+            yield Schedule(stray_row_cleanup(lock, lock.generation))
         raise lock.not_held_error(NOT_HELD)
     yield Forget(hold)
     try:
@@ -376,16 +395,15 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
             lock.events.released(span, deleted=deleted)
             if not deleted:
                 # Held by our lease, yet the row was gone: someone deleted or took it.
-                hold.reason = ROW_GONE
-                gone = hold.error()
+                gone = lock.row_gone(hold)
                 yield Tell(lock, gone)
                 raise gone
             return True
     finally:
         lock.end_release()
-        if lock.row_suspected or now() < lock.unanswered_until:
+        if lock.stray_row_possible or now() < lock.stray_row_may_land_until:
             # An unanswered acquire of ours may still land: sweep after it no longer can.
-            yield Schedule(unanswered_cleanup(lock, lock.cleanup_epoch))
+            yield Schedule(stray_row_cleanup(lock, lock.generation))
 
 
 def _execute_in_shape(
@@ -415,8 +433,8 @@ def _scoped_cleanup(lock: LockState, hold: Hold, *, ended_how: str = "released")
     return Cleanup(
         lock,
         acquired_at=hold.acquired_at,
-        epoch=lock.cleanup_epoch,
-        settled_at=current,
+        generation=lock.generation,
+        conclusive_from=current,
         give_up_at=current + lock.timing.stale_threshold,
         ended_how=ended_how,
     )
@@ -431,20 +449,21 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
     Raises `DatabaseError` (the caller retries later) or `CleanupSuperseded`.
     """
     lock = cleanup.lock
-    if cleanup.acquired_at is None and cleanup.epoch != lock.cleanup_epoch:
+    if cleanup.superseded:
         return True  # an acquire began since: it takes any row of ours back itself
     statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
     params = {**lock.params(), "acquired_at": cleanup.acquired_at, "ended_how": cleanup.ended_how}
-    if cleanup.acquired_at is None:
-        statement, guard = statements.cleanup, CleanupGuard(lock, cleanup.epoch)
-    else:
-        statement, guard = statements.release, None
+    stray = cleanup.acquired_at is None
     result: Result = yield Execute(
-        statement, params, lock.timing.operation_timeout, lock.describe("clean-up"), guard=guard
+        statements.cleanup if stray else statements.release,
+        params,
+        lock.timing.operation_timeout,
+        lock.describe("clean-up"),
+        stray_row=cleanup if stray else None,
     )
     if result.rowcount:
         lock.events.row_removed()
-    settled = result.sent_at >= cleanup.settled_at
-    if settled and cleanup.acquired_at is None and cleanup.epoch == lock.cleanup_epoch:
-        lock.row_suspected = False
-    return settled
+    conclusive = result.sent_at >= cleanup.conclusive_from
+    if conclusive and stray:
+        lock.stray_row_cleaned(cleanup.generation)
+    return conclusive

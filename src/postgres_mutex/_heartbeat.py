@@ -171,7 +171,7 @@ class HeartbeatWorker:
         lock = cleanup.lock
         try:
             done = self._engine.run(flows.clean_up(cleanup))
-            retry_at = cleanup.settled_at
+            retry_at = cleanup.conclusive_from
         except steps.CleanupSuperseded:
             done, retry_at = True, now()
         except DatabaseError as exc:

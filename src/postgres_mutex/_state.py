@@ -12,6 +12,15 @@ earlier hold that arrives late can never touch a later one. Its *lease* is
 measured from the moment the last successful acquire or heartbeat statement
 was sent; it is one heartbeat interval shorter than ``stale_threshold``, so
 the holder always learns it lost the lock before anyone else may reclaim it.
+
+A *stray row* is a row of ours that an acquire whose reply never came may
+have left in the table, or may still leave: the statement can go on running
+on the server until ``stray_row_may_land_until``. A *clean-up* deletes, in
+the background, a row of ours nobody waits for: a stray row, or a held row a
+release could not delete. Each acquire starts a new *generation* of its lock;
+a stray row's clean-up from an earlier one is *superseded*, never sent (the
+acquire takes any row of ours back itself), and an acquire waits while a
+clean-up is on the wire, so the two never cross.
 """
 
 from __future__ import annotations
@@ -132,14 +141,14 @@ class LockState:
         self.hold: Hold | None = None
         self.last_holder: str | None = None
         """Who held the lock at this Mutex's last contended attempt, for messages."""
-        self.row_suspected = False
-        """A statement that may have inserted our row went unanswered: the row may exist."""
-        self.unanswered_until = 0.0
+        self.stray_row_possible = False
+        """An acquire of ours went unanswered: a stray row may be in the table."""
+        self.stray_row_may_land_until = 0.0
         """Until then an unanswered acquire of ours may still be running on the server, and land."""
-        self.cleanup_epoch = 0
-        """Bumped by every acquire: a clean-up of rows carrying our id, begun earlier, must not be sent."""
-        self.cleanup_sending = threading.Lock()
-        """Held while such a clean-up is on the wire: an acquire waits for it, so they never cross."""
+        self.generation = 0
+        """Bumped by every acquire: a stray row's clean-up begun earlier is superseded."""
+        self.cleanup_on_the_wire = threading.Lock()
+        """Held while a stray row's clean-up is on the wire: an acquire waits for it, so they never cross."""
 
     # -- queries ---------------------------------------------------------------
 
@@ -174,7 +183,7 @@ class LockState:
     # -- transitions (each under the client's state lock) ---------------------
 
     def begin_acquire(self) -> int:
-        """Start an acquire; returns the clean-up epoch it supersedes. Raises `LockAlreadyHeldError`."""
+        """Start an acquire; returns its generation, superseding earlier clean-ups. Raises `LockAlreadyHeldError`."""
         with self._lock:
             if self.phase is not Phase.IDLE:
                 raise LockAlreadyHeldError(
@@ -182,8 +191,39 @@ class LockState:
                     f"(instance_id {self.instance_id!r}); use a separate Mutex per concurrent holder"
                 )
             self.phase = Phase.ACQUIRING
-            self.cleanup_epoch += 1
-            return self.cleanup_epoch
+            self.generation += 1
+            return self.generation
+
+    def attempt_sent(self) -> bool:
+        """An acquire's statement goes now: until a reply says otherwise it may leave a stray row (an
+        interruption must clean up too). Returns whether a stray row was possible before it."""
+        with self._lock:
+            before = self.stray_row_possible
+            self.stray_row_possible = True
+            return before
+
+    def attempt_unanswered(self, statement_timeout: float) -> None:
+        """No reply came: the statement may run on the server, and land, for up to twice its timeout."""
+        with self._lock:
+            self.stray_row_may_land_until = max(self.stray_row_may_land_until, now() + 2 * statement_timeout)
+
+    def attempt_refused(self, possible_before: bool) -> None:
+        """The server answered with an error: the statement did nothing, nothing new may stray."""
+        with self._lock:
+            self.stray_row_possible = possible_before
+
+    def attempt_contended(self, holder: str | None) -> None:
+        """The statement ran and the row is ``holder``'s: nothing of ours is in the table, unless an
+        unanswered attempt lands later."""
+        with self._lock:
+            self.stray_row_possible = now() < self.stray_row_may_land_until
+            self.last_holder = holder
+
+    def stray_row_cleaned(self, generation: int) -> None:
+        """A clean-up of ``generation`` deleted any stray row once none could land any more."""
+        with self._lock:
+            if generation == self.generation:
+                self.stray_row_possible = False
 
     def abort_acquire(self) -> None:
         with self._lock:
@@ -205,7 +245,7 @@ class LockState:
             )
             self.hold = hold
             self.phase = Phase.HOLDING
-            self.row_suspected = False
+            self.stray_row_possible = False
             return hold
 
     def lose(self, hold: Hold, reason: str, *, only_if_expired: bool = False) -> LockNotHeldError | None:
@@ -260,6 +300,12 @@ class LockState:
                     hold.reason = RELEASED_ELSEWHERE
             return hold
 
+    def row_gone(self, hold: Hold) -> LockNotHeldError:
+        """A release found ``hold``'s row deleted or taken over: the error that says so."""
+        with self._lock:
+            hold.reason = ROW_GONE
+        return hold.error()
+
     def end_release(self) -> None:
         """The release is over. The hold stays readable (`require_held` says how it ended) until the next acquire."""
         with self._lock:
@@ -271,11 +317,11 @@ class LockState:
         self._lock = state_lock
         self.phase = Phase.IDLE
         self.hold = None
-        self.row_suspected = False
+        self.stray_row_possible = False
         self.instance_id = instance_id
         self.events.instance_id = instance_id
         self.alert_gate = AlertGate(self.timing.alert_threshold)
-        self.cleanup_sending = threading.Lock()
+        self.cleanup_on_the_wire = threading.Lock()
 
 
 class HeartbeatGroup:

@@ -37,20 +37,10 @@ class Execute:
     timeout: float
     action: str
     urgent: bool = False
-    guard: CleanupGuard | None = None
-    """For a clean-up of rows carrying our id: the engine holds the Mutex's
-    sending lock while it runs, and does not send it (raising
-    `CleanupSuperseded`) if an acquire began since."""
-
-
-@dataclass(frozen=True, slots=True)
-class CleanupGuard:
-    lock: LockState
-    epoch: int
-
-    @property
-    def superseded(self) -> bool:
-        return self.lock.cleanup_epoch != self.epoch
+    stray_row: Cleanup | None = None
+    """For the clean-up of a stray row (any row carrying our id): the engine
+    keeps the lock's ``cleanup_on_the_wire`` while it runs, and does not send
+    it (raising `CleanupSuperseded`) if an acquire began since."""
 
 
 class CleanupSuperseded(Exception):
@@ -154,7 +144,7 @@ class StopListening:
 
 
 @dataclass(frozen=True, slots=True)
-class Settle:
+class AwaitCleanup:
     """Wait until no clean-up of rows carrying ``lock``'s id is on the wire (it would cross the acquire)."""
 
     lock: LockState
@@ -179,20 +169,27 @@ class Cleanup:
     """A row of ours that may remain in the table, to delete in the background.
 
     ``acquired_at`` scopes the delete to one hold (a failed release, a lost
-    lease); None means any row carrying our id (an acquire that went
-    unanswered), which is guarded against a newer acquire by ``epoch``. The
-    row is gone once a delete succeeds at or after ``settled_at``, the moment
-    after which no statement of ours can still be running on the server.
+    lease); None means a stray row: any row carrying our id, which an acquire
+    whose reply never came may have left. Such a clean-up belongs to the lock's
+    ``generation`` of its time: once an acquire began since, it is
+    `superseded`. The row is gone once a delete succeeds at or after
+    ``conclusive_from``, the moment after which no statement of ours can still
+    be running on the server.
     """
 
     lock: LockState
     acquired_at: datetime | None
-    epoch: int
-    settled_at: float
+    generation: int
+    conclusive_from: float
     give_up_at: float
     due: float = field(default_factory=now)
     ended_how: str = "released"
     """How the history records the hold this row belonged to, if the table keeps one."""
+
+    @property
+    def superseded(self) -> bool:
+        """A stray row's clean-up, and an acquire began since: that acquire takes any row of ours back itself."""
+        return self.acquired_at is None and self.generation != self.lock.generation
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,5 +207,5 @@ class Schedule:
     cleanup: Cleanup
 
 
-Op = Execute | Pause | Shape | Settle | Listen | WaitForRelease | StopListening | Keep | Forget | Tell | Schedule
+Op = Execute | Pause | Shape | AwaitCleanup | Listen | WaitForRelease | StopListening | Keep | Forget | Tell | Schedule
 Flow = Generator[Op, Any, T]
