@@ -63,6 +63,9 @@ ENGINES = {
 }
 """The engine, in its parts: the hand-written async modules and the sync ones generated from them."""
 
+ELECTION_PARTS = {"_campaign", "_leader", "_relay", "_term"}
+"""What `election` is made of: its rounds (campaign, term, hand-over), who leads, its terms, its relay."""
+
 SQL = {module for module in CORE if module == "_sql" or module.startswith("_sql_")}
 """Where the statements are: `_sql`, the door the rest of the library goes through, and its parts."""
 
@@ -177,3 +180,10 @@ def test_the_statements_are_reached_through_sql_only() -> None:
 def test_the_sql_modules_know_nothing_but_each_other(module: str) -> None:
     # Statements are text: composing one needs no state, no engine, no setting.
     assert GRAPH[module] <= SQL, f"{module} imports {sorted(GRAPH[module] - SQL)}"
+
+
+def test_an_elections_parts_are_its_own() -> None:
+    # The package and the CLI reach an election through `election`, whose names are the public ones.
+    for module in sorted(set(MODULES) - ELECTION_PARTS - {"election"}):
+        used = GRAPH[module] & ELECTION_PARTS
+        assert not used, f"{module} imports {sorted(used)}, which are the election's: import from election"
