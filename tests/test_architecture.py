@@ -63,6 +63,9 @@ ENGINES = {
 }
 """The engine, in its parts: the hand-written async modules and the sync ones generated from them."""
 
+MUTEX_PARTS = {"_candidacy", "_closing", "_own_watch", "_singleton"}
+"""What `_mutex` is made of besides the core: an election's side, closing, its own watcher, its decorators."""
+
 ELECTION_PARTS = {"_campaign", "_leader", "_relay", "_term"}
 """What `election` is made of: its rounds (campaign, term, hand-over), who leads, its terms, its relay."""
 
@@ -187,3 +190,10 @@ def test_an_elections_parts_are_its_own() -> None:
     for module in sorted(set(MODULES) - ELECTION_PARTS - {"election"}):
         used = GRAPH[module] & ELECTION_PARTS
         assert not used, f"{module} imports {sorted(used)}, which are the election's: import from election"
+
+
+def test_a_mutexs_parts_are_its_own() -> None:
+    # An election reaches its Mutex's side only through `_mutex.candidacy()`.
+    for module in sorted(set(MODULES) - MUTEX_PARTS - {"_mutex"}):
+        used = GRAPH[module] & MUTEX_PARTS
+        assert not used, f"{module} imports {sorted(used)}, which are the Mutex's"
