@@ -41,6 +41,11 @@ CORE = {
     "_settings",
     "_shared",
     "_sql",
+    "_sql_history",
+    "_sql_lock",
+    "_sql_names",
+    "_sql_schema",
+    "_sql_statement",
     "_state",
     "_steps",
     "_tracing",
@@ -57,6 +62,15 @@ ENGINES = {
     for flavour in ("", "_async")
 }
 """The engine, in its parts: the hand-written async modules and the sync ones generated from them."""
+
+MUTEX_PARTS = {"_candidacy", "_closing", "_own_watch", "_singleton"}
+"""What `_mutex` is made of besides the core: an election's side, closing, its own watcher, its decorators."""
+
+ELECTION_PARTS = {"_campaign", "_leader", "_relay", "_term"}
+"""What `election` is made of: its rounds (campaign, term, hand-over), who leads, its terms, its relay."""
+
+SQL = {module for module in CORE if module == "_sql" or module.startswith("_sql_")}
+"""Where the statements are: `_sql`, the door the rest of the library goes through, and its parts."""
 
 
 def _type_checking_nodes(tree: ast.Module) -> set[int]:
@@ -138,8 +152,8 @@ def test_the_engine_and_its_listener_are_given_a_host() -> None:
 def test_the_session_opens_no_connection_and_sends_nothing() -> None:
     forbidden = GRAPH["_session"] & {
         *ENGINES,
+        *SQL,
         "_connections",
-        "_sql",
         "_steps",
         "_flows",
         "_heartbeat_flows",
@@ -152,6 +166,37 @@ def test_the_session_opens_no_connection_and_sends_nothing() -> None:
 def test_only_the_client_module_makes_a_core() -> None:
     makers = sorted(module for module in MODULES if "_core" in GRAPH[module])
     assert makers == ["client"], makers
+
+
+def test_every_sql_module_is_known() -> None:
+    assert {module for module in MODULES if module.startswith("_sql")} == SQL
+
+
+def test_the_statements_are_reached_through_sql_only() -> None:
+    # One door: what the library sends is read from `_sql`'s imports, whichever part builds it.
+    for module in sorted(set(MODULES) - SQL):
+        parts = GRAPH[module] & (SQL - {"_sql"})
+        assert not parts, f"{module} imports {sorted(parts)}: import them from _sql"
+
+
+@pytest.mark.parametrize("module", sorted(SQL))
+def test_the_sql_modules_know_nothing_but_each_other(module: str) -> None:
+    # Statements are text: composing one needs no state, no engine, no setting.
+    assert GRAPH[module] <= SQL | {"errors"}, f"{module} imports {sorted(GRAPH[module] - SQL - {'errors'})}"
+
+
+def test_an_elections_parts_are_its_own() -> None:
+    # The package and the CLI reach an election through `election`, whose names are the public ones.
+    for module in sorted(set(MODULES) - ELECTION_PARTS - {"election"}):
+        used = GRAPH[module] & ELECTION_PARTS
+        assert not used, f"{module} imports {sorted(used)}, which are the election's: import from election"
+
+
+def test_a_mutexs_parts_are_its_own() -> None:
+    # An election reaches its Mutex's side only through `_mutex.candidacy()`.
+    for module in sorted(set(MODULES) - MUTEX_PARTS - {"_mutex"}):
+        used = GRAPH[module] & MUTEX_PARTS
+        assert not used, f"{module} imports {sorted(used)}, which are the Mutex's"
 
 
 CLI = SRC / "_cli"

@@ -1,10 +1,13 @@
-"""`Mutex`: the public API, sync and async, over its client's engines and the shared flows."""
+"""`Mutex`: the public API, sync and async, over its client's engines and the shared flows.
+
+What is not the API has parts of its own: the decorators and the sibling Mutexes they name
+(`_singleton`), an election's side (`_candidacy`), what closing does with the lock (`_closing`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
@@ -12,19 +15,19 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 from . import _acquisition, _acquisition_async
 from . import _flows as flows
 from . import _heartbeat_flows as heartbeat_flows
-from . import _steps as steps
 from ._acompat import current_owner
 from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
+from ._candidacy import Candidacy
+from ._closing import release_on_aclose, release_on_close
 from ._events import LockEvents, LostCallback
 from ._metrics import guard
 from ._own_watch import OwnLockWatch
 from ._settings import Timing, check_name, check_wait, default_instance_id
-from ._singleton import only_while_held, only_while_held_async
+from ._singleton import Siblings, singleton_decorator, singleton_decorator_async
 from ._sql import Names
-from ._state import LockState, Phase
+from ._state import LockState
 from .client import BUILT_ON_IT, MutexClient, core_of, shared_client
-from .errors import MutexError
 
 if TYPE_CHECKING:
     import psycopg
@@ -33,8 +36,6 @@ if TYPE_CHECKING:
 
     from .watcher import StaleWatcher
 
-
-logger = logging.getLogger("postgres_mutex")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -166,8 +167,14 @@ class Mutex:
             "tracer_provider": tracer_provider,
         }
         self._explicit_id = instance_id is not None
-        self._siblings: dict[str, Mutex] = {}
-        self._candidacy = Candidacy(self._lock, self._campaign, self._campaign_async)
+        self._siblings = Siblings(self, self._new_sibling)
+        self._candidacy = Candidacy(
+            self._lock,
+            self._engine_for,
+            self._engine_async_for,
+            before=self._start_watch,
+            before_async=self._start_watch_async,
+        )
         self._watch: OwnLockWatch | None = OwnLockWatch(client, table, self._lock, metrics) if watch else None
         if self._watch is not None:
             self._watch.start_at_creation(core.has_sync)
@@ -308,16 +315,6 @@ class Mutex:
         self._start_watch_async()
         return AsyncAcquisition(self._engine_async_for, self._lock, blocking=blocking, timeout=timeout)
 
-    def _campaign(self, stop: steps.StopSignal) -> Acquisition:
-        """An election's campaign (see `Candidacy`)."""
-        self._start_watch()
-        return Acquisition(self._engine_for, self._lock, blocking=True, timeout=None, stop=stop)
-
-    def _campaign_async(self, stop: steps.StopSignal) -> AsyncAcquisition:
-        """An election's async campaign."""
-        self._start_watch_async()
-        return AsyncAcquisition(self._engine_async_for, self._lock, blocking=True, timeout=None, stop=stop)
-
     def release(self) -> None:
         """Delete this Mutex's lock row (waking waiters at once).
 
@@ -419,10 +416,7 @@ class Mutex:
         run and the call returns None. Blocking with a ``timeout`` raises
         `LockAcquisitionTimeout` instead. Also usable bare: ``@mutex.singleton``.
         """
-        if callable(lock_name):
-            return self.singleton()(lock_name)
-        target = self if lock_name is None else self._sibling(lock_name)
-        return only_while_held(target, blocking=blocking, timeout=check_wait(blocking, timeout))
+        return singleton_decorator(self._siblings, lock_name, blocking=blocking, timeout=timeout)
 
     @overload
     def singleton_async(self, lock_name: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]: ...
@@ -440,23 +434,14 @@ class Mutex:
         timeout: float | None = None,
     ) -> Any:
         """Async `singleton` for coroutine functions; blocking by default, like `acquire_async`."""
-        if callable(lock_name):
-            return self.singleton_async()(lock_name)
-        target = self if lock_name is None else self._sibling(lock_name)
-        return only_while_held_async(target, blocking=blocking, timeout=check_wait(blocking, timeout))
+        return singleton_decorator_async(self._siblings, lock_name, blocking=blocking, timeout=timeout)
 
-    def _sibling(self, lock_name: str) -> Mutex:
-        """A Mutex for another lock name, on the same client, with the same settings."""
-        if lock_name == self.lock_name:
-            return self
-        check_name(lock_name, "lock_name")
-        sibling = self._siblings.get(lock_name)
-        if sibling is None:
-            # One identity for the Mutex, whichever of its names it holds.
-            sibling = self._client.mutex(lock_name, instance_id=self.instance_id, **self._options)
-            if not self._explicit_id:
-                self._core.register(sibling._lock, explicit_id=False)
-            self._siblings[lock_name] = sibling
+    def _new_sibling(self, lock_name: str) -> Mutex:
+        """A Mutex for another lock name (see `Siblings`), on the same client, with the same settings."""
+        # One identity for the Mutex, whichever of its names it holds.
+        sibling = self._client.mutex(lock_name, instance_id=self.instance_id, **self._options)
+        if not self._explicit_id:
+            self._core.register(sibling._lock, explicit_id=False)
         return sibling
 
     # -- shutdown ------------------------------------------------------------------
@@ -472,42 +457,18 @@ class Mutex:
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.stop()
-        for mutex in (self, *self._siblings.values()):
-            mutex._close_one()
-
-    def _close_one(self) -> None:
-        lock = self._lock
-        if lock.phase is Phase.HOLDING and lock.held:
-            # 0.1.0's close() left the lock held; releasing it now is right, but say so.
-            logger.warning("close() releases lock %r, which this Mutex still held", self.lock_name)
-        if lock.phase is Phase.HOLDING:
-            if not self._core.has_sync:
-                logger.warning(
-                    "lock %r is still held and only an async_pool is available to release it: use "
-                    "aclose(); the lock stays until another instance reclaims it after stale_threshold",
-                    self.lock_name,
-                )
-            else:
-                try:
-                    self.release()
-                except MutexError as exc:
-                    logger.warning("releasing lock %r on close: %s", self.lock_name, exc)
+        release_on_close(self._lock, self.release, has_sync=self._core.has_sync)
         self._detach()
+        self._siblings.close()
 
     async def aclose(self) -> None:
         """Async `close`."""
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.stop()
-        for mutex in (self, *self._siblings.values()):
-            if mutex._lock.phase is Phase.HOLDING:
-                if mutex._lock.held:
-                    logger.warning("aclose() releases lock %r, which this Mutex still held", mutex.lock_name)
-                try:
-                    await mutex.release_async()
-                except MutexError as exc:
-                    logger.warning("releasing lock %r on close: %s", mutex.lock_name, exc)
-            mutex._detach()
+        await release_on_aclose(self._lock, self.release_async)
+        self._detach()
+        await self._siblings.aclose()
 
     async def close_async(self) -> None:
         """Async `close`, under the name 0.1.0 gave it; `aclose` is the name to use."""
@@ -527,20 +488,6 @@ class Mutex:
     def _start_watch_async(self) -> None:
         if self._watch is not None:
             self._watch.start_async()
-
-
-@dataclass(frozen=True)
-class Candidacy:
-    """What an `Election` needs of its Mutex beyond the public API: its lock state, and a campaign.
-
-    A campaign is a blocking acquire without a timeout that a stop ends at
-    once (entering then yields False): unlike a timeout, a stop wakes the
-    wait the moment it is set, from any thread.
-    """
-
-    lock: LockState
-    campaign: Callable[[steps.StopSignal], Acquisition]
-    campaign_async: Callable[[steps.StopSignal], AsyncAcquisition]
 
 
 def candidacy(mutex: Mutex) -> Candidacy:

@@ -4,6 +4,9 @@ Built on the Mutex's public API alone (`Mutex.acquire`, `Mutex.acquire_async`).
 A call that finds the lock held elsewhere, or held by another call in this
 process, does not run and returns None, saying so at INFO; a blocking one
 with a timeout raises `LockAcquisitionTimeout` instead.
+
+A decorator may name another lock than the Mutex's own: it then runs under a
+sibling of the Mutex (`Siblings`), made once for that name and closed with it.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from ._settings import check_name, check_wait
 from .errors import LockAlreadyHeldError
 
 if TYPE_CHECKING:
@@ -71,3 +75,52 @@ def only_while_held_async(
         return wrapper
 
     return decorate
+
+
+class Siblings:
+    """The Mutexes a Mutex's decorators run under for lock names other than its own; closed with it.
+
+    Each is made once, by the Mutex's ``make`` (on its client, with its
+    settings and its identity), the first time a decorator names its lock.
+    """
+
+    def __init__(self, mutex: Mutex, make: Callable[[str], Mutex]) -> None:
+        self._mutex = mutex
+        self._make = make
+        self._made: dict[str, Mutex] = {}
+
+    def get(self, lock_name: str | None) -> Mutex:
+        """The Mutex for ``lock_name``: the Mutex itself for its own name (or None)."""
+        if lock_name is None or lock_name == self._mutex.lock_name:
+            return self._mutex
+        check_name(lock_name, "lock_name")
+        sibling = self._made.get(lock_name)
+        if sibling is None:
+            sibling = self._made[lock_name] = self._make(lock_name)
+        return sibling
+
+    def close(self) -> None:
+        for sibling in self._made.values():
+            sibling.close()
+
+    async def aclose(self) -> None:
+        for sibling in self._made.values():
+            await sibling.aclose()
+
+
+def singleton_decorator(
+    siblings: Siblings, lock_name: str | Callable[..., Any] | None, *, blocking: bool, timeout: float | None
+) -> Any:
+    """What `Mutex.singleton` returns for its arguments: a decorator or, used bare, the decorated function."""
+    if callable(lock_name):
+        return singleton_decorator(siblings, None, blocking=False, timeout=None)(lock_name)
+    return only_while_held(siblings.get(lock_name), blocking=blocking, timeout=check_wait(blocking, timeout))
+
+
+def singleton_decorator_async(
+    siblings: Siblings, lock_name: str | Callable[..., Any] | None, *, blocking: bool, timeout: float | None
+) -> Any:
+    """What `Mutex.singleton_async` returns for its arguments, as `singleton` for coroutine functions."""
+    if callable(lock_name):
+        return singleton_decorator_async(siblings, None, blocking=True, timeout=None)(lock_name)
+    return only_while_held_async(siblings.get(lock_name), blocking=blocking, timeout=check_wait(blocking, timeout))

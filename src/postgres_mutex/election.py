@@ -35,67 +35,38 @@ event on the term's span) but cannot end it. A process paused (GC, SIGSTOP,
 a frozen VM) is told nothing until it runs again, and an operator's forced
 release lets the next leader start before the old one hears of it. Writes
 that must never come from a former leader need fencing: `Leadership.fence`.
+
+Here is the election's public face and what is its own (one run at a time,
+the relay out of signal handlers, closing). The rounds it runs are
+`_campaign`'s, a term and its `Leadership` are `_term`'s, and who leads is
+read by `_leader`; their public names are imported from here.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import inspect
-import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _steps as steps
-from ._clock import now
+from ._campaign import AsyncLead, Campaign, Lead
 from ._events import ElectionEvents
-from ._metrics import LockObservation, guard
-from ._mutex import Mutex, candidacy
+from ._leader import Leader, LeaderReader
+from ._metrics import guard
+from ._mutex import Mutex
 from ._relay import Relay
 from ._settings import check_name, check_seconds
-from ._state import HoldStatus
-from ._term import Flag, Leadership, Term, TermPolicy
-from ._tracing import INSTANCE_ID, LOCK_NAME
-from .errors import DatabaseError, LockNotHeldError, MutexError
+from ._term import Flag, Leadership, TermPolicy
+from .errors import LockNotHeldError, MutexError
 from .table import LockTable
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span, TracerProvider
+    from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-    from ._acquisition import Acquisition
-    from ._acquisition_async import AsyncAcquisition
     from .client import MutexClient
 
 __all__ = ["Election", "Flag", "Leader", "Leadership"]
-
-logger = logging.getLogger("postgres_mutex")
-
-TERM_SPAN = "postgres_mutex.election.term"
-
-_STOPPED = "stop() was called"
-_RESIGNED = "resign() was called"
-
-Lead = Callable[["Leadership"], object]
-AsyncLead = Callable[["Leadership"], Awaitable[object]]
-
-
-@dataclass(frozen=True)
-class Leader:
-    """Who leads an election now, as the lock table says, timed by the server's clock."""
-
-    instance_id: str
-    """The leader's id (its `Election.instance_id`)."""
-    token: int | None
-    """The fencing token of its term (None on a table without tokens)."""
-    seconds_held: float
-    """How long it has led."""
-    seconds_since_heartbeat: float
-    """Seconds since its last heartbeat."""
-    alerting: bool
-    """Silent for ``alert_threshold`` or longer: slow, or dead? (Past ``stale_threshold`` there is no leader.)"""
 
 
 class Election:
@@ -168,23 +139,24 @@ class Election:
             tracer_provider=tracer_provider,
             on_lost=self._on_lost,
         )
-        self._candidacy = candidacy(self._mutex)
         config = self._mutex.config
         self._grace = config.heartbeat_interval if grace is None else grace
-        self._policy = TermPolicy(backoff, max_backoff, rejoin_pause=max(0.25, 2 * config.poll_interval))
-        self._table = LockTable(client=self._mutex.client, table=table, operation_timeout=config.operation_timeout)
-        self._events = ElectionEvents(
-            lock_name=name, instance_id=self._mutex.instance_id, hook=guard(metrics), grace_period=self._grace
+        self._campaign = Campaign(
+            self._mutex,
+            ElectionEvents(
+                lock_name=name, instance_id=self._mutex.instance_id, hook=guard(metrics), grace_period=self._grace
+            ),
+            TermPolicy(backoff, max_backoff, rejoin_pause=max(0.25, 2 * config.poll_interval)),
+            self._grace,
         )
-        self._stop = steps.StopSignal()
-        self._stopped = threading.Event()
-        # Set by stop() itself: a plain flag, as a signal handler may set it.
-        self._stop_requested = False
+        self._leaders = LeaderReader(
+            LockTable(client=self._mutex.client, table=table, operation_timeout=config.operation_timeout),
+            name,
+            alert_threshold=config.alert_threshold,
+            stale_threshold=config.stale_threshold,
+        )
         self._relay: Relay | None = None
         self._running = threading.Lock()
-        self._term: Term | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wakeup: asyncio.Event | None = None
         self._close_when_done = False
 
     # -- introspection -------------------------------------------------------------
@@ -206,19 +178,19 @@ class Election:
     @property
     def leading(self) -> bool:
         """True while this candidate leads and its term has not been told to end. Never touches the database."""
-        term = self._term
+        term = self._campaign.term
         return term is not None and term.leadership.held
 
     @property
     def leadership(self) -> Leadership | None:
         """The current term, while ``lead`` runs (None otherwise)."""
-        term = self._term
+        term = self._campaign.term
         return None if term is None else term.leadership
 
     @property
     def stopped(self) -> bool:
         """True once `stop` was called: an Election does not campaign again after it."""
-        return self._stop_requested
+        return self._campaign.stop_requested
 
     def __repr__(self) -> str:
         state = "stopped" if self.stopped else "leading" if self.leading else "not leading"
@@ -251,64 +223,13 @@ class Election:
             raise TypeError("lead is a coroutine function: use 'await election.run_async(lead)'")
         self._enter()
         try:
-            self._events.started()
-            while not self._stop_requested:
-                pause = self._serve(lead)
-                if pause is None:
-                    break
-                if pause > 0:
-                    self._stopped.wait(pause)
+            self._campaign.run(lead)
         finally:
-            self._events.stopped()
             self._leave()
             if self._close_when_done:
                 self._mutex.close()
             self._running.release()
             self._close_if_asked_meanwhile()
-
-    def _serve(self, lead: Lead) -> float | None:
-        """Campaign, then one term; returns the pause before the next campaign, None once stopped."""
-        acquisition = self._candidacy.campaign(self._stop)
-        if not acquisition.__enter__():
-            return None
-        if self._stop_requested:  # won just as stop() came: no term
-            self._release(acquisition, None)
-            return None
-        with self._candidacy.lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
-            term = self._begin(span)
-            watch = self._watch(term)
-            error: BaseException | None = None
-            misuse: TypeError | None = None
-            try:
-                result = lead(term.leadership)
-            except BaseException as exc:
-                error = exc
-                if not isinstance(exc, Exception):
-                    term.end("stopped", f"the run was interrupted ({type(exc).__name__})")
-            else:
-                if inspect.isawaitable(result):
-                    _discard(result)
-                    misuse = TypeError("lead returned an awaitable: use 'await election.run_async(lead)'")
-                    term.end("stopped", "lead is async")
-            told = term.ending
-            term.finish()
-            watch.join()
-            self._release(acquisition, term)
-            pause = self._conclude(term, told, error)
-            if misuse is not None:
-                raise misuse
-            if error is not None and not isinstance(error, Exception):
-                raise error
-            return pause
-
-    def _release(self, acquisition: Acquisition, term: Term | None) -> None:
-        try:
-            acquisition.__exit__(None, None, None)
-        except LockNotHeldError as exc:
-            if term is not None:
-                term.end("lost", f"leadership was lost: {exc.reason}")
-        except DatabaseError as exc:
-            self._events.release_failed(exc)
 
     async def run_async(self, lead: AsyncLead) -> None:
         """Async `run`: ``lead`` is a coroutine function, run as a task of its own.
@@ -321,21 +242,10 @@ class Election:
         if not callable(lead):
             raise TypeError(f"lead must be callable, not {type(lead).__name__}")
         self._enter()
-        self._loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
         try:
-            self._events.started()
-            while not self._stop_requested:
-                pause = await self._serve_async(lead)
-                if pause is None:
-                    break
-                if pause > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), pause)
+            await self._campaign.run_async(lead)
         finally:
-            self._events.stopped()
             self._leave()
-            self._loop = self._wakeup = None
             if self._close_when_done:
                 await self._mutex.aclose()
             self._running.release()
@@ -346,78 +256,13 @@ class Election:
                 finally:
                     self._running.release()
 
-    async def _serve_async(self, lead: AsyncLead) -> float | None:
-        acquisition = self._candidacy.campaign_async(self._stop)
-        if not await acquisition.__aenter__():
-            return None
-        if self._stop_requested:
-            await self._release_async(acquisition, None)
-            return None
-        with self._candidacy.lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
-            term = self._begin(span)
-            error: BaseException | None = None
-            interrupted: BaseException | None = None
-            task: asyncio.Future[Any] | None = None
-            try:
-                work: object = lead(term.leadership)
-            except Exception as exc:
-                error = exc
-            else:
-                if inspect.isawaitable(work):
-                    task = term.task = asyncio.ensure_future(work)
-                else:
-                    interrupted = TypeError("lead is not async: use election.run(lead) for a plain function")
-                    term.end("stopped", "lead is not async")
-            watch = self._watch(term)
-            if task is not None:
-                try:
-                    await asyncio.wait([task])
-                except asyncio.CancelledError as exc:  # the task running run_async was cancelled
-                    interrupted = exc
-                    term.end("stopped", "run_async was cancelled")
-                    task.cancel()
-                    await asyncio.wait([task])
-                if not task.cancelled():
-                    error = task.exception()
-                elif term.ending is None:
-                    error = asyncio.CancelledError("lead's task was cancelled, not by the election")
-            told = term.ending
-            term.finish()
-            # To the end even if this task is cancelled again meanwhile: the lock must not stay held.
-            hand_over = asyncio.ensure_future(self._hand_over_async(watch, acquisition, term))
-            while not hand_over.done():
-                try:
-                    await asyncio.wait([hand_over])
-                except asyncio.CancelledError as exc:
-                    interrupted = interrupted or exc
-            hand_over.result()
-            pause = self._conclude(term, told, error)
-            if interrupted is not None:
-                raise interrupted
-            if error is not None and not isinstance(error, Exception | asyncio.CancelledError):
-                raise error
-            return pause
-
-    async def _hand_over_async(self, watch: threading.Thread, acquisition: AsyncAcquisition, term: Term) -> None:
-        await asyncio.to_thread(watch.join)  # it has only to finish reporting: a moment
-        await self._release_async(acquisition, term)
-
-    async def _release_async(self, acquisition: AsyncAcquisition, term: Term | None) -> None:
-        try:
-            await acquisition.__aexit__(None, None, None)
-        except LockNotHeldError as exc:
-            if term is not None:
-                term.end("lost", f"leadership was lost: {exc.reason}")
-        except DatabaseError as exc:
-            self._events.release_failed(exc)
-
     # -- what run and run_async share ------------------------------------------------
 
     def _enter(self) -> None:
         if not self._running.acquire(blocking=False):
             raise MutexError(f"election {self.name!r} is running already: one run() or run_async() at a time")
         # Started here, never in stop(): a signal handler may not start a thread.
-        self._relay = Relay(self._stop_now, self._resign_now)
+        self._relay = Relay(self._campaign.stop_now, self._campaign.resign_now)
 
     def _leave(self) -> None:
         relay, self._relay = self._relay, None
@@ -432,60 +277,9 @@ class Election:
             finally:
                 self._running.release()
 
-    def _span_attributes(self) -> dict[str, str | bool | int | float]:
-        return {LOCK_NAME: self.name, INSTANCE_ID: self.instance_id}
-
-    def _begin(self, span: Span) -> Term:
-        hold = self._candidacy.lock.hold
-        assert hold is not None
-        term = Term(self._mutex, self._candidacy.lock, hold, span)
-        self._term = term
-        self._events.term_began(span, hold.token)
-        if not hold.held:  # lost before the term was there to hear of it
-            term.end("lost", "leadership was lost: " + (hold.reason or "its lease ran out"))
-        if self._stop_requested:
-            term.end("stopped", _STOPPED)
-        return term
-
-    def _watch(self, term: Term) -> threading.Thread:
-        """A thread that tells the term's end (and an async ``lead``'s task) and watches the grace period."""
-        watch = threading.Thread(target=self._watch_term, args=(term,), name="postgres-mutex-election", daemon=True)
-        watch.start()
-        return watch
-
-    def _watch_term(self, term: Term) -> None:
-        term.wake.wait()
-        ending, reason = term.ending, term.reason
-        if ending is None or reason is None:
-            return  # lead returned on its own
-        self._events.ending(term.span, ending, reason)
-        task, loop = term.task, self._loop
-        if task is not None and loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the task is gone with it
-                loop.call_soon_threadsafe(task.cancel)
-        if term.returned.wait(self._grace):
-            return
-        self._events.grace_overrun(term.span, now() - term.ended_at, reason)
-        term.returned.wait()
-        self._events.returned_late(now() - term.ended_at)
-
-    def _conclude(self, term: Term, told: str | None, error: BaseException | None) -> float:
-        ended = self._policy.ended(term, told, error)
-        pause = self._policy.pause_after(ended)
-        if error is not None and isinstance(error, Exception | asyncio.CancelledError):
-            if ended == "failed":
-                self._events.lead_failed(term.span, error, pause)
-            elif not isinstance(error, asyncio.CancelledError):
-                self._events.raised_after_end(error)
-        self._term = None
-        self._events.term_ended(term.span, ended, now() - term.began, term.hold.token)
-        return pause
-
     def _on_lost(self, error: LockNotHeldError) -> None:
         """The Mutex lost its lock (on the client's event thread): tell the term it belongs to, at once."""
-        term = self._term
-        if term is not None and term.hold.status is HoldStatus.LOST:
-            term.end("lost", f"leadership was lost: {error.reason}")
+        self._campaign.on_lost(error)
 
     # -- ending ------------------------------------------------------------------------
 
@@ -497,31 +291,10 @@ class Election:
         ends at once, or when the statement it has in flight ends (within
         ``operation_timeout``); the next candidate is woken by the release.
         """
-        self._stop_requested = True
+        self._campaign.request_stop()
         relay = self._relay
         if relay is None or not relay.send(Relay.STOP):
-            self._stop_now()
-
-    def _stop_now(self) -> None:
-        # Never in a signal handler's frame (see Relay): it sets events a thread may be waiting on.
-        self._stopped.set()
-        loop = self._loop
-        if loop is None:
-            self._stop.set()
-        else:
-            try:
-                loop.call_soon_threadsafe(self._stop_on_loop)
-            except RuntimeError:  # the loop is closed
-                self._stop.set()
-        term = self._term
-        if term is not None:
-            term.end("stopped", _STOPPED)
-
-    def _stop_on_loop(self) -> None:
-        # Async waits are woken on their loop, never from a signal handler's frame.
-        self._stop.set()
-        if self._wakeup is not None:
-            self._wakeup.set()
+            self._campaign.stop_now()
 
     def resign(self) -> bool:
         """Give up the current term and keep campaigning: another candidate takes over at once.
@@ -531,18 +304,13 @@ class Election:
         (twice ``poll_interval``, at least 0.25 s), so a waiting candidate wins.
         Returns False if this candidate was not leading. Safe from any thread.
         """
-        term = self._term
+        term = self._campaign.term
         if term is None or term.endings:
             return False
         relay = self._relay
         if relay is None or not relay.send(Relay.RESIGN):
-            self._resign_now()
+            self._campaign.resign_now()
         return True
-
-    def _resign_now(self) -> None:
-        term = self._term
-        if term is not None:
-            term.end("resigned", _RESIGNED)
 
     def close(self) -> None:
         """`stop`, then close the Mutex underneath; safe to call while `run` runs.
@@ -591,21 +359,11 @@ class Election:
         dead), so None is returned for it. Raises `DatabaseError` if the table
         cannot be read.
         """
-        config = self._mutex.config
-        return _leader(
-            self._table.holders(
-                [self.name], alert_threshold=config.alert_threshold, stale_threshold=config.stale_threshold
-            )
-        )
+        return self._leaders.read()
 
     async def leader_async(self) -> Leader | None:
         """Async `leader`."""
-        config = self._mutex.config
-        return _leader(
-            await self._table.holders_async(
-                [self.name], alert_threshold=config.alert_threshold, stale_threshold=config.stale_threshold
-            )
-        )
+        return await self._leaders.read_async()
 
     def watch_leader(self, interval: float = 1.0) -> Iterator[Leader | None]:
         """Yield the leader (or None) now, then again each time it changes, reading every ``interval`` seconds.
@@ -617,57 +375,10 @@ class Election:
         retrying cannot cure.
         """
         every = check_seconds(interval, "interval")
-        last: tuple[str, int | None] | bool | None = False
-        while not self._stop_requested:
-            try:
-                current = self.leader()
-            except DatabaseError as exc:
-                if not exc.transient:
-                    raise
-                logger.warning("election %r: %s; reading the leader again in %gs", self.name, exc, every)
-            else:
-                if _identity(current) != last:
-                    last = _identity(current)
-                    yield current
-            self._stopped.wait(every)
+        yield from self._leaders.watch(every, lambda: self._campaign.stop_requested, self._campaign.wait)
 
     async def watch_leader_async(self, interval: float = 1.0) -> AsyncIterator[Leader | None]:
         """Async `watch_leader`."""
         every = check_seconds(interval, "interval")
-        last: tuple[str, int | None] | bool | None = False
-        while not self._stop_requested:
-            try:
-                current = await self.leader_async()
-            except DatabaseError as exc:
-                if not exc.transient:
-                    raise
-                logger.warning("election %r: %s; reading the leader again in %gs", self.name, exc, every)
-            else:
-                if _identity(current) != last:
-                    last = _identity(current)
-                    yield current
-            await asyncio.sleep(every)
-
-
-def _leader(observations: list[LockObservation]) -> Leader | None:
-    if not observations or observations[0].reclaimable:
-        return None
-    seen = observations[0]
-    return Leader(
-        instance_id=seen.holder,
-        token=seen.token,
-        seconds_held=seen.seconds_held,
-        seconds_since_heartbeat=seen.seconds_since_heartbeat,
-        alerting=seen.alerting,
-    )
-
-
-def _identity(leader: Leader | None) -> tuple[str, int | None] | None:
-    return None if leader is None else (leader.instance_id, leader.token)
-
-
-def _discard(awaitable: object) -> None:
-    """Close a coroutine that will never be awaited, so Python does not warn about it."""
-    close = getattr(awaitable, "close", None)
-    if callable(close):
-        close()
+        async for leader in self._leaders.watch_async(every, lambda: self._campaign.stop_requested):
+            yield leader

@@ -1,0 +1,111 @@
+"""The history of holds (``<table>_history``): how a hold can end, what writes it, and its read.
+
+A table with a history gets one row per hold, written by the lock statements
+themselves, in the same statement (no second round trip, and no hold that is
+in the table but not in its history): the parts of those statements that
+write it are here, as common table expressions the lock statements append
+(`acquire_history`, `heartbeat_alerts`, `hold_ended`). The history table
+itself is created and its retention set by the schema statements.
+"""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from ._sql_names import Names
+from ._sql_statement import Statement, statement
+
+HISTORY_ENDINGS = ("released", "reclaimed", "replaced", "lost", "abandoned", "force_released")
+"""How a hold can end, in the history: released by its holder; reclaimed by another instance after
+the stale threshold; replaced by its own instance (an acquire that took its row back); lost (its
+lease ran out and its row was deleted after); abandoned (a row an unanswered acquire left, deleted
+by the clean-up); force_released (an operator's ``release --force``)."""
+
+
+def acquire_history(names: Names) -> sql.Composable:
+    """The acquire's part: a row for the new hold, the end of those it replaced, and the sweep of expired rows.
+
+    Every hold of the lock still open in the history has ended: the one taken
+    over (reclaimed, or taken back by its own instance), and any whose end
+    nobody wrote (a process that keeps no history ended it): how is unknown.
+    Expired rows go, a hundred at a time, so retention needs no cron job.
+    SKIP LOCKED: acquires of other locks sweeping at the same moment never
+    wait for each other (nor deadlock) over the same expired rows. Reads the
+    acquire's ``inserted`` and ``taken``.
+    """
+    return sql.SQL(
+        """, opened AS (
+  INSERT INTO {history} (lock_name, token, holder, acquired_at, keep_until)
+  SELECT %(lock_name)s, token, %(instance_id)s, acquired_at, NULL::timestamptz FROM inserted
+  UNION ALL
+  SELECT %(lock_name)s, token, %(instance_id)s, acquired_at, NULL::timestamptz FROM taken
+), closed AS (
+  UPDATE {history} AS past
+     SET ended_at = now(), keep_until = DEFAULT,
+         ended_how = CASE WHEN NOT EXISTS (SELECT 1 FROM taken) THEN NULL
+                          WHEN past.holder = %(instance_id)s THEN 'replaced' ELSE 'reclaimed' END,
+         ended_by = CASE WHEN EXISTS (SELECT 1 FROM taken) THEN %(instance_id)s END,
+         alerts = past.alerts + CASE WHEN EXISTS (SELECT 1 FROM taken) AND past.holder <> %(instance_id)s
+                                     THEN 1 ELSE 0 END
+   WHERE past.lock_name = %(lock_name)s AND past.ended_at IS NULL
+     AND (EXISTS (SELECT 1 FROM inserted) OR EXISTS (SELECT 1 FROM taken))
+), expired AS (
+  DELETE FROM {history}
+   WHERE id IN (SELECT id FROM {history} WHERE keep_until < now()
+                 ORDER BY keep_until LIMIT 100 FOR UPDATE SKIP LOCKED)
+)"""
+    ).format(history=names.history)
+
+
+def heartbeat_alerts(names: Names) -> sql.Composable:
+    """The heartbeat's part: one after a silence past the alert threshold ends an alert episode, and counts it.
+
+    Reads the heartbeat's ``free`` (the rows it renews, with their previous heartbeat).
+    """
+    return sql.SQL(
+        """, alerted AS (
+  UPDATE {history} AS past SET alerts = past.alerts + 1
+    FROM free
+   WHERE free.previous <= now() - make_interval(secs => %(alert_seconds)s)
+     AND past.lock_name = free.lock_name AND past.holder = free.instance_id
+     AND past.acquired_at = free.acquired_at AND past.ended_at IS NULL
+)"""
+    ).format(history=names.history)
+
+
+def hold_ended(names: Names) -> sql.Composable:
+    """The part of a statement that deletes a lock's row: how the hold ended (``%(ended_how)s``).
+
+    Reads the statement's ``released`` (the deleted rows). ``ended_by`` stays
+    NULL: no other instance ended it (a reclaim is written by the acquire).
+    """
+    return sql.SQL(
+        """, ended AS (
+  UPDATE {history} AS past
+     SET ended_at = now(), keep_until = DEFAULT, ended_how = %(ended_how)s, ended_by = NULL,
+         alerts = past.alerts + CASE WHEN released.last_heartbeat
+                                          <= now() - make_interval(secs => %(alert_seconds)s) THEN 1 ELSE 0 END
+    FROM released
+   WHERE past.lock_name = released.lock_name AND past.holder = released.instance_id
+     AND past.acquired_at = released.acquired_at AND past.ended_at IS NULL
+)"""
+    ).format(history=names.history)
+
+
+def read_history(names: Names) -> Statement:
+    """The history, newest first: every hold of a lock (or of all), since a moment."""
+    return statement(
+        names.table_name,
+        "read of the history",
+        sql.SQL(
+            """SELECT lock_name, token, holder, acquired_at, ended_at, ended_how, ended_by, alerts,
+       EXTRACT(EPOCH FROM coalesce(ended_at, now()) - acquired_at)::float8
+  FROM {history}
+ WHERE (%(lock_name)s::text IS NULL OR lock_name = %(lock_name)s)
+   AND (%(since)s::timestamptz IS NULL OR coalesce(ended_at, 'infinity') >= %(since)s)
+   AND (%(since_seconds)s::float8 IS NULL
+        OR coalesce(ended_at, 'infinity') >= now() - make_interval(secs => %(since_seconds)s::float8))
+ ORDER BY acquired_at DESC, id DESC
+ LIMIT %(limit)s"""
+        ).format(history=names.history),
+    )

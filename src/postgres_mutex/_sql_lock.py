@@ -1,0 +1,299 @@
+"""The lock's statements (`Statements`): acquire, heartbeat, release and the rest, for one table of one shape.
+
+Each lock operation is a single statement, so it costs one round trip, and
+every time comparison uses the server's ``now()``: no client clock is ever
+consulted, so clock skew between instances cannot corrupt the lock. The
+release and the wake-up of waiters are one statement too: ``pg_notify`` on
+the lock's channel, which waiters LISTEN on (`listen`).
+
+Tables come in two shapes: the README's five columns, and the same plus a
+``token`` column (fencing tokens) fed by a sequence named after the table.
+`TableShape` says which one a statement set is for, and whether the table
+keeps a history, which the same statements then write (`_sql_history`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from psycopg import sql
+
+from ._sql_history import acquire_history, heartbeat_alerts, hold_ended, read_history
+from ._sql_names import Names
+from ._sql_statement import Statement, render, statement
+
+
+@dataclass(frozen=True, slots=True)
+class TableShape:
+    """What a lock table has beyond the README's five columns."""
+
+    tokens: bool
+    """A ``token`` column fed by the table's sequence: acquisitions get fencing tokens."""
+    history: bool = False
+    """A history table next to it (``<table>_history``): one row per hold, written by the same statements."""
+
+
+LEGACY = TableShape(tokens=False)
+CURRENT = TableShape(tokens=True)
+CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True)
+
+_NOTHING = sql.SQL("")
+
+_TOKEN_IF_ANY = sql.SQL("(to_jsonb({}) -> 'token')::bigint")
+"""The row's token if the table has that column, else NULL: valid SQL on both shapes."""
+
+
+class Statements:
+    """The statements for one lock table of one shape.
+
+    Parameters (all bound): ``lock_name``, ``instance_id``, ``stale_seconds``,
+    ``channel``, and ``acquired_at``: the stamp of the hold a heartbeat or
+    release belongs to. Scoping those to it means a statement of an earlier
+    hold that reaches the server late can never touch a later hold.
+
+    Only the acquire and the release are prepared (on a direct connection):
+    they are what a lock cycle costs, and their parameters are single values
+    matched against the table's unique key, so the plan the server keeps for
+    any value is the one it would make for each. A heartbeat carries an array
+    of holds: planned for its length each time, since a kept plan guesses ten
+    rows, and for ten thousand locks would pick one that runs for minutes.
+    """
+
+    def __init__(self, names: Names, shape: TableShape) -> None:
+        self.names = names
+        self.shape = shape
+        self.acquire = _acquire(names, shape)
+        self.heartbeat, self.heartbeat_waiting = _heartbeats(names, shape, _BY_HOLD)
+        self.heartbeat_by_token: tuple[Statement, Statement] | None = (
+            _heartbeats(names, shape, _BY_TOKEN) if shape.tokens else None
+        )
+        self.release = _release(
+            names, shape, "release", scope=sql.SQL("\n     AND acquired_at = %(acquired_at)s"), preparable=True
+        )
+        # After an unanswered acquire the stamp is unknown: remove any row of ours.
+        self.cleanup = _release(names, shape, "clean-up", scope=_NOTHING, preparable=False)
+        self.retoken = _retoken(names) if shape.tokens else None
+        self.holders = _holders(names, shape)
+        self.force_release = _force_release(names, shape)
+        self.history = read_history(names) if shape.history else None
+
+
+def _acquire(names: Names, shape: TableShape) -> Statement:
+    """One statement decides everything an acquire needs.
+
+    - ``current`` reads the holder and its heartbeat age (for `contended` and
+      the alert) from the statement's snapshot;
+    - ``inserted`` wins if no row exists; a row that exists is left alone,
+      unlocked (DO NOTHING), so a contender never waits on a held lock;
+    - ``taken`` takes an existing row over only if it is stale, or ours from
+      an earlier statement (a reply that was lost, or a restarted process
+      reusing its id). Only a row that qualifies in the snapshot is locked;
+      the condition is checked again on its latest version under that row
+      lock, so two reclaimers can never both win, and a reclaim waits for a
+      holder's fenced transaction to end. ``acquired_at <`` keeps a statement
+      of ours that was cut off but still ran on the server from overwriting a
+      later hold of ours;
+    - every acquisition draws a new token from the sequence when it writes
+      the row, so it is greater than any token issued before.
+    """
+    tokens = shape.tokens
+    return statement(
+        names.table_name,
+        "acquire",
+        sql.SQL(
+            """WITH current AS (
+  SELECT instance_id, acquired_at,
+         EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
+    FROM {table}
+   WHERE locked = 1 AND lock_name = %(lock_name)s
+), inserted AS (
+  INSERT INTO {table} AS fresh (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column})
+  VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token})
+  ON CONFLICT (locked, lock_name) DO NOTHING
+  RETURNING acquired_at, {inserted_token} AS token
+), taken AS (
+  UPDATE {table} AS existing
+     SET instance_id = %(instance_id)s,
+         last_heartbeat = now(),
+         acquired_at = now(){update_token}
+   WHERE existing.locked = 1 AND existing.lock_name = %(lock_name)s
+     AND NOT EXISTS (SELECT 1 FROM inserted)
+     AND ((existing.instance_id = %(instance_id)s AND existing.acquired_at < now())
+          OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s))
+  RETURNING existing.acquired_at, {taken_token} AS token
+){history}
+SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
+            WHEN EXISTS (SELECT 1 FROM taken) THEN false END,
+       current.instance_id, current.heartbeat_age,
+       COALESCE((SELECT acquired_at FROM inserted), (SELECT acquired_at FROM taken)),
+       COALESCE((SELECT token FROM inserted), (SELECT token FROM taken))
+  FROM (VALUES (1)) AS one (x)
+  LEFT JOIN current ON true"""
+        ).format(
+            table=names.table,
+            token_column=sql.SQL(", token") if tokens else _NOTHING,
+            new_token=sql.SQL(", nextval({})").format(names.sequence_text) if tokens else _NOTHING,
+            update_token=sql.SQL(",\n         token = nextval({})").format(names.sequence_text) if tokens else _NOTHING,
+            # Without a token column in this shape, still read one if the table has
+            # gained it since (a migration while this process ran): the flow
+            # then inspects the table again.
+            inserted_token=sql.SQL("fresh.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("fresh")),
+            taken_token=sql.SQL("existing.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("existing")),
+            history=acquire_history(names) if shape.history else _NOTHING,
+        ),
+        preparable=True,
+    )
+
+
+# Every hold of one client that shares a heartbeat interval, renewed by one
+# statement, which answers for each: renewed, busy (its row is locked by
+# another session) or gone (deleted or taken over: lost). SKIP LOCKED keeps
+# one row locked by someone else from holding up the heartbeats of every other
+# lock of the process; a fence's FOR KEY SHARE does not conflict, so fenced
+# holds renew. Only last_heartbeat changes and it is in no index: the UPDATE
+# stays HOT, so heartbeats never bloat an index.
+_HEARTBEAT = """WITH hold AS (
+  SELECT * FROM {hold_keys}
+), free AS (
+  SELECT held.ctid, held.lock_name, held.instance_id, held.acquired_at, held.last_heartbeat AS previous
+    FROM {table} AS held JOIN hold {join_keys}
+   WHERE held.locked = 1
+     FOR NO KEY UPDATE OF held{skip}
+), renewed AS (
+  UPDATE {table} AS held SET last_heartbeat = now()
+    FROM free WHERE held.ctid = free.ctid
+  RETURNING held.*
+), present AS (
+  SELECT held.* FROM {table} AS held JOIN hold {join_keys} WHERE held.locked = 1
+){alerted}
+SELECT {answer_keys}, renewed.lock_name IS NOT NULL, present.lock_name IS NOT NULL
+  FROM hold
+  LEFT JOIN renewed {join_keys}
+  LEFT JOIN present {join_keys}"""
+
+# Each hold named by its lock, instance and stamp; or, where every hold has
+# one, by its token alone (a new one per acquisition), a few bytes each:
+# 10,000 locks in one statement.
+_BY_HOLD = {
+    "hold_keys": sql.SQL(
+        "unnest(%(lock_names)s::text[], %(instance_ids)s::text[], %(acquired_ats)s::timestamptz[])"
+        " AS hold (lock_name, instance_id, acquired_at)"
+    ),
+    "join_keys": sql.SQL("USING (lock_name, instance_id, acquired_at)"),
+    "answer_keys": sql.SQL("hold.lock_name, hold.instance_id, hold.acquired_at"),
+}
+_BY_TOKEN = {
+    "hold_keys": sql.SQL("unnest(%(tokens)s::bigint[]) AS hold (token)"),
+    "join_keys": sql.SQL("USING (token)"),
+    "answer_keys": sql.SQL("hold.token"),
+}
+
+
+def _heartbeats(names: Names, shape: TableShape, keys: Mapping[str, sql.Composable]) -> tuple[Statement, Statement]:
+    """The heartbeat that skips locked rows, and the one for the holds it skipped, naming holds by ``keys``."""
+    fmt = {"table": names.table, "alerted": heartbeat_alerts(names) if shape.history else _NOTHING, **keys}
+    renew = statement(names.table_name, "heartbeat", sql.SQL(_HEARTBEAT).format(skip=sql.SQL(" SKIP LOCKED"), **fmt))
+    # For the holds the first one skipped: rows locked a moment ago by a
+    # contender's acquire, usually. This one waits for the row lock, but
+    # only briefly: a row someone keeps locked fails this statement alone.
+    wait = statement(
+        names.table_name,
+        "heartbeat",
+        sql.SQL("SET LOCAL lock_timeout = %(lock_timeout_ms)s; " + _HEARTBEAT).format(skip=_NOTHING, **fmt),
+    )
+    return renew, wait
+
+
+def _ended(names: Names, shape: TableShape) -> sql.Composable:
+    """How a hold ended, in the history, by the statement that ended it (nothing without a history)."""
+    return hold_ended(names) if shape.history else _NOTHING
+
+
+def _release(names: Names, shape: TableShape, what: str, *, scope: sql.Composable, preparable: bool) -> Statement:
+    """Delete our row (the hold ``scope`` names) and wake the lock's waiters, in one statement.
+
+    A waiter LISTENing on the channel retries at once instead of at its next poll.
+    """
+    return statement(
+        names.table_name,
+        what,
+        sql.SQL(
+            """WITH released AS (
+  DELETE FROM {table}
+   WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}
+  RETURNING lock_name, instance_id, acquired_at, last_heartbeat
+){ended}
+SELECT pg_notify(%(channel)s, '') FROM released"""
+        ).format(table=names.table, scope=scope, ended=_ended(names, shape)),
+        preparable=preparable,
+    )
+
+
+def _retoken(names: Names) -> Statement:
+    """A new token for a row taken over by a process that did not know the table had tokens.
+
+    The table was migrated meanwhile: the row kept the old token.
+    """
+    return statement(
+        names.table_name,
+        "acquire",
+        sql.SQL(
+            """UPDATE {table} SET token = nextval({sequence})
+ WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s
+   AND acquired_at = %(acquired_at)s
+RETURNING token"""
+        ).format(table=names.table, sequence=names.sequence_text),
+    )
+
+
+def _token_or_null(shape: TableShape) -> sql.Composable:
+    return sql.SQL("token") if shape.tokens else sql.SQL("NULL::bigint")
+
+
+def _holders(names: Names, shape: TableShape) -> Statement:
+    """Every held lock (or the given ones) with its ages by the server's clock."""
+    return statement(
+        names.table_name,
+        "read of the lock table",
+        sql.SQL(
+            """SELECT lock_name, instance_id,
+       EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age,
+       EXTRACT(EPOCH FROM now() - acquired_at)::float8 AS held_for,
+       acquired_at, {token}
+  FROM {table}
+ WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]))
+ ORDER BY lock_name"""
+        ).format(table=names.table, token=_token_or_null(shape)),
+    )
+
+
+def _force_release(names: Names, shape: TableShape) -> Statement:
+    """An operator's override: delete the lock whoever holds it, and say whom.
+
+    It waits for a fenced transaction's row lock only briefly, and is sent
+    again: waiting in one statement would keep the client's connection, and
+    with it the heartbeats of every lock the process holds, from going out.
+    """
+    return statement(
+        names.table_name,
+        "forced release",
+        sql.SQL(
+            """SET LOCAL lock_timeout = %(lock_timeout_ms)s; WITH released AS (
+  DELETE FROM {table}
+   WHERE locked = 1 AND lock_name = %(lock_name)s
+  RETURNING lock_name, instance_id, acquired_at, last_heartbeat,
+            EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {token} AS token
+){ended}
+SELECT instance_id, heartbeat_age, token, pg_notify(%(channel)s, '')::text FROM released"""
+        ).format(table=names.table, token=_token_or_null(shape), ended=_ended(names, shape)),
+    )
+
+
+def listen(channel: str) -> str:
+    """Wait for the releases of the lock whose channel (`Names.channel`) this is."""
+    return render(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+
+def unlisten(channel: str) -> str:
+    return render(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))

@@ -1,0 +1,157 @@
+"""The schema's statements: create the lock table and its history, inspect them, migrate a 0.1.0 table.
+
+Tables come in two shapes: the README's five columns, and the same plus a
+``token`` column (fencing tokens) fed by a sequence named after the table,
+added by `migrate_steps`. `inspect_table` says which one a table has (and
+whether it has a history), so the lock statements can be made for it. Every
+statement here is idempotent (``IF NOT EXISTS``), so racing creators and a
+retried step are harmless.
+"""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from ._sql_history import HISTORY_ENDINGS
+from ._sql_names import Names
+from ._sql_statement import Statement, render, schema_change, statement
+
+
+def create_table(names: Names) -> Statement:
+    """The README's table plus the token column, its sequence and its unique index; all IF NOT EXISTS.
+
+    Sent as one message, so it is one transaction: a table never exists without
+    its sequence. ``CACHE 1`` (the default, stated) keeps tokens in the order
+    sessions draw them. Like the lock statements, it sets its own deadline and
+    isolation first: a session of the library's may carry another deadline.
+    """
+    return statement(
+        names.table_name,
+        "create_schema",
+        sql.SQL(
+            """CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint CACHE 1 NO CYCLE;
+CREATE TABLE IF NOT EXISTS {table} (
+  lock_name      VARCHAR(64) NOT NULL,
+  locked         INT NOT NULL DEFAULT 1,
+  instance_id    VARCHAR(64) NOT NULL,
+  last_heartbeat TIMESTAMPTZ NOT NULL,
+  acquired_at    TIMESTAMPTZ NOT NULL,
+  token          BIGINT DEFAULT nextval({sequence_text}),
+  CONSTRAINT {unique} UNIQUE (locked, lock_name),
+  CONSTRAINT chk_locked CHECK (locked = 1)
+);
+ALTER SEQUENCE {sequence} OWNED BY {table}.token;
+CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)"""
+        ).format(
+            table=names.table,
+            unique=names.unique,
+            sequence=names.sequence,
+            sequence_text=names.sequence_text,
+            token_index=names.token_index,
+        ),
+    )
+
+
+def inspect_table(names: Names) -> Statement:
+    """What the table has: one row ``(exists, has_token, has_history)``, under its own deadline."""
+    return statement(
+        names.table_name,
+        "inspection",
+        sql.SQL(
+            """SELECT to_regclass({table_text}) IS NOT NULL,
+       EXISTS (SELECT 1 FROM pg_attribute
+                WHERE attrelid = to_regclass({table_text}) AND attname = 'token' AND NOT attisdropped),
+       to_regclass({history_text}) IS NOT NULL"""
+        ).format(table_text=sql.Literal(render(names.table)), history_text=sql.Literal(render(names.history))),
+    )
+
+
+def create_history(names: Names, retention_seconds: float) -> Statement:
+    """The history table and its indexes, IF NOT EXISTS; retention set as the default of ``keep_until``.
+
+    A row's ``keep_until`` is NULL while its hold lasts and set to ``DEFAULT``
+    (now + retention) by the statement that ends it: changing the retention
+    (`history_retention`) applies to holds that end afterwards.
+    """
+    return schema_change(
+        names.table_name,
+        "create the history table",
+        sql.SQL(
+            """CREATE TABLE IF NOT EXISTS {history} (
+  id          BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+  lock_name   VARCHAR(64) NOT NULL,
+  token       BIGINT,
+  holder      VARCHAR(64) NOT NULL,
+  acquired_at TIMESTAMPTZ NOT NULL,
+  ended_at    TIMESTAMPTZ,
+  ended_how   TEXT CHECK (ended_how IN ({endings})),
+  ended_by    VARCHAR(64),
+  alerts      INT NOT NULL DEFAULT 0,
+  keep_until  TIMESTAMPTZ DEFAULT now() + make_interval(secs => {retention})
+);
+CREATE INDEX IF NOT EXISTS {by_lock} ON {history} (lock_name, acquired_at);
+CREATE INDEX IF NOT EXISTS {by_expiry} ON {history} (keep_until);
+CREATE INDEX IF NOT EXISTS {open} ON {history} (lock_name) WHERE ended_at IS NULL"""
+        ).format(
+            history=names.history,
+            endings=sql.SQL(", ").join(sql.Literal(ending) for ending in HISTORY_ENDINGS),
+            retention=sql.Literal(float(retention_seconds)),
+            by_lock=names.history_by_lock,
+            by_expiry=names.history_by_expiry,
+            # An acquire ends the lock's open holds: found among its few open
+            # ones, not among every hold it had within the retention.
+            open=names.history_open,
+        ),
+    )
+
+
+def history_retention(names: Names, retention_seconds: float) -> Statement:
+    """Keep holds that end from now on ``retention_seconds`` after their end."""
+    return schema_change(
+        names.table_name,
+        "set the history's retention",
+        sql.SQL(
+            "ALTER TABLE {history} ALTER COLUMN keep_until SET DEFAULT now() + make_interval(secs => {retention})"
+        ).format(history=names.history, retention=sql.Literal(float(retention_seconds))),
+    )
+
+
+def migrate_steps(names: Names) -> list[Statement]:
+    """Add the token column to an existing table, online, one short step at a time.
+
+    Each step is idempotent, and takes the table's lock only as long as a
+    catalog change does: ``ADD COLUMN`` without a default and ``SET DEFAULT``
+    rewrite nothing, and the unique index is built on a table of one row per
+    lock. The caller runs each with a short ``lock_timeout`` and retries, so a
+    step never queues behind a long transaction while holders wait behind it.
+    """
+
+    def step(what: str, composed: sql.Composable) -> Statement:
+        return schema_change(names.table_name, what, composed)
+
+    fmt = {
+        "table": names.table,
+        "sequence": names.sequence,
+        "sequence_text": names.sequence_text,
+        "token_index": names.token_index,
+    }
+    return [
+        step(
+            "create the token sequence",
+            sql.SQL("CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint CACHE 1 NO CYCLE").format(**fmt),
+        ),
+        step(
+            "add the token column", sql.SQL("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS token BIGINT").format(**fmt)
+        ),
+        step(
+            "tie the sequence to the column", sql.SQL("ALTER SEQUENCE {sequence} OWNED BY {table}.token").format(**fmt)
+        ),
+        step(
+            "feed the token column from the sequence",
+            sql.SQL("ALTER TABLE {table} ALTER COLUMN token SET DEFAULT nextval({sequence_text})").format(**fmt),
+        ),
+        step(
+            "index the token column",
+            sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)").format(**fmt),
+        ),
+    ]
