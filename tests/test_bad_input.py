@@ -69,6 +69,26 @@ def test_a_bad_value_names_its_arguments_as_data_for_every_interface() -> None:
     assert "stale_threshold" not in said
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"lock_name": ""}, "lock_name"),
+        ({"instance_id": "a\x00b"}, "instance_id"),
+        ({"heartbeat_interval": float("nan")}, "heartbeat_interval"),
+        ({"poll_interval": 1e-6}, "poll_interval"),
+        ({"operation_timeout": 0}, "operation_timeout"),
+        ({"alert_threshold": 700}, "alert_threshold"),
+        ({"table": "a.b.c"}, "table"),
+        ({"table": "1abc"}, "table"),
+    ],
+)
+def test_every_bad_value_names_its_argument_as_data(kwargs: dict[str, Any], argument: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        Mutex(DSN, **{"lock_name": "job", **kwargs})
+    assert caught.value.arguments[0] == argument
+    assert argument not in caught.value.phrase.render({argument: "--flag"})
+
+
 def test_a_value_quoted_in_an_error_is_text_never_a_term() -> None:
     # A lock name with braces stays as it is, in every interface's words.
     with pytest.raises(InvalidArgument) as caught:

@@ -442,6 +442,8 @@ def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg
             "--stale-threshold (40s) must be at least three times --heartbeat-interval (15s)",
         ),
         (["status", "--table", "no_such_table"], 69, "run 'postgres-mutex init'"),
+        (["status", "--table", "a.b.c"], 2, "--table must be 'name' or 'schema.name'"),
+        (["run", "--lock", "", "--restart", "--", "true"], 2, "--lock must be 1 to 64 characters"),
         (["history", "--table", "no_such_table"], 69, "postgres-mutex init"),
         (["watch", "--listen", "nonsense"], 2, "HOST:PORT"),
         (["watch", "--listen", "127.0.0.1:99999"], 2, "a port from 0 to 65535"),

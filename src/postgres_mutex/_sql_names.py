@@ -17,6 +17,7 @@ import re
 from psycopg import sql
 
 from ._sql_statement import render
+from .errors import InvalidArgument
 
 # Unquoted-identifier shape: conservative, so a typo fails loudly at
 # construction instead of silently naming a different, case-sensitive table.
@@ -31,13 +32,15 @@ def parse_table(table: object) -> tuple[str, ...]:
         raise TypeError(f"table must be a str, not {type(table).__name__}")
     parts = tuple(table.split("."))
     if len(parts) > 2:
-        raise ValueError(f"table must be 'name' or 'schema.name', got {table!r}")
+        raise InvalidArgument("{table} must be 'name' or 'schema.name', got {value!r}", value=table)
     for part in parts:
         # Leave room for the names derived from the table (_token_seq, _history).
         if not _IDENTIFIER.fullmatch(part) or len(part.encode()) > _MAX_IDENTIFIER_BYTES:
-            raise ValueError(
-                f"table must be 'name' or 'schema.name' made of letters, digits, '_' or '$' "
-                f"(at most {_MAX_IDENTIFIER_BYTES} bytes each, not starting with a digit), got {table!r}"
+            raise InvalidArgument(
+                "{table} must be 'name' or 'schema.name' made of letters, digits, '_' or '$' "
+                "(at most {most} bytes each, not starting with a digit), got {value!r}",
+                most=_MAX_IDENTIFIER_BYTES,
+                value=table,
             )
     return parts
 

@@ -57,7 +57,7 @@ from ._mutex import Mutex
 from ._relay import Relay
 from ._settings import check_name, check_seconds
 from ._term import Flag, Leadership, TermPolicy
-from .errors import LockNotHeldError, MutexError
+from .errors import InvalidArgument, LockNotHeldError, MutexError
 from .table import LockTable
 
 if TYPE_CHECKING:
@@ -119,8 +119,10 @@ class Election:
         backoff = check_seconds(failure_backoff, "failure_backoff")
         max_backoff = check_seconds(max_failure_backoff, "max_failure_backoff")
         if max_backoff < backoff:
-            raise ValueError(
-                f"max_failure_backoff ({max_backoff:g}s) must not be shorter than failure_backoff ({backoff:g}s)"
+            raise InvalidArgument(
+                "{max_failure_backoff} ({most:g}s) must not be shorter than {failure_backoff} ({least:g}s)",
+                most=max_backoff,
+                least=backoff,
             )
         self._mutex = Mutex(
             dsn,

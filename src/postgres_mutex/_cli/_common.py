@@ -41,6 +41,8 @@ CLI_WORDS: Mapping[str, str] = {
     "dsn": "--dsn (or POSTGRES_MUTEX_DSN)",
     "table": "--table",
     "lock_name": "--lock",
+    "name": "--lock",
+    "failure_backoff": "--restart-delay",
     "lock_names": "--lock",
     "instance_id": "--instance-id",
     "heartbeat_interval": "--heartbeat-interval",
