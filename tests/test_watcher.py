@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from postgres_mutex import Mutex
+from postgres_mutex import LockNotHeldError, Mutex
 from postgres_mutex.watcher import StaleWatcher
 from tests.faultproxy import FaultProxy
 from tests.fixtures import FAST, RecordingMetrics, await_until, freeze, row_locked, wait_until
@@ -121,12 +122,36 @@ def test_the_watcher_keeps_running_through_a_database_outage(
         assert [o.holder for o in watcher.observations] == [holder.instance_id]
 
 
+def test_the_watcher_runs_in_the_calling_thread_until_stopped(
+    make_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher], metrics: RecordingMetrics
+) -> None:
+    # As Election.run does: run() blocks; stop(), from elsewhere, ends it.
+    holder = make_mutex()
+    watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics, interval=0.05)
+
+    def stop_once_alerted() -> None:
+        wait_until(lambda: metrics.named("alert"), timeout=15)
+        watcher.stop()
+
+    # Frozen, the holder may lose its lease before the watcher is stopped: beside the point here.
+    with contextlib.suppress(LockNotHeldError), holder.acquire():
+        freeze(holder)
+        stopper = threading.Thread(target=stop_once_alerted, daemon=True)
+        stopper.start()
+        started = time.monotonic()
+        watcher.run()
+        stopper.join(5)
+    assert time.monotonic() - started < 15, "it returned once stopped"
+    assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+    assert watcher.healthy is None, "stopped"
+
+
 async def test_the_watcher_runs_as_a_task_in_async_code(
     amake_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher], metrics: RecordingMetrics
 ) -> None:
     holder = amake_mutex()
     watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics)
-    task = asyncio.create_task(watcher.run())
+    task = asyncio.create_task(watcher.run_async())
     try:
         async with holder.acquire_async():
             freeze(holder)  # silent, though its lease still runs when the alert comes

@@ -171,8 +171,26 @@ class StaleWatcher:
         if thread is not None and thread is not threading.current_thread():
             thread.join(self._table_timeout() + 1.0 if timeout is None else timeout)
 
-    async def run(self) -> None:
-        """Watch until cancelled: ``task = asyncio.create_task(watcher.run())``."""
+    def run(self) -> None:
+        """Watch in the calling thread until `stop` (from another thread or a signal handler), as
+        `Election.run` campaigns; `start` does the same in a thread of its own.
+
+        Raises `RuntimeError` if this watcher already watches in a thread.
+        """
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                raise RuntimeError("this StaleWatcher already watches in a thread: call stop() first")
+            self._stop = stop = threading.Event()
+            self._thread = threading.current_thread()
+        try:
+            self._watch(stop)
+        finally:
+            with self._lock:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    async def run_async(self) -> None:
+        """Watch until cancelled: ``task = asyncio.create_task(watcher.run_async())``."""
         try:
             while True:
                 with contextlib.suppress(DatabaseError):
@@ -186,7 +204,7 @@ class StaleWatcher:
         with self._lock:
             if self._task is not None and not self._task.done():
                 return
-            self._task = asyncio.get_running_loop().create_task(self.run(), name="postgres-mutex-watcher")
+            self._task = asyncio.get_running_loop().create_task(self.run_async(), name="postgres-mutex-watcher")
 
     def _stopped(self) -> None:
         self._healthy = None
