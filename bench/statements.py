@@ -56,6 +56,10 @@ def params(texts: LibraryStatements, lock_name: str, instance_id: str, *, prefix
         "instance_id": instance_id,
         "stale_seconds": STALE_SECONDS,
         "channel": texts.channel,
+        # As the library binds them for a Mutex without reclaim_disconnected_after.
+        "reclaim_seconds": None,
+        "_session_key": None,
+        "_backend_pid": 0,
     }
     if prefixed:
         bound["_server_timeout_ms"] = SERVER_TIMEOUT_MS

@@ -112,6 +112,13 @@ def frozen_holder(mutex: Mutex) -> Iterator[None]:
         yield
 
 
+def thaw(mutex: Mutex) -> None:
+    """Let a holder `freeze` stopped heartbeat again, as a process resumed after SIGCONT would."""
+    hold = mutex._lock.hold
+    assert hold is not None
+    hold.paused = False
+
+
 def freeze(mutex: Mutex) -> None:
     """Stop a holder's heartbeats, as if its process froze (its lease still runs out, and is noticed)."""
     hold = mutex._lock.hold

@@ -272,7 +272,9 @@ def test_a_command_that_cannot_be_executed_exits_126_with_one_line(
 def test_status_shows_each_lock_with_its_state_by_the_server_clock(
     make_mutex: Callable[..., Mutex], dsn: str, row: Callable[..., tuple[Any, ...] | None]
 ) -> None:
-    healthy, silent = make_mutex(), make_mutex(lock_name=f"silent-{time.monotonic_ns()}")
+    # The healthy holder names its session (reclaim_disconnected_after); the silent one does not.
+    healthy = make_mutex(operation_timeout=0.3, reclaim_disconnected_after=0.8)
+    silent = make_mutex(lock_name=f"silent-{time.monotonic_ns()}")
     alert = FAST["alert_threshold"]
     # A wide alerting window: each command below takes a moment to start.
     thresholds = ["--alert-threshold", f"{alert:g}", "--stale-threshold", "60"]
@@ -293,11 +295,11 @@ def test_status_shows_each_lock_with_its_state_by_the_server_clock(
         )
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
-    assert lines[0].split() == ["LOCK", "HOLDER", "HELD", "FOR", "SINCE", "HEARTBEAT", "STATE", "TOKEN"]
+    assert lines[0].split() == ["LOCK", "HOLDER", "HELD", "FOR", "SINCE", "HEARTBEAT", "STATE", "TOKEN", "SESSION"]
     shown = {line.split()[0]: line.split() for line in lines[1:]}
     assert shown[healthy.lock_name][1] == healthy.instance_id
-    assert shown[healthy.lock_name][-2:] == ["ok", str(tokens[healthy.lock_name])]
-    assert shown[silent.lock_name][-2:] == ["alerting", str(tokens[silent.lock_name])]
+    assert shown[healthy.lock_name][-3:] == ["ok", str(tokens[healthy.lock_name]), "alive"]
+    assert shown[silent.lock_name][-3:] == ["alerting", str(tokens[silent.lock_name]), "-"]
     assert data.returncode == 0, data.stderr
     report = json.loads(data.stdout)
     assert report["alert_threshold"] == alert
@@ -307,6 +309,9 @@ def test_status_shows_each_lock_with_its_state_by_the_server_clock(
     assert states[silent.lock_name]["seconds_since_heartbeat"] >= alert
     assert states[healthy.lock_name]["held_for_seconds"] >= alert, "held since before the silent one was"
     assert states[healthy.lock_name]["token"] == tokens[healthy.lock_name] is not None
+    assert states[healthy.lock_name]["session"] == "alive"
+    assert states[healthy.lock_name]["reclaim_disconnected_after"] == 0.8
+    assert states[silent.lock_name]["session"] is None
     silent.close()
 
 
@@ -402,13 +407,21 @@ def test_watch_serves_metrics_that_show_a_lock_going_stale(
 
 
 def _story(output: str) -> list[str]:
-    return [word for line in output.splitlines() for word in ("CRASHED", "ALERT", "RECLAIMED") if word in line]
+    """The demo's turning points; an alert is counted in the freeze only (the crash's comes when it comes)."""
+    words = ("CRASHED", "ALERT", "RECLAIMED", "FROZEN", "RESUMED")
+    seen = [word for line in output.splitlines() for word in words if word in line]
+    frozen = seen.index("FROZEN") if "FROZEN" in seen else len(seen)
+    return [word for n, word in enumerate(seen) if word != "ALERT" or n > frozen]
+
+
+# The crash is reclaimed once its session is gone; the freeze keeps its session: alerted on, not reclaimed.
+STORY = ["CRASHED", "RECLAIMED", "FROZEN", "ALERT", "RESUMED"]
 
 
 def test_demo_on_a_throwaway_server_tells_the_whole_story_and_cleans_up(demo_tmp: Path) -> None:
     result = cli("demo", timeout=120, env={"TMPDIR": str(demo_tmp)})
     assert result.returncode == 0, result.stdout + result.stderr
-    assert _story(result.stdout) == ["CRASHED", "ALERT", "RECLAIMED"]
+    assert _story(result.stdout) == STORY
     assert "throwaway PostgreSQL" in result.stdout
     assert "crash -> reclaim" in result.stdout
     assert list(demo_tmp.glob("postgres-mutex-data-*")) == [], "its server's files are gone"
@@ -417,7 +430,8 @@ def test_demo_on_a_throwaway_server_tells_the_whole_story_and_cleans_up(demo_tmp
 def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg.Connection[Any]) -> None:
     result = cli("demo", "--dsn", dsn, "--workers", "2", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert _story(result.stdout) == ["CRASHED", "ALERT", "RECLAIMED"]
+    assert _story(result.stdout) == STORY
+    assert "its database session had ended" in result.stdout
     leftovers = admin.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE 'postgres_mutex_demo_%'").fetchall()
     assert leftovers == []
 

@@ -24,7 +24,7 @@ from postgres_mutex.otel import OtelMetrics
 from postgres_mutex.prometheus import PrometheusMetrics
 from postgres_mutex.watcher import StaleWatcher
 from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, frozen_holder, wait_until
+from tests.fixtures import FAST, freeze, frozen_holder, thaw, wait_until
 
 
 def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_name: str, admin: Any) -> None:
@@ -54,6 +54,17 @@ def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_
     watcher = _watcher(dsn, hook)
     with holder.acquire():
         watcher.check()
+    # A holder that names its session: the watcher sees it alive; frozen, its hold turns in doubt.
+    doubter = make_mutex(metrics=hook, operation_timeout=0.3, reclaim_disconnected_after=0.8)
+    with doubter.acquire():
+        watcher.check()
+        freeze(doubter)
+        hold = doubter._lock.hold
+        assert hold is not None
+        wait_until(lambda: hold.doubt_told)  # in doubt, and told so
+        assert not doubter.held
+        thaw(doubter)
+        wait_until(lambda: doubter.held)
     watcher.close()
     run_election(dsn, hook, f"{lock_name}-election")
 
@@ -95,11 +106,12 @@ def test_prometheus_metrics_count_every_event(
         found = registry.get_sample_value(name, {"lock_name": lock_name, **labels})
         return 0.0 if found is None else found
 
-    assert value("postgres_mutex_acquisitions_total") == 6
-    assert value("postgres_mutex_releases_total") == 4, "the lost locks' releases deleted nothing"
+    assert value("postgres_mutex_acquisitions_total") == 7
+    assert value("postgres_mutex_releases_total") == 5, "the lost locks' releases deleted nothing"
     assert value("postgres_mutex_heartbeat_failures_total") >= 1
     assert value("postgres_mutex_contentions_total") >= 2
-    assert value("postgres_mutex_stale_reclaims_total") == 1
+    assert value("postgres_mutex_stale_reclaims_total", reason="stale") == 1
+    assert value("postgres_mutex_doubts_total") == 1
     assert value("postgres_mutex_alerts_total") == 1
     assert value("postgres_mutex_losses_total") == 2, "the frozen holder and the one whose row was deleted"
     assert value("postgres_mutex_heartbeat_duration_seconds_count") >= 1
@@ -133,7 +145,7 @@ def test_no_counter_or_histogram_carries_an_instance_id(
         for sample in metric.samples
         for key in sample.labels
     }
-    assert labels <= {"lock_name", "outcome", "ended", "le"}
+    assert labels <= {"lock_name", "outcome", "ended", "reason", "le"}
 
 
 def test_otel_metrics_record_on_the_sdk(
@@ -153,7 +165,7 @@ def test_otel_metrics_record_on_the_sdk(
                     p for p in metric.data.data_points if (p.attributes or {}).get("lock_name") == lock_name
                 ]
                 assert metric.unit == next(m.unit for m in metric_names.ALL if m.otel == metric.name)
-    assert points["postgres_mutex.acquisitions"][0].value == 6
+    assert points["postgres_mutex.acquisitions"][0].value == 7
     assert points["postgres_mutex.stale_reclaims"][0].value == 1
     assert points["postgres_mutex.losses"][0].value == 2
     assert points["postgres_mutex.locks.held"][0].value == 0

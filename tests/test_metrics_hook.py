@@ -39,6 +39,7 @@ def test_the_readme_calls_arrive_with_their_arguments(
         "instance_id": contender.instance_id,
         "previous_holder": holder.instance_id,
         "token": reclaimed["token"],
+        "reason": "stale",
     }
     assert reclaimed["token"] > first["token"]
 

@@ -33,6 +33,10 @@ def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) ->
         ("last_heartbeat", "timestamp with time zone", None, "NO", None),
         ("acquired_at", "timestamp with time zone", None, "NO", None),
         ("token", "bigint", None, "YES", "nextval('mutex_lock_token_seq'::regclass)"),
+        # A holder's session, for reclaim_disconnected_after: NULL for every other holder.
+        ("session_key", "bigint", None, "YES", None),
+        ("session_hold", "timestamp with time zone", None, "YES", None),
+        ("reclaim_after", "double precision", None, "YES", None),
     ]
     constraints = admin.execute(
         """SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint

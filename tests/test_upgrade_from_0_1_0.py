@@ -690,9 +690,15 @@ def test_the_table_is_0_1_0s_table_plus_a_token_column(
         for place in (readme, old, new):
             drop_place(pg, place)
     assert old_columns == readme_columns
-    assert new_columns[:-1] == readme_columns, "the same five columns, in the same order"
-    (name, kind, _, nullable, default) = new_columns[-1]
+    assert new_columns[:5] == readme_columns, "the same five columns, in the same order"
+    (name, kind, _, nullable, default) = new_columns[5]
     assert (name, kind, nullable) == ("token", "bigint", "YES")
+    # Then what names a holder's session, for reclaim_disconnected_after: NULL in every row 0.1.0 writes.
+    assert [(name, nullable, default) for name, _, _, nullable, default in new_columns[6:]] == [
+        ("session_key", "YES", None),
+        ("session_hold", "YES", None),
+        ("reclaim_after", "YES", None),
+    ]
     assert re.fullmatch(r"nextval\('([a-z0-9_]+\.)?mutex_lock_token_seq'::regclass\)", default), (
         f"a row 0.1.0 inserts takes a token from the column's default: {default}"
     )

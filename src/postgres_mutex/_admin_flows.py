@@ -19,7 +19,7 @@ from ._rules import (
     observe,
 )
 from ._settings import BRIEF_WAIT
-from ._sql import Names, Statement, Statements
+from ._sql import Names, Statement, Statements, TableShape
 from ._steps import Execute, Flow, Pause, Result, Shape
 from .errors import DatabaseError, OperationTimeout, SchemaError, phrase
 
@@ -51,15 +51,15 @@ def create_table(
     """
     action = f"create_schema of table {names.table_name}"
     for attempt in range(1, 4):
-        exists, has_token, has_history = yield from inspect(names, timeout)
+        exists, shape = yield from inspect(names, timeout)
         if exists:
             if history:
-                yield from create_history(names, timeout, history_retention, exists=has_history)
-            return has_token
+                yield from create_history(names, timeout, history_retention, exists=shape.history)
+            return shape.tokens
         try:
             yield Execute(_sql.create_table(names), {}, timeout, action)
             if history:
-                yield from create_history(names, timeout, history_retention, exists=has_history)
+                yield from create_history(names, timeout, history_retention, exists=shape.history)
             return True
         except DatabaseError as exc:
             if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
@@ -83,8 +83,8 @@ def create_table(
             if exc.sqlstate == UNDEFINED_COLUMN:
                 continue  # an older table appeared meanwhile (another release created it): look again
             raise
-    _, has_token, _ = yield from inspect(names, timeout)
-    return has_token
+    _, shape = yield from inspect(names, timeout)
+    return shape.tokens
 
 
 DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
@@ -107,18 +107,19 @@ def create_history(names: Names, timeout: float, retention: float | None, *, exi
         yield from _change_schema(_sql.history_retention(names, retention), timeout, action, give_up_at)
 
 
-def inspect(names: Names, timeout: float) -> Flow[tuple[bool, bool, bool]]:
-    """Whether the table exists, whether it has a token column, and whether it has a history."""
+def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
+    """Whether the table exists, and its shape: a token column, a history, the session columns."""
     reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
     assert reply.row is not None
-    exists, has_token, has_history = reply.row
-    return bool(exists), bool(has_token), bool(has_history)
+    exists, has_token, has_history, has_sessions = reply.row
+    return bool(exists), TableShape(tokens=bool(has_token), history=bool(has_history), sessions=bool(has_sessions))
 
 
 def migrate(
     names: Names, timeout: float, *, history: bool = False, history_retention: float | None = None
 ) -> Flow[bool]:
-    """Add the token column, its sequence and its unique index to an existing table; idempotent.
+    """Add the token column, its sequence and its unique index, and the session columns, to an existing table;
+    idempotent.
 
     Online: each step is a catalog change that takes the table's lock for an
     instant, and waits at most a short ``lock_timeout`` for it (so it never
@@ -126,7 +127,7 @@ def migrate(
     it); a step that could not get the lock is retried until ``timeout``.
     Safe when many instances run it at once. Returns True if anything changed.
     """
-    exists, has_token, has_history = yield from inspect(names, timeout)
+    exists, shape = yield from inspect(names, timeout)
     if not exists:
         raise SchemaError(
             phrase(
@@ -138,8 +139,8 @@ def migrate(
     for step in _sql.migrate_steps(names):
         yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
     if history:
-        yield from create_history(names, timeout, history_retention, exists=has_history)
-    return not has_token or (history and not has_history)
+        yield from create_history(names, timeout, history_retention, exists=shape.history)
+    return not (shape.tokens and shape.sessions) or (history and not shape.history)
 
 
 def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import select
 from typing import Any
 
@@ -115,13 +116,18 @@ class ServerSession:
     forgotten with the connection: a new connection starts a new session.
     """
 
-    __slots__ = ("direct", "retired", "timeout_ms")
+    __slots__ = ("direct", "key", "pooler_told", "retired", "timeout_ms")
 
     def __init__(self) -> None:
+        self.key = secrets.randbits(63) or 1
+        """The session's key: a holder that opts in to ``reclaim_disconnected_after`` names its session by it
+        (`_sql_sessions`); the first statement that writes it takes it as a session-level advisory lock."""
         self.direct: bool | None = None
         """Whether it reaches PostgreSQL with no pooler between; None until the first statement asks."""
         self.timeout_ms: int | None = None
         """The session's ``statement_timeout`` as the library last set it (direct connections only)."""
+        self.pooler_told = False
+        """Told that behind a pooler a hold with ``reclaim_disconnected_after`` falls back to the thresholds."""
         self.retired = False
         """Its prepared statements no longer fit the table (a column changed type): the connection is replaced."""
 

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
@@ -199,7 +200,7 @@ class AsyncEngine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
             row = (await self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history = row
+            exists, has_token, has_history, has_sessions = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -209,7 +210,8 @@ class AsyncEngine:
                     ),
                     sqlstate="42P01",
                 )
-            statements = Statements(names, _sql.TableShape(tokens=bool(has_token), history=bool(has_history)))
+            shape = _sql.TableShape(tokens=bool(has_token), history=bool(has_history), sessions=bool(has_sessions))
+            statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.
             if self.host.shapes.learn(statements):
                 logger.warning(
@@ -279,12 +281,18 @@ async def _statement(
     cursor: psycopg.AsyncCursor[Any] | None,
 ) -> steps.Result:
     timeout_ms = max(1, int(op.timeout * _SERVER_SHARE * 1000))
+    bound = op.params
+    if op.statement.marks:
+        # The session key of this connection (none for a pool's: its sessions are the application's),
+        # and the process id it was given, which tells a direct connection from a pooler's.
+        key = None if session is None else session.key
+        bound = {**bound, "_session_key": key, "_backend_pid": conn.info.backend_pid}
     bare = op.statement.bare
     settling = False
     if session is not None and bare is not None:
         kept = session.timeout_ms
         if session.direct and kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
-            return await _prepared(cursor or conn.cursor(), op, bare, session)
+            return await _prepared(cursor or conn.cursor(), bound, bare, session)
         # A connection's first lock statement asks whether it reaches PostgreSQL
         # directly and, if so, sets the session up; a statement whose deadline the
         # session's does not fit sets it again. Either way in the statement's own
@@ -293,7 +301,7 @@ async def _statement(
     text = op.statement.text
     if settling:
         text += "; " + _sql.session_setup(conn.info.backend_pid, timeout_ms)
-    params = {**op.params, "_server_timeout_ms": timeout_ms}
+    params = {**bound, "_server_timeout_ms": timeout_ms}
     cursor = psycopg.AsyncClientCursor(conn)
     sent_at = now()
     await cursor.execute(text, params)
@@ -304,21 +312,35 @@ async def _statement(
         answer, result = results[-1], results[-2]
         session.direct = answer.rows[0][0] is True
         session.timeout_ms = timeout_ms if session.direct else None
+        _tell_pooler(op, session)
         return result
+    if session is not None and session.direct is False:
+        _tell_pooler(op, session)
     # The settings that precede the statement answer first: its own result is the last.
     while cursor.nextset():
         pass
     return await _result(cursor, sent_at)
 
 
+def _tell_pooler(op: steps.Execute, session: ServerSession) -> None:
+    """Say once per connection that a hold with ``reclaim_disconnected_after`` falls back behind a pooler."""
+    if session.direct is False and not session.pooler_told and op.params.get("reclaim_seconds") is not None:
+        session.pooler_told = True
+        logger.warning(
+            "%s: this connection goes through a pooler (PgBouncer?), whose server sessions are not this "
+            "process's: reclaim_disconnected_after cannot name one, and the hold falls back to stale_threshold",
+            op.action,
+        )
+
+
 async def _prepared(
-    cursor: psycopg.AsyncCursor[Any], op: steps.Execute, bare: str, session: ServerSession
+    cursor: psycopg.AsyncCursor[Any], params: Mapping[str, object], bare: str, session: ServerSession
 ) -> steps.Result:
     """The statement alone, prepared, on a direct connection whose session carries its settings."""
     sent_at = now()
     try:
         # Prepared on its first use on this connection (one more round trip, once).
-        await cursor.execute(bare, op.params, prepare=True)
+        await cursor.execute(bare, params, prepare=True)
     except psycopg.errors.FeatureNotSupported:
         # "cached plan must not change result type": a column changed type since
         # the statement was prepared (a table made again, a wider instance_id).
@@ -327,7 +349,7 @@ async def _prepared(
         # statements even after a DEALLOCATE ALL); a new one prepares afresh.
         session.retired = True
         sent_at = now()
-        await cursor.execute(bare, op.params, prepare=False)
+        await cursor.execute(bare, params, prepare=False)
     return await _result(cursor, sent_at)
 
 

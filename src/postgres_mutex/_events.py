@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from opentelemetry.trace import Span
 
 from ._metrics import LockObservation, MetricsHook
-from ._rules import AcquireResult, Outcome
+from ._rules import DISCONNECTED, AcquireResult, Outcome, reclaim_reason
 from ._tracing import OUTCOME, AttributeValue, mark_error, set_outcome
 from .errors import LockNotHeldError
 
@@ -57,15 +57,30 @@ class LockEvents:
         _event(span, result.outcome.value, holder=result.holder, token=result.token)
         if result.outcome is Outcome.RECLAIMED:
             assert result.holder is not None
-            logger.warning(
-                "reclaimed lock %r from %r, silent for %.1fs (stale_threshold %gs)",
-                self.lock_name,
-                result.holder,
-                result.heartbeat_age or 0.0,
-                self.stale_threshold,
-            )
+            reason = reclaim_reason(result, self.stale_threshold)
+            if reason == DISCONNECTED:
+                logger.warning(
+                    "reclaimed lock %r from %r, whose database session had ended, silent for %.1fs "
+                    "(its reclaim_disconnected_after)",
+                    self.lock_name,
+                    result.holder,
+                    result.heartbeat_age or 0.0,
+                )
+            else:
+                logger.warning(
+                    "reclaimed lock %r from %r, silent for %.1fs (stale_threshold %gs)",
+                    self.lock_name,
+                    result.holder,
+                    result.heartbeat_age or 0.0,
+                    self.stale_threshold,
+                )
+            _event(span, "reclaim_reason", name="postgres_mutex.reclaim", reason=reason)
             self.hook.stale_reclaimed(
-                self.lock_name, instance_id=self.instance_id, previous_holder=result.holder, token=result.token
+                self.lock_name,
+                instance_id=self.instance_id,
+                previous_holder=result.holder,
+                token=result.token,
+                reason=reason,
             )
         elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
             logger.warning(
@@ -117,6 +132,37 @@ class LockEvents:
         if log:
             logger.warning("%s; retrying until the lease runs out", error)
         self.hook.heartbeat_failed(self.lock_name, instance_id=self.instance_id, error=error)
+
+    def running_out(self, seconds_left: float) -> None:
+        """Two thirds of the time the hold is trusted went by without a successful heartbeat."""
+        logger.warning(
+            "lock %r (instance_id %r): no heartbeat has succeeded for two thirds of its lease; %.1fs left",
+            self.lock_name,
+            self.instance_id,
+            seconds_left,
+        )
+        self.hook.lease_running_out(self.lock_name, instance_id=self.instance_id, seconds_left=seconds_left)
+
+    def in_doubt(self) -> None:
+        """The hold turned in doubt (see `_state`): not held until a heartbeat confirms it, or finds it lost."""
+        logger.warning(
+            "lock %r (instance_id %r): %s",
+            self.lock_name,
+            self.instance_id,
+            "hold in doubt: not held until a "
+            "heartbeat confirms it (another instance may reclaim it if this process's database session ended)",
+        )
+        self.hook.hold_in_doubt(self.lock_name, instance_id=self.instance_id)
+
+    def confirmed(self, seconds: float) -> None:
+        """A heartbeat found the row of a hold in doubt still this holder's: held again."""
+        logger.warning(
+            "lock %r (instance_id %r): a heartbeat confirmed the hold after %.1fs in doubt; held again",
+            self.lock_name,
+            self.instance_id,
+            seconds,
+        )
+        self.hook.hold_confirmed(self.lock_name, instance_id=self.instance_id, seconds_in_doubt=seconds)
 
     def lost(self, error: LockNotHeldError) -> None:
         """Called once per loss, from the client's event thread (never from the heartbeat)."""

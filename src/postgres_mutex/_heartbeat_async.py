@@ -155,7 +155,9 @@ class HeartbeatWorker:
                 return
             group.quiet_retry = False
             group.next_beat = now() + retry_pause(group.interval)
-            self._host.session.post(_failed(holds, error))
+            for hold in holds:
+                hold.lock.doubt(hold)  # its session may be gone: no longer trusted, until a heartbeat says
+            self._host.session.post(_failed(holds, error))  # wakes the event thread, which tells the doubt
             return
         group.quiet_retry = False
         # From when the statement was sent: the interval is kept whatever the statement took.
@@ -209,6 +211,8 @@ def _renewed(beat: heartbeat_flows.Beat) -> Any:
     def report() -> None:
         for hold in beat.renewed:
             hold.lock.events.heartbeat_renewed(beat.latency)
+        for hold, seconds in beat.confirmed:
+            hold.lock.events.confirmed(seconds)
         for hold, error in beat.lost:
             hold.lock.events.lost(error)
 

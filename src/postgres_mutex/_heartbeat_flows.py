@@ -41,6 +41,8 @@ class Beat:
     """When the (first) heartbeat statement was sent."""
     busy: list[Hold] = field(default_factory=list)
     """Not renewed: another session holds the row locked. Tried again soon."""
+    confirmed: list[tuple[Hold, float]] = field(default_factory=list)
+    """Renewed after their doubt was told, with how long they were in doubt."""
 
 
 def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeout: float) -> Flow[Beat]:
@@ -93,8 +95,11 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
                 lock = hold.lock
                 renewed, present = answers.get(_hold_key(hold, tokens=by_token), (False, False))
                 if renewed:
-                    if lock.renew(hold, sent_at):
+                    in_doubt_for = lock.renew(hold, sent_at)
+                    if in_doubt_for is not None:
                         beat.renewed.append(hold)
+                    if in_doubt_for:
+                        beat.confirmed.append((hold, in_doubt_for))
                 elif present:
                     skipped.append(hold)
                 else:

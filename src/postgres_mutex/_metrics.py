@@ -19,8 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast, runtime_checkable
 
-from . import metric_names as names
-
 logger = logging.getLogger("postgres_mutex")
 
 
@@ -35,9 +33,15 @@ class LockObservation:
     alerting: bool
     """Silent for ``alert_threshold`` or longer."""
     reclaimable: bool
-    """Silent for ``stale_threshold`` or longer: any instance may take it over."""
+    """Silent for ``stale_threshold`` or longer, or (a holder with ``reclaim_disconnected_after``) for that
+    long with its session ended: any instance may take it over."""
     token: int | None = None
     """The hold's fencing token; None on a table without tokens, or for a row written without one."""
+    session_alive: bool | None = None
+    """Whether the holder's database session still exists; None if its row names none (a holder without
+    ``reclaim_disconnected_after``, one behind a pooler, 0.1.0, or a table without the session columns)."""
+    reclaim_disconnected_after: float | None = None
+    """The holder's ``reclaim_disconnected_after``, in seconds (None: it did not opt in)."""
 
 
 @runtime_checkable
@@ -66,9 +70,20 @@ class MetricsHook(Protocol):
         return None
 
     def stale_reclaimed(
-        self, lock_name: str, *, instance_id: str, previous_holder: str, token: int | None = None
+        self,
+        lock_name: str,
+        *,
+        instance_id: str,
+        previous_holder: str,
+        token: int | None = None,
+        reason: str = "stale",
     ) -> None:
-        """The lock was taken over from ``previous_holder``, silent past ``stale_threshold``."""
+        """The lock was taken over from ``previous_holder``.
+
+        ``reason`` (one of `RECLAIM_REASONS`) says why: ``stale``, silent past
+        ``stale_threshold``; ``disconnected``, a holder that opted in to
+        ``reclaim_disconnected_after`` whose database session had ended.
+        """
         return None
 
     def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
@@ -92,6 +107,22 @@ class MetricsHook(Protocol):
 
     def lost(self, lock_name: str, *, instance_id: str, reason: str) -> None:
         """This Mutex lost a lock it held: its lease ran out, or its row was gone."""
+        return None
+
+    def lease_running_out(self, lock_name: str, *, instance_id: str, seconds_left: float) -> None:
+        """Two thirds of the time this hold is trusted went by without a heartbeat: ``seconds_left`` remain.
+
+        A long job can checkpoint before it loses the lock (see ``Mutex.lease_remaining``).
+        """
+        return None
+
+    def hold_in_doubt(self, lock_name: str, *, instance_id: str) -> None:
+        """A hold of a Mutex with ``reclaim_disconnected_after`` is in doubt: not held until a heartbeat
+        confirms it (`hold_confirmed`) or finds it lost (`lost`)."""
+        return None
+
+    def hold_confirmed(self, lock_name: str, *, instance_id: str, seconds_in_doubt: float) -> None:
+        """A heartbeat found the row of a hold in doubt still this Mutex's: it is held again."""
         return None
 
     def acquire_wait(self, lock_name: str, *, instance_id: str, seconds: float, outcome: str) -> None:
@@ -281,200 +312,3 @@ class FanOutMetrics:
                 target(*args, **kwargs)
 
         return fan_out
-
-
-class ExporterHook(MetricsHook):
-    """The hook calls, mapped once onto metrics; the built-in exporters supply three primitives.
-
-    Subclasses create their instruments and implement `_add` (a counter),
-    `_record` (a histogram) and `_held_changed` (the locks-held gauge). The
-    watcher's per-lock gauges are read from `view` at collection time.
-    """
-
-    def __init__(self) -> None:
-        self._held = HeldLocks()
-        self._candidates = HeldLocks()
-        self._leading = HeldLocks()
-        self.view = LockTableView()
-
-    def _add(self, metric: names.MetricName, labels: dict[str, str]) -> None:
-        raise NotImplementedError
-
-    def _record(self, metric: names.MetricName, value: float, labels: dict[str, str]) -> None:
-        raise NotImplementedError
-
-    def _held_changed(self, lock_name: str, delta: int) -> None:
-        raise NotImplementedError
-
-    def _level(self, metric: names.MetricName, labels: dict[str, str], delta: int) -> None:
-        """Move an up-down gauge (`ELECTION_CANDIDATES`, `ELECTION_LEADING`) by ``delta``; 0 makes it appear."""
-        raise NotImplementedError
-
-    def acquired(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
-        self._add(names.ACQUISITIONS, {"lock_name": lock_name})
-        if self._held.add(lock_name, instance_id):
-            self._held_changed(lock_name, +1)
-
-    def released(self, lock_name: str, *, instance_id: str) -> None:
-        self._add(names.RELEASES, {"lock_name": lock_name})
-        if self._held.discard(lock_name, instance_id):
-            self._held_changed(lock_name, -1)
-
-    def lost(self, lock_name: str, *, instance_id: str, reason: str) -> None:
-        self._add(names.LOSSES, {"lock_name": lock_name})
-        if self._held.discard(lock_name, instance_id):
-            self._held_changed(lock_name, -1)
-
-    def contended(self, lock_name: str, *, instance_id: str) -> None:
-        self._add(names.CONTENTIONS, {"lock_name": lock_name})
-
-    def stale_reclaimed(
-        self, lock_name: str, *, instance_id: str, previous_holder: str, token: int | None = None
-    ) -> None:
-        self._add(names.STALE_RECLAIMS, {"lock_name": lock_name})
-
-    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
-        self._add(names.ALERTS, {"lock_name": lock_name})
-
-    def heartbeat_latency(self, lock_name: str, *, instance_id: str, seconds: float) -> None:
-        self._record(names.HEARTBEAT_DURATION, seconds, {"lock_name": lock_name})
-
-    def heartbeat_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
-        self._add(names.HEARTBEAT_FAILURES, {"lock_name": lock_name})
-
-    def acquire_wait(self, lock_name: str, *, instance_id: str, seconds: float, outcome: str) -> None:
-        self._record(names.ACQUIRE_DURATION, seconds, {"lock_name": lock_name, "outcome": outcome})
-
-    def observed(
-        self,
-        observations: Sequence[LockObservation],
-        *,
-        watched: frozenset[str] | None,
-        alert_threshold: float,
-        stale_threshold: float,
-    ) -> None:
-        self.view.update(
-            observations, watched=watched, alert_threshold=alert_threshold, stale_threshold=stale_threshold
-        )
-
-    def watcher_failed(self, *, error: BaseException) -> None:
-        self._add(names.WATCHER_ERRORS, {})
-        self.view.failed()
-
-    def watcher_stopped(self, *, watched: frozenset[str] | None) -> None:
-        self.view.forget(watched)
-
-    def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
-        if self._held.discard(lock_name, instance_id):
-            self._held_changed(lock_name, -1)
-
-    # Per candidate, counted from sets as the locks held are, so a repeated call cannot count twice.
-
-    def election_started(self, lock_name: str, *, instance_id: str) -> None:
-        labels = {"lock_name": lock_name}
-        if self._candidates.add(lock_name, instance_id):
-            self._level(names.ELECTION_CANDIDATES, labels, +1)
-        self._level(names.ELECTION_LEADING, labels, 0)  # campaigning: the election's series exist, at 0
-
-    def election_stopped(self, lock_name: str, *, instance_id: str) -> None:
-        labels = {"lock_name": lock_name}
-        if self._leading.discard(lock_name, instance_id):
-            self._level(names.ELECTION_LEADING, labels, -1)
-        if self._candidates.discard(lock_name, instance_id):
-            self._level(names.ELECTION_CANDIDATES, labels, -1)
-
-    def election_term_began(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
-        self._add(names.ELECTION_TERMS, {"lock_name": lock_name})
-        if self._leading.add(lock_name, instance_id):
-            self._level(names.ELECTION_LEADING, {"lock_name": lock_name}, +1)
-
-    def election_term_ended(
-        self, lock_name: str, *, instance_id: str, ended: str, seconds: float, token: int | None = None
-    ) -> None:
-        self._record(names.ELECTION_TERM_DURATION, seconds, {"lock_name": lock_name, "ended": ended})
-        if self._leading.discard(lock_name, instance_id):
-            self._level(names.ELECTION_LEADING, {"lock_name": lock_name}, -1)
-
-    def election_lead_failed(self, lock_name: str, *, instance_id: str, error: BaseException, backoff: float) -> None:
-        self._add(names.ELECTION_LEAD_FAILURES, {"lock_name": lock_name})
-
-    def election_grace_overrun(self, lock_name: str, *, instance_id: str, seconds: float, reason: str) -> None:
-        self._add(names.ELECTION_GRACE_OVERRUNS, {"lock_name": lock_name})
-
-
-class HeldLocks:
-    """Which (lock, instance) pairs this process holds, for a locks-held gauge.
-
-    ``released`` after ``lost`` (a lost lock's row cleaned up on exit) must
-    not count twice: changes are computed from a set, not from the calls.
-    """
-
-    def __init__(self) -> None:
-        self._held: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
-
-    def add(self, lock_name: str, instance_id: str) -> bool:
-        with self._lock:
-            new = (lock_name, instance_id) not in self._held
-            self._held.add((lock_name, instance_id))
-            return new
-
-    def discard(self, lock_name: str, instance_id: str) -> bool:
-        with self._lock:
-            present = (lock_name, instance_id) in self._held
-            self._held.discard((lock_name, instance_id))
-            return present
-
-
-@dataclass(frozen=True)
-class WatchedLock:
-    observation: LockObservation
-    alert_threshold: float
-    stale_threshold: float
-
-
-class LockTableView:
-    """What watchers last reported, per lock: read by exporters at scrape time."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, WatchedLock] = {}
-        self._up: bool | None = None
-        self._lock = threading.Lock()
-
-    def update(
-        self,
-        observations: Sequence[LockObservation],
-        *,
-        watched: frozenset[str] | None,
-        alert_threshold: float,
-        stale_threshold: float,
-    ) -> None:
-        with self._lock:
-            if watched is None:
-                self._locks.clear()
-            else:
-                for name in watched:
-                    self._locks.pop(name, None)
-            for observation in observations:
-                self._locks[observation.lock_name] = WatchedLock(observation, alert_threshold, stale_threshold)
-            self._up = True
-
-    def failed(self) -> None:
-        with self._lock:
-            self._up = False
-
-    def forget(self, watched: frozenset[str] | None) -> None:
-        """A watcher stopped: stop exporting what it saw, rather than freeze it."""
-        with self._lock:
-            if watched is None:
-                self._locks.clear()
-            else:
-                for name in watched:
-                    self._locks.pop(name, None)
-            if not self._locks:
-                self._up = None
-
-    def snapshot(self) -> tuple[list[WatchedLock], bool | None]:
-        """The watched locks, and whether the last read succeeded (None: no watcher reported yet)."""
-        with self._lock:
-            return sorted(self._locks.values(), key=lambda lock: lock.observation.lock_name), self._up

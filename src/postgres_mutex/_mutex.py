@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from . import _acquisition, _acquisition_async
@@ -20,13 +19,12 @@ from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._candidacy import Candidacy
 from ._closing import release_on_aclose, release_on_close
-from ._events import LockEvents, LostCallback
-from ._metrics import guard
+from ._events import LostCallback
+from ._mutex_config import MutexConfig, check_reclaim_source, checked_names, new_lock_state
 from ._own_watch import OwnLockWatch
-from ._settings import Timing, check_name, check_wait, default_instance_id
+from ._settings import Timing, check_wait, default_instance_id
 from ._singleton import Siblings, singleton_decorator, singleton_decorator_async
 from ._sql import Names
-from ._state import LockState
 from .client import BUILT_ON_IT, MutexClient, core_of, shared_client
 
 if TYPE_CHECKING:
@@ -39,24 +37,6 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class MutexConfig:
-    """A Mutex's settings, read-only: what 0.1.0 exposed as ``mutex.config``."""
-
-    lock_name: str
-    instance_id: str
-    table: str
-    heartbeat_interval: float
-    alert_threshold: float
-    stale_threshold: float
-    poll_interval: float
-    operation_timeout: float
-
-
-class _MissingLockName(TypeError, ValueError):
-    """``Mutex()`` without a lock name: a `TypeError` as Python says it, and a `ValueError` as 0.1.0 did."""
 
 
 class Mutex:
@@ -76,6 +56,15 @@ class Mutex:
     `held` turns false, `ensure_held` raises `LockNotHeldError`, ``on_lost``
     and the ``lost`` metrics call fire, and leaving the ``with`` block raises
     `LockNotHeldError`.
+
+    With ``reclaim_disconnected_after`` (seconds, None by default), a holder
+    whose database session ended (the process died, its connection was cut)
+    may be reclaimed once its heartbeat is that old, long before
+    ``stale_threshold``; a slow or frozen one keeps its session and its full
+    threshold. The holder's side: its hold is *in doubt* (not held, not lost)
+    from one heartbeat interval before that without a successful heartbeat, or
+    once a heartbeat fails, until a heartbeat confirms it or finds it lost.
+    Needs a ``dsn``: refused with a pool.
 
     Every database statement must finish within ``operation_timeout``
     seconds, even on a network that silently drops everything. By default it
@@ -104,14 +93,9 @@ class Mutex:
         watch: bool = False,
         tracer_provider: TracerProvider | None = None,
         client: MutexClient | None = None,
+        reclaim_disconnected_after: float | None = None,
     ) -> None:
-        if lock_name is None:
-            raise _MissingLockName("Mutex() needs a lock_name: Mutex(dsn, 'nightly-report')")
-        check_name(lock_name, "lock_name")
-        if instance_id == "":
-            instance_id = None  # as in 0.1.0: an unset environment variable means the default id
-        if instance_id is not None:
-            check_name(instance_id, "instance_id")
+        lock_name, instance_id = checked_names(lock_name, instance_id)
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
         if not isinstance(watch, bool):
@@ -122,33 +106,26 @@ class Mutex:
             stale_threshold=stale_threshold,
             poll_interval=poll_interval,
             operation_timeout=operation_timeout,
+            reclaim_disconnected_after=reclaim_disconnected_after,
         )
         names = Names(table)
         if client is None:
             client = shared_client(dsn, pool, async_pool)
         elif dsn is not None or pool is not None or async_pool is not None:
             raise ValueError("pass either client or dsn/pool/async_pool, not both")
+        check_reclaim_source(timing, client)
         self._client = client
         core = self._core = core_of(client)
         self._metrics = metrics
-        chosen_id = instance_id if instance_id is not None else default_instance_id()
-        tracing = core.tracing(tracer_provider, names.table_name)
-        events = LockEvents(
-            lock_name=lock_name,
-            instance_id=chosen_id,
-            hook=guard(metrics),
-            on_lost=on_lost,
-            alert_threshold=timing.alert_threshold,
-            stale_threshold=timing.stale_threshold,
-        )
-        self._lock = LockState(
+        self._lock = new_lock_state(
+            core,
             names=names,
             lock_name=lock_name,
-            instance_id=chosen_id,
+            instance_id=instance_id if instance_id is not None else default_instance_id(),
             timing=timing,
-            events=events,
-            tracing=tracing,
-            state_lock=core.state_lock,
+            metrics=metrics,
+            on_lost=on_lost,
+            tracer_provider=tracer_provider,
         )
         self._engine_for = functools.partial(core.engine_for, self._lock)
         self._engine_async_for = functools.partial(core.engine_async_for, self._lock)
@@ -165,6 +142,7 @@ class Mutex:
             "on_lost": on_lost,
             "operation_timeout": operation_timeout,
             "tracer_provider": tracer_provider,
+            "reclaim_disconnected_after": reclaim_disconnected_after,
         }
         self._explicit_id = instance_id is not None
         self._siblings = Siblings(self, self._new_sibling)
@@ -230,16 +208,27 @@ class Mutex:
             stale_threshold=timing.stale_threshold,
             poll_interval=timing.poll_interval,
             operation_timeout=timing.operation_timeout,
+            reclaim_disconnected_after=timing.reclaim_disconnected_after,
         )
 
     @property
     def held(self) -> bool:
-        """True while this Mutex holds the lock and its lease has not run out.
+        """True while this Mutex holds the lock and its lease has not run out (nor, with
+        ``reclaim_disconnected_after``, is its hold in doubt).
 
         Reading it never touches the database; it turns false the moment the
         lease runs out, even if the heartbeat has not noticed yet.
         """
         return self._lock.held
+
+    @property
+    def lease_remaining(self) -> float | None:
+        """Seconds this hold stays held without another successful heartbeat (None when not held).
+
+        Renewed by every heartbeat; a long job can checkpoint when it runs low
+        (the ``lease_running_out`` metrics call comes at two thirds of it).
+        """
+        return self._lock.lease_remaining()
 
     @property
     def token(self) -> int | None:

@@ -16,6 +16,7 @@ import psycopg
 
 from ._metrics import LockObservation
 from .errors import DatabaseError, OperationTimeout, SchemaError, phrase
+from .metric_names import RECLAIM_REASONS
 
 
 class Outcome(enum.Enum):
@@ -69,6 +70,18 @@ def interpret_acquire(row: Sequence[object] | None, instance_id: str) -> Acquire
     if holder_id == instance_id or holder_id is None:
         return AcquireResult(Outcome.REACQUIRED, instance_id, heartbeat_age, acquired_at, token)
     return AcquireResult(Outcome.RECLAIMED, holder_id, heartbeat_age, acquired_at, token)
+
+
+STALE, DISCONNECTED = RECLAIM_REASONS
+"""Why a row was taken over from another instance: silent past ``stale_threshold``; or its holder opted in
+to ``reclaim_disconnected_after``, its database session had ended and its heartbeat was older than that."""
+
+
+def reclaim_reason(result: AcquireResult, stale_threshold: float) -> str:
+    """Why ``result`` (a reclaim) took the row: a heartbeat younger than ``stale_threshold`` in the statement's
+    snapshot can only have been reclaimed for a disconnected session (a row only gets younger meanwhile)."""
+    age = result.heartbeat_age
+    return DISCONNECTED if age is not None and age < stale_threshold else STALE
 
 
 class AlertGate:
@@ -129,8 +142,10 @@ def observe(
 ) -> list[LockObservation]:
     """Turn the holders query's rows into observations, with the thresholds applied."""
     observations = []
-    for lock_name, holder, age, held_for, _acquired_at, token in rows:
+    for lock_name, holder, age, held_for, _acquired_at, token, session_alive, reclaim_after in rows:
         heartbeat_age = float(age)  # type: ignore[arg-type]
+        after = None if reclaim_after is None else float(reclaim_after)  # type: ignore[arg-type]
+        disconnected = session_alive is False and after is not None and heartbeat_age >= after
         observations.append(
             LockObservation(
                 lock_name=str(lock_name),
@@ -138,8 +153,10 @@ def observe(
                 seconds_since_heartbeat=heartbeat_age,
                 seconds_held=float(held_for),  # type: ignore[arg-type]
                 alerting=heartbeat_age >= alert_threshold,
-                reclaimable=heartbeat_age >= stale_threshold,
+                reclaimable=heartbeat_age >= stale_threshold or disconnected,
                 token=None if token is None else int(token),  # type: ignore[call-overload]
+                session_alive=None if session_alive is None else bool(session_alive),
+                reclaim_disconnected_after=after,
             )
         )
     return observations

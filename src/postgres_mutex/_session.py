@@ -8,7 +8,9 @@ and the session keeps what every hold of the client has in common:
 - the heartbeat groups of each engine (the holds renewed by one statement),
   changed only under `state_lock`;
 - lease expiry: a hold whose lease ran out is declared lost on time, by the
-  session's event thread, even while a heartbeat is stuck on the network;
+  session's event thread, even while a heartbeat is stuck on the network; so
+  is a hold that turned in doubt, or that went two thirds of its trust
+  without a heartbeat (`_state`);
 - that event thread, which calls what users gave the library (``on_lost``,
   metrics hooks) in order, off the heartbeat: a slow callback never delays one.
 
@@ -78,21 +80,30 @@ class Session:
         self._events.post(report)
 
     def next_lease(self) -> float | None:
-        """When the next lease of a hold runs out (None: nothing is held)."""
+        """When the next lease of a hold runs out, or something else is due about one (None: nothing is held)."""
         with self.state_lock:
-            deadlines = [hold.lease_deadline for hold in self._held()]
+            deadlines = [_next_due(hold) for hold in self._held()]
         return min(deadlines) if deadlines else None
 
     def expire(self) -> None:
-        """Declare lost every hold whose lease ran out; on the event thread, on time."""
+        """Declare lost every hold whose lease ran out, and tell doubts and leases running out; on the event
+        thread, on time."""
         current = now()
         with self.state_lock:
-            expired = [hold for hold in self._held() if hold.lease_deadline <= current]
-        for hold in expired:
-            error = hold.lock.lose(hold, LEASE_EXPIRED, only_if_expired=True)
-            if error is not None:
-                self.forget(hold)
-                hold.lock.events.lost(error)
+            held = self._held()
+        for hold in held:
+            lock = hold.lock
+            if hold.lease_deadline <= current:
+                error = lock.lose(hold, LEASE_EXPIRED, only_if_expired=True)
+                if error is not None:
+                    self.forget(hold)
+                    lock.events.lost(error)
+                continue
+            left = lock.tell_running_out(hold)
+            if left is not None:
+                lock.events.running_out(left)
+            if lock.tell_doubt(hold):
+                lock.events.in_doubt()
 
     def stop(self) -> None:
         """End the event thread once what was posted before has run."""
@@ -192,6 +203,16 @@ class _EventThread:
                     if self._queue.empty():
                         self._thread = None
                         return
+
+
+def _next_due(hold: Hold) -> float:
+    """When the event thread must next look at ``hold``: its lease's end, its doubt, two thirds of its trust."""
+    due = [hold.lease_deadline]
+    if not hold.doubt_told:
+        due.append(hold.doubt_deadline)
+    if not hold.running_out_told:
+        due.append(hold.running_out_at())
+    return min(due)
 
 
 _LINGER = 10.0

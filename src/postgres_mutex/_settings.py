@@ -140,6 +140,11 @@ class Timing:
     *sent*: one heartbeat interval short of ``stale_threshold``. The server
     stamps a heartbeat no earlier than it was sent, so the holder's lease always
     runs out before any other instance may reclaim the row.
+
+    ``reclaim_disconnected_after`` (None: not opted in) is how old a heartbeat
+    may be before a contender reclaims the row of a holder whose session
+    ended; ``doubt``, one heartbeat interval short of it, is how long a holder
+    trusts its lock without a successful heartbeat before its hold is in doubt.
     """
 
     heartbeat_interval: float
@@ -147,6 +152,7 @@ class Timing:
     stale_threshold: float
     poll_interval: float
     operation_timeout: float
+    reclaim_disconnected_after: float | None = None
 
     @classmethod
     def validate(
@@ -157,6 +163,7 @@ class Timing:
         stale_threshold: object,
         poll_interval: object,
         operation_timeout: object | None,
+        reclaim_disconnected_after: object | None = None,
     ) -> Timing:
         heartbeat = check_seconds(heartbeat_interval, "heartbeat_interval", minimum=MIN_HEARTBEAT_INTERVAL)
         alert, stale = check_thresholds(alert_threshold, stale_threshold)
@@ -176,16 +183,60 @@ class Timing:
                 stale=stale,
                 heartbeat=heartbeat,
             )
+        reclaim = None
+        if reclaim_disconnected_after is not None:
+            reclaim = _check_reclaim(reclaim_disconnected_after, heartbeat, stale)
         timeout = (
-            default_operation_timeout(heartbeat, stale)
+            default_operation_timeout(heartbeat, stale if reclaim is None else reclaim)
             if operation_timeout is None
             else check_operation_timeout(operation_timeout)
         )
-        return cls(heartbeat, alert, stale, poll, timeout)
+        if reclaim is not None and reclaim - 2 * heartbeat < timeout:
+            raise InvalidArgument(
+                "{reclaim_disconnected_after} ({reclaim:g}s) leaves no room for a heartbeat: a holder whose heartbeat "
+                "failed must try again within it, so it must be at least two {heartbeat_interval}s plus "
+                "{operation_timeout} ({least:g}s)",
+                reclaim=reclaim,
+                least=2 * heartbeat + timeout,
+            )
+        return cls(heartbeat, alert, stale, poll, timeout, reclaim)
 
     @property
     def lease(self) -> float:
         return self.stale_threshold - self.heartbeat_interval
+
+    @property
+    def doubt(self) -> float | None:
+        """How long a hold is trusted after the last heartbeat sent that succeeded, if its holder opted in."""
+        if self.reclaim_disconnected_after is None:
+            return None
+        return self.reclaim_disconnected_after - self.heartbeat_interval
+
+
+def _check_reclaim(value: object, heartbeat: float, stale: float) -> float:
+    """``reclaim_disconnected_after``: shorter than ``stale_threshold``, and three heartbeats at least.
+
+    A holder whose session is gone learns it is in doubt one heartbeat interval
+    before anyone may reclaim it, and until then retries its heartbeat: as for
+    ``stale_threshold``, that needs three intervals.
+    """
+    reclaim = check_seconds(value, "reclaim_disconnected_after")
+    if not reclaim < stale:
+        raise InvalidArgument(
+            "{reclaim_disconnected_after} ({reclaim:g}s) must be shorter than {stale_threshold} ({stale:g}s): "
+            "it is the early reclaim of a holder whose session ended",
+            reclaim=reclaim,
+            stale=stale,
+        )
+    if reclaim < 3 * heartbeat:
+        raise InvalidArgument(
+            "{reclaim_disconnected_after} ({reclaim:g}s) must be at least three times {heartbeat_interval} "
+            "({heartbeat:g}s): a holder must be able to miss a heartbeat, retry it, and still hear of a doubt "
+            "before anyone may reclaim its lock",
+            reclaim=reclaim,
+            heartbeat=heartbeat,
+        )
+    return reclaim
 
 
 def retry_pause(heartbeat_interval: float) -> float:
@@ -196,7 +247,8 @@ def default_operation_timeout(heartbeat_interval: float, stale_threshold: float)
     """The deadline of one statement when the user gives none.
 
     After its last successful heartbeat, a holder tries again one interval
-    later and has until its lease ends (``stale_threshold - heartbeat_interval``):
+    later and has until its lease ends (``stale_threshold - heartbeat_interval``;
+    for a holder that opted in, ``reclaim_disconnected_after`` is passed instead):
     a window of ``stale_threshold - 2 * heartbeat_interval``. The default fits
     the heartbeat and two retries, with their pauses, in that window (or, when
     the thresholds are too tight for that, a quarter of it), and is never more

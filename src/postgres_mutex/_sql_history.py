@@ -15,9 +15,19 @@ from psycopg import sql
 from ._sql_names import Names
 from ._sql_statement import Statement, statement
 
-HISTORY_ENDINGS = ("released", "reclaimed", "replaced", "lost", "abandoned", "force_released")
+HISTORY_ENDINGS = (
+    "released",
+    "reclaimed",
+    "reclaimed_disconnected",
+    "replaced",
+    "lost",
+    "abandoned",
+    "force_released",
+)
 """How a hold can end, in the history: released by its holder; reclaimed by another instance after
-the stale threshold; replaced by its own instance (an acquire that took its row back); lost (its
+the stale threshold; reclaimed_disconnected, by another instance after the holder's
+``reclaim_disconnected_after``, its database session having ended; replaced by its own instance (an
+acquire that took its row back); lost (its
 lease ran out and its row was deleted after); abandoned (a row an unanswered acquire left, deleted
 by the clean-up); force_released (an operator's ``release --force``)."""
 
@@ -43,7 +53,9 @@ def acquire_history(names: Names) -> sql.Composable:
   UPDATE {history} AS past
      SET ended_at = now(), keep_until = DEFAULT,
          ended_how = CASE WHEN NOT EXISTS (SELECT 1 FROM taken) THEN NULL
-                          WHEN past.holder = %(instance_id)s THEN 'replaced' ELSE 'reclaimed' END,
+                          WHEN past.holder = %(instance_id)s THEN 'replaced'
+                          WHEN (SELECT heartbeat_age FROM current) < %(stale_seconds)s THEN 'reclaimed_disconnected'
+                          ELSE 'reclaimed' END,
          ended_by = CASE WHEN EXISTS (SELECT 1 FROM taken) THEN %(instance_id)s END,
          alerts = past.alerts + CASE WHEN EXISTS (SELECT 1 FROM taken) AND past.holder <> %(instance_id)s
                                      THEN 1 ELSE 0 END

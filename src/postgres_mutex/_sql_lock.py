@@ -6,10 +6,12 @@ consulted, so clock skew between instances cannot corrupt the lock. The
 release and the wake-up of waiters are one statement too: ``pg_notify`` on
 the lock's channel, which waiters LISTEN on (`listen`).
 
-Tables come in two shapes: the README's five columns, and the same plus a
-``token`` column (fencing tokens) fed by a sequence named after the table.
-`TableShape` says which one a statement set is for, and whether the table
-keeps a history, which the same statements then write (`_sql_history`).
+Tables come in shapes: the README's five columns; the same plus a ``token``
+column (fencing tokens) fed by a sequence named after the table; and, for
+holders that opt in to ``reclaim_disconnected_after``, three columns that
+name the holder's database session (`_sql_sessions`). `TableShape` says which
+one a statement set is for, and whether the table keeps a history, which the
+same statements then write (`_sql_history`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
+from . import _sql_sessions as sessions
 from ._sql_history import acquire_history, heartbeat_alerts, hold_ended, read_history
 from ._sql_names import Names
 from ._sql_statement import Statement, render, statement
@@ -32,11 +35,14 @@ class TableShape:
     """A ``token`` column fed by the table's sequence: acquisitions get fencing tokens."""
     history: bool = False
     """A history table next to it (``<table>_history``): one row per hold, written by the same statements."""
+    sessions: bool = False
+    """The columns that name a holder's session (``session_key``, ``session_hold``, ``reclaim_after``):
+    a holder whose session ended may be reclaimed before ``stale_threshold``."""
 
 
 LEGACY = TableShape(tokens=False)
-CURRENT = TableShape(tokens=True)
-CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True)
+CURRENT = TableShape(tokens=True, sessions=True)
+CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True, sessions=True)
 
 _NOTHING = sql.SQL("")
 
@@ -86,9 +92,10 @@ def _acquire(names: Names, shape: TableShape) -> Statement:
       the alert) from the statement's snapshot;
     - ``inserted`` wins if no row exists; a row that exists is left alone,
       unlocked (DO NOTHING), so a contender never waits on a held lock;
-    - ``taken`` takes an existing row over only if it is stale, or ours from
-      an earlier statement (a reply that was lost, or a restarted process
-      reusing its id). Only a row that qualifies in the snapshot is locked;
+    - ``taken`` takes an existing row over only if it is stale, or its holder
+      opted in to ``reclaim_disconnected_after`` and its session ended
+      (`_sql_sessions`), or ours from an earlier statement (a reply that was
+      lost, or a restarted process reusing its id). Only a row that qualifies in the snapshot is locked;
       the condition is checked again on its latest version under that row
       lock, so two reclaimers can never both win, and a reclaim waits for a
       holder's fenced transaction to end. ``acquired_at <`` keeps a statement
@@ -98,6 +105,9 @@ def _acquire(names: Names, shape: TableShape) -> Statement:
       the row, so it is greater than any token issued before.
     """
     tokens = shape.tokens
+    written = (
+        sessions.written_by_acquire() if shape.sessions else dict.fromkeys(sessions.written_by_acquire(), _NOTHING)
+    )
     return statement(
         names.table_name,
         "acquire",
@@ -107,20 +117,21 @@ def _acquire(names: Names, shape: TableShape) -> Statement:
          EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
     FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
-), inserted AS (
-  INSERT INTO {table} AS fresh (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column})
-  VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token})
+){marker}, inserted AS (
+  INSERT INTO {table} AS fresh
+         (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column}{session_columns})
+  VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token}{session_values})
   ON CONFLICT (locked, lock_name) DO NOTHING
   RETURNING acquired_at, {inserted_token} AS token
 ), taken AS (
   UPDATE {table} AS existing
      SET instance_id = %(instance_id)s,
          last_heartbeat = now(),
-         acquired_at = now(){update_token}
+         acquired_at = now(){update_token}{session_update}
    WHERE existing.locked = 1 AND existing.lock_name = %(lock_name)s
      AND NOT EXISTS (SELECT 1 FROM inserted)
      AND ((existing.instance_id = %(instance_id)s AND existing.acquired_at < now())
-          OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s))
+          OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s){disconnected})
   RETURNING existing.acquired_at, {taken_token} AS token
 ){history}
 SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
@@ -141,8 +152,14 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
             inserted_token=sql.SQL("fresh.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("fresh")),
             taken_token=sql.SQL("existing.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("existing")),
             history=acquire_history(names) if shape.history else _NOTHING,
+            marker=sessions.MARKER if shape.sessions else _NOTHING,
+            disconnected=sql.SQL("\n          OR {}").format(sessions.disconnected("existing"))
+            if shape.sessions
+            else _NOTHING,
+            **written,
         ),
         preparable=True,
+        marks=shape.sessions,
     )
 
 
@@ -151,17 +168,18 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
 # another session) or gone (deleted or taken over: lost). SKIP LOCKED keeps
 # one row locked by someone else from holding up the heartbeats of every other
 # lock of the process; a fence's FOR KEY SHARE does not conflict, so fenced
-# holds renew. Only last_heartbeat changes and it is in no index: the UPDATE
-# stays HOT, so heartbeats never bloat an index.
+# holds renew. Only last_heartbeat (and, for a holder that names its session,
+# session_key) changes, in no index: the UPDATE stays HOT, so heartbeats never
+# bloat an index.
 _HEARTBEAT = """WITH hold AS (
   SELECT * FROM {hold_keys}
-), free AS (
+){marker}, free AS (
   SELECT held.ctid, held.lock_name, held.instance_id, held.acquired_at, held.last_heartbeat AS previous
     FROM {table} AS held JOIN hold {join_keys}
    WHERE held.locked = 1
      FOR NO KEY UPDATE OF held{skip}
 ), renewed AS (
-  UPDATE {table} AS held SET last_heartbeat = now()
+  UPDATE {table} AS held SET last_heartbeat = now(){session_renewal}
     FROM free WHERE held.ctid = free.ctid
   RETURNING held.*
 ), present AS (
@@ -192,8 +210,20 @@ _BY_TOKEN = {
 
 def _heartbeats(names: Names, shape: TableShape, keys: Mapping[str, sql.Composable]) -> tuple[Statement, Statement]:
     """The heartbeat that skips locked rows, and the one for the holds it skipped, naming holds by ``keys``."""
-    fmt = {"table": names.table, "alerted": heartbeat_alerts(names) if shape.history else _NOTHING, **keys}
-    renew = statement(names.table_name, "heartbeat", sql.SQL(_HEARTBEAT).format(skip=sql.SQL(" SKIP LOCKED"), **fmt))
+    fmt = {
+        "table": names.table,
+        "alerted": heartbeat_alerts(names) if shape.history else _NOTHING,
+        "marker": sessions.MARKER if shape.sessions else _NOTHING,
+        "session_renewal": sessions.renewed_by_heartbeat("held") if shape.sessions else _NOTHING,
+        **keys,
+    }
+    marks = shape.sessions
+    renew = statement(
+        names.table_name,
+        "heartbeat",
+        sql.SQL(_HEARTBEAT).format(skip=sql.SQL(" SKIP LOCKED"), **fmt),
+        marks=marks,
+    )
     # For the holds the first one skipped: rows locked a moment ago by a
     # contender's acquire, usually. This one waits for the row lock, but
     # only briefly: a row someone keeps locked fails this statement alone.
@@ -201,6 +231,7 @@ def _heartbeats(names: Names, shape: TableShape, keys: Mapping[str, sql.Composab
         names.table_name,
         "heartbeat",
         sql.SQL("SET LOCAL lock_timeout = %(lock_timeout_ms)s; " + _HEARTBEAT).format(skip=_NOTHING, **fmt),
+        marks=marks,
     )
     return renew, wait
 
@@ -260,11 +291,17 @@ def _holders(names: Names, shape: TableShape) -> Statement:
             """SELECT lock_name, instance_id,
        EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age,
        EXTRACT(EPOCH FROM now() - acquired_at)::float8 AS held_for,
-       acquired_at, {token}
+       acquired_at, {token},
+       {sessions}
   FROM {table}
  WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]))
  ORDER BY lock_name"""
-        ).format(table=names.table, token=_token_or_null(shape)),
+        ).format(
+            table=names.table,
+            token=_token_or_null(shape),
+            sessions=sessions.read_by_holders() if shape.sessions else sessions.NOT_READ,
+        ),
+        marks=shape.sessions,
     )
 
 

@@ -1,9 +1,10 @@
 """The schema's statements: create the lock table and its history, inspect them, migrate a 0.1.0 table.
 
-Tables come in two shapes: the README's five columns, and the same plus a
-``token`` column (fencing tokens) fed by a sequence named after the table,
-added by `migrate_steps`. `inspect_table` says which one a table has (and
-whether it has a history), so the lock statements can be made for it. Every
+Tables come in shapes: the README's five columns, and the same plus a
+``token`` column (fencing tokens) fed by a sequence named after the table and
+the columns that name a holder's session (`_sql_sessions`), added by
+`migrate_steps`. `inspect_table` says which a table has (and whether it has a
+history), so the lock statements can be made for it. Every
 statement here is idempotent (``IF NOT EXISTS``), so racing creators and a
 retried step are harmless.
 """
@@ -14,11 +15,13 @@ from psycopg import sql
 
 from ._sql_history import HISTORY_ENDINGS
 from ._sql_names import Names
+from ._sql_sessions import COLUMNS as SESSION_COLUMNS
 from ._sql_statement import Statement, render, schema_change, statement
 
 
 def create_table(names: Names) -> Statement:
-    """The README's table plus the token column, its sequence and its unique index; all IF NOT EXISTS.
+    """The README's table plus the token column, its sequence and its unique index, and the session
+    columns; all IF NOT EXISTS.
 
     Sent as one message, so it is one transaction: a table never exists without
     its sequence. ``CACHE 1`` (the default, stated) keeps tokens in the order
@@ -37,6 +40,9 @@ CREATE TABLE IF NOT EXISTS {table} (
   last_heartbeat TIMESTAMPTZ NOT NULL,
   acquired_at    TIMESTAMPTZ NOT NULL,
   token          BIGINT DEFAULT nextval({sequence_text}),
+  session_key    BIGINT,
+  session_hold   TIMESTAMPTZ,
+  reclaim_after  FLOAT8,
   CONSTRAINT {unique} UNIQUE (locked, lock_name),
   CONSTRAINT chk_locked CHECK (locked = 1)
 );
@@ -53,7 +59,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)"""
 
 
 def inspect_table(names: Names) -> Statement:
-    """What the table has: one row ``(exists, has_token, has_history)``, under its own deadline."""
+    """What the table has: one row ``(exists, has_token, has_history, has_sessions)``, under its own deadline."""
     return statement(
         names.table_name,
         "inspection",
@@ -61,8 +67,15 @@ def inspect_table(names: Names) -> Statement:
             """SELECT to_regclass({table_text}) IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute
                 WHERE attrelid = to_regclass({table_text}) AND attname = 'token' AND NOT attisdropped),
-       to_regclass({history_text}) IS NOT NULL"""
-        ).format(table_text=sql.Literal(render(names.table)), history_text=sql.Literal(render(names.history))),
+       to_regclass({history_text}) IS NOT NULL,
+       (SELECT count(*) = {count} FROM pg_attribute
+         WHERE attrelid = to_regclass({table_text}) AND attname = ANY({columns}) AND NOT attisdropped)"""
+        ).format(
+            table_text=sql.Literal(render(names.table)),
+            history_text=sql.Literal(render(names.history)),
+            count=sql.Literal(len(SESSION_COLUMNS)),
+            columns=sql.Literal(list(SESSION_COLUMNS)),
+        ),
     )
 
 
@@ -117,7 +130,7 @@ def history_retention(names: Names, retention_seconds: float) -> Statement:
 
 
 def migrate_steps(names: Names) -> list[Statement]:
-    """Add the token column to an existing table, online, one short step at a time.
+    """Add the token column and the session columns to an existing table, online, one short step at a time.
 
     Each step is idempotent, and takes the table's lock only as long as a
     catalog change does: ``ADD COLUMN`` without a default and ``SET DEFAULT``
@@ -153,5 +166,12 @@ def migrate_steps(names: Names) -> list[Statement]:
         step(
             "index the token column",
             sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)").format(**fmt),
+        ),
+        step(
+            "add the columns that name a holder's session",
+            sql.SQL(
+                "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS session_key BIGINT, "
+                "ADD COLUMN IF NOT EXISTS session_hold TIMESTAMPTZ, ADD COLUMN IF NOT EXISTS reclaim_after FLOAT8"
+            ).format(**fmt),
         ),
     ]

@@ -50,6 +50,9 @@ class Statement:
     """The statement alone, without the settings, to be prepared on a connection
     that reaches PostgreSQL directly (see `session_setup`); None for one that
     must carry its own settings (a schema change, a ``lock_timeout``)."""
+    marks: bool = False
+    """It names or asks about holders' sessions (`_sql_sessions`): the engine binds
+    ``_session_key`` (its connection's key, None on a pool's) and ``_backend_pid``."""
 
 
 def render(composed: sql.Composable) -> str:
@@ -57,10 +60,12 @@ def render(composed: sql.Composable) -> str:
     return composed.as_string(None)
 
 
-def statement(table: str, what: str, composed: sql.Composable, *, preparable: bool = False) -> Statement:
+def statement(
+    table: str, what: str, composed: sql.Composable, *, preparable: bool = False, marks: bool = False
+) -> Statement:
     """A statement sent with its own settings; ``preparable``: also kept bare, for a direct connection."""
     text = render(composed)
-    return Statement(SETTINGS + text, table, what, text if preparable else None)
+    return Statement(SETTINGS + text, table, what, text if preparable else None, marks)
 
 
 def schema_change(table: str, what: str, composed: sql.Composable) -> Statement:

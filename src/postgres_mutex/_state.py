@@ -13,6 +13,15 @@ measured from the moment the last successful acquire or heartbeat statement
 was sent; it is one heartbeat interval shorter than ``stale_threshold``, so
 the holder always learns it lost the lock before anyone else may reclaim it.
 
+A holder that opted in to ``reclaim_disconnected_after`` (R) may be reclaimed
+sooner, once its session has ended and its heartbeat is older than R. It
+cannot see its own session from outside, so it trusts its hold for R minus one
+heartbeat interval after the last heartbeat that succeeded, and not after a
+heartbeat failed: then the hold is *in doubt*. A hold in doubt is not held
+(`held` is false, `require_held` raises) but not lost either: it is still
+heartbeated, and the next heartbeat that finds its row confirms it (it is held
+again) or finds the row gone (it is lost). Its lease runs as before.
+
 A *stray row* is a row of ours that an acquire whose reply never came may
 have left in the table, or may still leave: the statement can go on running
 on the server until ``stray_row_may_land_until``. A *clean-up* deletes, in
@@ -26,6 +35,7 @@ clean-up is on the wire, so the two never cross.
 from __future__ import annotations
 
 import enum
+import math
 import threading
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -46,6 +56,10 @@ LEASE_EXPIRED = "its lease ran out: no heartbeat succeeded for stale_threshold -
 ROW_GONE = "its row was deleted or taken over by another instance"
 RELEASED_ELSEWHERE = "release() was called from another thread or task while the block holding it ran"
 NOT_HELD = "this Mutex does not hold the lock"
+IN_DOUBT = (
+    "its hold is in doubt: no heartbeat succeeded for reclaim_disconnected_after - heartbeat_interval, or one "
+    "failed, and another instance may reclaim it if its session ended; the next heartbeat confirms it or finds it lost"
+)
 
 StateLock = threading.Lock
 
@@ -71,12 +85,16 @@ class Hold:
 
     __slots__ = (
         "acquired_at",
+        "doubt_deadline",
+        "doubt_told",
         "group",
         "lease_deadline",
         "lock",
         "owner",
         "paused",
         "reason",
+        "renewed_at",
+        "running_out_told",
         "span_context",
         "status",
         "token",
@@ -95,7 +113,16 @@ class Hold:
         self.lock = lock
         self.acquired_at = acquired_at
         self.token = token
+        self.renewed_at = sent_at
+        """When the last acquire or heartbeat statement that succeeded for it was sent."""
         self.lease_deadline = sent_at + lock.timing.lease
+        doubt = lock.timing.doubt
+        self.doubt_deadline = math.inf if doubt is None else sent_at + doubt
+        """When it turns in doubt without a successful heartbeat (never, for a holder that did not opt in)."""
+        self.doubt_told = False
+        """Its doubt was reported (it is reported once, and its end once)."""
+        self.running_out_told = False
+        """Two thirds of its trust ran out without a heartbeat, and that was reported."""
         self.status = HoldStatus.HELD
         self.reason = ""
         self.owner = owner
@@ -107,8 +134,21 @@ class Hold:
         """Heartbeats skip it, as they would a frozen process's: how tests freeze a holder in-process."""
 
     @property
+    def trusted_until(self) -> float:
+        """Until when it is held, without another heartbeat: its lease, or sooner its doubt."""
+        return min(self.lease_deadline, self.doubt_deadline)
+
+    @property
     def held(self) -> bool:
-        return self.status is HoldStatus.HELD and now() < self.lease_deadline
+        return self.status is HoldStatus.HELD and now() < self.trusted_until
+
+    @property
+    def in_doubt(self) -> bool:
+        return self.status is HoldStatus.HELD and self.doubt_deadline <= now() < self.lease_deadline
+
+    def running_out_at(self) -> float:
+        """When two thirds of the time it is trusted without a heartbeat have gone."""
+        return self.renewed_at + (self.trusted_until - self.renewed_at) * 2 / 3
 
     def error(self, reason: str | None = None) -> LockNotHeldError:
         return self.lock.not_held_error(reason or self.reason or NOT_HELD)
@@ -157,12 +197,21 @@ class LockState:
         hold = self.hold
         return self.phase is Phase.HOLDING and hold is not None and hold.held
 
+    def lease_remaining(self) -> float | None:
+        """Seconds the current hold stays held without another heartbeat; None if not held."""
+        with self._lock:
+            hold = self.hold
+            if self.phase is not Phase.HOLDING or hold is None or not hold.held:
+                return None
+            return max(0.0, hold.trusted_until - now())
+
     def params(self) -> dict[str, object]:
         hold = self.hold
         return {
             "lock_name": self.lock_name,
             "instance_id": self.instance_id,
             "stale_seconds": self.timing.stale_threshold,
+            "reclaim_seconds": self.timing.reclaim_disconnected_after,
             "channel": self.channel,
             "acquired_at": None if hold is None else hold.acquired_at,
             "ended_how": "released",
@@ -262,22 +311,63 @@ class LockState:
             hold.reason = reason
             return hold.error()
 
-    def renew(self, hold: Hold, sent_at: float) -> bool:
-        """Extend the lease after a heartbeat sent at ``sent_at`` landed; False if the hold is no longer held."""
+    def renew(self, hold: Hold, sent_at: float) -> float | None:
+        """Extend the lease after a heartbeat sent at ``sent_at`` landed. Returns None if the hold is no longer
+        held; else how long it had been in doubt, if its doubt was told (0.0 if it was not in doubt)."""
         with self._lock:
             if hold.status is not HoldStatus.HELD or now() >= hold.lease_deadline:
-                return False
+                return None
+            current = now()
+            doubted_since = hold.doubt_deadline
+            hold.renewed_at = max(hold.renewed_at, sent_at)
             hold.lease_deadline = max(hold.lease_deadline, sent_at + self.timing.lease)
+            doubt = self.timing.doubt
+            if doubt is not None:
+                hold.doubt_deadline = max(hold.doubt_deadline, sent_at + doubt)
+            # A heartbeat sent before a freeze, answered after it, may leave the hold in doubt still.
+            confirmed = 0.0
+            if hold.doubt_told and current < hold.doubt_deadline:
+                hold.doubt_told = False
+                confirmed = max(current - doubted_since, 0.0)
+            if current < hold.running_out_at():
+                hold.running_out_told = False
+            return confirmed
+
+    def doubt(self, hold: Hold) -> None:
+        """A heartbeat of ``hold`` failed: if its holder names its session, the session may be gone, and with it
+        the row's protection from an early reclaim: the hold is in doubt until a heartbeat confirms it."""
+        with self._lock:
+            if self.timing.doubt is not None and hold.status is HoldStatus.HELD:
+                hold.doubt_deadline = min(hold.doubt_deadline, now())
+
+    def tell_doubt(self, hold: Hold) -> bool:
+        """Whether ``hold`` turned in doubt and that is yet to be told (once, until a heartbeat confirms it)."""
+        with self._lock:
+            if hold.doubt_told or not hold.in_doubt:
+                return False
+            hold.doubt_told = True
             return True
+
+    def tell_running_out(self, hold: Hold) -> float | None:
+        """Seconds left, if two thirds of ``hold``'s trust ran out without a heartbeat and that is yet to be told."""
+        with self._lock:
+            current = now()
+            if hold.running_out_told or hold.status is not HoldStatus.HELD or current < hold.running_out_at():
+                return None
+            hold.running_out_told = True
+            return max(0.0, hold.trusted_until - current)
 
     def require_held(self) -> Hold:
         """The current hold, if held; else raise `LockNotHeldError` saying why."""
         with self._lock:
             hold = self.hold
             if self.phase is Phase.HOLDING and hold is not None:
-                if hold.status is HoldStatus.HELD and now() < hold.lease_deadline:
+                if hold.held:
                     return hold
-                reason = hold.reason or (LEASE_EXPIRED if hold.status is HoldStatus.HELD else NOT_HELD)
+                if hold.in_doubt:
+                    reason = IN_DOUBT
+                else:
+                    reason = hold.reason or (LEASE_EXPIRED if hold.status is HoldStatus.HELD else NOT_HELD)
             else:
                 reason = hold.reason if hold is not None and hold.reason else NOT_HELD
         raise self.not_held_error(reason)

@@ -74,7 +74,9 @@ class Election:
 
     Takes the `Mutex`'s options (connection: ``dsn``, ``pool``,
     ``async_pool`` or ``client``; ``instance_id``, ``table``, the thresholds,
-    ``operation_timeout``, ``metrics``, ``tracer_provider``) and three of its own:
+    ``operation_timeout``, ``metrics``, ``tracer_provider``,
+    ``reclaim_disconnected_after``: a leader whose process died is replaced
+    that soon) and three of its own:
 
     - ``grace_period``: how long ``lead`` may take to return once told to end
       before the election reports an overrun (default: ``heartbeat_interval``,
@@ -111,6 +113,7 @@ class Election:
         grace_period: float | None = None,
         failure_backoff: float = 1.0,
         max_failure_backoff: float = 60.0,
+        reclaim_disconnected_after: float | None = None,
     ) -> None:
         if name is None:
             raise TypeError("Election() needs a name: Election(dsn, 'scheduler')")
@@ -140,6 +143,7 @@ class Election:
             metrics=metrics,
             tracer_provider=tracer_provider,
             on_lost=self._on_lost,
+            reclaim_disconnected_after=reclaim_disconnected_after,
         )
         config = self._mutex.config
         self._grace = config.heartbeat_interval if grace is None else grace

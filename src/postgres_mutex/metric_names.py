@@ -9,7 +9,8 @@ therefore serve both paths. The tests check the mapping with the SDK's own
 Prometheus exporter.
 
 Labels stay bounded: ``lock_name`` everywhere, ``outcome`` on acquire
-durations (`ACQUIRE_OUTCOMES`), ``ended`` on election terms (`TERM_ENDINGS`),
+durations (`ACQUIRE_OUTCOMES`), ``reason`` on reclaims (`RECLAIM_REASONS`),
+``ended`` on election terms (`TERM_ENDINGS`),
 ``holder`` only on the watcher's info metric.
 A process's random instance_id never labels a counter or a histogram.
 """
@@ -51,13 +52,30 @@ CONTENTIONS = MetricName(
     "postgres_mutex.contentions", "counter", "{attempt}", "Acquire attempts that found the lock held elsewhere."
 )
 STALE_RECLAIMS = MetricName(
-    "postgres_mutex.stale_reclaims", "counter", "{reclaim}", "Locks taken over from a silent holder."
+    "postgres_mutex.stale_reclaims",
+    "counter",
+    "{reclaim}",
+    "Locks taken over from a silent holder, by reason: stale (past stale_threshold) or disconnected "
+    "(its session ended, past its reclaim_disconnected_after).",
+    ("lock_name", "reason"),
 )
 ALERTS = MetricName(
     "postgres_mutex.alerts", "counter", "{alert}", "Holders silent past alert_threshold, once per episode."
 )
 LOSSES = MetricName(
     "postgres_mutex.losses", "counter", "{loss}", "Locks a holder lost: its lease ran out or its row was gone."
+)
+DOUBTS = MetricName(
+    "postgres_mutex.doubts",
+    "counter",
+    "{doubt}",
+    "Holds with reclaim_disconnected_after that turned in doubt: not held until a heartbeat confirms them.",
+)
+LEASES_RUNNING_OUT = MetricName(
+    "postgres_mutex.lease.running_out",
+    "counter",
+    "{hold}",
+    "Holds that went two thirds of their lease without a successful heartbeat.",
 )
 HEARTBEAT_FAILURES = MetricName(
     "postgres_mutex.heartbeat.failures", "counter", "{failure}", "Heartbeats that failed (and were retried)."
@@ -84,7 +102,17 @@ HOLDER_INFO = MetricName(
 )
 ALERTING = MetricName("postgres_mutex.alerting", "gauge", "", "1 while the holder is silent past alert_threshold.")
 RECLAIMABLE = MetricName(
-    "postgres_mutex.reclaimable", "gauge", "", "1 while the holder is silent past stale_threshold."
+    "postgres_mutex.reclaimable",
+    "gauge",
+    "",
+    "1 while the holder may be reclaimed: silent past stale_threshold, or its session ended and it is silent "
+    "past its reclaim_disconnected_after.",
+)
+SESSION_ALIVE = MetricName(
+    "postgres_mutex.holder.session",
+    "gauge",
+    "",
+    "1 while the holder's database session exists, 0 once it ended; absent for a holder whose row names none.",
 )
 ALERT_THRESHOLD = MetricName(
     "postgres_mutex.threshold.alert", "gauge", "s", "The watcher's alert_threshold, for drawing on graphs."
@@ -145,6 +173,10 @@ WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 
 ACQUIRE_OUTCOMES = ("acquired", "reclaimed", "contended", "timeout", "error")
 """Values of the ``outcome`` label of `ACQUIRE_DURATION`."""
 
+RECLAIM_REASONS = ("stale", "disconnected")
+"""Values of the ``reason`` label of `STALE_RECLAIMS`: silent past ``stale_threshold``; or a holder with
+``reclaim_disconnected_after`` whose database session had ended."""
+
 TERM_BUCKETS = (0.1, 1.0, 10.0, 60.0, 600.0, 3600.0, 21600.0, 86400.0)
 """Histogram buckets for terms of leadership: a failing ``lead`` lasts an instant, a healthy leader days."""
 
@@ -159,6 +191,8 @@ ALL: tuple[MetricName, ...] = (
     STALE_RECLAIMS,
     ALERTS,
     LOSSES,
+    DOUBTS,
+    LEASES_RUNNING_OUT,
     HEARTBEAT_FAILURES,
     HEARTBEAT_DURATION,
     ACQUIRE_DURATION,
@@ -168,6 +202,7 @@ ALL: tuple[MetricName, ...] = (
     HOLDER_INFO,
     ALERTING,
     RECLAIMABLE,
+    SESSION_ALIVE,
     ALERT_THRESHOLD,
     STALE_THRESHOLD,
     WATCHER_UP,

@@ -20,7 +20,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from . import metric_names as names
-from ._metrics import ExporterHook, WatchedLock
+from ._exporter import ExporterHook, WatchedLock
 from ._version import __version__
 
 __all__ = ["OtelMetrics"]
@@ -71,7 +71,11 @@ class OtelMetrics(ExporterHook):
             meter.create_observable_gauge(
                 metric.otel, callbacks=[self._per_lock(read)], unit=metric.unit, description=metric.description
             )
-        for metric, callback in ((names.HOLDER_INFO, self._holders), (names.WATCHER_UP, self._watcher_up)):
+        for metric, callback in (
+            (names.HOLDER_INFO, self._holders),
+            (names.SESSION_ALIVE, self._sessions),
+            (names.WATCHER_UP, self._watcher_up),
+        ):
             meter.create_observable_gauge(
                 metric.otel, callbacks=[callback], unit=metric.unit, description=metric.description
             )
@@ -102,6 +106,14 @@ class OtelMetrics(ExporterHook):
         return [
             Observation(1, {"lock_name": lock.observation.lock_name, "holder": lock.observation.holder})
             for lock in locks
+        ]
+
+    def _sessions(self, options: CallbackOptions) -> Iterable[Observation]:
+        locks, _ = self.view.snapshot()
+        return [
+            Observation(int(lock.observation.session_alive), {"lock_name": lock.observation.lock_name})
+            for lock in locks
+            if lock.observation.session_alive is not None
         ]
 
     def _watcher_up(self, options: CallbackOptions) -> Iterable[Observation]:

@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("PrometheusMetrics needs prometheus-client: pip install 'postgres-mutex[prometheus]'") from exc
 
 from . import metric_names as names
-from ._metrics import ExporterHook, LockTableView
+from ._exporter import ExporterHook, LockTableView
 
 __all__ = ["PrometheusMetrics"]
 
@@ -117,7 +117,7 @@ class _WatchedLocksCollector(Collector):
             return GaugeMetricFamily(metric.prometheus, metric.description, labels=metric.labels)
 
         age, held, holder = family(names.HEARTBEAT_AGE), family(names.HELD_DURATION), family(names.HOLDER_INFO)
-        alerting, reclaimable = family(names.ALERTING), family(names.RECLAIMABLE)
+        alerting, reclaimable, session = family(names.ALERTING), family(names.RECLAIMABLE), family(names.SESSION_ALIVE)
         alert_threshold, stale_threshold = family(names.ALERT_THRESHOLD), family(names.STALE_THRESHOLD)
         for lock in locks:
             seen = lock.observation
@@ -127,8 +127,10 @@ class _WatchedLocksCollector(Collector):
             holder.add_metric([seen.lock_name, seen.holder], 1.0)
             alerting.add_metric(label, float(seen.alerting))
             reclaimable.add_metric(label, float(seen.reclaimable))
+            if seen.session_alive is not None:
+                session.add_metric(label, float(seen.session_alive))
             alert_threshold.add_metric(label, lock.alert_threshold)
             stale_threshold.add_metric(label, lock.stale_threshold)
-        yield from (age, held, holder, alerting, reclaimable, alert_threshold, stale_threshold)
+        yield from (age, held, holder, alerting, reclaimable, session, alert_threshold, stale_threshold)
         if up is not None:
             yield GaugeMetricFamily(names.WATCHER_UP.prometheus, names.WATCHER_UP.description, value=float(up))

@@ -162,19 +162,19 @@ class LockTable:
 
     def has_tokens(self) -> bool:
         """Whether the table has the token column (False also if it does not exist)."""
-        return self._core.engine().run(admin_flows.inspect(self._names, self._timeout))[1]
+        return self._core.engine().run(admin_flows.inspect(self._names, self._timeout))[1].tokens
 
     async def has_tokens_async(self) -> bool:
         """Async `has_tokens`."""
-        return (await self._core.engine_async().run(admin_flows.inspect(self._names, self._timeout)))[1]
+        return (await self._core.engine_async().run(admin_flows.inspect(self._names, self._timeout)))[1].tokens
 
     def has_history(self) -> bool:
         """Whether the table keeps a history (see `history`)."""
-        return self._core.engine().run(admin_flows.inspect(self._names, self._timeout))[2]
+        return self._core.engine().run(admin_flows.inspect(self._names, self._timeout))[1].history
 
     async def has_history_async(self) -> bool:
         """Async `has_history`."""
-        return (await self._core.engine_async().run(admin_flows.inspect(self._names, self._timeout)))[2]
+        return (await self._core.engine_async().run(admin_flows.inspect(self._names, self._timeout)))[1].history
 
     # -- reading -----------------------------------------------------------------------
 
