@@ -351,10 +351,38 @@ def trouble() -> timeseries.Panel:
         "Per second, per lock. Stale reclaims: a lock taken over from a silent holder. Alerts: stale episodes "
         "(once each). Losses: a holder whose lease ran out or whose row was gone. Heartbeat failures are retried.",
         PER_SECOND,
-        (rate_by_lock(m.STALE_RECLAIMS), "reclaimed {{lock_name}}"),
+        (f"sum by (lock_name, reason) ({_rate(m.STALE_RECLAIMS)})", "reclaimed ({{reason}}) {{lock_name}}"),
         (rate_by_lock(m.ALERTS), "alert {{lock_name}}"),
         (rate_by_lock(m.LOSSES), "lost {{lock_name}}"),
         (rate_by_lock(m.HEARTBEAT_FAILURES), "heartbeat failed {{lock_name}}"),
+    )
+
+
+def disconnected_holders() -> timeseries.Panel:
+    """Holders with reclaim_disconnected_after: reclaims by reason, holds in doubt, leases running out."""
+    return _graph(
+        "Reclaims by reason, holds in doubt",
+        "Per second, per lock. A stale reclaim took over a holder silent past stale_threshold; a disconnected "
+        "one, a holder with reclaim_disconnected_after whose database session had ended (it died): expected "
+        "after a crash or a deploy, and fast. Holds in doubt: a holder that went reclaim_disconnected_after - "
+        "heartbeat_interval without a heartbeat, or whose heartbeat failed (not held until one confirms it). "
+        "Leases running out: two thirds of a hold's lease went by without a heartbeat.",
+        PER_SECOND,
+        (f"sum by (lock_name, reason) ({_rate(m.STALE_RECLAIMS)})", "reclaimed ({{reason}}) {{lock_name}}"),
+        (rate_by_lock(m.DOUBTS), "in doubt {{lock_name}}"),
+        (rate_by_lock(m.LEASES_RUNNING_OUT), "lease running out {{lock_name}}"),
+    )
+
+
+def holder_sessions() -> timeseries.Panel:
+    """Whether each holder's database session exists, as the watcher reads it (holders that name one)."""
+    return _graph(
+        "Holder's database session",
+        "1 while the holder's database session exists, 0 once it ended (the process died or its connection was "
+        "cut): a holder at 0 is reclaimed once its heartbeat is older than its reclaim_disconnected_after. "
+        "Only holders with reclaim_disconnected_after appear.",
+        COUNT,
+        (max_by_lock(m.SESSION_ALIVE), "session {{lock_name}}"),
     )
 
 
@@ -536,6 +564,7 @@ def _dashboard() -> dashboard_builders.Dashboard:
         ("Holders", [held_locks(), lock_state(), lock_state_history()]),
         ("Heartbeats", [heartbeat_age(), heartbeat_latency()]),
         ("Traffic", [acquisitions(), trouble(), acquire_duration(), locks_held()]),
+        ("Crashed holders", [disconnected_holders(), holder_sessions()]),
         ("Watcher", [watcher_up(), watcher_errors()]),
         ("Elections", [election_leaders(), election_events(), election_state_history(), election_endings()]),
     ]

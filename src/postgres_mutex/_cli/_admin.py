@@ -10,7 +10,7 @@ import sys
 import threading
 from datetime import UTC, datetime, timedelta
 
-from .. import LockTable
+from .. import LockObservation, LockTable
 from ._common import UsageError, dsn, duration, print_columns, say
 
 
@@ -36,6 +36,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             "seconds_since_heartbeat": round(seen.seconds_since_heartbeat, 3),
             "state": "reclaimable" if seen.reclaimable else "alerting" if seen.alerting else "ok",
             "token": seen.token,
+            "session": _session(seen),
+            "reclaim_disconnected_after": seen.reclaim_disconnected_after,
         }
         for seen in observations
     ]
@@ -52,7 +54,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no lock is held in table {args.table}")
         return 0
-    lines: list[tuple[str, ...]] = [("LOCK", "HOLDER", "HELD FOR", "SINCE HEARTBEAT", "STATE", "TOKEN")]
+    lines: list[tuple[str, ...]] = [("LOCK", "HOLDER", "HELD FOR", "SINCE HEARTBEAT", "STATE", "TOKEN", "SESSION")]
     lines += [
         (
             seen.lock_name,
@@ -61,11 +63,20 @@ def cmd_status(args: argparse.Namespace) -> int:
             duration(round(seen.seconds_since_heartbeat, 3)),
             str(row["state"]),
             "-" if seen.token is None else str(seen.token),
+            str(row["session"] or "-"),
         )
         for seen, row in zip(observations, rows, strict=True)
     ]
     print_columns(lines)
     return 0
+
+
+def _session(seen: LockObservation) -> str | None:
+    """What ``status`` says of a holder's session: alive, ended, unknown (it opted in behind a pooler), or None
+    (it did not opt in to ``reclaim_disconnected_after``)."""
+    if seen.session_alive is not None:
+        return "alive" if seen.session_alive else "ended"
+    return None if seen.reclaim_disconnected_after is None else "unknown"
 
 
 def _history_retention(args: argparse.Namespace) -> float | None:

@@ -49,6 +49,7 @@ CLI_WORDS: Mapping[str, str] = {
     "alert_threshold": "--alert-threshold",
     "stale_threshold": "--stale-threshold",
     "operation_timeout": "--operation-timeout",
+    "reclaim_disconnected_after": "--reclaim-disconnected-after",
     "since": "--since",
     "limit": "--limit",
 }

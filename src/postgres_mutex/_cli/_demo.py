@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -32,8 +33,10 @@ from ..watcher import StaleWatcher
 from ._common import UsageError
 from ._embedded import EmbeddedPostgres, EmbeddedPostgresError
 
-HEARTBEAT, ALERT, STALE = 0.5, 2.0, 5.0
+HEARTBEAT, ALERT, RECLAIM, STALE = 0.5, 1.5, 2.5, 8.0
 JOB_SECONDS = 1.5
+FREEZE = 5.0
+"""The frozen holder's pause: past its reclaim_disconnected_after, short of the stale threshold."""
 LOCK = "nightly-report"
 DEADLINE = 50.0
 
@@ -67,9 +70,15 @@ class _EventLine(MetricsHook):
         self.emit("contended")
 
     def stale_reclaimed(
-        self, lock_name: str, *, instance_id: str, previous_holder: str, token: int | None = None
+        self,
+        lock_name: str,
+        *,
+        instance_id: str,
+        previous_holder: str,
+        token: int | None = None,
+        reason: str = "stale",
     ) -> None:
-        self.emit("reclaimed", previous_holder=previous_holder)
+        self.emit("reclaimed", previous_holder=previous_holder, reason=reason)
 
     def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
         self.emit("alert", holder=holder, seconds=seconds_since_heartbeat)
@@ -79,6 +88,9 @@ class _EventLine(MetricsHook):
 
     def lost(self, lock_name: str, *, instance_id: str, reason: str) -> None:
         self.emit("lost", reason=reason)
+
+    def hold_confirmed(self, lock_name: str, *, instance_id: str, seconds_in_doubt: float) -> None:
+        self.emit("confirmed", seconds=seconds_in_doubt)
 
 
 def worker_main(table: str, name: str) -> None:
@@ -97,6 +109,7 @@ def worker_main(table: str, name: str) -> None:
         heartbeat_interval=HEARTBEAT,
         alert_threshold=ALERT,
         stale_threshold=STALE,
+        reclaim_disconnected_after=RECLAIM,
         poll_interval=0.2,
         metrics=hook,
     )
@@ -147,8 +160,8 @@ def run_demo(*, dsn: str | None, workers: int, out: TextIO | None = None) -> int
         signal.signal(signum, _leave)
     table = f"postgres_mutex_demo_{secrets.token_hex(4)}"
     print(
-        f"postgres-mutex demo: {workers} workers take turns at lock {LOCK!r} "
-        f"(heartbeat {HEARTBEAT:g}s, alert after {ALERT:g}s, reclaim after {STALE:g}s of silence)",
+        f"postgres-mutex demo: {workers} workers take turns at lock {LOCK!r} (heartbeat {HEARTBEAT:g}s, alert "
+        f"after {ALERT:g}s, reclaim after {RECLAIM:g}s of silence if the holder's session ended, else {STALE:g}s)",
         file=stream,
     )
     with contextlib.ExitStack() as stack:
@@ -237,89 +250,142 @@ def _read_events(proc: subprocess.Popen[str], events: queue.Queue[dict[str, Any]
             events.put(json.loads(line))
 
 
+class _Story:
+    """The demo's two acts, told as events come: a holder killed mid-job, then a holder frozen mid-job.
+
+    The first is reclaimed once its session is gone (``reclaim_disconnected_after``); the second keeps
+    its session, is alerted on, is not reclaimed, and holds again when it resumes.
+    """
+
+    def __init__(self, timeline: _Timeline, procs: dict[str, subprocess.Popen[str]]) -> None:
+        self.timeline, self.procs = timeline, procs
+        self.job_started: dict[str, float] = {}
+        self.holder: str | None = None
+        self.waiting: set[str] = set()
+        self.crashed_at: float | None = None
+        self.reclaimed_at: float | None = None
+        self.frozen_at: float | None = None
+        self.resumed_at: float | None = None
+        self.confirmed_at: float | None = None
+        self.alerts: dict[str, float] = {}
+        self.crashed: str | None = None
+        self.frozen: str | None = None
+        self.done = False
+
+    def see(self, event: dict[str, Any]) -> None:
+        who, kind, at = str(event["worker"]), str(event["event"]), float(event["t"])
+        self.timeline.counts[kind] += 1
+        line = functools.partial(self.timeline.line, at, who)
+        if kind == "acquired":
+            self.holder = who
+            self.waiting.discard(who)
+        elif kind == "job":
+            self.job_started[who] = at
+            line(f"acquired {LOCK!r} and started its job")
+            if self.confirmed_at is not None:
+                self.done = True  # the lock moved on after the frozen holder's job
+        elif kind == "heartbeat" and who == self.holder and self.frozen is None:
+            line(f"heartbeat ({float(event['seconds']) * 1000:.1f} ms)")
+        elif kind == "released":
+            self.holder = None
+            self.waiting.clear()
+            if who == self.frozen and self.resumed_at is not None and self.confirmed_at is None:
+                # Resumed right at the end of its job: the lock it kept is released before a heartbeat says so.
+                self.confirmed_at = at
+                line(f"RESUMED: its lock was still its own; finished its job and released {LOCK!r}")
+            else:
+                line(f"finished its job and released {LOCK!r}")
+        elif kind == "contended" and who not in self.waiting and who != self.holder:
+            self.waiting.add(who)
+            line(f"waits: {LOCK!r} is held by {self.holder or 'another worker'}")
+        elif kind == "alert" and self._act() not in self.alerts and self._act() != "":
+            self.alerts[self._act()] = at
+            line(
+                f"ALERT: {event['holder']} has not heartbeated for {float(event['seconds']):.1f}s "
+                f"(alert threshold {ALERT:g}s): slow, or dead?"
+            )
+        elif kind == "reclaimed":
+            self.reclaimed_at, self.holder = at, who
+            self.waiting.discard(who)
+            why = "its database session had ended" if event.get("reason") == "disconnected" else f"silent {STALE:g}s"
+            line(f"RECLAIMED {LOCK!r} from {event['previous_holder']}: {why}")
+        elif kind == "confirmed" and who == self.frozen:
+            self.confirmed_at = at
+            line(f"RESUMED: a heartbeat confirmed its hold after {float(event['seconds']):.1f}s in doubt")
+
+    def _act(self) -> str:
+        return "freeze" if self.frozen is not None else "crash" if self.crashed is not None else ""
+
+    def strike(self) -> None:
+        """Kill the first holder half-way through its job; after the reclaim, freeze the next one."""
+        holder, now = self.holder, time.monotonic()
+        if holder is None or now - self.job_started.get(holder, now) < JOB_SECONDS / 2:
+            return
+        if self.crashed is None:
+            self.crashed, self.crashed_at = holder, now
+            self.procs[holder].send_signal(signal.SIGKILL)
+            self.timeline.line(now, holder, "CRASHED (SIGKILL) in the middle of its job, still holding the lock")
+        elif self.frozen is None and self.reclaimed_at is not None and holder != self.crashed:
+            self.frozen, self.frozen_at = holder, now
+            self.procs[holder].send_signal(signal.SIGSTOP)
+            self.timeline.line(now, holder, f"FROZEN (SIGSTOP) in the middle of its job, for {FREEZE:g}s")
+        elif (
+            self.frozen is not None
+            and self.frozen_at is not None
+            and self.resumed_at is None
+            and (now - self.frozen_at >= FREEZE)
+        ):
+            self.resumed_at = now
+            self.procs[self.frozen].send_signal(signal.SIGCONT)
+
+    @property
+    def whole(self) -> bool:
+        seen = (self.crashed_at, self.reclaimed_at, self.frozen_at, self.alerts.get("freeze"), self.confirmed_at)
+        return None not in seen
+
+
 def _tell_the_story(
     timeline: _Timeline, events: queue.Queue[dict[str, Any]], procs: dict[str, subprocess.Popen[str]]
 ) -> int:
-    """Print events as they come; kill the first holder mid-job; stop once the lock has moved on after the reclaim."""
-    counts = timeline.counts
+    """Print events as they come, strike on cue, stop once the lock has moved on after the frozen holder."""
+    story = _Story(timeline, procs)
     deadline = time.monotonic() + DEADLINE
-    job_started: dict[str, float] = {}
-    victim = holder = None
-    crashed_at = alerted_at = reclaimed_at = None
-    waiting: set[str] = set()
-    released_at: float | None = None
-    handed_off = False
-    while time.monotonic() < deadline and not handed_off:
+    while time.monotonic() < deadline and not story.done:
         with contextlib.suppress(queue.Empty):
-            event = events.get(timeout=0.05)
-            who, kind, at = str(event["worker"]), str(event["event"]), float(event["t"])
-            counts[kind] += 1
-            if kind == "acquired":
-                holder = who
-                waiting.discard(who)
-            elif kind == "job":
-                job_started[who] = at
-                victim = victim or who
-                if released_at is not None and reclaimed_at is not None:
-                    handed_off = True
-                    wait = f" {(at - released_at) * 1000:.0f} ms after the release: waiters are woken at once"
-                else:
-                    wait = ""
-                timeline.line(at, who, f"acquired {LOCK!r} and started its job{wait}")
-            elif kind == "heartbeat" and who == holder:
-                timeline.line(at, who, f"heartbeat ({float(event['seconds']) * 1000:.1f} ms)")
-            elif kind == "released":
-                released_at = at
-                holder = None
-                waiting.clear()
-                timeline.line(at, who, f"finished its job and released {LOCK!r}")
-            elif kind == "contended" and who not in waiting and who != holder:
-                waiting.add(who)
-                timeline.line(at, who, f"waits: {LOCK!r} is held by {holder or 'another worker'}")
-            elif kind == "alert" and alerted_at is None and crashed_at is not None:
-                alerted_at = at
-                timeline.line(
-                    at,
-                    who,
-                    f"ALERT: {event['holder']} has not heartbeated for {float(event['seconds']):.1f}s "
-                    f"(alert threshold {ALERT:g}s): slow, or dead?",
-                )
-            elif kind == "reclaimed":
-                reclaimed_at, holder = at, who
-                waiting.discard(who)
-                timeline.line(at, who, f"RECLAIMED {LOCK!r} from {event['previous_holder']}, silent past {STALE:g}s")
-        if (
-            crashed_at is None
-            and victim is not None
-            and holder == victim
-            and time.monotonic() - job_started[victim] >= JOB_SECONDS / 2
-        ):
-            procs[victim].send_signal(signal.SIGKILL)
-            crashed_at = time.monotonic()
-            timeline.line(crashed_at, victim, "CRASHED (SIGKILL) in the middle of its job, still holding the lock")
-    _summary(timeline, crashed_at, alerted_at, reclaimed_at)
-    return 0 if None not in (crashed_at, alerted_at, reclaimed_at) else 1
+            story.see(events.get(timeout=0.05))
+        story.strike()
+    _summary(story)
+    return 0 if story.whole else 1
 
 
-def _summary(timeline: _Timeline, crashed: float | None, alerted: float | None, reclaimed: float | None) -> None:
-    out, counts = timeline.out, timeline.counts
+def _summary(story: _Story) -> None:
+    out, counts = story.timeline.out, story.timeline.counts
     print("", file=out)
     print("summary", file=out)
     print(
         f"  acquisitions {counts['acquired']}, releases {counts['released']}, heartbeats {counts['heartbeat']}, "
-        f"contended attempts {counts['contended']}, stale reclaims {counts['reclaimed']}",
+        f"contended attempts {counts['contended']}, reclaims {counts['reclaimed']}",
         file=out,
     )
     print(
         f"  alerts {counts['alert']}: the watcher and each waiting worker alert once per silent episode",
         file=out,
     )
-    since = "counted from the last heartbeat, just before the crash"
-    if crashed is not None and alerted is not None:
-        print(f"  crash -> alert:   {alerted - crashed:.2f}s (alert threshold {ALERT:g}s, {since})", file=out)
-    if crashed is not None and reclaimed is not None:
-        print(f"  crash -> reclaim: {reclaimed - crashed:.2f}s (stale threshold {STALE:g}s, {since})", file=out)
-    if None in (crashed, alerted, reclaimed):
+    if story.crashed_at is not None and story.reclaimed_at is not None:
+        print(
+            f"  crash -> reclaim: {story.reclaimed_at - story.crashed_at:.2f}s: its session ended with it "
+            f"(reclaim_disconnected_after {RECLAIM:g}s; stale_threshold {STALE:g}s)",
+            file=out,
+        )
+    if story.frozen_at is not None and story.confirmed_at is not None:
+        alerted = story.alerts.get("freeze")
+        after = "" if alerted is None else f"alerted after {alerted - story.frozen_at:.2f}s, "
+        print(
+            f"  freeze -> resumed: {after}not reclaimed: a frozen process keeps its session "
+            f"(its lock still its own {story.confirmed_at - story.frozen_at:.2f}s after the freeze)",
+            file=out,
+        )
+    if not story.whole:
         print("  the demo did not see the whole story in time", file=out)
 
 

@@ -33,6 +33,14 @@ def parser() -> argparse.ArgumentParser:
     group.add_argument("--heartbeat-interval", type=seconds("--heartbeat-interval"), default=10.0)
     group.add_argument("--alert-threshold", type=seconds("--alert-threshold"), default=30.0)
     group.add_argument("--stale-threshold", type=seconds("--stale-threshold"), default=600.0)
+    group.add_argument(
+        "--reclaim-disconnected-after",
+        type=seconds("--reclaim-disconnected-after"),
+        metavar="SECONDS",
+        help="let another runner take the lock this soon after this one's database session ended (it died, its "
+        "connection was cut), instead of after --stale-threshold; a runner that is only slow keeps it "
+        "(default: off)",
+    )
 
     parser = Parser(
         prog="postgres-mutex",

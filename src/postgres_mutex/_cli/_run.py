@@ -64,6 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         alert_threshold=args.alert_threshold,
         stale_threshold=args.stale_threshold,
         operation_timeout=args.operation_timeout,
+        reclaim_disconnected_after=args.reclaim_disconnected_after,
     )
     try:
         holding = mutex.acquire(blocking=args.wait, timeout=args.timeout)
@@ -138,6 +139,7 @@ def _run_restarting(args: argparse.Namespace, command: list[str], kill_after: fl
         operation_timeout=args.operation_timeout,
         failure_backoff=args.restart_delay,
         max_failure_backoff=max(args.restart_delay, MAX_RESTART_DELAY),
+        reclaim_disconnected_after=args.reclaim_disconnected_after,
     )
     signals: list[int] = []
     status: list[int] = []  # the last command's, if a signal came while it ran
