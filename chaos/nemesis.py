@@ -143,8 +143,8 @@ class History:
                     continue  # the line a SIGKILL cut short
         return cls(events)
 
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [event for event in self.events if event["ev"] == name]
+    def named(self, *names: str) -> list[dict[str, Any]]:
+        return [event for event in self.events if event["ev"] in names]
 
 
 @dataclass
@@ -158,6 +158,10 @@ class Verdict:
     overlaps_after_loss_known: int = 0
     """Sections that began while a former holder, already told of its loss, was still finishing: allowed."""
     reclaims: int = 0
+    reclaims_disconnected: int = 0
+    """Reclaims of a holder with reclaim_disconnected_after whose session had ended."""
+    doubts: int = 0
+    """Holds that turned in doubt (reclaim_disconnected_after)."""
     losses: int = 0
     late_losses: list[str] = field(default_factory=list)
     """Losses told to a running holder (``on_lost``) only after another instance had taken the lock."""
@@ -194,6 +198,8 @@ class Verdict:
             "believed_overlaps": len(self.overlaps),
             "overlaps_after_loss_known": self.overlaps_after_loss_known,
             "reclaims": self.reclaims,
+            "reclaims_of_ended_sessions": self.reclaims_disconnected,
+            "holds_in_doubt": self.doubts,
             "losses": self.losses,
             "losses_detected_late": len(self.late_losses),
             "min_notice_before_reclaim_s": "none" if self.min_notice_s is None else round(self.min_notice_s, 3),
@@ -281,6 +287,8 @@ def check(
     verdict.overlaps = overlaps(sections, now=end, believed=True)
     verdict.overlaps_after_loss_known = len(overlaps(sections, now=end)) - len(verdict.overlaps)
     verdict.reclaims = len(history.named("reclaimed"))
+    verdict.reclaims_disconnected = sum(1 for r in history.named("reclaimed") if r.get("reason") == "disconnected")
+    verdict.doubts = len(history.named("doubt"))
 
     # Losses: on_lost told a running holder in time, before anyone else took the lock?
     takeovers: dict[str, list[Section]] = {}
@@ -302,6 +310,9 @@ def check(
         if not after:
             continue
         taken = after[0].enter
+        # A holder with reclaim_disconnected_after is told first that its hold is in doubt (it stops
+        # believing then), and of the loss at its next heartbeat: the doubt is its notice.
+        loss = {**loss, "at": told_at(history, loss, since=lost_section.enter)}
         # The lease runs out a heartbeat interval before anyone may take the lock over, and on_lost
         # fires then: unless the holder was frozen at that moment (it is told as it resumes).
         if _frozen_during(applied, loss["who"], taken - HEARTBEAT, taken):
@@ -357,6 +368,16 @@ def check(
 
 
 # -- running it ----------------------------------------------------------------------------------
+
+
+def told_at(history: History, loss: dict[str, Any], *, since: float) -> float:
+    """When the holder learned of ``loss``: the loss, or the doubt before it that no heartbeat confirmed."""
+    notice = loss["at"]
+    for event in sorted(history.named("doubt", "confirmed"), key=lambda e: e["at"]):
+        if event["who"] != loss["who"] or event["lock"] != loss["lock"] or not since <= event["at"] <= loss["at"]:
+            continue
+        notice = min(notice, event["at"]) if event["ev"] == "doubt" else loss["at"]
+    return float(notice)
 
 
 def new_seed() -> int:

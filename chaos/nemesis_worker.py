@@ -18,8 +18,11 @@ tenth of a second while it still sees ``held`` true, ``section`` as it
 ends (with ``held`` at its end and the last moment ``held`` was seen true),
 ``inc-start`` before a ledger transaction commits and ``inc`` with its
 outcome (committed, fenced, aborted, unknown), ``lost`` from ``on_lost``,
-``reclaimed`` when an acquire took a stale row over, ``error`` for a failed
-acquire or release. chaos/nemesis.py reads it back.
+``reclaimed`` when an acquire took a stale (or disconnected) holder's row over,
+``doubt`` and ``confirmed`` when a hold turned in doubt and when a heartbeat
+confirmed it (``reclaim_disconnected_after``, set for half the workers by
+$NEMESIS_RECLAIM_DISCONNECTED_AFTER), ``error`` for a failed acquire or
+release. chaos/nemesis.py reads it back.
 
 $NEMESIS_BROKEN=lease makes this process deliberately unsafe, for the test
 that shows the nemesis catches it: see `break_the_lease`.
@@ -45,6 +48,8 @@ from chaos.harness import TIMING
 from postgres_mutex import LockNotHeldError, Mutex, MutexError
 
 LEDGER = "nemesis_ledger"
+RECLAIM_ENV = "NEMESIS_RECLAIM_DISCONNECTED_AFTER"
+"""Seconds: the workers of odd slots run with ``reclaim_disconnected_after`` (the others without)."""
 SAMPLE = 0.005
 """How often a section looks at ``held``."""
 BELIEF_EVERY = 0.1
@@ -94,13 +99,24 @@ class Log:
 
 
 class Hook:
-    """The metrics hook: logs the reclaims this worker made (a stale holder's row taken over)."""
+    """The metrics hook: logs the reclaims this worker made (a stale or disconnected holder's row taken over),
+    and when a hold of its turned in doubt or was confirmed (``reclaim_disconnected_after``)."""
 
     def __init__(self, log: Log) -> None:
         self._log = log
 
-    def stale_reclaimed(self, lock_name: str, *, instance_id: str, previous_holder: str, token: int | None) -> None:
-        self._log.write("reclaimed", lock=lock_name, at=time.monotonic(), previous=previous_holder, token=token)
+    def stale_reclaimed(
+        self, lock_name: str, *, instance_id: str, previous_holder: str, token: int | None, reason: str
+    ) -> None:
+        self._log.write(
+            "reclaimed", lock=lock_name, at=time.monotonic(), previous=previous_holder, token=token, reason=reason
+        )
+
+    def hold_in_doubt(self, lock_name: str, *, instance_id: str) -> None:
+        self._log.write("doubt", lock=lock_name, at=time.monotonic())
+
+    def hold_confirmed(self, lock_name: str, *, instance_id: str, seconds_in_doubt: float) -> None:
+        self._log.write("confirmed", lock=lock_name, at=time.monotonic())
 
 
 @contextmanager
@@ -261,6 +277,10 @@ def main(name: str, locks: list[str], log_path: str, seed: int, stop_file: str) 
     if os.environ.get("NEMESIS_BROKEN") == "lease":
         break_the_lease()
     timing: dict[str, Any] = {**TIMING, **json.loads(os.environ.get("CHAOS_TIMING") or "{}")}
+    reclaim = os.environ.get(RECLAIM_ENV)
+    if reclaim and int(name[1:].split("g")[0]) % 2:
+        # Half the fleet (the odd slots) names its sessions: a mixed fleet, as a rollout makes.
+        timing["reclaim_disconnected_after"] = float(reclaim)
     dsn = os.environ["POSTGRES_MUTEX_DSN"]
     stop = Path(stop_file)
     rng = random.Random(f"{seed}-{name}")

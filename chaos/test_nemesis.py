@@ -49,12 +49,14 @@ from chaos.nemesis import (
     new_seed,
     sections_of,
 )
-from chaos.nemesis_worker import LEDGER
+from chaos.nemesis_worker import LEDGER, RECLAIM_ENV
 from postgres_mutex import MutexClient
 from tests.postgres_server import PostgresServer
 
 WORKERS = 5
 LOCKS = 3
+RECLAIM_DISCONNECTED_AFTER = 1.5
+"""For the workers that opt in: well inside the chaos suite's stale threshold (3 s), three heartbeats at least."""
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -168,7 +170,11 @@ def nemesis_run(own_pg: PostgresServer, chaos: Chaos, seconds: float, name: str)
     print(f"nemesis seed {seed} (replay: NEMESIS_SEED={seed})")  # shown with -s, and on a failure
     locks = [f"{chaos.lock_name}-{n}" for n in range(LOCKS)]
     run = Run(own_pg, locks, logs_dir(name), seed)
-    nemesis = run.nemesis(lambda name: chaos.net(name, server=own_pg))
+    # Half the workers name their sessions (reclaim_disconnected_after): a killed one is reclaimed
+    # early, a frozen or cut-off one is in doubt before that; the checker holds both to the same rules.
+    nemesis = run.nemesis(
+        lambda name: chaos.net(name, server=own_pg), env={RECLAIM_ENV: str(RECLAIM_DISCONNECTED_AFTER)}
+    )
     schedule = make_schedule(seed, seconds=seconds, locks=LOCKS)
     ran = nemesis.run(schedule, seconds=seconds)
     rows_at_stop = run.rows_left()
@@ -407,6 +413,20 @@ def test_the_checker_finds_a_loss_told_after_the_takeover_unless_the_holder_was_
     assert len(verdict_of(held, taken, late).late_losses) == 1
     frozen = Applied(Fault(1.0, "freeze", 0, 2.0), "a", start=1.0, end=3.3)
     assert verdict_of(held, taken, late, applied=[frozen]).late_losses == [], "told as it resumed"
+
+
+def test_the_checker_takes_a_doubt_no_heartbeat_confirmed_as_the_holders_notice() -> None:
+    held = section("a", "x", 0.0, 2.0, held=False, believed=2.0)
+    taken = section("b", "x", 3.0, 4.0)
+    reclaim = {"ev": "reclaimed", "who": "b", "lock": "x", "at": 2.99, "previous": "a"}
+    lost = {"ev": "lost", "who": "a", "lock": "x", "at": 3.4, "reason": "row gone"}
+    doubt = {"ev": "doubt", "who": "a", "lock": "x", "at": 2.0}
+    confirmed = {"ev": "confirmed", "who": "a", "lock": "x", "at": 2.5}
+    assert len(verdict_of(held, taken, reclaim, lost).late_losses) == 1, "told of the loss after the takeover"
+    told = verdict_of(held, taken, reclaim, lost, doubt)
+    assert told.late_losses == []
+    assert told.min_notice_s == pytest.approx(1.0), "in doubt a second before the takeover"
+    assert len(verdict_of(held, taken, reclaim, lost, doubt, confirmed).late_losses) == 1, "a confirmed doubt"
 
 
 def test_the_checker_calls_a_row_left_by_a_live_worker_an_orphan_not_one_of_a_killed_one() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import statistics
 import threading
 import time
@@ -250,6 +251,29 @@ def test_release_deletes_the_row(through: Through, holder_id: Holder) -> None:
     with pytest.raises(LockNotHeldError):
         holder.release()  # nothing held: refused, as threading.Lock.release refuses
     assert through.count("released", "holder") == 1
+
+
+def test_behind_pgbouncer_a_holder_that_would_name_its_session_falls_back_to_the_thresholds(
+    bouncer: PgBouncer, lock_name: str, schema: None, admin: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pooler's server session is not the client's: the row names none, the hold falls back, and it is said."""
+    options = {**TIMING, "operation_timeout": 0.3, "reclaim_disconnected_after": 1.2}
+    mutex = Mutex(bouncer.dsn(), lock_name, **options)
+    try:
+        with caplog.at_level(logging.WARNING, logger="postgres_mutex"), mutex.acquire() as acquired:
+            assert acquired
+            mutex.heartbeat()
+            row = admin.execute(
+                "SELECT session_key, reclaim_after FROM mutex_lock WHERE lock_name = %s", (lock_name,)
+            ).fetchone()
+            assert row == (None, 1.2), "no session named: never reclaimed early"
+            (seen,) = LockTable(bouncer.dsn()).holders([lock_name])
+            assert (seen.session_alive, seen.reclaim_disconnected_after) == (None, 1.2)
+        warnings = [r.getMessage() for r in caplog.records if "reclaim_disconnected_after" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "falls back to stale_threshold" in warnings[0]
+    finally:
+        mutex.close()
 
 
 async def test_async_contention_and_hand_off(bouncer: PgBouncer, lock_name: str, schema: None) -> None:
