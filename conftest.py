@@ -1,3 +1,3 @@
-"""Shared by both suites (tests/ and chaos/): the fixtures live in tests/fixtures.py."""
+"""Shared by both suites (tests/ and chaos/): the fixtures live in tests/support/fixtures.py."""
 
-pytest_plugins = ["tests.fixtures", "tests.figures"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.figures"]

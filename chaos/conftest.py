@@ -1,6 +1,6 @@
 """Fixtures for the chaos suite: one Toxiproxy server a session, a clean client a test.
 
-PostgreSQL fixtures live in tests/fixtures.py (loaded for both suites by the root conftest.py).
+PostgreSQL fixtures live in tests/support/fixtures.py (loaded for both suites by the root conftest.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from chaos.harness import ALERT, STALE, TIMING, WATCH_INTERVAL, Events, Net, Rep
 from chaos.toxiproxy import ToxiproxyEndpoint, toxiproxy_client, toxiproxy_endpoint
 from postgres_mutex import Mutex
 from postgres_mutex.watcher import StaleWatcher
-from tests import exclusion
-from tests.exclusion import Sections
-from tests.postgres_server import PostgresServer
+from tests.support import exclusion
+from tests.support.exclusion import Sections
+from tests.support.postgres_server import PostgresServer
 
 log = logging.getLogger(__name__)
 

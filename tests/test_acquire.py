@@ -12,7 +12,7 @@ import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, LockNotHeldError, Mutex
 from postgres_mutex.client import core_of
-from tests.fixtures import (
+from tests.support.fixtures import (
     RecordingMetrics,
     await_until,
     frozen_holder,

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from postgres_mutex import metric_names
-from tests.prometheus_rules import (
+from tests.support.prometheus_rules import (
     ALERTS_FILE,
     ALERTS_TEST_FILE,
     OTEL_COLLECTOR_FILE,

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from bench.report import LATENCY_LABELS, SECTIONS
-from tests.fixtures import ROOT
+from tests.support.fixtures import ROOT
 
 QUICK_RUN_TIMEOUT = 100.0
 

@@ -25,9 +25,9 @@ import psycopg
 import pytest
 
 from postgres_mutex import Mutex
-from tests.fixtures import ROOT, freeze, process_listens, read_line, skip_or_fail_in_ci, wait_until
-from tests.postgres_server import free_port
-from tests.timing import FAST, cli_flags
+from tests.support.fixtures import ROOT, freeze, process_listens, read_line, skip_or_fail_in_ci, wait_until
+from tests.support.postgres_server import free_port
+from tests.support.timing import FAST, cli_flags
 
 Holder = Callable[..., str | None]
 FAST_FLAGS = cli_flags()

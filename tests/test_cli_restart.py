@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.fixtures import read_held, start_worker, wait_until
+from tests.support.fixtures import read_held, start_worker, wait_until
 from tests.test_cli import FAST_FLAGS, cli, python, start
 
 Holder = Callable[..., str | None]

@@ -18,9 +18,9 @@ import pytest
 from postgres_mutex import LockTable, Mutex, MutexClient, MutexError
 from postgres_mutex._settings import Timing
 from postgres_mutex.client import core_of
-from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, wait_until
-from tests.postgres_server import PostgresServer
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, wait_until
+from tests.support.postgres_server import PostgresServer
 
 
 def _connections(admin: psycopg.Connection[Any], application_name: str) -> int:
@@ -377,7 +377,7 @@ def test_the_generated_sync_engine_is_up_to_date() -> None:
     import subprocess
     import sys
 
-    from tests.fixtures import ROOT
+    from tests.support.fixtures import ROOT
 
     result = subprocess.run(
         [sys.executable, "tools/async_to_sync.py", "--check"], cwd=ROOT, capture_output=True, text=True, check=False

@@ -13,8 +13,8 @@ import psycopg
 import pytest
 
 from postgres_mutex import Mutex
-from tests.fixtures import wait_until
-from tests.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer
+from tests.support.fixtures import wait_until
+from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_the_connection_is_opened_lazily_and_closed_by_the_last_close(
 
 def test_an_unreachable_server_is_a_clear_error_and_not_retried_forever(lock_name: str) -> None:
     from postgres_mutex import DatabaseError
-    from tests.postgres_server import free_port
+    from tests.support.postgres_server import free_port
 
     mutex = Mutex(f"host=127.0.0.1 port={free_port()} user=x dbname=y connect_timeout=2", lock_name)
     with pytest.raises(DatabaseError, match="could not connect") as caught, mutex.acquire(blocking=True):

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from postgres_mutex import Mutex
-from tests.exclusion import overlaps, read_log
-from tests.fixtures import FAST, ROOT, RecordingMetrics, read_held, start_worker, wait_until
+from tests.support.exclusion import overlaps, read_log
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, read_held, start_worker, wait_until
 
 Holder = Callable[..., str | None]
 
@@ -97,7 +97,7 @@ def test_contending_processes_never_overlap(
 
 def _fork_report(dsn: str, lock_name: str, instance_id: str = "") -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.workers", "fork", dsn, lock_name, instance_id],
+        [sys.executable, "-m", "tests.support.workers", "fork", dsn, lock_name, instance_id],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from postgres_mutex import metric_names as m
-from tests.fixtures import required_module
+from tests.support.fixtures import required_module
 
 # Part of the dev extra: a missing generator skips this module locally and fails it in CI.
 required_module("grafana_foundation_sdk", "the dashboard generator needs grafana-foundation-sdk (the dev extra)")

@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from postgres_mutex import Mutex
-from tests.doc_examples import ROOT, Block, Page, load_pages, parse_page, python_parts, substitute
-from tests.doc_prelude import SHELL_FILES
-from tests.postgres_server import PostgresServer, free_port
+from tests.support.doc_examples import ROOT, Block, Page, load_pages, parse_page, python_parts, substitute
+from tests.support.doc_prelude import SHELL_FILES
+from tests.support.postgres_server import PostgresServer, free_port
 
 PAGES = load_pages()
 SCHEMA = "docs_examples"
@@ -102,7 +102,7 @@ def test_python_examples(page: Page, values: dict[str, str], request: pytest.Fix
     parts = python_parts(page.examples("python"), values)
     payload = json.dumps([(code, origin.path, origin.line) for code, origin in parts])
     result = subprocess.run(
-        [sys.executable, "-X", "dev", "-W", "error::DeprecationWarning", "-m", "tests.doc_examples"],
+        [sys.executable, "-X", "dev", "-W", "error::DeprecationWarning", "-m", "tests.support.doc_examples"],
         input=payload,
         cwd=_scratch(tmp_path),
         env=_environment(values),

@@ -2,7 +2,7 @@
 
 Grouped by what a user would notice: who leads, hand-over, crash recovery,
 loss, failing leads, async leads, observability, bad input. The processes
-of the fleet tests run tests/election_worker.py.
+of the fleet tests run tests/support/election_worker.py.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from psycopg_pool import ConnectionPool
 
 from postgres_mutex import Election, Leadership, LockNotHeldError, LockTable, Mutex, MutexError
 from postgres_mutex.prometheus import PrometheusMetrics
-from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, ROOT, RecordingMetrics, wait_until
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, wait_until
 
 Make = Callable[..., Election]
 
@@ -311,7 +311,7 @@ def test_a_lead_that_returns_gives_the_term_up_and_campaigns_again(
 
 def start_candidate(dsn: str, name: str, out: Path, **options: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.election_worker", dsn, name, str(out), json.dumps(options)],
+        [sys.executable, "-m", "tests.support.election_worker", dsn, name, str(out), json.dumps(options)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.exclusion import Section, Sections, overlaps, read_log
+from tests.support.exclusion import Section, Sections, overlaps, read_log
 
 
 def later(found: list[tuple[Section, Section]]) -> list[str]:

@@ -1,6 +1,6 @@
 """The lock on a real replicated cluster: Patroni switchovers and failovers under held locks.
 
-One cluster for the module (tests/patroni.py: etcd and two Patroni nodes of
+One cluster for the module (tests/support/patroni.py: etcd and two Patroni nodes of
 PostgreSQL 15 on loopback), switched between synchronous and asynchronous
 replication by Patroni's own configuration API. Clients use a multi-host DSN
 with ``target_session_attrs=read-write``, as the docs tell users to.
@@ -47,10 +47,10 @@ import pytest
 from chaos.harness import Event, Events
 from postgres_mutex import DatabaseError, LockNotHeldError, Mutex, MutexError
 from postgres_mutex.watcher import StaleWatcher
-from tests.exclusion import Sections
-from tests.figures import Figures, ran_whole
-from tests.fixtures import ROOT, wait_until
-from tests.patroni import LOOP_WAIT, RETRY_TIMEOUT, TTL, Node, PatroniCluster
+from tests.support.exclusion import Sections
+from tests.support.figures import Figures, ran_whole
+from tests.support.fixtures import ROOT, wait_until
+from tests.support.patroni import LOOP_WAIT, RETRY_TIMEOUT, TTL, Node, PatroniCluster
 from tests.test_cli import cli
 
 pytestmark = pytest.mark.failover

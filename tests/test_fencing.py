@@ -15,9 +15,9 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex, OperationTimeout, SchemaError
-from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
-from tests.postgres_server import PASSWORD, PostgresServer
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
+from tests.support.postgres_server import PASSWORD, PostgresServer
 
 Holder = Callable[..., str | None]
 
@@ -284,7 +284,7 @@ def test_a_contender_is_answered_at_once_while_the_holder_has_a_fenced_transacti
 def test_heartbeats_carry_on_during_a_long_fenced_transaction(
     make_mutex: Callable[..., Mutex], dsn: str, lock_name: str
 ) -> None:
-    from tests.fixtures import RecordingMetrics
+    from tests.support.fixtures import RecordingMetrics
 
     metrics = RecordingMetrics()
     holder = make_mutex(metrics=metrics)
@@ -404,7 +404,7 @@ def test_a_table_without_tokens_keeps_working_and_fencing_names_the_migration(
 def test_migrating_in_place_is_online_idempotent_and_safe_to_race(
     make_mutex: Callable[..., Mutex], dsn: str, admin: psycopg.Connection[Any], readme_table: str
 ) -> None:
-    from tests.fixtures import RecordingMetrics
+    from tests.support.fixtures import RecordingMetrics
 
     metrics = RecordingMetrics()
     holder = make_mutex(table=readme_table, metrics=metrics)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests import figures as module
-from tests.figures import Figures, flush_docs_copies, ran_whole
+from tests.support import figures as module
+from tests.support.figures import Figures, flush_docs_copies, ran_whole
 
 
 def measured(**scenarios: float) -> Figures:

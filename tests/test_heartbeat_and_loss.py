@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, Mutex
-from tests.fixtures import FAST, RecordingMetrics, row_locked, wait_until
+from tests.support.fixtures import FAST, RecordingMetrics, row_locked, wait_until
 
 Row = Callable[..., tuple[Any, ...] | None]
 Holder = Callable[..., str | None]

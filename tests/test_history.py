@@ -32,9 +32,9 @@ from postgres_mutex import (
     OperationTimeout,
     SchemaError,
 )
-from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
-from tests.postgres_server import PostgresServer
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
+from tests.support.postgres_server import PostgresServer
 
 
 def drop(dsn: str, table: str) -> None:

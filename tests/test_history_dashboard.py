@@ -31,7 +31,7 @@ import pytest
 
 from postgres_mutex import HoldRecord, LockNotHeldError, LockTable, Mutex
 from postgres_mutex._sql import HISTORY_ENDINGS
-from tests.fixtures import FAST, freeze, wait_until
+from tests.support.fixtures import FAST, freeze, wait_until
 
 pytest.importorskip(
     "grafana_foundation_sdk", reason="the dashboard generator needs grafana-foundation-sdk (Python 3.11+)"

@@ -23,9 +23,9 @@ import pytest
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
 from postgres_mutex._secrets import Redactor
 from postgres_mutex.watcher import StaleWatcher
-from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, ROOT, RecordingMetrics, await_until, held_in_a_task, wait_until
-from tests.postgres_server import PostgresServer
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, await_until, held_in_a_task, wait_until
+from tests.support.postgres_server import PostgresServer
 
 Holder = Callable[..., str | None]
 
@@ -336,7 +336,7 @@ def test_a_waiting_singleton_sibling_never_starves_the_holders_heartbeat(
 
 def _role_dsn(pg: PostgresServer, admin: psycopg.Connection[Any], setting: str) -> Iterator[str]:
     role = f"mutex_setting_{uuid.uuid4().hex[:8]}"
-    from tests.postgres_server import PASSWORD
+    from tests.support.postgres_server import PASSWORD
 
     admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
     admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON mutex_lock TO {role}")

@@ -23,8 +23,8 @@ from postgres_mutex import DatabaseError, Election, FanOutMetrics, Leadership, L
 from postgres_mutex.otel import OtelMetrics
 from postgres_mutex.prometheus import PrometheusMetrics
 from postgres_mutex.watcher import StaleWatcher
-from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, frozen_holder, wait_until
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, frozen_holder, wait_until
 
 
 def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_name: str, admin: Any) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 
 from postgres_mutex import MetricsHook, Mutex
-from tests.fixtures import RecordingMetrics, frozen_holder, wait_until
+from tests.support.fixtures import RecordingMetrics, frozen_holder, wait_until
 
 
 def test_the_readme_calls_arrive_with_their_arguments(

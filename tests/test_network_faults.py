@@ -25,9 +25,9 @@ from postgres_mutex import (
     OperationTimeout,
 )
 from postgres_mutex.client import core_of
-from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, RecordingMetrics, freeze, wait_until
-from tests.postgres_server import PostgresServer
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, RecordingMetrics, freeze, wait_until
+from tests.support.postgres_server import PostgresServer
 
 Holder = Callable[..., str | None]
 Row = Callable[..., tuple[Any, ...] | None]

@@ -46,11 +46,11 @@ from postgres_mutex import (
     MutexError,
     OperationTimeout,
 )
-from tests.exclusion import Sections
-from tests.figures import Figures, ran_whole
-from tests.fixtures import channel_of, wait_until
-from tests.pgbouncer import PgBouncer
-from tests.postgres_server import PostgresServer
+from tests.support.exclusion import Sections
+from tests.support.figures import Figures, ran_whole
+from tests.support.fixtures import channel_of, wait_until
+from tests.support.pgbouncer import PgBouncer
+from tests.support.postgres_server import PostgresServer
 from tests.test_cli import cli
 
 pytestmark = pytest.mark.pgbouncer

@@ -13,7 +13,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from postgres_mutex import Mutex, MutexError
-from tests.fixtures import wait_until
+from tests.support.fixtures import wait_until
 
 Holder = Callable[..., str | None]
 APP = "mutex-pool-test"

@@ -31,9 +31,9 @@ import psycopg
 import pytest
 import yaml
 
-from tests.fixtures import ROOT, read_held, required_tool, row_locked, start_worker, wait_until
-from tests.postgres_server import free_port
-from tests.prometheus_rules import ALERTS_FILE, rule_expressions
+from tests.support.fixtures import ROOT, read_held, required_tool, row_locked, start_worker, wait_until
+from tests.support.postgres_server import free_port
+from tests.support.prometheus_rules import ALERTS_FILE, rule_expressions
 
 DASHBOARD = ROOT / "grafana" / "postgres-mutex.json"
 # What the dashboard's Grafana variables stand for when Prometheus evaluates a panel alone.

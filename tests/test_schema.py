@@ -12,9 +12,9 @@ import pytest
 from psycopg import sql
 
 from postgres_mutex import LockTable, Mutex, MutexClient, SchemaError
-from tests.doc_examples import ROOT, expand
-from tests.fixtures import FAST, frozen_holder
-from tests.postgres_server import PASSWORD, PostgresServer
+from tests.support.doc_examples import ROOT, expand
+from tests.support.fixtures import FAST, frozen_holder
+from tests.support.postgres_server import PASSWORD, PostgresServer
 
 
 def fresh_table() -> str:

@@ -11,8 +11,8 @@ import psycopg
 import pytest
 
 from postgres_mutex import DatabaseError, Election, LockTable, Mutex, MutexClient
-from tests.fixtures import FAST, RecordingMetrics
-from tests.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer, free_port
+from tests.support.fixtures import FAST, RecordingMetrics
+from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer, free_port
 
 SECRET = "Hunter2-is-not-a-password"
 

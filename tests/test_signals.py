@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from postgres_mutex import MutexError, exit_on_sigterm
-from tests.fixtures import FAST, ROOT
+from tests.support.fixtures import FAST, ROOT
 
 Holder = Callable[..., str | None]
 

@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex, SchemaError
-from tests.fixtures import frozen_holder, wait_until
-from tests.postgres_server import PostgresServer
+from tests.support.fixtures import frozen_holder, wait_until
+from tests.support.postgres_server import PostgresServer
 
 
 @pytest.fixture
@@ -169,7 +169,7 @@ async def test_async_spans_nest_under_the_callers_span(
 def test_no_span_attribute_holds_the_password(
     provider: TracerProvider, exporter: InMemorySpanExporter, lock_name: str
 ) -> None:
-    from tests.postgres_server import free_port
+    from tests.support.postgres_server import free_port
 
     secret = "Sp4n-s3cret"
     mutex = Mutex(f"postgresql://app:{secret}@127.0.0.1:{free_port()}/db", lock_name, tracer_provider=provider)

@@ -4,7 +4,7 @@
 session installs it from PyPI into a virtual environment of its own
 (`release_0_1_0`) and reads everything from the real package: its public
 surface, its README, its behaviour. Programs written against 0.1.0's API
-(tests/written_for_0_1_0/) run twice, with 0.1.0 and with this version, as
+(tests/support/written_for_0_1_0/) run twice, with 0.1.0 and with this version, as
 standalone scripts (``python -I``: nothing of this repository is importable
 but the installed package), and what they report is compared. Where this
 version behaves differently on purpose, the difference is listed here with
@@ -14,7 +14,7 @@ xfail whose reason is the library change needed.
 
 The mixed fleet: 0.1.0 workers and this version's workers contend for one
 lock in one table, on the chaos suite's timing (heartbeat 0.2 s, alert 1 s,
-stale 3 s), with critical sections checked by tests.exclusion.Sections; crashed
+stale 3 s), with critical sections checked by tests.support.exclusion.Sections; crashed
 holders of either version are alerted on and reclaimed by the other; this
 version's tools (status, LockTable, the watcher and its metrics) see 0.1.0
 holders; fencing is never fooled by a 0.1.0 holder's row.
@@ -48,14 +48,14 @@ from chaos.harness import ALERT, HEARTBEAT, STALE, TIMING
 from postgres_mutex import FanOutMetrics, LockNotHeldError, MutexClient
 from postgres_mutex.prometheus import PrometheusMetrics
 from postgres_mutex.watcher import StaleWatcher
-from tests.doc_examples import parse_page, python_parts
-from tests.exclusion import Sections
-from tests.fixtures import ROOT, RecordingMetrics, freeze, skip_or_fail_in_ci, wait_until
-from tests.postgres_server import PostgresServer
-from tests.written_for_0_1_0 import program, worker
+from tests.support.doc_examples import parse_page, python_parts
+from tests.support.exclusion import Sections
+from tests.support.fixtures import ROOT, RecordingMetrics, freeze, skip_or_fail_in_ci, wait_until
+from tests.support.postgres_server import PostgresServer
+from tests.support.written_for_0_1_0 import program, worker
 
 PUBLISHED = "0.1.0"
-WRITTEN = ROOT / "tests" / "written_for_0_1_0"
+WRITTEN = ROOT / "tests" / "support" / "written_for_0_1_0"
 LOCK = "nightly-report"
 HEARTBEAT_LATE = 0.3
 """Slack for a heartbeat that is late on a busy machine (as tests/test_crash_recovery.py allows)."""
@@ -74,7 +74,7 @@ class Release:
     package_file: str
 
     def script(self, name: str, *args: str) -> list[str]:
-        """Run one of tests/written_for_0_1_0/ in isolation (-I: no PYTHONPATH, no script directory on sys.path)."""
+        """Run one of tests/support/written_for_0_1_0/ in isolation (-I: no PYTHONPATH, no script directory on path)."""
         return [str(self.python), "-I", str(WRITTEN / name), *args]
 
     def check(self, event: dict[str, Any]) -> None:
@@ -186,7 +186,7 @@ def place(pg: PostgresServer) -> Iterator[Place]:
 
 
 class Worker:
-    """A process printing one JSON event a line (tests/written_for_0_1_0/worker.py), read as it goes."""
+    """A process printing one JSON event a line (tests/support/written_for_0_1_0/worker.py), read as it goes."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], logs: Path) -> None:
         self.name = name
@@ -252,7 +252,7 @@ class Fleet:
         self.env = {**os.environ, "POSTGRES_MUTEX_DSN": place.dsn, "CHAOS_LOCK": LOCK}
 
     def start(self, release: Release, command: str, name: str, *args: str, wait: bool = True) -> Worker:
-        """tests/written_for_0_1_0/worker.py under ``release``.
+        """tests/support/written_for_0_1_0/worker.py under ``release``.
 
         Its first event names the package it imported: with ``wait``, that is checked before returning.
         """
@@ -552,7 +552,7 @@ def as_0_1_0_did(old: dict[str, Any], new: dict[str, Any]) -> bool:
 def program_reports(
     pg: PostgresServer, release_0_1_0: Release, this_release: Release, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    """tests/written_for_0_1_0/program.py run by 0.1.0 and by this version, at once, each in a schema of its own."""
+    """tests/support/written_for_0_1_0/program.py run by 0.1.0 and this version at once, each in its own schema."""
     places = [make_place(pg), make_place(pg)]
     logs = tmp_path_factory.mktemp("program")
     runs = []
@@ -636,7 +636,7 @@ def test_0_1_0s_readme_examples_run_unchanged(readme_0_1_0: str, place: Place, t
     assert len(programs) == 6, "quickstart, async, decorator, dsn, pool, metrics hook"
     parts = python_parts(programs, {"dsn": place.dsn, "port": "0"})
     result = subprocess.run(
-        [sys.executable, "-X", "dev", "-m", "tests.doc_examples"],
+        [sys.executable, "-X", "dev", "-m", "tests.support.doc_examples"],
         input=json.dumps([(code, origin.path, origin.line) for code, origin in parts]),
         cwd=tmp_path,
         env={**os.environ, "POSTGRES_MUTEX_DSN": place.dsn, "PYTHONPATH": str(ROOT)},

@@ -4,7 +4,7 @@ Leases and deadlines run on the boot-time clock (`postgres_mutex._clock`), stale
 server's. This is what makes the chaos suite's clock-skew scenario (11) sufficient: it skews the
 wall clock as Python reads it in its workers, and here every wall-clock read made by the
 library's own code, over its whole life cycle, sync and async, fails the test
-(tests/wall_clock_audit.py says how reads are caught).
+(tests/support/wall_clock_audit.py says how reads are caught).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import json
 import subprocess
 import sys
 
-from tests.fixtures import ROOT
+from tests.support.fixtures import ROOT
 
 
 def test_no_wall_clock_is_read_by_the_library_over_its_whole_life_cycle(dsn: str, lock_name: str) -> None:
     audit = subprocess.run(
-        [sys.executable, "-m", "tests.wall_clock_audit", dsn, lock_name],
+        [sys.executable, "-m", "tests.support.wall_clock_audit", dsn, lock_name],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -13,8 +13,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from postgres_mutex import Mutex
 from postgres_mutex.watcher import StaleWatcher
-from tests.faultproxy import FaultProxy
-from tests.fixtures import FAST, RecordingMetrics, await_until, freeze, row_locked, wait_until
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, RecordingMetrics, await_until, freeze, row_locked, wait_until
 
 INTERVAL = 0.1
 

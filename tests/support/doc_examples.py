@@ -7,7 +7,7 @@ any other language (``text``, ``sql``, ...) are prose. Files a page includes
 with pymdownx.snippets (``--8<-- "path"`` or ``--8<-- "path:section"``) are
 expanded first, so a page's examples are what its reader sees.
 
-Run as ``python -m tests.doc_examples`` it is the interpreter of one page's
+Run as ``python -m tests.support.doc_examples`` it is the interpreter of one page's
 Python examples: a JSON list of blocks on stdin, run in order in one
 namespace (see `run_python_page`).
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 LANGUAGES = {
     "python": "python",
@@ -348,7 +348,7 @@ def _closers(namespace: dict[str, Any]) -> Iterator[Callable[[], object]]:
 
 
 def main() -> None:
-    from tests import doc_prelude
+    from tests.support import doc_prelude
 
     parts = [(code, Origin(path, line)) for code, path, line in json.load(sys.stdin)]
     run_python_page(parts, {name: getattr(doc_prelude, name) for name in doc_prelude.__all__})

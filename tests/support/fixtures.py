@@ -1,3 +1,5 @@
+"""The pytest fixtures every suite shares (a pytest plugin, see the root conftest.py), and the helpers tests call."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,9 +24,9 @@ import pytest
 from postgres_mutex import LockNotHeldError, Mutex
 from postgres_mutex._sql import Names
 from postgres_mutex.client import core_of
-from tests.faultproxy import FaultProxy
-from tests.postgres_server import PostgresServer, configured_server, local_server
-from tests.timing import FAST as FAST  # the suite's one table of short thresholds, re-exported
+from tests.support.faultproxy import FaultProxy
+from tests.support.postgres_server import PostgresServer, configured_server, local_server
+from tests.support.timing import FAST as FAST  # the suite's one table of short thresholds, re-exported
 
 
 def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, interval: float = 0.02) -> None:
@@ -324,7 +326,7 @@ def metrics() -> RecordingMetrics:
     return RecordingMetrics()
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
@@ -337,9 +339,9 @@ def row_locked(dsn: str, lock_name: str) -> Iterator[None]:
 
 
 def start_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """Run ``python -m tests.workers ARGS`` (see tests/workers.py) as a separate process."""
+    """Run ``python -m tests.support.workers ARGS`` (see tests/support/workers.py) as a separate process."""
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.workers", *args],
+        [sys.executable, "-m", "tests.support.workers", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

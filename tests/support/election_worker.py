@@ -1,6 +1,6 @@
 """A candidate in an election, run by the tests as a separate process.
 
-    python -m tests.election_worker DSN NAME OUT OPTIONS_JSON
+    python -m tests.support.election_worker DSN NAME OUT OPTIONS_JSON
 
 It campaigns with `Election.run` (or `run_async`, ``"mode": "async"``) and,
 during each term, appends two lines to OUT on CLOCK_MONOTONIC, which every

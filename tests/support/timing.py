@@ -2,7 +2,7 @@
 
 Short thresholds keep crash and loss tests to seconds; the ratios between them
 are what the library cares about. This module imports nothing of the suite's,
-so a worker process (``python -m tests.workers``) reads it without pytest.
+so a worker process (``python -m tests.support.workers``) reads it without pytest.
 """
 
 from __future__ import annotations

@@ -43,9 +43,9 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from tests.fixtures import required_tool, skip_or_fail_in_ci
-from tests.pgbouncer import as_user, owned_tempdir, server_user
-from tests.postgres_server import free_port
+from tests.support.fixtures import required_tool, skip_or_fail_in_ci
+from tests.support.pgbouncer import as_user, owned_tempdir, server_user
+from tests.support.postgres_server import free_port
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ The DSN comes in $POSTGRES_MUTEX_DSN and the lock's name in $CHAOS_LOCK, as
 for chaos/soak_worker.py (this version's worker); the thresholds are the chaos
 suite's (heartbeat 0.2 s, alert 1 s, stale 3 s). Critical sections are logged
 as "NAME enter exit" on CLOCK_MONOTONIC, which every process on the machine
-shares, in the form tests.exclusion.Sections reads. Everything else is printed
+shares, in the form tests.support.exclusion.Sections reads. Everything else is printed
 as one JSON object a line: {"event": ..., "at": <monotonic>, ...}.
 """
 

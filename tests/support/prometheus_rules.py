@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from tests.fixtures import required_tool
+from tests.support.fixtures import required_tool
 
-EXPORTERS = Path(__file__).resolve().parent.parent / "exporters"
+EXPORTERS = Path(__file__).resolve().parents[2] / "exporters"
 ALERTS_FILE = EXPORTERS / "prometheus" / "alerts.yml"
 ALERTS_TEST_FILE = EXPORTERS / "prometheus" / "alerts_test.yml"
 SCRAPE_FILE = EXPORTERS / "prometheus" / "scrape.yml"

@@ -1,16 +1,18 @@
 """Programs the tests run as separate processes: real holders that can crash or exit.
 
-    python -m tests.workers hold DSN LOCK               acquire, print "held <id>", sleep until killed
-    python -m tests.workers exit-holding DSN LOCK       acquire, print "held <id>", exit without releasing
-    python -m tests.workers exit-in-thread DSN LOCK     the same, inside `with` in a daemon thread
-    python -m tests.workers exit-in-task DSN LOCK       the same, asyncio.run returning with an entered acquisition
-    python -m tests.workers wait DSN LOCK               print "waiting", acquire (blocking), print "held <id> <t>", hold
-    python -m tests.workers contend DSN LOCK N OUT MODE acquire N times (MODE sync|async), log intervals to OUT
-    python -m tests.workers fork DSN LOCK ID            hold, fork a child that tries the same Mutex, report JSON
-    python -m tests.workers fleet DSN PREFIX PORT       contend, wait to reclaim, stall; /metrics on PORT
-    python -m tests.workers watcher DSN - PORT          a stale-holder watcher; /metrics on PORT
+Run from the repository root as ``python -m tests.support.workers MODE ARGS``:
 
-Thresholds come from the FAST settings the tests use (tests/timing.py). Critical sections are
+    hold DSN LOCK               acquire, print "held <id>", sleep until killed
+    exit-holding DSN LOCK       acquire, print "held <id>", exit without releasing
+    exit-in-thread DSN LOCK     the same, inside `with` in a daemon thread
+    exit-in-task DSN LOCK       the same, asyncio.run returning with an entered acquisition
+    wait DSN LOCK               print "waiting", acquire (blocking), print "held <id> <t>", hold
+    contend DSN LOCK N OUT MODE acquire N times (MODE sync|async), log intervals to OUT
+    fork DSN LOCK ID            hold, fork a child that tries the same Mutex, report JSON
+    fleet DSN PREFIX PORT       contend, wait to reclaim, stall; /metrics on PORT
+    watcher DSN - PORT          a stale-holder watcher; /metrics on PORT
+
+Thresholds come from the FAST settings the tests use (tests/support/timing.py). Critical sections are
 logged as "pid enter exit" on CLOCK_MONOTONIC, which every process on the
 machine shares, so the parent can check that no two ever overlap.
 """
@@ -26,7 +28,7 @@ import threading
 import time
 
 from postgres_mutex import Mutex
-from tests.timing import FAST
+from tests.support.timing import FAST
 
 
 def hold(dsn: str, lock: str, *, exit_at_once: bool, announce_wait: bool = False) -> None:

@@ -32,8 +32,8 @@ from typing import Literal
 
 import psycopg
 
-from tests.fixtures import required_tool
-from tests.postgres_server import PostgresServer, free_port
+from tests.support.fixtures import required_tool
+from tests.support.postgres_server import PostgresServer, free_port
 
 PoolMode = Literal["transaction", "session"]
 

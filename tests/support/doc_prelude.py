@@ -16,7 +16,7 @@ import os
 __all__ = ["batches", "dsn", "log", "run_the_job", "run_the_job_async", "write"]
 
 dsn = os.environ.get("POSTGRES_MUTEX_DSN", "")
-"""The reader's connection string: the suite's PostgreSQL (see SUBSTITUTIONS in tests/doc_examples.py)."""
+"""The reader's connection string: the suite's PostgreSQL (see SUBSTITUTIONS in tests/support/doc_examples.py)."""
 
 log = logging.getLogger("example")
 """The reader's logger."""

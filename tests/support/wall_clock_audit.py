@@ -1,6 +1,6 @@
 """Run the library's whole life cycle while recording every wall-clock read its own code makes.
 
-    python -m tests.wall_clock_audit DSN LOCK    prints {"probe": [...], "reads": [...], "steps": [...]}
+    python -m tests.support.wall_clock_audit DSN LOCK    prints {"probe": [...], "reads": [...], "steps": [...]}
 
 The audit is installed before the library is imported, so that even a
 ``from time import time`` inside it would be caught:
@@ -93,7 +93,7 @@ import psycopg  # noqa: E402
 
 from postgres_mutex import LockNotHeldError, Mutex, MutexClient  # noqa: E402
 from postgres_mutex.watcher import StaleWatcher  # noqa: E402
-from tests.timing import FAST  # noqa: E402
+from tests.support.timing import FAST  # noqa: E402
 
 PROBE = """
 import datetime, threading, time
