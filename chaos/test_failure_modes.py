@@ -428,7 +428,7 @@ def test_11_clients_with_skewed_clocks_get_correct_staleness(
     (``time.time``, ``time.time_ns``, ``time.clock_gettime(_ns)(CLOCK_REALTIME)``),
     not the monotonic or boot-time clocks, nor the kernel's or libpq's. That
     suffices because the library reads no wall clock for any decision:
-    tests/test_wall_clock.py fails if any of its code does.
+    tests/integration/test_wall_clock.py fails if any of its code does.
     """
 
     def skewed(offset: float, *args: str) -> subprocess.Popen[str]:

@@ -12,7 +12,7 @@ one had ended; sections that merely touch (one begins exactly when the other
 ends) do not. With ``believed=True`` an earlier section counts only up to the
 last moment its holder still believed it held the lock: a holder that ran on
 after it learned of the loss (a frozen process resuming, say) is no second
-holder. `tests/test_exclusion.py` feeds the checker known intervals.
+holder. `tests/unit/test_exclusion.py` feeds the checker known intervals.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ went blind fails the test rather than passing it. Then the life cycle runs:
 acquire and heartbeats, a waiter woken by the release's notification, a
 watcher's alert, a frozen holder's lease running out, a reclaim at the stale
 threshold, fencing, the admin API, and the async twins of acquire, heartbeat
-and hand-off. tests/test_wall_clock.py runs this and fails on any read.
+and hand-off. tests/integration/test_wall_clock.py runs this and fails on any read.
 """
 
 from __future__ import annotations

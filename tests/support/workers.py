@@ -249,7 +249,7 @@ def skew_wall_clock(offset: float) -> None:
     not skewed (a time namespace could offset them, but only with privileges CI
     runners lack), nor is the kernel's or libpq's view. This is enough because
     the library reads no wall clock at all: leases run on the boot-time clock
-    and every staleness decision on the server's, and tests/test_wall_clock.py
+    and every staleness decision on the server's, and tests/integration/test_wall_clock.py
     fails if any of the library's code reads a wall clock. (libfaketime would
     skew the clock below Python too, but it breaks Python 3.11's sleeps.)
     """

@@ -46,12 +46,12 @@ from postgres_mutex import (
     MutexError,
     OperationTimeout,
 )
+from tests.integration.test_cli import cli
 from tests.support.exclusion import Sections
 from tests.support.figures import Figures, ran_whole
 from tests.support.fixtures import channel_of, wait_until
 from tests.support.pgbouncer import PgBouncer
 from tests.support.postgres_server import PostgresServer
-from tests.test_cli import cli
 
 pytestmark = pytest.mark.pgbouncer
 
@@ -77,7 +77,7 @@ Holder = Callable[..., str | None]
 def figures(request: pytest.FixtureRequest) -> Iterator[Figures]:
     collected = Figures(
         "pgbouncer-report",
-        "postgres-mutex through PgBouncer (measured by tests/test_pgbouncer.py)",
+        "postgres-mutex through PgBouncer (measured by tests/integration/test_pgbouncer.py)",
         {**TIMING, "pgbouncer": "1.18 (Debian 12)"},
     )
     yield collected

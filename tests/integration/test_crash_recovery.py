@@ -90,7 +90,7 @@ def test_contending_processes_never_overlap(
 
     sections = [section for log in logs for section in read_log(log)]
     assert len(sections) == iterations * len(logs), "every process finished every iteration"
-    assert overlaps(sections) == []  # the checker's own tests: tests/test_exclusion.py
+    assert overlaps(sections) == []  # the checker's own tests: tests/unit/test_exclusion.py
     assert len({section.who for section in sections}) == len(logs)
     assert holder_id() is None, "no row is left that nobody holds"
 

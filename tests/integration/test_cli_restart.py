@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from tests.integration.test_cli import FAST_FLAGS, cli, python, start
 from tests.support.fixtures import read_held, start_worker, wait_until
-from tests.test_cli import FAST_FLAGS, cli, python, start
 
 Holder = Callable[..., str | None]
 

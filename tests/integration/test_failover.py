@@ -47,11 +47,11 @@ import pytest
 from chaos.harness import Event, Events
 from postgres_mutex import DatabaseError, LockNotHeldError, Mutex, MutexError
 from postgres_mutex.watcher import StaleWatcher
+from tests.integration.test_cli import cli
 from tests.support.exclusion import Sections
 from tests.support.figures import Figures, ran_whole
 from tests.support.fixtures import ROOT, wait_until
 from tests.support.patroni import LOOP_WAIT, RETRY_TIMEOUT, TTL, Node, PatroniCluster
-from tests.test_cli import cli
 
 pytestmark = pytest.mark.failover
 
@@ -80,7 +80,7 @@ READ_ONLY = "25006"
 def figures(request: pytest.FixtureRequest) -> Iterator[Figures]:
     collected = Figures(
         "failover-report",
-        "postgres-mutex on a Patroni cluster (measured by tests/test_failover.py)",
+        "postgres-mutex on a Patroni cluster (measured by tests/integration/test_failover.py)",
         {
             **TIMING,
             "cluster": "2 nodes, PostgreSQL 15, Patroni 3.0.2, etcd 3.4 (Debian 12)",

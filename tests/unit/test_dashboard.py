@@ -25,7 +25,7 @@ from tests.support.fixtures import required_module
 # Part of the dev extra: a missing generator skips this module locally and fails it in CI.
 required_module("grafana_foundation_sdk", "the dashboard generator needs grafana-foundation-sdk (the dev extra)")
 
-GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
+GRAFANA = Path(__file__).resolve().parents[2] / "grafana"
 COMMITTED = GRAFANA / "postgres-mutex.json"
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

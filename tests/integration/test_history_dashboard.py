@@ -37,7 +37,7 @@ pytest.importorskip(
     "grafana_foundation_sdk", reason="the dashboard generator needs grafana-foundation-sdk (Python 3.11+)"
 )
 
-GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
+GRAFANA = Path(__file__).resolve().parents[2] / "grafana"
 COMMITTED = GRAFANA / "postgres-mutex-history.json"
 
 DATASOURCE = {"type": "grafana-postgresql-datasource", "uid": "${datasource}"}

@@ -58,7 +58,7 @@ PUBLISHED = "0.1.0"
 WRITTEN = ROOT / "tests" / "support" / "written_for_0_1_0"
 LOCK = "nightly-report"
 HEARTBEAT_LATE = 0.3
-"""Slack for a heartbeat that is late on a busy machine (as tests/test_crash_recovery.py allows)."""
+"""Slack for a heartbeat that is late on a busy machine (as tests/integration/test_crash_recovery.py allows)."""
 
 
 # -- the two releases -------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "postgres_mutex"
+SRC = Path(__file__).resolve().parents[2] / "src" / "postgres_mutex"
 
 CORE = {
     "_acompat",
