@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, LockNotHeldError, Mutex
 from postgres_mutex.client import core_of
 from tests.support.fixtures import (
+    FAST,
     RecordingMetrics,
     await_until,
     frozen_holder,
     held_in_a_task,
     listener_reconnected,
     listens,
+    role_with_setting,
     wait_until,
 )
+from tests.support.postgres_server import PostgresServer
 
 Row = Callable[..., tuple[Any, ...] | None]
 Holder = Callable[..., str | None]
@@ -39,6 +44,40 @@ def test_non_blocking_acquire_yields_true_then_false_for_a_contender(
             assert not other.held
     assert row() is None, "leaving the block deletes the row"
     assert not holder.held
+
+
+@pytest.fixture
+def serializable_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
+    yield from role_with_setting(pg, admin, "default_transaction_isolation = 'serializable'")
+
+
+def test_a_serializable_session_default_cannot_turn_contention_into_errors(
+    serializable_role: str, lock_name: str
+) -> None:
+    errors: list[BaseException] = []
+    outcomes: list[bool] = []
+    stop = time.monotonic() + 4.0
+
+    def contend() -> None:
+        mutex = Mutex(serializable_role, lock_name, **FAST)  # type: ignore[arg-type]
+        try:
+            while time.monotonic() < stop:
+                try:
+                    with mutex.acquire() as acquired:
+                        outcomes.append(acquired)
+                except Exception as exc:
+                    errors.append(exc)
+        finally:
+            mutex.close()
+
+    threads = [threading.Thread(target=contend) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == [], "contention is an answer (False), never a serialization failure"
+    assert len(outcomes) > 100
+    assert True in outcomes
 
 
 def test_positional_and_keyword_construction_are_equivalent(dsn: str, lock_name: str) -> None:
@@ -207,6 +246,42 @@ def test_a_mutex_can_acquire_again_after_releasing(make_mutex: Callable[..., Mut
     for _ in range(3):
         with mutex.acquire() as acquired:
             assert acquired
+
+
+def test_a_release_from_another_thread_tells_the_block_it_ran_unlocked(make_mutex: Callable[..., Mutex]) -> None:
+    mutex = make_mutex()
+    with pytest.raises(LockNotHeldError, match="another thread") as caught, mutex.acquire():
+        thread = threading.Thread(target=mutex.release)
+        thread.start()
+        thread.join(timeout=10)
+        assert not mutex.held
+        with pytest.raises(LockNotHeldError, match="another thread"):
+            mutex.ensure_held()
+    assert caught.value.lock_name == mutex.lock_name
+
+
+def test_an_acquisition_entered_and_dropped_keeps_the_lock_until_release(
+    make_mutex: Callable[..., Mutex], holder_id: Holder
+) -> None:
+    mutex = make_mutex()
+    entered = mutex.acquire()
+    assert entered.__enter__()
+    del entered
+    gc.collect()
+    time.sleep(3 * FAST["heartbeat_interval"])
+    assert mutex.held, "dropping the context manager does not release: release() does"
+    assert holder_id() == mutex.instance_id
+    mutex.release()
+    assert holder_id() is None
+
+
+def test_releasing_inside_the_block_from_its_own_thread_is_an_early_release_not_an_error(
+    make_mutex: Callable[..., Mutex],
+) -> None:
+    mutex = make_mutex()
+    with mutex.acquire():
+        mutex.release()
+    assert not mutex.held
 
 
 def test_singleton_runs_the_function_only_when_the_lock_is_free(

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
 import psycopg
 import pytest
 
-from postgres_mutex import LockNotHeldError, Mutex
-from tests.support.fixtures import FAST, RecordingMetrics, row_locked, wait_until
+from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
+from tests.support.fixtures import FAST, RecordingMetrics, role_with_setting, row_locked, wait_until
+from tests.support.postgres_server import PostgresServer
 
 Row = Callable[..., tuple[Any, ...] | None]
 Holder = Callable[..., str | None]
@@ -76,6 +78,60 @@ def test_manual_heartbeat_renews_and_refuses_when_not_held(make_mutex: Callable[
         assert after[1] < before[1]
     with pytest.raises(LockNotHeldError):
         mutex.heartbeat()
+
+
+def test_a_waiting_singleton_sibling_never_starves_the_holders_heartbeat(
+    make_mutex: Callable[..., Mutex], lock_name: str, metrics: RecordingMetrics
+) -> None:
+    holder = make_mutex(lock_name=f"{lock_name}-held", poll_interval=45.0, metrics=metrics)
+    other = make_mutex(lock_name=f"{lock_name}-busy")
+    waiting = threading.Event()
+
+    @holder.singleton(f"{lock_name}-busy", blocking=True, timeout=3.0)
+    def job() -> None:
+        pytest.fail("the sibling's lock is busy")
+
+    timed_out: list[BaseException] = []
+
+    def run_job() -> None:
+        waiting.set()
+        try:
+            job()
+        except LockAcquisitionTimeout as exc:
+            timed_out.append(exc)
+
+    with holder.acquire(), other.acquire():
+        thread = threading.Thread(target=run_job)
+        thread.start()
+        waiting.wait(5)
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            assert holder.held
+            time.sleep(0.05)
+        thread.join(timeout=10)
+    assert len(timed_out) == 1, "the sibling waited its whole timeout, on the listener, not on the connection"
+    assert metrics.named("alert") == []
+    assert metrics.named("lost") == []
+
+
+@pytest.fixture
+def idle_closing_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
+    yield from role_with_setting(pg, admin, "idle_session_timeout = '300ms'")
+
+
+def test_a_server_closing_idle_sessions_between_heartbeats_is_ridden_out_quietly(
+    idle_closing_role: str, lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics = RecordingMetrics()
+    mutex = Mutex(
+        idle_closing_role, lock_name, heartbeat_interval=0.5, alert_threshold=2.0, stale_threshold=6.0, metrics=metrics
+    )
+    with caplog.at_level(logging.WARNING, logger="postgres_mutex"), mutex.acquire():
+        wait_until(lambda: len(metrics.named("heartbeat_latency")) >= 6, timeout=15)
+        assert mutex.held
+    mutex.close()
+    assert metrics.named("heartbeat_failed") == [], "a connection closed while idle is no failure"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 class LostRecorder:

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -26,7 +28,7 @@ from postgres_mutex import (
 )
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
-from tests.support.fixtures import FAST, RecordingMetrics, freeze, wait_until
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
 from tests.support.postgres_server import PostgresServer
 
 Holder = Callable[..., str | None]
@@ -292,6 +294,92 @@ def test_a_silent_network_cannot_hang_a_heartbeat_or_a_release(
     assert time.monotonic() - started < 0.5 + 2.0 + 1.0
     proxy.heal()
     wait_until(lambda: holder_id() is None, timeout=10)
+
+
+def test_after_a_loss_on_a_dead_network_leaving_closing_and_exiting_each_take_one_operation_timeout(
+    pg: PostgresServer, schema: None, lock_name: str
+) -> None:
+    proxy = FaultProxy(pg.host, pg.port)
+    dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
+    code = f"""
+import sys, time
+from postgres_mutex import LockNotHeldError, Mutex
+mutex = Mutex({dsn!r}, {lock_name!r}, heartbeat_interval=0.2, alert_threshold=1.0, stale_threshold=3.0)
+print("timeout", mutex._lock.timing.operation_timeout, flush=True)
+try:
+    with mutex.acquire() as acquired:
+        assert acquired
+        print("held", flush=True)
+        while mutex.held:
+            time.sleep(0.01)
+        lost_at = time.monotonic()
+except LockNotHeldError:
+    print("left", time.monotonic() - lost_at, flush=True)
+started = time.monotonic()
+mutex.close()
+print("closed", time.monotonic() - started, flush=True)
+print("exiting", time.monotonic(), flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        timeout = float(proc.stdout.readline().split()[1])
+        assert proc.stdout.readline().strip() == "held"
+        proxy.silence()
+        left = float(proc.stdout.readline().split()[1])
+        closed = float(proc.stdout.readline().split()[1])
+        exiting = float(proc.stdout.readline().split()[1])
+        proc.wait(timeout=30)
+        exited = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proxy.heal()
+        proxy.close()
+    assert timeout < 1.0, "the default operation_timeout fits the short thresholds"
+    assert left < timeout, "leaving the block sends nothing for a lock known to be lost"
+    assert closed < timeout
+    # The clean-up needs a new connection (the deadline cut the old one): libpq
+    # waits at least 2 s for a connect, a bound the docs state beside operation_timeout.
+    connect = 2.0
+    assert exited - exiting < timeout + connect + 1.0, "the exit's clean-up is bounded by one operation_timeout"
+
+
+def test_an_exit_while_holding_on_a_dead_network_takes_one_operation_timeout(
+    pg: PostgresServer, schema: None, lock_name: str
+) -> None:
+    # The release at exit runs in the exiting thread (Python 3.12 starts none
+    # in atexit callbacks): the statement deadline must still cut it off.
+    proxy = FaultProxy(pg.host, pg.port)
+    dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable", connect_timeout="2")
+    code = f"""
+import sys, time
+from postgres_mutex import Mutex
+mutex = Mutex({dsn!r}, {lock_name!r}, heartbeat_interval=0.2, alert_threshold=1.0, stale_threshold=3.0)
+mutex.acquire()
+print("held", mutex._lock.timing.operation_timeout, flush=True)
+sys.stdin.readline()
+print("exiting", time.monotonic(), flush=True)
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        timeout = float(proc.stdout.readline().split()[1])
+        proxy.silence()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        exiting = float(proc.stdout.readline().split()[1])
+        assert proc.wait(timeout=30) == 0
+        exited = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proxy.heal()
+        proxy.close()
+    assert exited - exiting < timeout + 1.0, "the exit's release is bounded by one operation_timeout"
 
 
 def test_a_release_behind_a_heartbeats_reconnect_takes_one_connect_not_two(

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import DatabaseError, Election, LockTable, Mutex, MutexClient
+from postgres_mutex._secrets import Redactor
 from tests.support.fixtures import FAST, RecordingMetrics
 from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer, free_port
 
@@ -80,6 +81,17 @@ def test_nothing_reachable_from_a_malformed_dsn_error_holds_the_password(dsn: st
         make[entry]()
     assert caught.value.__context__ is None
     assert SECRET not in everything_said(caught.value)
+
+
+@pytest.mark.parametrize("password", ["e", "ab", "nnec"])
+def test_a_short_password_is_masked_where_it_appears_and_nowhere_else(password: str) -> None:
+    redact = Redactor(f"host=h user=u password={password} dbname=d").redact
+    assert redact("connection failed: server closed the connection") == (
+        "connection failed: server closed the connection"
+    ), "ordinary words are not garbled, and their letters give nothing away"
+    assert redact(f"host=h user=u password={password} dbname=d") == "host=h user=u password=*** dbname=d"
+    assert redact(f"postgresql://u:{password}@h/d") == "postgresql://u:***@h/d"
+    assert redact(f'invalid value: "{password}"') == 'invalid value: "***"'
 
 
 def test_connection_failures_never_show_the_password(

@@ -1,4 +1,8 @@
-"""SIGTERM, the way pods, services and deploys are stopped: with exit_on_sigterm, locks come back at once."""
+"""SIGTERM, the way pods, services and deploys are stopped: with exit_on_sigterm, locks come back at once.
+
+``postgres-mutex run`` stopped by SIGTERM or SIGHUP while its acquire waits on the server
+leaves nothing behind either.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,15 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 from postgres_mutex import MutexError, exit_on_sigterm
-from tests.support.fixtures import FAST, ROOT
+from tests.support.fixtures import FAST, ROOT, wait_until
 
 Holder = Callable[..., str | None]
 
@@ -100,6 +106,48 @@ def test_without_it_a_sigtermed_holder_leaves_its_row_behind(dsn: str, lock_name
     code, _ = _stop(_holder(dsn, lock_name, HOLDERS["with-block"], helper=False))
     assert code == -signal.SIGTERM
     assert holder_id() is not None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_run_stopped_by_a_signal_while_its_acquire_waits_on_the_server_leaves_nothing_behind(
+    dsn: str, lock_name: str, uncommitted_insert: psycopg.Connection[Any], admin: psycopg.Connection[Any], signum: int
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "postgres_mutex", "run", "--dsn", dsn, "--lock", lock_name, "--", "true"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Observed, not slept on: the command's acquire is waiting on the other session's row.
+        wait_until(
+            lambda: (
+                admin.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name LIKE %s",
+                    (f"postgres-mutex %:{proc.pid}",),
+                ).fetchone()
+                == (1,)
+            ),
+            timeout=20,
+        )
+        proc.send_signal(signum)
+        assert proc.wait(timeout=10) == 128 + signum
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+    uncommitted_insert.rollback()
+    time.sleep(0.5)  # what was still running on the server would have landed by now
+    result = subprocess.run(
+        [sys.executable, "-m", "postgres_mutex", "run", "--dsn", dsn, "--lock", lock_name, "--", "true"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, f"the next run got the lock at once: {result.stderr}"
 
 
 @pytest.fixture

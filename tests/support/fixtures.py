@@ -25,7 +25,7 @@ from postgres_mutex import LockNotHeldError, Mutex
 from postgres_mutex._sql import Names
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
-from tests.support.postgres_server import PostgresServer, configured_server, local_server
+from tests.support.postgres_server import PASSWORD, PostgresServer, configured_server, local_server
 from tests.support.timing import FAST as FAST  # the suite's one table of short thresholds, re-exported
 
 
@@ -336,6 +336,33 @@ def row_locked(dsn: str, lock_name: str) -> Iterator[None]:
         blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
         yield
         blocker.rollback()
+
+
+@pytest.fixture
+def uncommitted_insert(dsn: str, lock_name: str, schema: None) -> Iterator[psycopg.Connection[Any]]:
+    """Another session inserts the lock's row and does not commit: an acquire of it waits on the server."""
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute(
+            "INSERT INTO mutex_lock (lock_name, instance_id, last_heartbeat, acquired_at) "
+            "VALUES (%s, 'blocker', now(), now())",
+            (lock_name,),
+        )
+        yield blocker
+        blocker.rollback()
+
+
+def role_with_setting(pg: PostgresServer, admin: psycopg.Connection[Any], setting: str) -> Iterator[str]:
+    """The DSN of a new login role with DML on the lock table whose sessions default to ``setting``; dropped after."""
+    role = f"mutex_setting_{uuid.uuid4().hex[:8]}"
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
+    admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON mutex_lock TO {role}")
+    admin.execute(f"GRANT USAGE ON SEQUENCE mutex_lock_token_seq TO {role}")
+    admin.execute(f"ALTER ROLE {role} SET {setting}")
+    try:
+        yield pg.dsn(user=role, password=PASSWORD)
+    finally:
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
 
 
 def start_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

@@ -1,4 +1,4 @@
-"""Bad arguments fail at construction, with an error that names the argument."""
+"""Bad arguments fail at construction, with an error that names the argument; the command line's as a usage error."""
 
 from __future__ import annotations
 
@@ -6,12 +6,16 @@ import copy
 import math
 import pickle
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
+from postgres_mutex.watcher import StaleWatcher
+from tests.support.fixtures import ROOT
 
 DSN = "host=127.0.0.1 dbname=app"
 
@@ -108,6 +112,59 @@ def test_dsn_of_the_wrong_type_is_refused() -> None:
 def test_a_malformed_dsn_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="dsn is not a valid connection string"):
         Mutex("host=x port", "job")
+
+
+def test_a_single_name_given_as_lock_names_is_refused_not_iterated(dsn: str) -> None:
+    with pytest.raises(TypeError, match=r"lock_names must be a list of lock names.*\['nightly'\]"):
+        StaleWatcher(dsn, lock_names="nightly")
+
+
+@pytest.mark.parametrize("argument", ["lock_name", "instance_id"])
+def test_a_lone_surrogate_is_a_value_error_naming_the_argument(dsn: str, argument: str) -> None:
+    bad = "job-\udcff"
+    kwargs: dict[str, Any] = {"lock_name": "job", argument: bad}
+    with pytest.raises(ValueError, match=argument):
+        Mutex(dsn, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("stale_threshold", 1e300), ("alert_threshold", 2e9), ("operation_timeout", 3e6)],
+)
+def test_values_postgresql_or_libpq_cannot_take_are_refused_at_construction(
+    dsn: str, argument: str, value: float
+) -> None:
+    kwargs: dict[str, Any] = {argument: value}
+    if argument == "alert_threshold":
+        kwargs["stale_threshold"] = 3e9
+    with pytest.raises(ValueError, match=argument):
+        Mutex(dsn, "job", **kwargs)
+
+
+def test_the_cli_refuses_a_huge_threshold_as_a_usage_error(dsn: str) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "postgres_mutex",
+            "run",
+            "--dsn",
+            dsn,
+            "--lock",
+            "x",
+            "--stale-threshold",
+            "1e300",
+            "--",
+            "true",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "--stale-threshold must be at most" in result.stderr
 
 
 @pytest.mark.parametrize(
