@@ -1,12 +1,13 @@
 """Toxiproxy's documented behaviour, checked on whichever server chaos.toxiproxy picks.
 
-With no real Toxiproxy at hand that is the project's fallback, chaos.toxiproxy_compat;
+With no real Toxiproxy at hand that is the project's fallback, toxiproxy_compat;
 with ``TOXIPROXY_URL`` set or a ``toxiproxy-server`` on PATH the same tests check the real
 thing, so they assert only what Toxiproxy promises (its README, and for the timeout and
 latency toxics what its source does). Everything goes through toxiproxy-python, against
 a local echo server: a proxy is only as good as the bytes it lets through, holds back or
 cuts off. Timed assertions have a firm lower bound (the fault happened) and a generous
-upper one (a shared, noisy machine).
+upper one (a shared, noisy machine). The server and its client come from the
+``toxiproxy`` fixture (chaos/toxiproxy_fixtures.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from toxiproxy import Proxy, Toxiproxy
 from toxiproxy.api import APIConsumer
 from toxiproxy.exceptions import InvalidToxic, NotFound, ProxyExists
 
-from chaos.toxiproxy_compat import ToxiproxyServer
+from toxiproxy_compat import ToxiproxyServer
 
 # Deadline for anything that should happen promptly; failures say what did not.
 _PROMPT = 5.0
