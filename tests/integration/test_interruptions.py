@@ -1,8 +1,8 @@
 """Acquires and releases cut off where they stand: an exception raised into a waiting acquire, asyncio.run ending.
 
-A job runner's timeout raised from a signal handler, or the loop's shutdown cancelling
-what is left, stops a statement mid-flight. Each time the Mutex stays usable, the server
-stops working for it within a moment, and no row is left behind.
+A job runner's timeout raised from a signal handler, or the loop's shutdown cancelling what
+is left, reaches a statement mid-flight: the statement is stopped on the server or run to its
+end, never left to land later, and no row is left behind.
 """
 
 from __future__ import annotations
