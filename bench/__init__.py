@@ -9,5 +9,6 @@ Modules are named for what they measure: `latency` (one connection, from
 processes), `ceiling` (distinct locks), `many_locks` (one process holding
 many), `pgbouncer`. `statements` sends the library's own statements raw,
 `proxy` counts round trips, `processes` and `worker` run the worker
-processes, `report` writes the tables and the JSON.
+processes (`channel` is a worker's side of their line channel), `report`
+writes the tables and the JSON.
 """

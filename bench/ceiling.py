@@ -23,7 +23,7 @@ from .processes import run_window, workers
 from .statements import insert_delete
 
 if TYPE_CHECKING:
-    from .worker import Channel
+    from .channel import Channel
 
 KINDS = ("advisory", "insert_delete", "mutex")
 

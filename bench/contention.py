@@ -20,7 +20,7 @@ from postgres_mutex import LockAcquisitionTimeout, Mutex
 from .processes import run_window, workers
 
 if TYPE_CHECKING:
-    from .worker import Channel
+    from .channel import Channel
 
 HOLD = 0.002
 """How long each cycle holds the lock (seconds)."""

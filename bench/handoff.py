@@ -34,7 +34,7 @@ from .statements import library_statements, params
 from .timing import median, percentile
 
 if TYPE_CHECKING:
-    from .worker import Channel
+    from .channel import Channel
 
 SETTLE = 0.02
 """How long the waiter waits in acquire before the holder releases (seconds)."""

@@ -49,7 +49,7 @@ from .proxy import CountingProxy, RoundTrip
 from .timing import median, percentile
 
 if TYPE_CHECKING:
-    from .worker import Channel
+    from .channel import Channel
 
 HEARTBEAT = 1.0
 

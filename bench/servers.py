@@ -109,7 +109,7 @@ def _quote(value: str) -> str:
 def pgbouncer(dsn: str, *, pool_mode: str = "transaction", pool_size: int = 4) -> Iterator[str]:
     """Debian's PgBouncer in front of ``dsn``'s server; yields a DSN through it.
 
-    The same set-up as the test suite's (tests/pgbouncer.py): trust on
+    The same set-up as the test suite's (tests/support/pgbouncer.py): trust on
     PgBouncer's side, the server's password (if any) in its ``[databases]``
     line, every database name forwarded, listening on a free port of 127.0.0.1.
     """

@@ -1,42 +1,19 @@
 """Entry point of the bench's worker processes: ``python -m bench.worker MODE CONFIG_JSON``.
 
 Each mode is the ``work`` function of the module that measures with it; it
-gets its config and a `Channel` to the parent (see `bench.processes`).
+gets its config and a `Channel` to the parent (see `bench.channel`, and
+`bench.processes` for the parent's side).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-class Channel:
-    """The worker's side of the line channel: JSON objects on stdin and stdout."""
-
-    def send(self, **message: Any) -> None:
-        sys.stdout.write(json.dumps(message) + "\n")
-        sys.stdout.flush()
-
-    def receive(self) -> dict[str, Any]:
-        line = sys.stdin.readline()
-        if not line:
-            raise SystemExit(0)  # the parent is gone
-        message: dict[str, Any] = json.loads(line)
-        if message.get("cmd") == "quit":
-            raise SystemExit(0)
-        return message
-
-    def window(self) -> tuple[float, float]:
-        """Wait for ``go``; sleep until its start; return (start, end) on `time.monotonic`."""
-        message = self.receive()
-        assert message.get("cmd") == "go", message
-        start, end = float(message["start"]), float(message["end"])
-        time.sleep(max(0.0, start - time.monotonic()))
-        return start, end
+from .channel import Channel
 
 
 def _modes() -> dict[str, Callable[[dict[str, Any], Channel], None]]:

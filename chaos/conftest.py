@@ -1,6 +1,7 @@
-"""Fixtures for the chaos suite: one Toxiproxy server a session, a clean client a test.
+"""Fixtures for the chaos suite: the report, and each scenario's world (`Chaos`).
 
-PostgreSQL fixtures live in tests/fixtures.py (loaded for both suites by the root conftest.py).
+The Toxiproxy server and client fixtures live in chaos/toxiproxy_fixtures.py, the PostgreSQL
+ones in tests/support/fixtures.py: the root conftest.py loads both for every suite.
 """
 
 from __future__ import annotations
@@ -18,39 +19,14 @@ import pytest
 from toxiproxy import Toxiproxy
 
 from chaos.harness import ALERT, STALE, TIMING, WATCH_INTERVAL, Events, Net, Report
-from chaos.toxiproxy import ToxiproxyEndpoint, toxiproxy_client, toxiproxy_endpoint
+from chaos.toxiproxy import ToxiproxyEndpoint
 from postgres_mutex import Mutex
 from postgres_mutex.watcher import StaleWatcher
-from tests import exclusion
-from tests.exclusion import Sections
-from tests.postgres_server import PostgresServer
+from tests.support import exclusion
+from tests.support.exclusion import Sections
+from tests.support.postgres_server import PostgresServer
 
 log = logging.getLogger(__name__)
-
-
-@pytest.fixture(scope="session")
-def toxiproxy_server_endpoint() -> Iterator[ToxiproxyEndpoint]:
-    """The session's Toxiproxy server, with the kind that was picked (see chaos.toxiproxy)."""
-    with toxiproxy_endpoint() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture(scope="session")
-def toxiproxy_url(toxiproxy_server_endpoint: ToxiproxyEndpoint) -> str:
-    """The API base URL of the session's Toxiproxy server, e.g. http://127.0.0.1:8474."""
-    return toxiproxy_server_endpoint.url
-
-
-@pytest.fixture
-def toxiproxy(toxiproxy_url: str) -> Iterator[Toxiproxy]:
-    """A toxiproxy-python client for the session's server; every proxy is deleted afterwards.
-
-    Repointed for each test because the client's address is process-wide state.
-    """
-    client = toxiproxy_client(toxiproxy_url)
-    yield client
-    # Repoint again: the test may have pointed the client elsewhere.
-    toxiproxy_client(toxiproxy_url).destroy_all()
 
 
 @pytest.fixture(scope="session")

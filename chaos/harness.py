@@ -1,4 +1,6 @@
-"""What every chaos scenario shares: proxies, faults, the report (the mutual-exclusion checker is tests/exclusion.py).
+"""What every chaos scenario shares: proxies, faults, the report.
+
+The mutual-exclusion checker is tests/support/exclusion.py.
 
 Timings are shortened (heartbeat 0.2 s, alert 1 s, stale 3 s) so each fault
 plays out in seconds; their ratios are what the library cares about.

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.harness import ALERT, HEARTBEAT, LEASE, STALE, Net
-from tests.exclusion import Section, overlaps
+from tests.support.exclusion import Section, overlaps
 
 KINDS = ("freeze", "partition", "disable", "reset", "latency", "kill")
 WEIGHTS = (6, 5, 1, 2, 2, 1)

@@ -4,7 +4,7 @@ Each scenario records its critical sections and its figures, as measured, in
 its row of the session's report (chaos/report/chaos-report.{json,md}); it
 records them before asserting on them, so a failing scenario's row says what
 happened. When it ends, the `chaos` fixture counts overlaps with the one
-checker (tests/exclusion.py) and the rows left that nobody holds, records
+checker (tests/support/exclusion.py) and the rows left that nobody holds, records
 both in the same row, and fails the scenario unless both are zero.
 """
 
@@ -24,8 +24,8 @@ import pytest
 from chaos.conftest import Chaos
 from chaos.harness import ALERT, HEARTBEAT, LEASE, STALE, Events
 from postgres_mutex import DatabaseError, LockNotHeldError, Mutex
-from tests.fixtures import FAST, LISTENER_LOST, channel_of, listens, read_held, start_worker, wait_until
-from tests.postgres_server import PostgresServer
+from tests.support.fixtures import FAST, LISTENER_LOST, channel_of, listens, read_held, start_worker, wait_until
+from tests.support.postgres_server import PostgresServer
 
 # How late a heartbeat may come on a busy machine: bounds "not before the threshold" checks.
 SLACK = 0.3
@@ -428,7 +428,7 @@ def test_11_clients_with_skewed_clocks_get_correct_staleness(
     (``time.time``, ``time.time_ns``, ``time.clock_gettime(_ns)(CLOCK_REALTIME)``),
     not the monotonic or boot-time clocks, nor the kernel's or libpq's. That
     suffices because the library reads no wall clock for any decision:
-    tests/test_wall_clock.py fails if any of its code does.
+    tests/integration/test_wall_clock.py fails if any of its code does.
     """
 
     def skewed(offset: float, *args: str) -> subprocess.Popen[str]:

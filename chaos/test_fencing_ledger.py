@@ -29,9 +29,9 @@ import pytest
 
 from chaos.conftest import Chaos
 from chaos.harness import STALE, TIMING
-from tests.exclusion import Section
-from tests.fixtures import ROOT, wait_until
-from tests.postgres_server import PostgresServer
+from tests.support.exclusion import Section
+from tests.support.fixtures import ROOT, wait_until
+from tests.support.postgres_server import PostgresServer
 
 
 @dataclass

@@ -51,7 +51,7 @@ from chaos.nemesis import (
 )
 from chaos.nemesis_worker import LEDGER, RECLAIM_ENV
 from postgres_mutex import MutexClient
-from tests.postgres_server import PostgresServer
+from tests.support.postgres_server import PostgresServer
 
 WORKERS = 5
 LOCKS = 3

@@ -14,7 +14,7 @@ import pytest
 
 from chaos.conftest import Chaos
 from chaos.harness import LEASE, Net
-from tests.fixtures import ROOT
+from tests.support.fixtures import ROOT
 
 WORKERS = 4
 SECONDS = 20.0

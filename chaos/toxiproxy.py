@@ -8,7 +8,7 @@
 3. The official image ``ghcr.io/shopify/toxiproxy`` through ``testcontainers``, when a
    Docker daemon answers. It runs with host networking, so that its proxies listen on
    this machine's loopback and reach a PostgreSQL listening there (Linux hosts).
-4. The project's fallback, ``python -m chaos.toxiproxy_compat``, as a subprocess.
+4. The project's fallback, ``python -m toxiproxy_compat``, as a subprocess.
 
 A server it starts is stopped when the block ends; a ``TOXIPROXY_URL`` server is left
 alone. A server that is found but does not come up raises RuntimeError rather than
@@ -71,7 +71,7 @@ class ServerKind(enum.Enum):
     ENV = "TOXIPROXY_URL"
     BINARY = "toxiproxy-server binary"
     CONTAINER = "container"
-    COMPAT = "chaos.toxiproxy_compat fallback"
+    COMPAT = "toxiproxy_compat fallback"
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def _compat_server() -> Iterator[str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
     with _server_log() as (log_path, log_file):
         process = subprocess.Popen(
-            [sys.executable, "-m", "chaos.toxiproxy_compat", "--host", "127.0.0.1", "--port", "0"],
+            [sys.executable, "-m", "toxiproxy_compat", "--host", "127.0.0.1", "--port", "0"],
             cwd=_REPO_ROOT,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -211,7 +211,7 @@ def _compat_server() -> Iterator[str]:
             # Port 0 and the announced address leave no window for another process to
             # take a port picked in advance.
             url = _read_announced_url(process, time.monotonic() + _START_TIMEOUT, log_path)
-            _wait_for_api(url, _START_TIMEOUT, what="chaos.toxiproxy_compat", process=process, log_path=log_path)
+            _wait_for_api(url, _START_TIMEOUT, what="toxiproxy_compat", process=process, log_path=log_path)
             yield url
         finally:
             _terminate(process)
@@ -226,12 +226,12 @@ def _read_announced_url(process: subprocess.Popen[bytes], deadline: float, log_p
         while b"\n" not in received:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RuntimeError(f"chaos.toxiproxy_compat did not announce its address: {_tail(log_path)}")
+                raise RuntimeError(f"toxiproxy_compat did not announce its address: {_tail(log_path)}")
             if not selector.select(remaining):
                 continue
             chunk = os.read(fd, 4096)
             if not chunk:
-                raise RuntimeError(f"chaos.toxiproxy_compat exited at start: {_tail(log_path)}")
+                raise RuntimeError(f"toxiproxy_compat exited at start: {_tail(log_path)}")
             received += chunk
     line = received.split(b"\n", 1)[0].decode()
     return line.rsplit(" ", 1)[-1]

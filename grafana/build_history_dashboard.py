@@ -9,7 +9,7 @@ the history table itself (``<table>_history``, see docs/operations/history.md) t
 Grafana **PostgreSQL data source**. Its SQL uses only what Grafana documents for that data
 source: the macros ``$__timeFilter(column)``, ``$__timeFrom()``, ``$__timeTo()`` and
 ``$__timeGroupAlias(column, $__interval, 0)``, the global ``$__interval``, and the variables
-``${history_table:raw}`` and ``${lock_name:sqlstring}``. tests/test_history_dashboard.py expands
+``${history_table:raw}`` and ``${lock_name:sqlstring}``. tests/integration/test_history_dashboard.py expands
 them as Grafana documents and runs every query against a real history (`panel_queries`
 lists them).
 

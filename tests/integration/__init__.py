@@ -1,0 +1,1 @@
+"""Tests against real servers and processes: PostgreSQL, worker processes, PgBouncer, Patroni, Prometheus."""

@@ -1,0 +1,105 @@
+"""The bench runner (``python -m bench``) keeps working: a quick run against the suite's server.
+
+Figures are not asserted here (they depend on the machine); behaviour is: the
+run finishes, its JSON has every section, no two holders ever overlapped, and
+one process holding many locks used at most two server connections and one
+heartbeat statement per interval, as the shared client promises. PgBouncer is
+measured too where Debian's pgbouncer is installed (in CI it must be).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from bench.report import LATENCY_LABELS, SECTIONS
+from tests.support.fixtures import ROOT
+
+QUICK_RUN_TIMEOUT = 100.0
+
+
+@pytest.fixture(scope="module")
+def quick_run(dsn: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    command = [sys.executable, "-m", "bench", "--quick", "--dsn", dsn, "--out", str(out)]
+    if shutil.which("pgbouncer") is not None or os.environ.get("CI") == "true":
+        command.append("--pgbouncer")
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=QUICK_RUN_TIMEOUT, check=False)
+    assert done.returncode == 0, f"python -m bench failed:\n{done.stderr[-4000:]}"
+    return json.loads((out / "bench.json").read_text()), done.stdout, out
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
+def test_a_quick_run_reports_every_section(quick_run: tuple[dict[str, Any], str, Path]) -> None:
+    results, stdout, out = quick_run
+    assert list(results) == list(SECTIONS)
+    assert set(results["latency"]) == set(LATENCY_LABELS)
+    for figures in results["latency"].values():
+        assert figures["n"] > 0
+        assert figures["median_ms"] > 0
+    assert {"sync", "async"} <= set(results["target"])
+    assert results["meta"]["quick"] is True
+    # The table on stdout and the markdown file hold the same sections.
+    markdown = (out / "bench.md").read_text()
+    for section in SECTIONS:
+        assert f"<!-- --8<-- [start:{section}] -->" in markdown
+    assert "## Many locks in one process" in stdout
+    if shutil.which("pgbouncer") is not None:
+        assert "skipped" not in results["pgbouncer"]
+        assert results["pgbouncer"]["pgbouncer"]["mutex_sync"]["n"] > 0
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
+def test_the_history_is_timed_next_to_the_same_operations_without_it(
+    quick_run: tuple[dict[str, Any], str, Path], dsn: str
+) -> None:
+    results, stdout, _ = quick_run
+    kept = results["history"]
+    for name in ("cycle", "cycle_history", "cycle_sweep", "heartbeat", "heartbeat_history"):
+        assert kept[name]["n"] > 0
+        assert kept[name]["median_ms"] > 0
+    for ratio, measure, baseline in (
+        ("cycle_ratio", "cycle_history", "cycle"),
+        ("heartbeat_ratio", "heartbeat_history", "heartbeat"),
+        ("sweep_ratio", "cycle_sweep", "cycle_history"),
+    ):
+        assert kept[ratio] == pytest.approx(kept[measure]["median_ms"] / kept[baseline]["median_ms"], rel=0.01)
+    assert kept["expired_left"] == 0, "each acquire removed the expired rows put in its way"
+    assert "## The lock history's cost" in stdout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT to_regclass('mutex_lock_bench_hist'), to_regclass('mutex_lock_bench_hist_history')"
+        ).fetchone()
+    assert left == (None, None), "the bench drops its tables"
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
+def test_no_two_holders_ever_overlapped(quick_run: tuple[dict[str, Any], str, Path]) -> None:
+    results = quick_run[0]
+    assert results["handoff"]["handoffs"] > 0
+    assert results["handoff"]["acquired_before_release"] == 0
+    assert results["handoff"]["raw"]["acquired_before_release"] == 0
+    assert results["contended"]["cycles"] > 0
+    assert results["contended"]["overlaps"] == 0
+    for run in results["ceiling"]:
+        assert all(run[kind]["cycles"] > 0 for kind in ("advisory", "insert_delete", "mutex"))
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
+def test_many_locks_share_two_connections_and_one_heartbeat(quick_run: tuple[dict[str, Any], str, Path]) -> None:
+    many = quick_run[0]["many_locks"]
+    assert many["still_held"] == many["locks"]
+    assert 1 <= many["server_connections"] <= 2, many["connection_names"]
+    assert many["connections_opened"] <= 2
+    # One statement per interval: in a window of k intervals, at most k + 1 (one may fall on each edge).
+    assert 1 <= many["heartbeat_statements"] <= many["window_intervals"] + 1
+    # The library's threads do not grow with the locks held.
+    assert many["threads"] <= 5, many["thread_names"]

@@ -1,0 +1,263 @@
+"""Heartbeats keep a held lock fresh; when they cannot, the job learns it lost the lock."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import psycopg
+import pytest
+
+from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
+from tests.support.fixtures import FAST, RecordingMetrics, role_with_setting, row_locked, wait_until
+from tests.support.postgres_server import PostgresServer
+
+Row = Callable[..., tuple[Any, ...] | None]
+Holder = Callable[..., str | None]
+
+
+def test_heartbeats_keep_the_row_fresh_past_the_stale_threshold(
+    make_mutex: Callable[..., Mutex], row: Row, holder_id: Holder, metrics: RecordingMetrics
+) -> None:
+    holder, contender = make_mutex(metrics=metrics), make_mutex()
+    with holder.acquire():
+        deadline = time.monotonic() + FAST["stale_threshold"] * 1.5
+        while time.monotonic() < deadline:
+            found = row()
+            assert found is not None
+            assert found[1] < FAST["alert_threshold"], "the heartbeat never fell behind"
+            with contender.acquire() as acquired:
+                assert not acquired
+            time.sleep(0.1)
+        assert holder.held
+        assert holder_id() == holder.instance_id
+    latencies = metrics.named("heartbeat_latency")
+    assert len(latencies) >= 5
+    assert all(0 < call["seconds"] < FAST["operation_timeout"] for call in latencies)
+
+
+def test_heartbeat_updates_are_hot(dsn: str, admin: psycopg.Connection[Any], lock_name: str) -> None:
+    table = f"hot_{uuid.uuid4().hex[:10]}"
+    mutex = Mutex(dsn, lock_name, table=table, **FAST)  # type: ignore[arg-type]
+    mutex.create_schema()
+    with mutex.acquire():
+        for _ in range(20):
+            mutex.heartbeat()
+    mutex.close()  # a backend flushes its statistics when its session ends
+
+    def counts() -> tuple[int, int]:
+        found = admin.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = %s", (table,)
+        ).fetchone()
+        assert found is not None
+        return int(found[0]), int(found[1])
+
+    wait_until(lambda: counts()[0] >= 20)
+    updates, hot = counts()
+    assert hot == updates, f"{updates - hot} of {updates} heartbeat updates were not HOT"
+    admin.execute(f'DROP TABLE "{table}"')
+
+
+def test_manual_heartbeat_renews_and_refuses_when_not_held(make_mutex: Callable[..., Mutex], row: Row) -> None:
+    mutex = make_mutex(heartbeat_interval=0.5, alert_threshold=5.0, stale_threshold=10.0)
+    with pytest.raises(LockNotHeldError, match="does not hold"):
+        mutex.heartbeat()
+    with mutex.acquire():
+        time.sleep(0.3)
+        before = row()
+        mutex.heartbeat()
+        after = row()
+        assert before is not None
+        assert after is not None
+        assert after[1] < before[1]
+    with pytest.raises(LockNotHeldError):
+        mutex.heartbeat()
+
+
+def test_a_waiting_singleton_sibling_never_starves_the_holders_heartbeat(
+    make_mutex: Callable[..., Mutex], lock_name: str, metrics: RecordingMetrics
+) -> None:
+    holder = make_mutex(lock_name=f"{lock_name}-held", poll_interval=45.0, metrics=metrics)
+    other = make_mutex(lock_name=f"{lock_name}-busy")
+    waiting = threading.Event()
+
+    @holder.singleton(f"{lock_name}-busy", blocking=True, timeout=3.0)
+    def job() -> None:
+        pytest.fail("the sibling's lock is busy")
+
+    timed_out: list[BaseException] = []
+
+    def run_job() -> None:
+        waiting.set()
+        try:
+            job()
+        except LockAcquisitionTimeout as exc:
+            timed_out.append(exc)
+
+    with holder.acquire(), other.acquire():
+        thread = threading.Thread(target=run_job)
+        thread.start()
+        waiting.wait(5)
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            assert holder.held
+            time.sleep(0.05)
+        thread.join(timeout=10)
+    assert len(timed_out) == 1, "the sibling waited its whole timeout, on the listener, not on the connection"
+    assert metrics.named("alert") == []
+    assert metrics.named("lost") == []
+
+
+@pytest.fixture
+def idle_closing_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
+    yield from role_with_setting(pg, admin, "idle_session_timeout = '300ms'")
+
+
+def test_a_server_closing_idle_sessions_between_heartbeats_is_ridden_out_quietly(
+    idle_closing_role: str, lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics = RecordingMetrics()
+    mutex = Mutex(
+        idle_closing_role, lock_name, heartbeat_interval=0.5, alert_threshold=2.0, stale_threshold=6.0, metrics=metrics
+    )
+    with caplog.at_level(logging.WARNING, logger="postgres_mutex"), mutex.acquire():
+        wait_until(lambda: len(metrics.named("heartbeat_latency")) >= 6, timeout=15)
+        assert mutex.held
+    mutex.close()
+    assert metrics.named("heartbeat_failed") == [], "a connection closed while idle is no failure"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+class LostRecorder:
+    def __init__(self) -> None:
+        self.errors: list[LockNotHeldError] = []
+        self.called = threading.Event()
+
+    def __call__(self, error: LockNotHeldError) -> None:
+        self.errors.append(error)
+        self.called.set()
+
+
+def test_a_deleted_row_is_noticed_by_the_next_heartbeat(
+    make_mutex: Callable[..., Mutex],
+    admin: psycopg.Connection[Any],
+    lock_name: str,
+    holder_id: Holder,
+    metrics: RecordingMetrics,
+) -> None:
+    lost = LostRecorder()
+    holder = make_mutex(on_lost=lost, metrics=metrics)
+    newcomer = make_mutex()
+    with ExitStack() as newcomer_holds:
+        with pytest.raises(LockNotHeldError, match="deleted or taken over") as exited, holder.acquire():
+            admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+            assert lost.called.wait(5), "on_lost fired"
+            assert not holder.held
+            with pytest.raises(LockNotHeldError):
+                holder.ensure_held()
+            assert newcomer_holds.enter_context(newcomer.acquire())
+        # The old holder leaving its block did not delete the newcomer's row.
+        assert holder_id() == newcomer.instance_id
+    assert exited.value.lock_name == lock_name
+    assert exited.value.instance_id == holder.instance_id
+    assert len(lost.errors) == 1
+    assert lost.errors[0].reason == exited.value.reason
+    assert [call["reason"] for call in metrics.named("lost")] == [lost.errors[0].reason]
+
+
+def test_the_lease_runs_out_before_anyone_may_reclaim_the_row(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, row: Row, metrics: RecordingMetrics
+) -> None:
+    heartbeat_age_at_loss: list[float] = []
+
+    def on_lost(error: LockNotHeldError) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            found = conn.execute(
+                "SELECT EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 FROM mutex_lock WHERE lock_name = %s",
+                (lock_name,),
+            ).fetchone()
+        assert found is not None
+        heartbeat_age_at_loss.append(found[0])
+
+    holder = make_mutex(on_lost=on_lost, metrics=metrics, operation_timeout=0.3)
+    with pytest.raises(LockNotHeldError, match="lease ran out"), holder.acquire():
+        with row_locked(dsn, lock_name):
+            wait_until(lambda: bool(heartbeat_age_at_loss), timeout=10)
+            assert not holder.held
+        assert row() is not None, "the row is still there: nobody could reclaim it yet"
+    assert heartbeat_age_at_loss[0] < FAST["stale_threshold"], "the holder knew before the row became reclaimable"
+    assert len(metrics.named("heartbeat_failed")) >= 2, "failed heartbeats were retried and counted"
+    wait_until(lambda: row() is None)  # leaving the block still removes the row, in the background
+
+
+def test_heartbeats_recover_from_a_stall_shorter_than_the_lease(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, metrics: RecordingMetrics
+) -> None:
+    lost = LostRecorder()
+    holder = make_mutex(on_lost=lost, metrics=metrics, operation_timeout=0.2)
+    with holder.acquire():
+        with row_locked(dsn, lock_name):
+            wait_until(lambda: len(metrics.named("heartbeat_failed")) >= 1)
+        failures = len(metrics.named("heartbeat_failed"))
+        latencies = len(metrics.named("heartbeat_latency"))
+        wait_until(lambda: len(metrics.named("heartbeat_latency")) > latencies + 2)
+        assert holder.held
+        holder.ensure_held()
+    assert not lost.errors
+    assert failures >= 1
+
+
+def test_a_job_checking_ensure_held_stops_promptly_after_a_loss(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    holder = make_mutex()
+    steps = 0
+    with pytest.raises(LockNotHeldError), holder.acquire():
+        admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            holder.ensure_held()
+            steps += 1
+            time.sleep(0.01)
+        pytest.fail("ensure_held never noticed the loss")
+    assert steps < 200
+
+
+def test_a_broken_on_lost_callback_does_not_hide_the_loss(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    def on_lost(error: LockNotHeldError) -> None:
+        raise RuntimeError("callback bug")
+
+    holder = make_mutex(on_lost=on_lost)
+    with pytest.raises(LockNotHeldError), holder.acquire():
+        admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+        wait_until(lambda: not holder.held)
+
+
+async def test_async_holder_learns_of_a_deleted_row(
+    amake_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    lost = asyncio.Event()
+    errors: list[LockNotHeldError] = []
+
+    def on_lost(error: LockNotHeldError) -> None:
+        # An async hold's heartbeat task calls this on the event loop's thread.
+        errors.append(error)
+        lost.set()
+
+    holder = amake_mutex(on_lost=on_lost)
+    with pytest.raises(LockNotHeldError):
+        async with holder.acquire_async():
+            admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+            await asyncio.wait_for(lost.wait(), 10)
+            assert not holder.held
+            with pytest.raises(LockNotHeldError):
+                await holder.heartbeat_async()
+    assert len(errors) == 1

@@ -1,0 +1,252 @@
+"""PrometheusMetrics and OtelMetrics: every hook call becomes a series a dashboard can use.
+
+The two paths must produce the same series names: the test runs one workload
+through both (OpenTelemetry via the SDK's own Prometheus exporter) and
+compares what each exposes.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+
+from postgres_mutex import DatabaseError, Election, FanOutMetrics, Leadership, LockNotHeldError, Mutex, metric_names
+from postgres_mutex.otel import OtelMetrics
+from postgres_mutex.prometheus import PrometheusMetrics
+from postgres_mutex.watcher import StaleWatcher
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, freeze, frozen_holder, thaw, wait_until
+
+
+def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_name: str, admin: Any) -> None:
+    """Acquire, contend, time out, reclaim a silent holder, lose a lock, and watch the table."""
+    holder, contender = make_mutex(metrics=hook), make_mutex(metrics=hook)
+    with holder.acquire():
+        holder.heartbeat()
+        with contender.acquire() as acquired:
+            assert not acquired
+    with frozen_holder(holder), contender.acquire(blocking=True, timeout=10):
+        pass
+    loser = make_mutex(metrics=hook)
+    with pytest.raises(LockNotHeldError), loser.acquire():
+        admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+        wait_until(lambda: not loser.held)
+    slow = make_mutex(metrics=hook, operation_timeout=0.2)
+    with slow.acquire(), psycopg.connect(dsn) as blocker:
+        # Another session holds the row: the heartbeat cannot renew it.
+        blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (lock_name,))
+        with pytest.raises(DatabaseError, match="another session holds its row locked"):
+            slow.heartbeat()
+        blocker.rollback()
+    broken = _watcher(dsn, hook, "no_such_table")
+    with pytest.raises(DatabaseError):
+        broken.check()
+    broken.close()
+    watcher = _watcher(dsn, hook)
+    with holder.acquire():
+        watcher.check()
+    # A holder that names its session: the watcher sees it alive; frozen, its hold turns in doubt.
+    doubter = make_mutex(metrics=hook, operation_timeout=0.3, reclaim_disconnected_after=0.8)
+    with doubter.acquire():
+        watcher.check()
+        freeze(doubter)
+        hold = doubter._lock.hold
+        assert hold is not None
+        wait_until(lambda: hold.doubt_told)  # in doubt, and told so
+        assert not doubter.held
+        thaw(doubter)
+        wait_until(lambda: doubter.held)
+    watcher.close()
+    run_election(dsn, hook, f"{lock_name}-election")
+
+
+def run_election(dsn: str, hook: object, name: str) -> None:
+    """Two terms: the first lead fails; the second stops the election and overruns its grace period."""
+    election = Election(dsn, name, metrics=hook, grace_period=0.05, failure_backoff=0.01, **FAST)  # type: ignore[arg-type]
+    terms: list[Leadership] = []
+
+    def lead(leadership: Leadership) -> None:
+        terms.append(leadership)
+        if len(terms) == 1:
+            raise RuntimeError("the first term fails")
+        election.stop()
+        time.sleep(0.3)  # ignoring the stop, past grace_period
+
+    election.run(lead)
+    election.close()
+    assert len(terms) == 2
+
+
+def _watcher(dsn: str, hook: object, table: str = "mutex_lock") -> StaleWatcher:
+    return StaleWatcher(
+        dsn,
+        table=table,
+        metrics=hook,
+        alert_threshold=FAST["alert_threshold"],
+        stale_threshold=FAST["stale_threshold"],
+    )
+
+
+def test_prometheus_metrics_count_every_event(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    registry = CollectorRegistry()
+    run_workload(make_mutex, dsn, PrometheusMetrics(registry), lock_name, admin)
+
+    def value(name: str, **labels: str) -> float:
+        found = registry.get_sample_value(name, {"lock_name": lock_name, **labels})
+        return 0.0 if found is None else found
+
+    assert value("postgres_mutex_acquisitions_total") == 7
+    assert value("postgres_mutex_releases_total") == 5, "the lost locks' releases deleted nothing"
+    assert value("postgres_mutex_heartbeat_failures_total") >= 1
+    assert value("postgres_mutex_contentions_total") >= 2
+    assert value("postgres_mutex_stale_reclaims_total", reason="stale") == 1
+    assert value("postgres_mutex_doubts_total") == 1
+    assert value("postgres_mutex_alerts_total") == 1
+    assert value("postgres_mutex_losses_total") == 2, "the frozen holder and the one whose row was deleted"
+    assert value("postgres_mutex_heartbeat_duration_seconds_count") >= 1
+    assert value("postgres_mutex_acquire_duration_seconds_count", outcome="reclaimed") == 1
+    assert value("postgres_mutex_acquire_duration_seconds_count", outcome="contended") >= 1
+    assert value("postgres_mutex_locks_held") == 0, "every hold ended: released or lost, counted once"
+    # The watcher's view, at its last read (the holder was holding then).
+    assert value("postgres_mutex_heartbeat_age_seconds") < FAST["alert_threshold"]
+    assert value("postgres_mutex_threshold_stale_seconds") == FAST["stale_threshold"]
+    assert value("postgres_mutex_alerting") == 0
+    assert registry.get_sample_value("postgres_mutex_watcher_up") == 1, "the last read succeeded"
+    assert registry.get_sample_value("postgres_mutex_watcher_errors_total") == 1
+    holders = [
+        sample.labels["holder"]
+        for metric in registry.collect()
+        for sample in metric.samples
+        if sample.name == "postgres_mutex_holder_info" and sample.labels["lock_name"] == lock_name
+    ]
+    assert len(holders) == 1
+
+
+def test_no_counter_or_histogram_carries_an_instance_id(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    registry = CollectorRegistry()
+    run_workload(make_mutex, dsn, PrometheusMetrics(registry), lock_name, admin)
+    labels = {
+        key
+        for metric in registry.collect()
+        if metric.name.startswith("postgres_mutex") and metric.type in ("counter", "histogram")
+        for sample in metric.samples
+        for key in sample.labels
+    }
+    assert labels <= {"lock_name", "outcome", "ended", "reason", "le"}
+
+
+def test_otel_metrics_record_on_the_sdk(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    run_workload(make_mutex, dsn, OtelMetrics(meter_provider=provider), lock_name, admin)
+    data = reader.get_metrics_data()
+    assert data is not None
+    points: dict[str, list[Any]] = {}
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            assert scope.scope.name == "postgres_mutex"
+            for metric in scope.metrics:
+                points[metric.name] = [
+                    p for p in metric.data.data_points if (p.attributes or {}).get("lock_name") == lock_name
+                ]
+                assert metric.unit == next(m.unit for m in metric_names.ALL if m.otel == metric.name)
+    assert points["postgres_mutex.acquisitions"][0].value == 7
+    assert points["postgres_mutex.stale_reclaims"][0].value == 1
+    assert points["postgres_mutex.losses"][0].value == 2
+    assert points["postgres_mutex.locks.held"][0].value == 0
+    assert points["postgres_mutex.heartbeat.duration"][0].count >= 1
+    assert points["postgres_mutex.heartbeat.age"][0].value < FAST["alert_threshold"]
+    provider.shutdown()
+
+
+def _series(text: str) -> set[str]:
+    names = set()
+    for line in text.splitlines():
+        match = re.match(r"(postgres_mutex_[a-z_]+)", line)
+        if match and not match.group(1).endswith("_created"):
+            names.add(match.group(1))
+    return names
+
+
+def test_the_opentelemetry_path_yields_the_prometheus_series_names(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    registry = CollectorRegistry()
+    # The SDK's Prometheus exporter serves the global registry (and leaves it
+    # at shutdown); PrometheusMetrics gets a registry of its own.
+    provider = MeterProvider(metric_readers=[PrometheusMetricReader()])
+    try:
+        hook = FanOutMetrics(OtelMetrics(meter_provider=provider), PrometheusMetrics(registry))
+        run_workload(make_mutex, dsn, hook, lock_name, admin)
+        through_otel = _series(generate_latest(REGISTRY).decode())
+        direct = _series(generate_latest(registry).decode())
+    finally:
+        provider.shutdown()
+    assert direct == through_otel
+    assert direct == metric_names.prometheus_series(), "the workload makes every metric appear"
+
+
+def test_fan_out_reaches_every_hook_even_past_a_broken_one(make_mutex: Callable[..., Mutex]) -> None:
+    seen: list[str] = []
+
+    class Broken:
+        def acquired(self, lock_name: str, *, instance_id: str) -> None:
+            raise RuntimeError("down")
+
+    class Working:
+        def acquired(self, lock_name: str, *, instance_id: str) -> None:
+            seen.append(lock_name)
+
+    mutex = make_mutex(metrics=FanOutMetrics(Broken(), Working(), object()))
+    with mutex.acquire():
+        pass
+    assert seen == [mutex.lock_name]
+
+
+def test_one_prometheus_metrics_per_registry_serves_every_mutex(make_mutex: Callable[..., Mutex]) -> None:
+    registry = CollectorRegistry()
+    first, second = PrometheusMetrics(registry), PrometheusMetrics(registry)
+    assert first is second, "a second Mutex's PrometheusMetrics() must not clash with the first's series"
+    with make_mutex(metrics=first).acquire(), make_mutex(lock_name="another-lock", metrics=second).acquire():
+        pass
+    assert registry.get_sample_value("postgres_mutex_acquisitions_total", {"lock_name": "another-lock"}) == 1
+
+
+def test_a_stopped_watcher_stops_exporting_what_it_saw(make_mutex: Callable[..., Mutex], dsn: str) -> None:
+    registry = CollectorRegistry()
+    holder = make_mutex()
+    watcher = StaleWatcher(dsn, lock_names=[holder.lock_name], interval=0.05, metrics=PrometheusMetrics(registry))
+    with holder.acquire():
+        watcher.start()
+        wait_until(lambda: registry.get_sample_value("postgres_mutex_watcher_up") == 1)
+        watcher.stop()
+    assert registry.get_sample_value("postgres_mutex_heartbeat_age_seconds", {"lock_name": holder.lock_name}) is None
+    assert registry.get_sample_value("postgres_mutex_watcher_up") is None, "not a frozen 'up'"
+    watcher.close()
+
+
+def test_a_failed_release_no_longer_counts_as_held(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, lock_name: str
+) -> None:
+    registry = CollectorRegistry()
+    mutex = make_mutex(proxy_dsn, operation_timeout=0.3, metrics=PrometheusMetrics(registry))
+    with pytest.raises(DatabaseError), mutex.acquire():
+        assert registry.get_sample_value("postgres_mutex_locks_held", {"lock_name": lock_name}) == 1
+        proxy.silence()
+    proxy.heal()
+    assert registry.get_sample_value("postgres_mutex_locks_held", {"lock_name": lock_name}) == 0

@@ -1,0 +1,259 @@
+"""The table is exactly the README's; creating it is idempotent and safe to race; roles need only DML."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from postgres_mutex import LockTable, Mutex, MutexClient, SchemaError
+from tests.support.doc_examples import ROOT, expand
+from tests.support.fixtures import FAST, frozen_holder
+from tests.support.postgres_server import PASSWORD, PostgresServer
+
+
+def fresh_table() -> str:
+    return f"locks_{uuid.uuid4().hex[:10]}"
+
+
+def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) -> None:
+    columns = admin.execute(
+        """SELECT column_name, data_type, character_maximum_length, is_nullable, column_default
+             FROM information_schema.columns WHERE table_name = 'mutex_lock' ORDER BY ordinal_position"""
+    ).fetchall()
+    assert columns == [
+        ("lock_name", "character varying", 64, "NO", None),
+        ("locked", "integer", None, "NO", "1"),
+        ("instance_id", "character varying", 64, "NO", None),
+        ("last_heartbeat", "timestamp with time zone", None, "NO", None),
+        ("acquired_at", "timestamp with time zone", None, "NO", None),
+        ("token", "bigint", None, "YES", "nextval('mutex_lock_token_seq'::regclass)"),
+        # A holder's session, for reclaim_disconnected_after: NULL for every other holder.
+        ("session_key", "bigint", None, "YES", None),
+        ("session_hold", "timestamp with time zone", None, "YES", None),
+        ("reclaim_after", "double precision", None, "YES", None),
+    ]
+    constraints = admin.execute(
+        """SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
+            WHERE conrelid = 'mutex_lock'::regclass AND contype IN ('u', 'c') ORDER BY conname"""
+    ).fetchall()
+    assert constraints == [("chk_locked", "CHECK ((locked = 1))"), ("uq_mutex_lock", "UNIQUE (locked, lock_name)")]
+    # The token column is uniquely indexed (what lets a fence block a reclaim but not a heartbeat),
+    # and its sequence hands out tokens in the order sessions draw them.
+    (index,) = admin.execute(
+        "SELECT indexdef FROM pg_indexes WHERE tablename = 'mutex_lock' AND indexname = 'mutex_lock_token_key'"
+    ).fetchone() or (None,)
+    assert index is not None
+    assert "UNIQUE INDEX" in index
+    assert "(token)" in index
+    assert admin.execute(
+        "SELECT seqcache, seqcycle FROM pg_sequence WHERE seqrelid = 'mutex_lock_token_seq'::regclass"
+    ).fetchone() == (1, False)
+
+
+def test_the_table_allows_one_row_per_lock(admin: psycopg.Connection[Any], lock_name: str) -> None:
+    insert = (
+        "INSERT INTO mutex_lock (lock_name, locked, instance_id, last_heartbeat, acquired_at) "
+        "VALUES (%s, %s, 'x', now(), now())"
+    )
+    admin.execute(insert, (lock_name, 1))
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        admin.execute(insert, (lock_name, 1))
+    with pytest.raises(psycopg.errors.CheckViolation):
+        admin.execute(insert, (lock_name, 2))
+    admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (lock_name,))
+
+
+def test_create_schema_is_safe_when_many_instances_start_at_once(dsn: str, admin: psycopg.Connection[Any]) -> None:
+    table = fresh_table()
+    # A client each, as separate processes would have, each connected before the race.
+    clients = [MutexClient(dsn) for _ in range(8)]
+    tables = [client.table(table) for client in clients]
+    for each in tables:
+        assert not each.has_tokens()  # so the threads race on CREATE, not on connecting
+    barrier = threading.Barrier(len(tables))
+    errors: list[BaseException] = []
+
+    def create(each: LockTable) -> None:
+        barrier.wait(timeout=10)
+        try:
+            each.create()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create, args=(each,)) for each in tables]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    with clients[0].mutex("job", table=table).acquire() as acquired:
+        assert acquired
+    for client in clients:
+        client.close()
+    admin.execute(f'DROP TABLE "{table}"')
+
+
+def test_create_schema_is_idempotent(make_mutex: Callable[..., Mutex]) -> None:
+    mutex = make_mutex()
+    mutex.create_schema()
+    mutex.create_schema()
+    with mutex.acquire() as acquired:
+        assert acquired
+
+
+async def test_create_schema_async(amake_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any]) -> None:
+    table = fresh_table()
+    mutex = amake_mutex(table=table)
+    await mutex.create_schema_async()
+    await mutex.create_schema_async()
+    async with mutex.acquire_async() as acquired:
+        assert acquired
+    await mutex.aclose()
+    admin.execute(f'DROP TABLE "{table}"')
+
+
+def test_a_schema_qualified_table(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    schema = f"ops_{uuid.uuid4().hex[:8]}"
+    admin.execute(f'CREATE SCHEMA "{schema}"')
+    mutex = make_mutex(table=f"{schema}.mutex_lock")
+    mutex.create_schema()
+    with mutex.acquire():
+        found = admin.execute(
+            sql.SQL("SELECT instance_id FROM {} WHERE lock_name = %s").format(sql.Identifier(schema, "mutex_lock")),
+            (lock_name,),
+        ).fetchone()
+        assert found == (mutex.instance_id,)
+    admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def test_two_lock_tables_can_share_a_schema(make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any]) -> None:
+    table = fresh_table()
+    mutex, default = make_mutex(table=table), make_mutex()
+    mutex.create_schema()
+    with mutex.acquire() as first, default.acquire() as second:
+        assert (first, second) == (True, True), "same lock name, different tables: two different locks"
+    admin.execute(f'DROP TABLE "{table}"')
+
+
+@pytest.mark.parametrize("length", [61, 62, 63])
+def test_a_table_name_of_up_to_63_bytes_works_with_tokens_and_history(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], dsn: str, length: int
+) -> None:
+    # PostgreSQL's limit; the names derived from the table (sequence, history, indexes) must fit too.
+    table = fresh_table().ljust(length, "x")
+    try:
+        with MutexClient(dsn) as client:
+            client.table(table).create(history=True)
+            mutex = make_mutex(table=table)
+            with mutex.acquire() as acquired:
+                assert acquired
+                first = mutex.token
+                mutex.heartbeat()
+            with mutex.acquire():
+                assert mutex.token is not None
+                assert first is not None
+                assert mutex.token > first
+            assert len(client.table(table).history()) == 2
+    finally:
+        _drop_everything_named(admin, table[:16])
+
+
+def test_two_long_table_names_sharing_a_prefix_get_names_of_their_own(dsn: str, admin: psycopg.Connection[Any]) -> None:
+    prefix = fresh_table().ljust(60, "x")
+    tables = [f"{prefix}_a", f"{prefix}_b"]
+    try:
+        with MutexClient(dsn) as client:
+            for table in tables:
+                client.table(table).create(history=True)
+            for table in tables:
+                assert client.table(table).has_tokens()
+    finally:
+        _drop_everything_named(admin, prefix[:16])
+
+
+def _drop_everything_named(admin: psycopg.Connection[Any], prefix: str) -> None:
+    """Drop the tables and sequences whose names start with ``prefix`` (a test's own)."""
+    for kind, what in (("r", "TABLE"), ("S", "SEQUENCE")):
+        for (name,) in admin.execute(
+            "SELECT relname FROM pg_class WHERE relname LIKE %s AND relkind = %s", (f"{prefix}%", kind)
+        ).fetchall():
+            admin.execute(sql.SQL(f"DROP {what} IF EXISTS {{}} CASCADE").format(sql.Identifier(name)))
+
+
+def test_a_missing_table_is_a_clear_error(make_mutex: Callable[..., Mutex]) -> None:
+    mutex = make_mutex(table="no_such_table")
+    with pytest.raises(SchemaError, match=r"no_such_table does not exist.*create_schema"), mutex.acquire():
+        pass
+    assert not mutex.held
+
+
+def test_create_schema_in_a_missing_schema_is_a_clear_error(make_mutex: Callable[..., Mutex]) -> None:
+    mutex = make_mutex(table="no_such_schema.mutex_lock")
+    with pytest.raises(SchemaError, match="schema does not exist"):
+        mutex.create_schema()
+
+
+@pytest.fixture
+def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
+    """A login role granted only what the README's Permissions section grants, as it says it."""
+    role = f"mutex_app_{uuid.uuid4().hex[:8]}"
+    problems: list[str] = []
+    section = [line for line, _ in expand("README.md:permissions", ROOT, problems)]
+    grants = [line.replace("app_role", role) for line in section if line.startswith("GRANT ")]
+    assert problems == []
+    assert grants, "the README's Permissions section shows its GRANTs"
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
+    # PostgreSQL 14 and older let everyone create tables in public: not here.
+    admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    for grant in grants:
+        admin.execute(grant)
+    yield pg.dsn(user=role, password=PASSWORD)
+    admin.execute(f"DROP OWNED BY {role}")
+    admin.execute(f"DROP ROLE {role}")
+
+
+def test_a_role_with_only_dml_privileges_can_do_everything_but_create(
+    dml_role: str, lock_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    holder = Mutex(dml_role, lock_name, **FAST)  # type: ignore[arg-type]
+    rival = Mutex(dml_role, lock_name, **FAST)  # type: ignore[arg-type]
+    with holder.acquire() as acquired:
+        assert acquired
+        holder.heartbeat()
+        with rival.acquire() as second:
+            assert not second
+    with frozen_holder(holder), rival.acquire(blocking=True, timeout=10) as reclaimed:
+        assert reclaimed
+    holder.create_schema()  # the table exists: nothing to create, nothing refused
+    with pytest.raises(SchemaError, match="may not create it") as caught:
+        Mutex(dml_role, lock_name, table=fresh_table()).create_schema()
+    assert caught.value.sqlstate == "42501"
+    holder.close()
+    rival.close()
+
+
+def test_a_role_without_privileges_gets_a_clear_error(
+    pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None, lock_name: str
+) -> None:
+    role = f"mutex_nobody_{uuid.uuid4().hex[:8]}"
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
+    try:
+        mutex = Mutex(pg.dsn(user=role, password=PASSWORD), lock_name)
+        with (
+            pytest.raises(
+                SchemaError, match=r"may not use the lock table mutex_lock.*grant SELECT, INSERT, UPDATE, DELETE"
+            ),
+            mutex.acquire(),
+        ):
+            pass
+        mutex.close()
+    finally:
+        admin.execute(f"DROP ROLE {role}")

@@ -1,0 +1,229 @@
+"""The stale-holder watcher: alerts on a silent holder with nobody contending, rides out outages."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from postgres_mutex import LockNotHeldError, Mutex
+from postgres_mutex.watcher import StaleWatcher
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, RecordingMetrics, await_until, freeze, row_locked, wait_until
+
+INTERVAL = 0.1
+
+
+@pytest.fixture
+def make_watcher(dsn: str) -> Iterator[Callable[..., StaleWatcher]]:
+    made: list[StaleWatcher] = []
+
+    def make(*args: Any, **kwargs: Any) -> StaleWatcher:
+        kwargs.setdefault("alert_threshold", FAST["alert_threshold"])
+        kwargs.setdefault("stale_threshold", FAST["stale_threshold"])
+        kwargs.setdefault("interval", INTERVAL)
+        watcher = StaleWatcher(*(args or (dsn,)), **kwargs)
+        made.append(watcher)
+        return watcher
+
+    yield make
+    for watcher in made:
+        watcher.close()
+
+
+def test_a_silent_holder_is_alerted_on_once_with_nobody_contending(
+    make_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher], metrics: RecordingMetrics
+) -> None:
+    holder = make_mutex()
+    watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics)
+    watcher.start()
+    acquire = holder.acquire()
+    assert acquire.__enter__()
+    freeze(holder)
+    frozen_at = time.monotonic()
+    wait_until(lambda: metrics.named("alert"), timeout=10)
+    alerted_after = time.monotonic() - frozen_at
+    assert alerted_after < FAST["alert_threshold"] + INTERVAL + 0.5, "within alert_threshold + interval"
+    (alert,) = metrics.named("alert")
+    assert alert["holder"] == holder.instance_id
+    assert FAST["alert_threshold"] <= alert["seconds_since_heartbeat"] < FAST["stale_threshold"]
+    # Many more reads while the holder stays silent: still one alert.
+    reads = len(metrics.named("observed"))
+    wait_until(lambda: len(metrics.named("observed")) > reads + 5)
+    assert len(metrics.named("alert")) == 1
+    (seen,) = watcher.observations
+    assert seen.holder == holder.instance_id
+    assert seen.alerting
+    assert watcher.healthy is True
+    wait_until(lambda: watcher.observations and watcher.observations[0].reclaimable)
+    holder.close()
+
+
+def test_the_alert_re_arms_when_the_heartbeat_resumes(
+    make_mutex: Callable[..., Mutex],
+    make_watcher: Callable[..., StaleWatcher],
+    metrics: RecordingMetrics,
+    dsn: str,
+) -> None:
+    holder = make_mutex(operation_timeout=0.2)
+    watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics)
+    watcher.start()
+    with holder.acquire():
+        for episode in (1, 2):
+            with row_locked(dsn, holder.lock_name):
+                wait_until(lambda n=episode: len(metrics.named("alert")) == n, timeout=10)  # type: ignore[misc]
+            # Heartbeats land again: the watcher sees the holder fresh before the next stall.
+            wait_until(lambda: watcher.observations and not watcher.observations[0].alerting)
+        assert holder.held, "the stalls were shorter than the lease"
+    assert [alert["holder"] for alert in metrics.named("alert")] == [holder.instance_id] * 2
+
+
+def test_the_watcher_reports_every_held_lock_or_only_those_it_is_given(
+    make_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher]
+) -> None:
+    first, second = make_mutex(), make_mutex(lock_name=f"other-{time.monotonic_ns()}")
+    everything, only_first = make_watcher(), make_watcher(lock_names=[first.lock_name])
+    with first.acquire(), second.acquire():
+        seen = {o.lock_name: o for o in everything.check()}
+        assert {first.lock_name, second.lock_name} <= set(seen)
+        assert seen[first.lock_name].holder == first.instance_id
+        assert [o.lock_name for o in only_first.check()] == [first.lock_name]
+        time.sleep(0.3)
+        (later,) = only_first.check()
+        assert later.seconds_held >= 0.3
+        assert later.seconds_since_heartbeat < FAST["alert_threshold"]
+    assert only_first.check() == [], "a released lock is free"
+
+
+def test_the_watcher_keeps_running_through_a_database_outage(
+    make_mutex: Callable[..., Mutex],
+    make_watcher: Callable[..., StaleWatcher],
+    metrics: RecordingMetrics,
+    proxy: FaultProxy,
+    proxy_dsn: str,
+) -> None:
+    holder = make_mutex()
+    watcher = make_watcher(proxy_dsn, lock_names=[holder.lock_name], metrics=metrics, operation_timeout=0.3)
+    watcher.start()
+    with holder.acquire():
+        wait_until(lambda: watcher.healthy is True)
+        proxy.silence()
+        wait_until(lambda: watcher.healthy is False, timeout=15)
+        assert metrics.named("watcher_failed")
+        proxy.heal()
+        proxy.reset()  # drop the silenced connections: the watcher must reconnect
+        wait_until(lambda: watcher.healthy is True, timeout=15)
+        assert [o.holder for o in watcher.observations] == [holder.instance_id]
+
+
+def test_the_watcher_runs_in_the_calling_thread_until_stopped(
+    make_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher], metrics: RecordingMetrics
+) -> None:
+    # As Election.run does: run() blocks; stop(), from elsewhere, ends it.
+    holder = make_mutex()
+    watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics, interval=0.05)
+
+    def stop_once_alerted() -> None:
+        wait_until(lambda: metrics.named("alert"), timeout=15)
+        watcher.stop()
+
+    # Frozen, the holder may lose its lease before the watcher is stopped: beside the point here.
+    with contextlib.suppress(LockNotHeldError), holder.acquire():
+        freeze(holder)
+        stopper = threading.Thread(target=stop_once_alerted, daemon=True)
+        stopper.start()
+        started = time.monotonic()
+        watcher.run()
+        stopper.join(5)
+    assert time.monotonic() - started < 15, "it returned once stopped"
+    assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+    assert watcher.healthy is None, "stopped"
+
+
+async def test_the_watcher_runs_as_a_task_in_async_code(
+    amake_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher], metrics: RecordingMetrics
+) -> None:
+    holder = amake_mutex()
+    watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics)
+    task = asyncio.create_task(watcher.run_async())
+    try:
+        async with holder.acquire_async():
+            freeze(holder)  # silent, though its lease still runs when the alert comes
+            for _ in range(200):
+                if metrics.named("alert"):
+                    break
+                await asyncio.sleep(0.05)
+        assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await watcher.aclose()
+
+
+def test_a_mutex_can_watch_its_own_lock(make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, dsn: str) -> None:
+    holder = make_mutex(watch=True, metrics=metrics, operation_timeout=0.2)
+    assert holder.watcher is not None
+    with holder.acquire(), row_locked(dsn, holder.lock_name):
+        wait_until(lambda: metrics.named("alert"), timeout=10)
+    assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+    assert metrics.named("observed")
+    watcher = holder.watcher
+    holder.close()
+    assert watcher._thread is None, "close() stops the watcher..."
+    assert _watcher_of(holder) is None, "...for good: releasing on close does not start it again"
+    assert not any(t.name == "postgres-mutex-watcher" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_mutex_that_only_watches_its_lock_is_alerted_without_acquiring(
+    make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, lock_name: str
+) -> None:
+    # A process that watches a lock others hold: no acquire, ever.
+    holder = make_mutex(lock_name=lock_name)
+    watching = make_mutex(lock_name=lock_name, watch=True, metrics=metrics)
+    with holder.acquire():
+        freeze(holder)
+        wait_until(lambda: metrics.named("alert"), timeout=10)
+    assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+    watching.close()
+
+
+async def test_an_async_mutex_that_only_watches_its_lock_is_alerted_without_acquiring(
+    make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, lock_name: str, dsn: str
+) -> None:
+    pool = AsyncConnectionPool(dsn, min_size=1, max_size=2, open=False, kwargs={"autocommit": True})
+    await pool.open()
+    try:
+        holder = make_mutex(lock_name=lock_name)
+        watching = Mutex(async_pool=pool, lock_name=lock_name, watch=True, metrics=metrics, **FAST)  # type: ignore[arg-type]
+        with holder.acquire():
+            freeze(holder)
+            await await_until(lambda: metrics.named("alert"), timeout=10)
+        assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
+        await watching.aclose()
+    finally:
+        await pool.close()
+
+
+def _watcher_of(mutex: Mutex) -> StaleWatcher | None:
+    return mutex.watcher
+
+
+async def test_a_check_from_async_code_reports_what_a_sync_one_does(
+    make_mutex: Callable[..., Mutex], make_watcher: Callable[..., StaleWatcher]
+) -> None:
+    holder = make_mutex()
+    watcher = make_watcher(lock_names=[holder.lock_name])
+    assert await watcher.check_async() == []
+    with holder.acquire():
+        (seen,) = await watcher.check_async()
+        assert seen.holder == holder.instance_id
+        assert not seen.alerting
+        assert [o.holder for o in watcher.check()] == [seen.holder]
+    assert await watcher.check_async() == [], "a released lock is free"
