@@ -226,3 +226,45 @@ def test_the_command_line_is_built_on_the_public_api_only() -> None:
 def test_nothing_below_the_command_line_imports_it() -> None:
     users = sorted(module for module in MODULES if "_cli" in GRAPH[module])
     assert users == ["__main__"], users
+
+
+MOST_PRIVATE_REACHES = 25
+"""Private names reached across objects that the hand-written modules may have, in all."""
+
+
+def private_reaches(path: Path) -> list[str]:
+    """``x._name`` where ``x`` is not ``self``, ``cls``, ``super()`` or a module: another object's private state."""
+    tree = ast.parse(path.read_text())
+    modules = {"os", "sys", "threading", "asyncio", "psycopg", "enum"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            modules.update(alias.asname or alias.name for alias in node.names if (SRC / f"{alias.name}.py").exists())
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in {"self", "cls", *modules}:
+            continue
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+            continue
+        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_objects_seldom_reach_into_each_others_private_state() -> None:
+    # What two objects truly share is a declared interface (EngineHost, Session, Candidacy ...).
+    hand_written = [path for path in sorted(SRC.rglob("*.py")) if "do not edit" not in path.read_text()[:600].lower()]
+    reaches = [reach for path in hand_written for reach in private_reaches(path)]
+    assert len(hand_written) > 40, "the reading found the package"
+    assert len(reaches) <= MOST_PRIVATE_REACHES, "\n".join(reaches)
+
+
+def test_no_hand_written_module_is_over_500_lines() -> None:
+    # One job per module: past this, a module is doing several.
+    sizes = {
+        str(path.relative_to(SRC)): len(path.read_text().splitlines())
+        for path in SRC.rglob("*.py")
+        if "do not edit" not in path.read_text()[:600].lower()
+    }
+    assert {name: lines for name, lines in sizes.items() if lines > 500} == {}
