@@ -16,6 +16,8 @@ to `SELECT 1` measured in the same rounds:
 - ``raw_prefixed``: the library's exact texts (``SET LOCAL`` prefix) on a
   `psycopg.ClientCursor`, as the library sends them behind a pooler;
 - ``mutex_sync``: ``with mutex.acquire() as acquired`` (non-blocking, uncontended);
+- ``mutex_sync_reclaim``: the same with ``reclaim_disconnected_after``: its row names
+  its session, in the same statements (no round trip of its own);
 - ``raw_bare_async``, ``raw_bare_unprepared_async``, ``raw_prefixed_async``,
   ``mutex_async``: the same on an
   `AsyncConnection` and ``async with mutex.acquire_async(blocking=False)``.
@@ -49,6 +51,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
     conn = psycopg.connect(dsn, autocommit=True, application_name=APPLICATION_NAME)
     runner = asyncio.Runner()
     sync_mutex = Mutex(dsn, "bench-cycle-sync", table=table)
+    reclaim_mutex = Mutex(dsn, "bench-cycle-reclaim", table=table, reclaim_disconnected_after=30.0)
     async_mutex = Mutex(dsn, "bench-cycle-async", table=table)
     try:
         aconn = runner.run(psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name=APPLICATION_NAME))
@@ -62,6 +65,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
             ),
             Measure("raw_prefixed", RawCycle(conn, table, "bench-raw-prefixed", prefixed=True)),
             Measure("mutex_sync", _cycle(sync_mutex)),
+            Measure("mutex_sync_reclaim", _cycle(reclaim_mutex)),
             Measure("raw_bare_async", aop=AsyncRawCycle(aconn, table, "bench-araw-bare", prefixed=False)),
             Measure(
                 "raw_bare_unprepared_async",
@@ -75,6 +79,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
         return {measure.name: measure.timed for measure in measures}
     finally:
         sync_mutex.close()
+        reclaim_mutex.close()
         runner.run(async_mutex.aclose())
         runner.run(sync_mutex.client.aclose())
         runner.close()

@@ -72,6 +72,7 @@ Format = Literal["table", "time_series"]
 ENDINGS: dict[str, tuple[str, str]] = {
     "released": ("released", "green"),
     "reclaimed": ("reclaimed", "orange"),
+    "reclaimed_disconnected": ("reclaimed (session ended)", "light-orange"),
     "replaced": ("replaced", "yellow"),
     "lost": ("lost", "red"),
     "abandoned": ("abandoned", "purple"),

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from . import _steps as steps
 from ._clock import now
 from ._mutex import candidacy
-from ._state import HoldStatus
+from ._state import IN_DOUBT, HoldStatus
 from ._term import Leadership, Term
 from ._tracing import INSTANCE_ID, LOCK_NAME
 from .errors import DatabaseError, LockNotHeldError
@@ -54,6 +54,7 @@ class Campaign:
     def __init__(self, mutex: Mutex, events: ElectionEvents, policy: TermPolicy, grace: float) -> None:
         self._mutex = mutex
         self._candidacy = candidacy(mutex)
+        self._candidacy.lock.events.on_doubt = self.on_doubt
         self._events = events
         self._policy = policy
         self._grace = grace
@@ -274,6 +275,13 @@ class Campaign:
         term = self.term
         if term is not None and term.hold.status is HoldStatus.LOST:
             term.end("lost", f"leadership was lost: {error.reason}")
+
+    def on_doubt(self) -> None:
+        """The hold turned in doubt (``reclaim_disconnected_after``): another candidate may take the lock over
+        if this one's session ended, so the term ends now, as for a loss (on the client's event thread)."""
+        term = self.term
+        if term is not None and term.hold.in_doubt:
+            term.end("lost", f"leadership was lost: {IN_DOUBT}")
 
     def request_stop(self) -> None:
         """No campaign begins after this. Only a flag is set: a signal handler may call it."""

@@ -328,7 +328,8 @@ def _tell_pooler(op: steps.Execute, session: ServerSession) -> None:
         session.pooler_told = True
         logger.warning(
             "%s: this connection goes through a pooler (PgBouncer?), whose server sessions are not this "
-            "process's: reclaim_disconnected_after cannot name one, and the hold falls back to stale_threshold",
+            "process's: reclaim_disconnected_after cannot name one, so the hold is not reclaimed early "
+            "(it is reclaimed after stale_threshold, as without the option)",
             op.action,
         )
 

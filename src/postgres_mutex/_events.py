@@ -26,7 +26,16 @@ LostCallback = Callable[[LockNotHeldError], object]
 class LockEvents:
     """How the events of one lock, held by one instance, are reported."""
 
-    __slots__ = ("alert_threshold", "hook", "instance_id", "lock_name", "on_lost", "stale_threshold")
+    __slots__ = (
+        "alert_threshold",
+        "hook",
+        "instance_id",
+        "lock_name",
+        "on_doubt",
+        "on_lost",
+        "stale_threshold",
+        "told_unnamed",
+    )
 
     def __init__(
         self,
@@ -44,8 +53,23 @@ class LockEvents:
         self.on_lost = on_lost
         self.alert_threshold = alert_threshold
         self.stale_threshold = stale_threshold
+        self.on_doubt: Callable[[], object] | None = None
+        """What an `Election` does when its leader's hold turns in doubt: the term ends (set by the election)."""
+        self.told_unnamed = False
 
     # -- acquiring -------------------------------------------------------------
+
+    def sessions_unnamed(self, table: str) -> None:
+        """``reclaim_disconnected_after`` on a table without the session columns: said once per Mutex."""
+        if not self.told_unnamed:
+            self.told_unnamed = True
+            logger.warning(
+                "lock %r: the lock table %s has no session columns, so reclaim_disconnected_after cannot name "
+                "this holder's session: it is not reclaimed early. Run LockTable.migrate() (or 'postgres-mutex "
+                "migrate') to add them",
+                self.lock_name,
+                table,
+            )
 
     def attempt_failed(self, span: Span, error: BaseException, *, retrying_in: float | None) -> None:
         """One attempt of an acquire failed; it is retried after ``retrying_in`` seconds (None: not retried)."""
@@ -136,7 +160,8 @@ class LockEvents:
     def running_out(self, seconds_left: float) -> None:
         """Two thirds of the time the hold is trusted went by without a successful heartbeat."""
         logger.warning(
-            "lock %r (instance_id %r): no heartbeat has succeeded for two thirds of its lease; %.1fs left",
+            "lock %r (instance_id %r): no heartbeat has succeeded for two thirds of the time the hold is trusted "
+            "without one; %.1fs left",
             self.lock_name,
             self.instance_id,
             seconds_left,
@@ -153,6 +178,8 @@ class LockEvents:
             "heartbeat confirms it (another instance may reclaim it if this process's database session ended)",
         )
         self.hook.hold_in_doubt(self.lock_name, instance_id=self.instance_id)
+        if self.on_doubt is not None:
+            self.on_doubt()
 
     def confirmed(self, seconds: float) -> None:
         """A heartbeat found the row of a hold in doubt still this holder's: held again."""

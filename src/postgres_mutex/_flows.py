@@ -164,6 +164,8 @@ class _Attempts:
                     if self.statements is None:
                         # Inside the retries: the table's first inspection can meet a busy pool or a restart too.
                         self.statements = yield Shape(lock.names, statement_timeout)
+                        if lock.timing.reclaim_disconnected_after is not None and not self.statements.shape.sessions:
+                            lock.events.sessions_unnamed(lock.names.table_name)
                     reply = yield Execute(
                         self.statements.acquire, lock.params(), statement_timeout, lock.describe("acquire")
                     )

@@ -157,9 +157,7 @@ class HeartbeatWorker:
                 return
             group.quiet_retry = False
             group.next_beat = now() + retry_pause(group.interval)
-            for hold in holds:
-                hold.lock.doubt(hold)  # its session may be gone: no longer trusted, until a heartbeat says
-            self._host.session.post(_failed(holds, error))  # wakes the event thread, which tells the doubt
+            self._host.session.post(_failed(holds, error))
             return
         group.quiet_retry = False
         # From when the statement was sent: the interval is kept whatever the statement took.

@@ -155,9 +155,11 @@ def heartbeat_now(lock: LockState, tracing: Tracing) -> Flow[None]:
 
     Raises `LockNotHeldError` if the lock is not held or turns out lost,
     `DatabaseError` if the heartbeat failed (the lock stays held until its
-    lease runs out).
+    lease runs out, or with ``reclaim_disconnected_after`` until its hold is
+    in doubt). A hold in doubt is heartbeated too: a heartbeat that finds its
+    row still this Mutex's confirms it.
     """
-    hold = lock.require_held()
+    hold = lock.require_renewable()
     statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
     timeout = min(lock.timing.operation_timeout, max(0.0, hold.lease_deadline - now()))
     beat = yield from heartbeat([hold], statements, tracing, timeout)
@@ -171,3 +173,5 @@ def heartbeat_now(lock: LockState, tracing: Tracing) -> Flow[None]:
     if not beat.renewed:
         lock.require_held()  # its lease ran out meanwhile: raises saying so
     lock.events.heartbeat_renewed(beat.latency)
+    for _, seconds in beat.confirmed:
+        lock.events.confirmed(seconds)

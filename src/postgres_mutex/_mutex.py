@@ -62,8 +62,8 @@ class Mutex:
     may be reclaimed once its heartbeat is that old, long before
     ``stale_threshold``; a slow or frozen one keeps its session and its full
     threshold. The holder's side: its hold is *in doubt* (not held, not lost)
-    from one heartbeat interval before that without a successful heartbeat, or
-    once a heartbeat fails, until a heartbeat confirms it or finds it lost.
+    from one heartbeat interval before that without a successful heartbeat,
+    until a heartbeat confirms it or finds it lost.
     Needs a ``dsn``: refused with a pool.
 
     Every database statement must finish within ``operation_timeout``

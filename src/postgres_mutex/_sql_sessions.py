@@ -40,8 +40,10 @@ MARKER = sql.SQL(
          END AS session
 )"""
 )
-"""This statement's session key, once its session holds it (taken the first time, held again after):
-NULL behind a pooler. Read with ``(SELECT session FROM marker)``, evaluated only where needed."""
+"""This statement's session key, once its session holds it: NULL behind a pooler. Read with
+``(SELECT session FROM marker)``, evaluated only where needed (at most once a statement). Each
+evaluation takes the key again: session-level advisory locks count, and a count only grows, at no
+cost, until the session ends and with it every count of the key."""
 
 KEY_NOW = sql.SQL("(SELECT session FROM marker)")
 
@@ -78,19 +80,21 @@ def renewed_by_heartbeat(row: str) -> sql.Composable:
     """The heartbeat's part: the key of the session that renews an opted-in hold, now (NULL behind a pooler)."""
     return sql.SQL(
         """,
-         session_key = CASE WHEN {row}.reclaim_after IS NULL OR {row}.session_hold IS DISTINCT FROM {row}.acquired_at
-                            THEN {row}.session_key ELSE {key} END"""
+         session_key = CASE WHEN {row}.reclaim_after IS NULL THEN {row}.session_key ELSE {key} END"""
     ).format(row=sql.Identifier(row), key=KEY_NOW)
 
 
 def read_by_holders() -> sql.Composable:
-    """What a read of the table says of each holder's session: alive (or NULL: not named), and ``reclaim_after``.
+    """What a read of the table says of each holder's session: alive (or NULL: not named, or not known),
+    and ``reclaim_after``.
 
     The reader's own session is alive: its key is its own, which a try from the
-    same session would take.
+    same session would take. A standby knows nothing of the primary's sessions
+    (none of its own holds a key): read there, every session is unknown.
     """
     return sql.SQL(
         """CASE WHEN session_key IS NULL OR session_hold IS DISTINCT FROM acquired_at THEN NULL
+            WHEN pg_is_in_recovery() THEN NULL
             WHEN session_key = %(_session_key)s::bigint THEN true
             ELSE NOT pg_try_advisory_xact_lock_shared(session_key) END AS session_alive,
        CASE WHEN session_hold = acquired_at THEN reclaim_after END AS reclaim_after"""

@@ -16,11 +16,14 @@ the holder always learns it lost the lock before anyone else may reclaim it.
 A holder that opted in to ``reclaim_disconnected_after`` (R) may be reclaimed
 sooner, once its session has ended and its heartbeat is older than R. It
 cannot see its own session from outside, so it trusts its hold for R minus one
-heartbeat interval after the last heartbeat that succeeded, and not after a
-heartbeat failed: then the hold is *in doubt*. A hold in doubt is not held
-(`held` is false, `require_held` raises) but not lost either: it is still
-heartbeated, and the next heartbeat that finds its row confirms it (it is held
-again) or finds the row gone (it is lost). Its lease runs as before.
+heartbeat interval after the last heartbeat that succeeded was sent: past that
+the hold is *in doubt*. (A failed heartbeat alone changes nothing: the server
+stamped the last one that succeeded no earlier than it was sent, so nobody may
+reclaim the row before R has passed since then, whatever ended the session.)
+A hold in doubt is not held (`held` is false, `require_held` raises) but not
+lost either: it is still heartbeated, and the next heartbeat that finds its
+row confirms it (it is held again) or finds the row gone (it is lost). Its
+lease runs as before.
 
 A *stray row* is a row of ours that an acquire whose reply never came may
 have left in the table, or may still leave: the statement can go on running
@@ -57,8 +60,8 @@ ROW_GONE = "its row was deleted or taken over by another instance"
 RELEASED_ELSEWHERE = "release() was called from another thread or task while the block holding it ran"
 NOT_HELD = "this Mutex does not hold the lock"
 IN_DOUBT = (
-    "its hold is in doubt: no heartbeat succeeded for reclaim_disconnected_after - heartbeat_interval, or one "
-    "failed, and another instance may reclaim it if its session ended; the next heartbeat confirms it or finds it lost"
+    "its hold is in doubt: no heartbeat succeeded for reclaim_disconnected_after - heartbeat_interval, and another "
+    "instance may reclaim it if its session ended; the next heartbeat confirms it or finds it lost"
 )
 
 StateLock = threading.Lock
@@ -333,13 +336,6 @@ class LockState:
                 hold.running_out_told = False
             return confirmed
 
-    def doubt(self, hold: Hold) -> None:
-        """A heartbeat of ``hold`` failed: if its holder names its session, the session may be gone, and with it
-        the row's protection from an early reclaim: the hold is in doubt until a heartbeat confirms it."""
-        with self._lock:
-            if self.timing.doubt is not None and hold.status is HoldStatus.HELD:
-                hold.doubt_deadline = min(hold.doubt_deadline, now())
-
     def tell_doubt(self, hold: Hold) -> bool:
         """Whether ``hold`` turned in doubt and that is yet to be told (once, until a heartbeat confirms it)."""
         with self._lock:
@@ -371,6 +367,14 @@ class LockState:
             else:
                 reason = hold.reason if hold is not None and hold.reason else NOT_HELD
         raise self.not_held_error(reason)
+
+    def require_renewable(self) -> Hold:
+        """The current hold if a heartbeat may still renew it (held, or in doubt); else raise as `require_held`."""
+        with self._lock:
+            hold = self.hold
+            if self.phase is Phase.HOLDING and hold is not None and hold.in_doubt:
+                return hold
+        return self.require_held()
 
     def begin_release(self, caller: object) -> Hold | None:
         """Stop holding: the hold is no longer renewed. Returns it (None if there was none).

@@ -154,8 +154,8 @@ class Leadership:
         term = self._term
         self._require_current()
         if not term.endings and term.hold.in_doubt:
-            # Not lost, not confirmed either: the next heartbeat says which (the term goes on meanwhile).
-            raise self._error(f"leadership is in doubt: {IN_DOUBT}")
+            # Another candidate may take the lock over once the leader's session ended: a leader steps down.
+            term.end("lost", f"leadership was lost: {IN_DOUBT}")
         if not term.endings and not term.hold.held:
             # The lease ran out a moment before the loss was reported: the term is lost all the same.
             term.end("lost", f"leadership was lost: {term.hold.reason or LEASE_EXPIRED}")
@@ -174,7 +174,7 @@ class Leadership:
         try:
             return self._check_token(self._mutex.fence(conn))
         except LockNotHeldError as exc:
-            self._lost_unless_in_doubt(exc)
+            self._term.end("lost", f"leadership was lost: {exc.reason}")
             raise
 
     async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
@@ -183,7 +183,7 @@ class Leadership:
         try:
             return self._check_token(await self._mutex.fence_async(conn))
         except LockNotHeldError as exc:
-            self._lost_unless_in_doubt(exc)
+            self._term.end("lost", f"leadership was lost: {exc.reason}")
             raise
 
     @contextlib.contextmanager
@@ -202,11 +202,6 @@ class Leadership:
         ending = self._term.ending
         state = "leading" if self.held else f"ended ({ending})" if ending else "not held"
         return f"<Leadership election={self.name!r} token={self.token} {state}>"
-
-    def _lost_unless_in_doubt(self, error: LockNotHeldError) -> None:
-        """A fence refused: the term is lost, unless the hold is merely in doubt (the fence then refuses too)."""
-        if error.reason != IN_DOUBT:
-            self._term.end("lost", f"leadership was lost: {error.reason}")
 
     def _require_current(self) -> None:
         if not self._term.current:

@@ -75,7 +75,8 @@ LEASES_RUNNING_OUT = MetricName(
     "postgres_mutex.lease.running_out",
     "counter",
     "{hold}",
-    "Holds that went two thirds of their lease without a successful heartbeat.",
+    "Holds that went two thirds of the time they are trusted without a heartbeat (their lease, or sooner "
+    "their reclaim_disconnected_after) without a successful one.",
 )
 HEARTBEAT_FAILURES = MetricName(
     "postgres_mutex.heartbeat.failures", "counter", "{failure}", "Heartbeats that failed (and were retried)."

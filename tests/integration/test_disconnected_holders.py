@@ -21,9 +21,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, LockTable, Mutex, MutexClient
+from postgres_mutex import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, LockTable, Mutex, MutexClient
 from postgres_mutex.errors import InvalidArgument
 from tests.support.fixtures import ROOT, RecordingMetrics, freeze, read_line, thaw, wait_until
 from tests.support.postgres_server import PostgresServer
@@ -123,6 +124,27 @@ def test_a_holder_whose_process_died_is_reclaimed_after_the_option_not_the_stale
         assert reclaim["reason"] == "disconnected"
     finally:
         contender.close()
+
+
+def test_the_history_says_the_holder_was_reclaimed_because_its_session_ended(
+    dsn: str, lock_name: str, admin: psycopg.Connection[Any], holders: Callable[..., subprocess.Popen[str]]
+) -> None:
+    table = f"history_{lock_name.replace('-', '_')}"
+    LockTable(dsn, table=table).create(history=True)
+    try:
+        holder = holders(dsn, lock_name, table=table)
+        holder.kill()
+        holder.wait(10)
+        contender = Mutex(dsn, lock_name, table=table, **OPTIONS)
+        with contender.acquire(blocking=True, timeout=RECLAIM + HAND_OFF + 5) as acquired:
+            assert acquired
+        contender.close()
+        endings = [record.ended_how for record in LockTable(dsn, table=table).history(lock_name)]
+        assert endings == ["released", "reclaimed_disconnected"], "newest first"
+    finally:
+        admin.execute(
+            sql.SQL("DROP TABLE IF EXISTS {}, {}").format(sql.Identifier(table), sql.Identifier(f"{table}_history"))
+        )
 
 
 def test_a_frozen_holder_is_alerted_on_and_keeps_its_lock_then_goes_on_holding(
@@ -251,6 +273,30 @@ def test_an_outage_longer_than_the_option_puts_the_holder_in_doubt_before_anyone
     finally:
         holder.close()
         contender.close()
+
+
+def test_an_election_leader_in_doubt_steps_down_before_another_may_take_over(dsn: str, lock_name: str) -> None:
+    fast = {**OPTIONS, "heartbeat_interval": 0.2, "alert_threshold": 0.6, "reclaim_disconnected_after": 1.0}
+    election = Election(dsn, lock_name, **fast)
+    told: list[tuple[float, str | None]] = []
+
+    def lead(leadership: Leadership) -> None:
+        frozen_at = time.monotonic()
+        freeze(election._mutex)  # its heartbeats stop, as a cut-off leader's would
+        assert leadership.ended.wait(10), "the leader was never told"
+        told.append((time.monotonic() - frozen_at, leadership.reason))
+        with pytest.raises(LockNotHeldError):
+            leadership.ensure_held()
+        election.stop()
+
+    try:
+        election.run(lead)
+    finally:
+        election.close()
+    ((after, reason),) = told
+    assert after < 1.0, "told before another candidate may take the lock over"
+    assert reason is not None
+    assert "in doubt" in reason
 
 
 def test_holders_without_the_option_are_never_reclaimed_early(

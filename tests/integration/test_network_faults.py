@@ -38,10 +38,17 @@ Row = Callable[..., tuple[Any, ...] | None]
 QUIET = {"heartbeat_interval": 5.0, "alert_threshold": 10.0, "stale_threshold": 20.0}
 
 
+@pytest.mark.parametrize("options", [{}, {"reclaim_disconnected_after": 15.0}], ids=["plain", "naming its session"])
 def test_acquire_heartbeat_and_release_are_one_round_trip_each(
-    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, admin: psycopg.Connection[Any], lock_name: str
+    make_mutex: Callable[..., Mutex],
+    proxy: FaultProxy,
+    proxy_dsn: str,
+    admin: psycopg.Connection[Any],
+    lock_name: str,
+    options: dict[str, float],
 ) -> None:
-    mutex, rival = make_mutex(proxy_dsn, **QUIET), make_mutex(proxy_dsn, **QUIET)
+    # A holder that names its session (reclaim_disconnected_after) does so in the same statements.
+    mutex, rival = make_mutex(proxy_dsn, **QUIET, **options), make_mutex(proxy_dsn, **QUIET, **options)
     for _ in range(2):
         # Connect and use each statement first: the handshake, and the one more
         # round trip that prepares a statement on a connection, are not what is measured.

@@ -271,7 +271,7 @@ def test_behind_pgbouncer_a_holder_that_would_name_its_session_falls_back_to_the
             assert (seen.session_alive, seen.reclaim_disconnected_after) == (None, 1.2)
         warnings = [r.getMessage() for r in caplog.records if "reclaim_disconnected_after" in r.getMessage()]
         assert len(warnings) == 1, warnings
-        assert "falls back to stale_threshold" in warnings[0]
+        assert "not reclaimed early" in warnings[0]
     finally:
         mutex.close()
 

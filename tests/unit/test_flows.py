@@ -9,6 +9,7 @@ statement's rows decide, hold by hold, which locks carry on and which are lost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from datetime import UTC, datetime
 from typing import Any
@@ -54,7 +55,7 @@ TRACING = Tracing(None, {})
 ME = object()
 
 
-def lock(name: str = "job", instance_id: str = "me") -> LockState:
+def lock(name: str = "job", instance_id: str = "me", timing: Timing = TIMING) -> LockState:
     events = LockEvents(
         lock_name=name,
         instance_id=instance_id,
@@ -67,7 +68,7 @@ def lock(name: str = "job", instance_id: str = "me") -> LockState:
         names=NAMES,
         lock_name=name,
         instance_id=instance_id,
-        timing=TIMING,
+        timing=timing,
         events=events,
         tracing=TRACING,
         state_lock=threading.Lock(),
@@ -351,3 +352,67 @@ def test_a_clean_up_before_an_unanswered_statement_could_land_runs_again_later(s
         step(flow, Result(1, (("",),)))
     assert done.value.value is False, "the unanswered statement may still land: not settled"
     assert stray.stray_row_possible
+
+
+# -- a hold that names its session (reclaim_disconnected_after): held, in doubt, confirmed --------
+
+NAMING = Timing.validate(
+    heartbeat_interval=1.0,
+    alert_threshold=3.0,
+    stale_threshold=600.0,
+    poll_interval=0.5,
+    operation_timeout=None,
+    reclaim_disconnected_after=10.0,
+)
+
+
+class Clock:
+    """The library's clock, set by the test: a hold's states follow it, and nothing else."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.t = 1000.0
+        monkeypatch.setattr("postgres_mutex._state.now", lambda: self.t)
+
+
+def test_a_hold_is_in_doubt_one_interval_before_it_may_be_reclaimed_and_a_heartbeat_confirms_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock(monkeypatch)
+    state = lock(timing=NAMING)
+    state.begin_acquire()
+    hold = state.won(acquired_at=STAMP, token=1, sent_at=clock.t, owner=ME, span_context=None)
+    clock.t += 8.9
+    assert hold.held
+    assert state.lease_remaining() == pytest.approx(0.1)
+    assert state.tell_running_out(hold) is not None, "two thirds of its trust went by"
+    clock.t += 0.1  # reclaim_disconnected_after - heartbeat_interval since the acquire was sent
+    assert not state.held
+    assert hold.in_doubt
+    assert state.lease_remaining() is None
+    with pytest.raises(LockNotHeldError, match="in doubt"):
+        state.require_held()
+    assert state.require_renewable() is hold, "a heartbeat may still confirm it"
+    assert state.tell_doubt(hold)
+    assert not state.tell_doubt(hold), "told once"
+    # A heartbeat sent before the doubt, answered now, leaves it in doubt: it says nothing of since.
+    assert state.renew(hold, sent_at=clock.t - 9.5) == 0.0
+    assert hold.in_doubt
+    # One sent now confirms it.
+    clock.t += 2.0
+    assert state.renew(hold, sent_at=clock.t) == pytest.approx(2.0)
+    assert hold.held
+    assert state.tell_running_out(hold) is None, "its trust starts again"
+    # Past its lease it is lost, in doubt or not.
+    clock.t += 600.0
+    assert state.lose(hold, "lease", only_if_expired=True) is not None
+
+
+def test_a_hold_that_names_no_session_is_never_in_doubt(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock(monkeypatch)
+    state = lock(timing=dataclasses.replace(NAMING, reclaim_disconnected_after=None))
+    state.begin_acquire()
+    hold = state.won(acquired_at=STAMP, token=1, sent_at=clock.t, owner=ME, span_context=None)
+    clock.t += 500.0
+    assert hold.held
+    assert not hold.in_doubt
+    assert not state.tell_doubt(hold)
