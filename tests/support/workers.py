@@ -138,7 +138,8 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
     Three instances contend for PREFIX-contended; one waits to reclaim
     PREFIX-reclaimed from a holder the test kills; one holds PREFIX-stalled,
     whose heartbeats the test blocks until the lock is lost; one holds
-    PREFIX-flaky, whose heartbeats the test keeps failing now and then. One
+    PREFIX-flaky, whose heartbeats the test keeps failing now and then; one holds
+    PREFIX-doubted with reclaim_disconnected_after, in doubt now and then. One
     candidate campaigns in election PREFIX-elected, another in
     PREFIX-leaderless, whose lock a plain Mutex holds.
     """
@@ -196,6 +197,20 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
 
         election.run(lead)
 
+    def doubted() -> None:
+        # A holder that names its session (the watcher shows it alive), in doubt now and then: its
+        # heartbeats pause past reclaim_disconnected_after - heartbeat_interval, then resume.
+        options = {**FAST, "operation_timeout": 0.3, "reclaim_disconnected_after": 0.8}
+        mutex = Mutex(dsn, f"{prefix}-doubted", metrics=hook, **options)  # type: ignore[arg-type]
+        with mutex.acquire(blocking=True, timeout=60):
+            while True:
+                hold = mutex._lock.hold
+                assert hold is not None
+                hold.paused = True
+                time.sleep(1.0)
+                hold.paused = False
+                time.sleep(2.0)
+
     def leaderless() -> None:
         # Candidates and no leader: something that is not a candidate holds the election's lock.
         from postgres_mutex import Election
@@ -212,6 +227,7 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
         (reclaim, ()),
         (stall, ("stalled",)),
         (stall, ("flaky",)),
+        (doubted, ()),
     ):
         threading.Thread(target=target, args=args, daemon=True).start()
     print("ready", flush=True)
