@@ -51,7 +51,7 @@ def test_a_killed_holder_is_alerted_on_then_reclaimed_no_sooner_than_the_stale_t
     assert acquired_at - killed_at >= earliest, "reclaimed before the holder could be presumed dead"
     assert acquired_at - killed_at < FAST["stale_threshold"] + 3.0, "reclaimed on time"
     assert metrics.named("stale_reclaimed") == [
-        {"instance_id": contender.instance_id, "previous_holder": dead_id, "token": token}
+        {"instance_id": contender.instance_id, "previous_holder": dead_id, "token": token, "reason": "stale"}
     ]
     assert isinstance(token, int)
     alerts = metrics.named("alert")

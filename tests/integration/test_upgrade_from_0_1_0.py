@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry
 
 import postgres_mutex
 from chaos.harness import ALERT, HEARTBEAT, STALE, TIMING
-from postgres_mutex import FanOutMetrics, LockNotHeldError, MutexClient
+from postgres_mutex import FanOutMetrics, LockNotHeldError, Mutex, MutexClient
 from postgres_mutex.prometheus import PrometheusMetrics
 from postgres_mutex.watcher import StaleWatcher
 from tests.support.doc_examples import parse_page, python_parts
@@ -840,6 +840,26 @@ def test_a_killed_holder_of_either_version_is_seen_alerted_on_and_reclaimed_by_t
         assert reclaimer.wait(30) == 0
         assert watcher.check() == [], "released"
     assert sections.overlaps() == []
+
+
+@pytest.mark.parametrize("table", ["made by 0.1.0, then migrated", "made by this version"])
+def test_a_killed_0_1_0_holder_is_not_reclaimed_early_by_a_contender_that_names_its_session(
+    table: str, fleet: Fleet, release_0_1_0: Release
+) -> None:
+    """0.1.0 writes no session into its row: a contender with reclaim_disconnected_after waits out the threshold."""
+    prepare(table, fleet, release_0_1_0)
+    holder = fleet.start(release_0_1_0, "hold", "holder")
+    holder.expect("held", timeout=30)
+    contender = Mutex(fleet.place.dsn, LOCK, **TIMING, reclaim_disconnected_after=STALE / 3)  # type: ignore[arg-type]
+    try:
+        holder.kill()
+        killed_at = time.monotonic()
+        with contender.acquire(blocking=True, timeout=STALE + 10) as acquired:
+            assert acquired
+            waited = time.monotonic() - killed_at
+        assert waited >= STALE - HEARTBEAT - HEARTBEAT_LATE, f"a 0.1.0 holder reclaimed after {waited:.2f}s"
+    finally:
+        contender.close()
 
 
 # -- fencing, when 0.1.0 processes hold the lock too ----------------------------------------
