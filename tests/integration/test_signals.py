@@ -6,6 +6,7 @@ leaves nothing behind either.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -66,7 +67,8 @@ asyncio.run(main())
 
 def _holder(dsn: str, lock_name: str, body: str, *, helper: bool) -> subprocess.Popen[str]:
     code = f"""
-import asyncio, threading, time
+import asyncio, faulthandler, signal, threading, time
+faulthandler.register(signal.SIGUSR1)  # a test that gives up on it asks where every thread is
 from postgres_mutex import Mutex, exit_on_sigterm
 {"exit_on_sigterm()" if helper else ""}
 mutex = Mutex({dsn!r}, {lock_name!r}, **{FAST!r})
@@ -85,6 +87,14 @@ def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
     proc.send_signal(signal.SIGTERM)
     try:
         code = proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        # Still running: where is each of its threads? (faulthandler writes them to stderr.)
+        proc.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=2)
+        proc.kill()
+        proc.wait(timeout=10)
+        pytest.fail(f"the SIGTERMed holder did not exit within 20 s; its threads:\n{proc.stderr.read()}")
     finally:
         if proc.poll() is None:
             proc.kill()
