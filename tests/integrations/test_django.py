@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from tests.support.fixtures import read_line
-from tests.support.postgres_server import PostgresServer
+from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = Path(__file__).resolve().parent / "django_project"
@@ -98,3 +98,25 @@ def test_a_decorated_command_runs_once_at_a_time_and_status_shows_it(project: Pr
 
     with psycopg.connect(project.dsn) as conn:
         assert conn.execute("SELECT count(*) FROM nightly_runs").fetchone() == (1,), "the skipped run did not run"
+
+
+def test_the_password_from_settings_reaches_libpq_whole_and_is_never_shown(
+    pg: PostgresServer, project: Project, needs_superuser: None
+) -> None:
+    schema = project.env["DB_SCHEMA"]
+    assert project.run("postgres_mutex", "init").returncode == 0
+    with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+        conn.execute(f"GRANT USAGE ON SCHEMA {schema} TO {PASSWORD_ROLE}")
+        conn.execute(f"GRANT SELECT ON {schema}.mutex_lock TO {PASSWORD_ROLE}")
+    project.env.update(DB_USER=PASSWORD_ROLE, DB_PASSWORD=PASSWORD, DB_HOST="127.0.0.1")
+    status = project.run("postgres_mutex", "status")
+    assert status.returncode == 0, status.stderr
+    assert PASSWORD not in status.stdout + status.stderr
+
+    # Spaces, quotes and a backslash: joined into a connection string by hand, they would not survive.
+    wrong = "it's a wrong pass\\word"
+    project.env["DB_PASSWORD"] = wrong
+    refused = project.run("postgres_mutex", "status")
+    assert refused.returncode != 0
+    assert "password authentication failed" in refused.stderr
+    assert wrong not in refused.stdout + refused.stderr

@@ -36,6 +36,7 @@ log = logging.getLogger("postgres_mutex.integrations.apscheduler")
 
 Policy = Literal["skip", "wait", "raise"]
 _POLICIES = ("skip", "wait", "raise")
+_CONNECT_TIMEOUT = 10  # seconds: the ledger's connections fail rather than hang on a silent network
 
 _fire_time: contextvars.ContextVar[datetime | None] = contextvars.ContextVar("postgres_mutex_fire_time", default=None)
 
@@ -119,7 +120,10 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
     def start(self, scheduler: Any, alias: str) -> None:
         """Create the ledger table if needed, then start as APScheduler's thread pool does."""
         # Schedulers starting together race to create it: the losers' UniqueViolation means it exists.
-        with psycopg.connect(self._dsn, autocommit=True) as conn, contextlib.suppress(psycopg.errors.UniqueViolation):
+        with (
+            psycopg.connect(self._dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT) as conn,
+            contextlib.suppress(psycopg.errors.UniqueViolation),
+        ):
             conn.execute(
                 sql.SQL(
                     "CREATE TABLE IF NOT EXISTS {} (job_id TEXT PRIMARY KEY, fire_time TIMESTAMPTZ NOT NULL,"
@@ -189,7 +193,8 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
 
     def _claim(self, mutex: Mutex, job_id: str, run_time: datetime) -> bool:
         """Record ``run_time`` as run, fenced by the hold: False if it (or a later fire time) already was."""
-        with psycopg.connect(self._dsn) as conn, mutex.fenced(conn) as token:
+        # A connection per fire time: a job that fires every second costs one connect a second, and nothing idles.
+        with psycopg.connect(self._dsn, connect_timeout=_CONNECT_TIMEOUT) as conn, mutex.fenced(conn) as token:
             claimed = conn.execute(
                 sql.SQL(
                     "INSERT INTO {0} AS runs (job_id, fire_time, token, instance_id) VALUES (%s, %s, %s, %s)"

@@ -60,11 +60,11 @@ def once(
 
     def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
         name = lock_name or _default_name(func)
-        local = threading.Lock()  # one Mutex per name holds one lease: calls in this process take turns first
 
         @functools.wraps(func)
         def run_once(*args: P.args, **kwargs: P.kwargs) -> R | None:
             command = args[0] if args and isinstance(args[0], BaseCommand) else None
+            local = _turn(alias, name)
             waits = on_contention == "wait"
             try:
                 if not local.acquire(blocking=waits, timeout=wait_timeout if waits else -1):
@@ -87,6 +87,16 @@ def once(
         return run_once
 
     return decorate
+
+
+_turns: dict[tuple[str | None, str], threading.Lock] = {}
+_turns_lock = threading.Lock()
+
+
+def _turn(alias: str | None, name: str) -> threading.Lock:
+    """The process's turn at a lock: its one Mutex holds one lease, so calls in this process take turns first."""
+    with _turns_lock:
+        return _turns.setdefault((alias, name), threading.Lock())
 
 
 def _contended(name: str, policy: Policy, command: BaseCommand | None) -> None:
