@@ -12,6 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from postgres_mutex.integrations.django import once
 from tests.support.fixtures import read_line
 from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer
 
@@ -120,3 +121,11 @@ def test_the_password_from_settings_reaches_libpq_whole_and_is_never_shown(
     assert refused.returncode != 0
     assert "password authentication failed" in refused.stderr
     assert wrong not in refused.stdout + refused.stderr
+
+
+def test_once_refuses_a_coroutine_function_whose_lock_would_end_before_it_runs() -> None:
+    async def digest() -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"@once runs functions, not coroutine functions: .*digest is async"):
+        once()(digest)

@@ -133,7 +133,7 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
         super().start(scheduler, alias)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop as APScheduler's thread pool does, then close the jobs' Mutexes (releasing nothing still held)."""
+        """Stop as APScheduler's thread pool does (``wait``: for the runs in flight), then close the jobs' Mutexes."""
         super().shutdown(wait)
         with self._idle_lock:
             mutexes = [mutex for idle in self._idle.values() for mutex in idle]
@@ -167,6 +167,7 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
         grace = job.misfire_grace_time
         if grace is not None and datetime.now(UTC) - run_time > timedelta(seconds=grace):
             return list(run_job(job, alias, [run_time], logger))  # reported missed, as APScheduler does
+        events: list[JobExecutionEvent] = []
         with self._mutex(job.id) as mutex:
             try:
                 acquisition = mutex.acquire(blocking=self._policy == "wait", timeout=self._wait_timeout)
@@ -175,21 +176,23 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
                         if self._policy == "raise":
                             raise JobRunningElsewhere(job.id, run_time)
                         log.info("job %r, fire time %s: already running, skipped here", job.id, run_time)
-                        return []
-                    if not self._claim(mutex, job.id, run_time):
+                    elif not self._claim(mutex, job.id, run_time):
                         log.info("job %r, fire time %s: already run, skipped here", job.id, run_time)
-                        return []
-                    token = _fire_time.set(run_time)
-                    try:
-                        return list(run_job(job, alias, [run_time], logger))
-                    finally:
-                        _fire_time.reset(token)
+                    else:
+                        token = _fire_time.set(run_time)
+                        try:
+                            events.extend(run_job(job, alias, [run_time], logger))
+                        finally:
+                            _fire_time.reset(token)
             except (MutexError, psycopg.Error) as error:
-                # Contention under "raise", a wait that timed out, a lock lost or a database out of reach:
-                # this fire time failed here, and listeners hear of it as of any job's failure.
+                # Contention under "raise", a wait that timed out, a lock lost (the run's own event is kept)
+                # or a database out of reach: listeners hear of this fire time's failure as of any job's.
                 log.warning("job %r, fire time %s: %s", job.id, run_time, error)
                 trace = "".join(traceback.format_tb(error.__traceback__))
-                return [JobExecutionEvent(EVENT_JOB_ERROR, job.id, alias, run_time, exception=error, traceback=trace)]
+                events.append(
+                    JobExecutionEvent(EVENT_JOB_ERROR, job.id, alias, run_time, exception=error, traceback=trace)
+                )
+        return events
 
     def _claim(self, mutex: Mutex, job_id: str, run_time: datetime) -> bool:
         """Record ``run_time`` as run, fenced by the hold: False if it (or a later fire time) already was."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -59,6 +60,9 @@ def once(
         raise ValueError(f"on_contention must be one of {', '.join(_POLICIES)}, not {on_contention!r}")
 
     def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
+        if inspect.iscoroutinefunction(func):
+            # The lock would be released when the coroutine is made, before any of it runs.
+            raise TypeError(f"@once runs functions, not coroutine functions: {func.__qualname__} is async")
         name = lock_name or _default_name(func)
 
         @functools.wraps(func)
