@@ -158,7 +158,7 @@ class PeersPlan:
     seconds: float
 
 
-FULL = PeersPlan(rounds=100, per_round=10, warmup=50, handoffs=100, processes=4, seconds=5.0)
+FULL = PeersPlan(rounds=100, per_round=10, warmup=50, handoffs=200, processes=4, seconds=5.0)
 QUICK = PeersPlan(rounds=5, per_round=5, warmup=5, handoffs=5, processes=2, seconds=1.0)
 """As CI runs it: seconds per peer, figures rough; two workers each (the hand-off needs two)."""
 
