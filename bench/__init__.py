@@ -7,8 +7,10 @@ docs/performance.md says what each section measures and shows a full run.
 Modules are named for what they measure: `latency` (one connection, from
 ``SELECT 1`` to a Mutex cycle), `handoff`, `contention` (one lock, several
 processes), `ceiling` (distinct locks), `many_locks` (one process holding
-many), `pgbouncer`. `statements` sends the library's own statements raw,
-`proxy` counts round trips, `processes` and `worker` run the worker
-processes (`channel` is a worker's side of their line channel), `report`
-writes the tables and the JSON.
+many), `pgbouncer`, `peers` (the locks a user would pick instead: `peer_locks`
+is their workers' side, `peer_servers` starts what they run on, `peers_report`
+writes their table). `statements` sends the library's own statements raw,
+`proxy` counts round trips, `processes` and `worker` run the worker processes
+(`channel` is a worker's side of their line channel), `report` writes the
+tables and the JSON.
 """

@@ -95,6 +95,7 @@ def _meta(meta: dict[str, Any]) -> list[str]:
         f"psycopg {meta['psycopg']}, postgres-mutex {meta['library']} ({meta['commit']}); PostgreSQL "
         f"{meta['server_version']} ({meta['server']}). `{meta['command']}`, {meta['seconds']:.0f} s"
         f"{' (quick: small sizes, figures are rough)' if meta['quick'] else ''}."
+        + (f" {meta['note']}" if meta.get("note") else "")
     ]
 
 

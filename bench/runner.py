@@ -100,6 +100,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pgbouncer", action="store_true", help="also the sync cycle through PgBouncer (Debian's pgbouncer)"
     )
+    parser.add_argument(
+        "--note",
+        default="",
+        help="a sentence on the machine, printed with the run's description "
+        "(e.g. 'The machine was shared with other work.')",
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--skip-peers",
@@ -233,6 +239,7 @@ def _meta(args: argparse.Namespace, server_version: str, settings: str) -> dict[
         "server": settings,
         "command": shlex.join(command),
         "quick": bool(args.quick),
+        "note": args.note,
     }
 
 
