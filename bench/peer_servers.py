@@ -178,7 +178,11 @@ def release_0_1_0() -> Iterator[str]:
         venv = root / "venv"
         # Without ensurepip (seconds instead of tens on a busy machine): this interpreter's pip installs
         # into it (pip --python, pip 22.3 and later).
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        made = subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)], capture_output=True, text=True, timeout=120
+        )
+        if made.returncode != 0:
+            raise Unavailable(f"could not make a venv for {PUBLISHED}: {' '.join(made.stderr.split())[-200:]}")
         python = venv / "bin" / "python"
         install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet"]
         install += ["--disable-pip-version-check", "--no-input"]

@@ -18,8 +18,8 @@ each library is called):
   waiter blocks, the holder releases after a settle period), blocks of a few
   hand-offs per peer in turn; the latency from the release call to the
   waiter's acquire returning;
-- contended throughput: 4 processes, one lock, a 2 ms hold, one window per
-  peer; every critical section is checked for overlaps.
+- contended throughput: 4 processes (2 in a quick run), one lock, a 2 ms
+  hold, one window per peer; every critical section is checked for overlaps.
 
 A peer whose server or package is missing gets the reason instead of figures;
 so does one whose worker fails in a measure (the others go on).
@@ -33,6 +33,7 @@ import importlib.util
 import itertools
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -251,7 +252,8 @@ def _prepare(
 
 
 @contextlib.contextmanager
-def _dropped(dsn: str, table: str) -> Any:
+def _dropped(dsn: str, table: str) -> Iterator[None]:
+    """0.1.0's table, dropped before (a previous run's) and after."""
     drop = sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(sql.Identifier(table))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(drop)
