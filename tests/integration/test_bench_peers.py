@@ -24,6 +24,8 @@ from bench.peers import PEERS, TABLE, TABLE_0_1_0
 from bench.report import PEERS_TITLE
 from tests.support.fixtures import ROOT
 
+pytestmark = pytest.mark.bench_peers
+
 PEERS_RUN_TIMEOUT = 150.0
 MEASURES = ("cycle", "handoff", "contended")
 
