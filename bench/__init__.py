@@ -1,7 +1,8 @@
 """What postgres-mutex costs, measured against baselines taken in the same run.
 
 Run ``python -m bench`` from the repository root (``--quick`` for a run of
-seconds, ``--dsn`` for your own server, ``--pgbouncer`` to add PgBouncer);
+under a minute, ``--dsn`` for your own server, ``--pgbouncer`` to add
+PgBouncer, ``--skip-peers`` or ``--only-peers`` for the other locks);
 docs/performance.md says what each section measures and shows a full run.
 
 Modules are named for what they measure: `latency` (one connection, from
