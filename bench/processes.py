@@ -34,12 +34,13 @@ class WorkerFailed(RuntimeError):
 class Worker:
     """One worker process and its line channel."""
 
-    def __init__(self, mode: str, config: dict[str, Any]) -> None:
+    def __init__(self, mode: str, config: dict[str, Any], python: str | None = None) -> None:
+        """Start ``python -m bench.worker MODE CONFIG`` under ``python`` (default: this interpreter)."""
         self.mode = mode
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.worker", mode, json.dumps(config)],
+            [python or sys.executable, "-m", "bench.worker", mode, json.dumps(config)],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -103,12 +104,12 @@ class Worker:
 
 
 @contextlib.contextmanager
-def workers(mode: str, configs: list[dict[str, Any]]) -> Iterator[list[Worker]]:
+def workers(mode: str, configs: list[dict[str, Any]], python: str | None = None) -> Iterator[list[Worker]]:
     """Start one worker per config and wait until each says it is ready; stop them all at the end."""
     started: list[Worker] = []
     try:
         for config in configs:
-            started.append(Worker(mode, config))
+            started.append(Worker(mode, config, python))
         for worker in started:
             worker.receive(START_TIMEOUT)  # {"ready": ...}
         yield started

@@ -11,8 +11,23 @@ from __future__ import annotations
 
 from typing import Any
 
-SECTIONS = ("meta", "latency", "target", "history", "handoff", "contended", "ceiling", "many_locks", "pgbouncer")
+from . import peers_report
+
+SECTIONS = (
+    "meta",
+    "latency",
+    "target",
+    "history",
+    "handoff",
+    "contended",
+    "ceiling",
+    "many_locks",
+    "pgbouncer",
+    "peers",
+)
 """Every section the JSON has, in order (a skipped one says why)."""
+
+PEERS_TITLE = "The peers: other locks, measured beside this one"
 
 TARGET = 1.3
 """The issue's target: a Mutex cycle at most this many times its two statements sent bare."""
@@ -74,16 +89,28 @@ def target(latency: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def sections(results: dict[str, Any]) -> dict[str, list[str]]:
-    """Markdown lines per section name."""
-    out: dict[str, list[str]] = {}
-    meta = results["meta"]
-    out["meta"] = [
+def _meta(meta: dict[str, Any]) -> list[str]:
+    return [
         f"Measured {meta['date']} on {meta['cpu']} ({meta['cpus']} CPUs), {meta['os']}; Python {meta['python']}, "
         f"psycopg {meta['psycopg']}, postgres-mutex {meta['library']} ({meta['commit']}); PostgreSQL "
         f"{meta['server_version']} ({meta['server']}). `{meta['command']}`, {meta['seconds']:.0f} s"
         f"{' (quick: small sizes, figures are rough)' if meta['quick'] else ''}."
+        + (f" {meta['note']}" if meta.get("note") else "")
     ]
+
+
+def _peers(peers: dict[str, Any]) -> list[str]:
+    if "skipped" in peers:
+        return [f"Not measured: {peers['skipped']}."]
+    return peers_report.lines(peers)
+
+
+def sections(results: dict[str, Any]) -> dict[str, list[str]]:
+    """Markdown lines per section name (only the meta and the peers after a run of the peers alone)."""
+    out: dict[str, list[str]] = {"meta": _meta(results["meta"])}
+    if "latency" not in results:
+        out["peers"] = _peers(results["peers"])
+        return out
 
     latency = results["latency"]
     rows = []
@@ -320,6 +347,7 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
                 ["operation", "direct", "through PgBouncer", "ratio to direct", "ratio to `SELECT 1` direct"], rows
             ),
         ]
+    out["peers"] = _peers(results["peers"])
     return out
 
 
@@ -334,6 +362,7 @@ def markdown(results: dict[str, Any], *, markers: bool) -> str:
         "ceiling": "Server ceiling (distinct locks)",
         "many_locks": "Many locks in one process",
         "pgbouncer": "Through PgBouncer",
+        "peers": PEERS_TITLE,
     }
     lines: list[str] = []
     for name, body in sections(results).items():

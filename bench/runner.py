@@ -24,7 +24,7 @@ import psycopg
 
 import postgres_mutex
 
-from . import ceiling, contention, handoff, history, latency, many_locks, pgbouncer, report
+from . import ceiling, contention, handoff, history, latency, many_locks, peers, peers_report, pgbouncer, report
 from .latency import Sizes
 from .servers import HISTORY_TABLE, SWEEP_TABLE, bench_table
 from .servers import pgbouncer as start_pgbouncer
@@ -100,6 +100,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pgbouncer", action="store_true", help="also the sync cycle through PgBouncer (Debian's pgbouncer)"
     )
+    parser.add_argument(
+        "--note",
+        default="",
+        help="a sentence on the machine, printed with the run's description "
+        "(e.g. 'The machine was shared with other work.')",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--skip-peers",
+        action="store_true",
+        help="leave out the peers (postgres-mutex 0.1.0, PALs, redis-py, python-redis-lock, etcd)",
+    )
+    which.add_argument(
+        "--only-peers",
+        action="store_true",
+        help=f"measure the peers alone (a full run without --out rewrites their section of "
+        f"{DOCS_FIGURES.relative_to(ROOT)} only)",
+    )
     return parser.parse_args(argv)
 
 
@@ -115,61 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     with start_server(args.dsn) as target, bench_table(target.dsn) as table:
         progress(f"PostgreSQL {target.version} ({target.settings})")
         results["meta"] = _meta(args, target.version, target.settings)
-
-        progress("latency, one connection")
-        timed = latency.run(target.dsn, table, plan.latency)
-        select_1 = timed["select_1"].median
-        results["latency"] = {name: value.summary(select_1) for name, value in timed.items()}
-        results["target"] = report.target(results["latency"])
-
-        progress("the lock history's cost: the same operations on a table with a history and without")
-        with (
-            bench_table(target.dsn, HISTORY_TABLE, history=True) as history_table,
-            bench_table(target.dsn, SWEEP_TABLE, history=True) as sweep_table,
-        ):
-            results["history"] = history.run(target.dsn, table, history_table, sweep_table, plan.latency)
-
-        progress(f"hand-off, {plan.handoffs} times")
-        results["handoff"] = handoff.run(target.dsn, table, plan.handoffs, max_seconds=60 + plan.handoffs * 0.2)
-
-        progress(f"contended throughput, {plan.contended_processes} processes, {plan.contended_seconds:g} s")
-        results["contended"] = contention.run(
-            target.dsn, table, plan.contended_processes, plan.contended_seconds, timed["insert_delete"].median
-        )
-
-        results["ceiling"] = []
-        for processes in plan.ceiling_processes:
-            progress(
-                f"server ceiling, {processes} processes, {plan.ceiling_seconds:g} s per kind "
-                f"in {plan.ceiling_slices} turns"
-            )
-            results["ceiling"].append(
-                ceiling.run(target.dsn, table, processes, plan.ceiling_seconds, slices=plan.ceiling_slices)
-            )
-
-        progress(f"many locks: {plan.many_locks} held by one process")
-        results["many_locks"] = many_locks.run(
-            target.dsn,
-            table,
-            plan.many_locks,
-            window=plan.many_window,
-            settle=plan.many_settle,
-            cycling=plan.many_cycling,
-            local_server=target.throwaway,
-        )
-
-        if args.pgbouncer:
-            progress("through PgBouncer (transaction mode) and direct")
-            with start_pgbouncer(target.dsn, pool_size=pgbouncer.POOL_SIZE) as through:
-                routes = pgbouncer.run(target.dsn, through, table, plan.pgbouncer)
-            results["pgbouncer"] = {
-                "version": _pgbouncer_version(),
-                "pool_mode": "transaction",
-                "pool_size": pgbouncer.POOL_SIZE,
-                **{route: {name: value.summary() for name, value in timed.items()} for route, timed in routes.items()},
-            }
+        if not args.only_peers:
+            _measure_the_library(args, plan, target.dsn, table, target.throwaway, results)
+        if args.skip_peers:
+            results["peers"] = {"skipped": "run without --skip-peers to measure them"}
         else:
-            results["pgbouncer"] = {"skipped": "run with --pgbouncer to measure it"}
+            progress("the peers: postgres-mutex 0.1.0, PALs, redis-py, python-redis-lock, etcd")
+            results["peers"] = peers.run(target.dsn, target.version, peers.QUICK if args.quick else peers.FULL)
     results["meta"]["seconds"] = round(time.monotonic() - started, 1)
 
     out = args.out or DEFAULT_OUT
@@ -179,11 +149,74 @@ def main(argv: list[str] | None = None) -> int:
     (out / "bench.md").write_text(figures)
     written = [out / "bench.json", out / "bench.md"]
     if args.out is None and not args.quick:
-        DOCS_FIGURES.write_text(figures)
+        if args.only_peers:
+            # The other sections stay as their own run measured them; this one says it is from another.
+            alone = "From a run of the peers alone, not the run described at the top of this file: "
+            body = [alone + report.sections(results)["meta"][0], "", *report.sections(results)["peers"]]
+            peers_report.splice(DOCS_FIGURES, "peers", report.PEERS_TITLE, body)
+        else:
+            DOCS_FIGURES.write_text(figures)
         written.append(DOCS_FIGURES)
     print(report.markdown(results, markers=False))
     progress("wrote " + ", ".join(str(path) for path in written))
     return 0
+
+
+def _measure_the_library(
+    args: argparse.Namespace, plan: Plan, dsn: str, table: str, throwaway: bool, results: dict[str, Any]
+) -> None:
+    """Every section but the peers, in order, into ``results``."""
+    progress("latency, one connection")
+    timed = latency.run(dsn, table, plan.latency)
+    select_1 = timed["select_1"].median
+    results["latency"] = {name: value.summary(select_1) for name, value in timed.items()}
+    results["target"] = report.target(results["latency"])
+
+    progress("the lock history's cost: the same operations on a table with a history and without")
+    with (
+        bench_table(dsn, HISTORY_TABLE, history=True) as history_table,
+        bench_table(dsn, SWEEP_TABLE, history=True) as sweep_table,
+    ):
+        results["history"] = history.run(dsn, table, history_table, sweep_table, plan.latency)
+
+    progress(f"hand-off, {plan.handoffs} times")
+    results["handoff"] = handoff.run(dsn, table, plan.handoffs, max_seconds=60 + plan.handoffs * 0.2)
+
+    progress(f"contended throughput, {plan.contended_processes} processes, {plan.contended_seconds:g} s")
+    results["contended"] = contention.run(
+        dsn, table, plan.contended_processes, plan.contended_seconds, timed["insert_delete"].median
+    )
+
+    results["ceiling"] = []
+    for processes in plan.ceiling_processes:
+        progress(
+            f"server ceiling, {processes} processes, {plan.ceiling_seconds:g} s per kind in {plan.ceiling_slices} turns"
+        )
+        results["ceiling"].append(ceiling.run(dsn, table, processes, plan.ceiling_seconds, slices=plan.ceiling_slices))
+
+    progress(f"many locks: {plan.many_locks} held by one process")
+    results["many_locks"] = many_locks.run(
+        dsn,
+        table,
+        plan.many_locks,
+        window=plan.many_window,
+        settle=plan.many_settle,
+        cycling=plan.many_cycling,
+        local_server=throwaway,
+    )
+
+    if args.pgbouncer:
+        progress("through PgBouncer (transaction mode) and direct")
+        with start_pgbouncer(dsn, pool_size=pgbouncer.POOL_SIZE) as through:
+            routes = pgbouncer.run(dsn, through, table, plan.pgbouncer)
+        results["pgbouncer"] = {
+            "version": _pgbouncer_version(),
+            "pool_mode": "transaction",
+            "pool_size": pgbouncer.POOL_SIZE,
+            **{route: {name: value.summary() for name, value in timed.items()} for route, timed in routes.items()},
+        }
+    else:
+        results["pgbouncer"] = {"skipped": "run with --pgbouncer to measure it"}
 
 
 def _meta(args: argparse.Namespace, server_version: str, settings: str) -> dict[str, Any]:
@@ -191,6 +224,8 @@ def _meta(args: argparse.Namespace, server_version: str, settings: str) -> dict[
     command += ["--dsn", "..."] if args.dsn else []
     command += ["--quick"] if args.quick else []
     command += ["--pgbouncer"] if args.pgbouncer else []
+    command += ["--skip-peers"] if args.skip_peers else []
+    command += ["--only-peers"] if args.only_peers else []
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),
@@ -204,6 +239,7 @@ def _meta(args: argparse.Namespace, server_version: str, settings: str) -> dict[
         "server": settings,
         "command": shlex.join(command),
         "quick": bool(args.quick),
+        "note": args.note,
     }
 
 

@@ -7,6 +7,7 @@ gets its config and a `Channel` to the parent (see `bench.channel`, and
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import traceback
@@ -15,23 +16,27 @@ from typing import Any
 
 from .channel import Channel
 
+MODES = {
+    "ceiling": "bench.ceiling",
+    "contention": "bench.contention",
+    "handoff": "bench.handoff",
+    "many-locks": "bench.many_locks",
+    "peer": "bench.peer_locks",
+}
+"""Each mode's module, imported alone: a peer worker may run under another release of the library,
+where the other modules' imports of this version's names would fail."""
 
-def _modes() -> dict[str, Callable[[dict[str, Any], Channel], None]]:
-    from . import ceiling, contention, handoff, many_locks
 
-    return {
-        "ceiling": ceiling.work,
-        "contention": contention.work,
-        "handoff": handoff.work,
-        "many-locks": many_locks.work,
-    }
+def _mode(name: str) -> Callable[[dict[str, Any], Channel], None]:
+    work: Callable[[dict[str, Any], Channel], None] = importlib.import_module(MODES[name]).work
+    return work
 
 
 def main(argv: list[str]) -> int:
     mode, config = argv[0], json.loads(argv[1])
     channel = Channel()
     try:
-        _modes()[mode](config, channel)
+        _mode(mode)(config, channel)
     except SystemExit:
         raise
     except BaseException as exc:
