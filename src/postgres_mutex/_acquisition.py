@@ -125,7 +125,7 @@ def fence(lock: LockState, conn: psycopg.Connection[Any]) -> int:
             "(or with autocommit off), before the writes it protects"
         )
     params = {
-        "lock_name": lock.lock_name,
+        "lock_name": hold.row_name,
         "instance_id": lock.instance_id,
         "acquired_at": hold.acquired_at,
         "token": hold.token,

@@ -123,7 +123,7 @@ async def fence_async(lock: LockState, conn: psycopg.AsyncConnection[Any]) -> in
             "(or with autocommit off), before the writes it protects"
         )
     params = {
-        "lock_name": lock.lock_name,
+        "lock_name": hold.row_name,
         "instance_id": lock.instance_id,
         "acquired_at": hold.acquired_at,
         "token": hold.token,

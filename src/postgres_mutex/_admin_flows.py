@@ -108,11 +108,13 @@ def create_history(names: Names, timeout: float, retention: float | None, *, exi
 
 
 def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
-    """Whether the table exists, and its shape: a token column, a history, the session columns."""
+    """Whether the table exists, and its shape: a token column, a history, the session columns, semaphores."""
     reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
     assert reply.row is not None
-    exists, has_token, has_history, has_sessions = reply.row
-    return bool(exists), TableShape(tokens=bool(has_token), history=bool(has_history), sessions=bool(has_sessions))
+    exists, has_token, has_history, has_sessions, has_semaphores = reply.row
+    return bool(exists), TableShape(
+        tokens=bool(has_token), history=bool(has_history), sessions=bool(has_sessions), semaphores=bool(has_semaphores)
+    )
 
 
 def migrate(
@@ -140,7 +142,7 @@ def migrate(
         yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
     if history:
         yield from create_history(names, timeout, history_retention, exists=shape.history)
-    return not (shape.tokens and shape.sessions) or (history and not shape.history)
+    return not (shape.tokens and shape.sessions and shape.semaphores) or (history and not shape.history)
 
 
 def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:
