@@ -173,6 +173,8 @@ class _Attempts:
                         self.statements = yield Shape(lock.names, statement_timeout)
                         if lock.timing.reclaim_disconnected_after is not None and not self.statements.shape.sessions:
                             lock.events.sessions_unnamed(lock.names.table_name)
+                    if lock.permits is not None and self.statements.acquire_permit is None:
+                        self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
                     reply = yield Execute(
                         acquire_statement(self.statements, lock.permits, lock.lock_name),
                         lock.params(),

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from ._events import LostCallback
 from ._mutex import Mutex
-from ._settings import MAX_NAME_LENGTH
+from ._settings import check_permit_count
 from ._sql import SEPARATOR
 from .client import BUILT_ON_IT, MutexClient
-from .errors import InvalidArgument
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -66,7 +65,7 @@ class Semaphore(Mutex):
         client: MutexClient | None = None,
         reclaim_disconnected_after: float | None = None,
     ) -> None:
-        self._permits = check_permits(name, permits)
+        self._permits = check_permit_count(name, permits)
         super().__init__(
             dsn,
             name,
@@ -117,31 +116,6 @@ class Semaphore(Mutex):
         if not self._explicit_id:
             self._core.register(sibling._lock, explicit_id=False)
         return sibling
-
-
-def check_permits(name: str | None, permits: object) -> int:
-    """A Semaphore's number of permits, and its name checked to fit its permits' rows.
-
-    A permit's row is named after the semaphore, the unit separator and the
-    permit's number, in the table's 64 characters: the name must leave room.
-    """
-    if isinstance(permits, bool) or not isinstance(permits, int):
-        raise TypeError(f"permits must be an int, not {type(permits).__name__}")
-    if not 1 <= permits <= 1_000_000:
-        raise InvalidArgument("{permits} must be from 1 to 1000000, got {value!r}", value=permits)
-    if isinstance(name, str):
-        room = MAX_NAME_LENGTH - 1 - len(str(permits - 1))
-        if len(name) > room:
-            raise InvalidArgument(
-                "a semaphore's name must be at most {room} characters long with {permits}={n} (its permits' rows "
-                "add a separator and the permit's number to it in a 64-character column), got {length}",
-                room=room,
-                n=permits,
-                length=len(name),
-            )
-        if SEPARATOR in name:
-            raise InvalidArgument("a semaphore's name must not contain the unit separator character (\\x1f)")
-    return permits
 
 
 BUILT_ON_IT.semaphore = Semaphore

@@ -249,9 +249,13 @@ class LockState:
         return f"semaphore {self.lock_name!r} has no permit free: {held_now} of {self.permits} held after {waited:g}s"
 
     def not_held_error(self, reason: str) -> LockNotHeldError:
-        what = "lock" if self.permits is None else "no permit of semaphore"
+        said = (
+            f"lock {self.lock_name!r} is not held by instance {self.instance_id!r}"
+            if self.permits is None
+            else f"semaphore {self.lock_name!r}: no permit is held by instance {self.instance_id!r}"
+        )
         return LockNotHeldError(
-            f"{what} {self.lock_name!r} is not held by instance {self.instance_id!r}: {reason}",
+            f"{said}: {reason}",
             lock_name=self.lock_name,
             instance_id=self.instance_id,
             reason=reason,

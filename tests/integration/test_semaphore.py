@@ -20,12 +20,14 @@ import pytest
 from postgres_mutex import (
     LockAcquisitionTimeout,
     LockNotHeldError,
+    LockTable,
     MutexClient,
     PermitsMismatchError,
+    SchemaError,
     Semaphore,
 )
 from tests.support.exclusion import Sections, most_at_once
-from tests.support.fixtures import FAST, await_until, wait_until
+from tests.support.fixtures import FAST, wait_until
 
 MakeSemaphore = Callable[..., Semaphore]
 
@@ -75,12 +77,211 @@ def test_n_holders_at_once_and_the_next_one_is_refused(
         with holders[3].acquire() as fourth:
             assert fourth is False
             assert not holders[3].held
-        with pytest.raises(LockAcquisitionTimeout, match=r"semaphore '.*' has no permit free: 3 of 3 held"):
-            with holders[3].acquire(blocking=True, timeout=0.3):
-                pass
+        busy = r"semaphore '.*' has no permit free: 3 of 3 held"
+        with pytest.raises(LockAcquisitionTimeout, match=busy), holders[3].acquire(blocking=True, timeout=0.3):
+            pass
         rows = permit_rows(admin, name)
         assert [(permit, permits) for permit, _, permits in rows] == [(0, 3), (1, 3), (2, 3)]
         assert {holder for _, holder, _ in rows} == {semaphore.instance_id for semaphore in holders[:3]}
     assert permit_rows(admin, name) == [], "leaving the blocks releases every permit"
     with holders[3].acquire() as fourth:
         assert fourth is True
+
+
+def test_the_table_refuses_a_permit_too_many_whatever_a_client_sends(
+    make_semaphore: MakeSemaphore, admin: psycopg.Connection[Any], name: str
+) -> None:
+    holders = [make_semaphore() for _ in range(3)]
+    with contextlib.ExitStack() as stack:
+        assert all(stack.enter_context(semaphore.acquire()) for semaphore in holders)
+        insert = (
+            "INSERT INTO mutex_lock (lock_name, instance_id, last_heartbeat, acquired_at, semaphore, permit, permits) "
+            "VALUES (%s, 'intruder', now(), now(), %s, %s, %s)"
+        )
+        # A fourth permit of a semaphore of 3; the same with N claimed to be 4; a permit already held.
+        for lock_name, permit, permits, refused in [
+            (f"{name}\x1f3", 3, 3, psycopg.errors.CheckViolation),
+            (f"{name}\x1f3", 3, 4, psycopg.errors.ForeignKeyViolation),
+            (f"{name}-other-name", 0, 3, psycopg.errors.UniqueViolation),
+        ]:
+            with pytest.raises(refused):
+                admin.execute(insert, (lock_name, name, permit, permits))
+        with pytest.raises(psycopg.errors.CheckViolation):
+            admin.execute("UPDATE mutex_lock SET semaphore = NULL WHERE semaphore = %s", (name,))
+        assert len(permit_rows(admin, name)) == 3
+
+
+def test_a_semaphore_that_disagrees_on_its_permits_is_refused_naming_both(make_semaphore: MakeSemaphore) -> None:
+    first, other = make_semaphore(permits=3), make_semaphore(permits=5)
+    with first.acquire() as got:
+        assert got
+    both = r"has 3 permits.*says permits=5.*set_permits"
+    with pytest.raises(PermitsMismatchError, match=both) as caught, other.acquire():
+        pass
+    assert (caught.value.permits, caught.value.stored_permits) == (5, 3)
+    assert not other.held
+
+
+def test_lowering_the_permits_releases_the_extra_holders_who_learn_it(
+    make_semaphore: MakeSemaphore, admin: psycopg.Connection[Any], dsn: str, name: str
+) -> None:
+    lost: list[LockNotHeldError] = []
+    holders = [make_semaphore(on_lost=lost.append) for _ in range(3)]
+    for semaphore in holders:
+        assert semaphore.acquire().__enter__()
+    changed = LockTable(dsn).set_permits(name, 1)
+    assert (changed.previous, changed.released, changed.permits) == (3, 2, 1)
+    assert [(permit, permits) for permit, _, permits in permit_rows(admin, name)] == [(0, 1)]
+    wait_until(lambda: len(lost) == 2, timeout=10)
+    assert sorted(semaphore.held for semaphore in holders) == [False, False, True]
+    with pytest.raises(PermitsMismatchError):
+        make_semaphore(permits=3).acquire().__enter__()
+    assert make_semaphore(permits=1).acquire().__enter__() is False
+    for semaphore in holders:
+        with contextlib.suppress(LockNotHeldError):
+            semaphore.release()
+
+
+def test_never_more_than_n_among_contending_holders_each_on_its_own_client(dsn: str, name: str, schema: None) -> None:
+    sections = Sections()
+    stop = time.monotonic() + 4.0
+    errors: list[BaseException] = []
+
+    def contend(who: str) -> None:
+        with MutexClient(dsn) as client:
+            semaphore = client.semaphore(name, permits=3, **FAST)
+            try:
+                while time.monotonic() < stop:
+                    with sections.holding(semaphore, who, blocking=True, timeout=30) as got:
+                        assert got
+                        time.sleep(0.02)
+            except BaseException as exc:  # reported by the test, not lost in a thread
+                errors.append(exc)
+
+    threads = [threading.Thread(target=contend, args=(f"holder-{i}",)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    logged = sections.all()
+    assert len(logged) > 20, "every holder went in and out many times"
+    assert most_at_once(logged) == 3, "three at once at most, and three were reached"
+
+
+def test_a_waiter_is_woken_by_a_release_not_by_polling(make_semaphore: MakeSemaphore) -> None:
+    holders = [make_semaphore(permits=2) for _ in range(2)]
+    for semaphore in holders:
+        assert semaphore.acquire().__enter__()
+    waiter = make_semaphore(permits=2, poll_interval=30.0)
+    took: list[float] = []
+
+    def wait() -> None:
+        with waiter.acquire(blocking=True, timeout=60) as got:
+            assert got
+            took.append(time.monotonic())
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_until(lambda: waiter._lock.phase.value == "acquiring", timeout=10)
+    time.sleep(0.5)  # let it reach its wait: what is measured is the wake-up, not this pause
+    released = time.monotonic()
+    holders[1].release()
+    thread.join(timeout=20)
+    assert took, "the waiter acquired"
+    assert took[0] - released < 5.0, "woken by the release, long before its 30 s poll"
+
+
+async def test_an_async_acquire_waits_for_a_permit_and_holds_it(make_semaphore: MakeSemaphore) -> None:
+    holder, waiter = make_semaphore(permits=1), make_semaphore(permits=1)
+    try:
+        async with holder.acquire_async() as got:
+            assert got
+            assert holder.permit == 0
+
+            async def wait() -> bool:
+                async with waiter.acquire_async(timeout=20) as acquired:
+                    return acquired and waiter.held
+
+            task = asyncio.ensure_future(wait())
+            await asyncio.sleep(0.3)
+            assert not task.done()
+        assert await asyncio.wait_for(task, 20)
+    finally:
+        await holder.aclose()
+        await waiter.aclose()
+
+
+def test_a_fence_refuses_once_the_permit_changed_hands(make_semaphore: MakeSemaphore, dsn: str, name: str) -> None:
+    holder, other = make_semaphore(permits=1), make_semaphore(permits=1)
+    with pytest.raises(LockNotHeldError), holder.acquire() as got:
+        assert got
+        with psycopg.connect(dsn) as conn, holder.fenced(conn) as token:
+            assert token == holder.token
+        # An operator frees the permit's row while its holder still trusts its lease; another takes it.
+        assert LockTable(dsn).force_release(f"{name}\x1f0") is not None
+        with other.acquire(blocking=True, timeout=20) as taken:
+            assert taken
+            with psycopg.connect(dsn) as conn, pytest.raises(LockNotHeldError, match="changed hands"):
+                holder.fence(conn)
+
+
+def test_one_heartbeat_statement_renews_a_clients_mutex_and_permit_holds(
+    dsn: str, name: str, admin: psycopg.Connection[Any], schema: None
+) -> None:
+    with MutexClient(dsn) as client:
+        mutex = client.mutex(f"{name}-mutex", **FAST)
+        semaphore = client.semaphore(name, permits=2, **FAST)
+        with mutex.acquire() as m, semaphore.acquire() as s:
+            assert m
+            assert s
+
+            def beats() -> list[Any]:
+                return [
+                    row[0]
+                    for row in admin.execute(
+                        "SELECT last_heartbeat FROM mutex_lock WHERE (lock_name = %s OR semaphore = %s) "
+                        "AND last_heartbeat > acquired_at ORDER BY lock_name",
+                        (f"{name}-mutex", name),
+                    ).fetchall()
+                ]
+
+            wait_until(lambda: len(beats()) == 2, timeout=10)
+            # now() is the statement's start: one stamp for both rows means one statement renewed both.
+            wait_until(lambda: len(set(beats())) == 1, timeout=10)
+
+
+def test_a_table_without_semaphores_keeps_its_mutexes_and_says_to_migrate(
+    dsn: str, name: str, admin: psycopg.Connection[Any]
+) -> None:
+    table = f"sem_{name.replace('-', '_')}"
+    admin.execute(
+        f"CREATE TABLE {table} (lock_name VARCHAR(64) NOT NULL, locked INT NOT NULL DEFAULT 1, "
+        "instance_id VARCHAR(64) NOT NULL, last_heartbeat TIMESTAMPTZ NOT NULL, acquired_at TIMESTAMPTZ NOT NULL, "
+        f"CONSTRAINT uq_{table} UNIQUE (locked, lock_name), CHECK (locked = 1))"
+    )
+    try:
+        with MutexClient(dsn) as client:
+            with client.mutex("job", table=table, **FAST).acquire() as held:
+                assert held
+            semaphore = client.semaphore(name, permits=2, table=table, **FAST)
+            with pytest.raises(SchemaError, match="migrate"), semaphore.acquire():
+                pass
+            assert LockTable(dsn, table=table).migrate() is True
+            assert LockTable(dsn, table=table).migrate() is False, "idempotent"
+            with semaphore.acquire() as got:
+                assert got
+                assert semaphore.permit is not None
+    finally:
+        admin.execute(f"DROP TABLE IF EXISTS {table}, {table}_semaphores")
+        admin.execute(f"DROP SEQUENCE IF EXISTS {table}_token_seq")
+
+
+def test_names_that_leave_no_room_for_the_permit_number_are_refused(dsn: str) -> None:
+    with pytest.raises(ValueError, match="at most 62 characters"):
+        Semaphore(dsn, "x" * 63, permits=10)
+    with pytest.raises(ValueError, match="permits"):
+        Semaphore(dsn, "ok", permits=0)
+    with pytest.raises(ValueError, match="separator"):
+        Semaphore(dsn, "a\x1fb", permits=2)
