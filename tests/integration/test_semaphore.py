@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -27,7 +32,7 @@ from postgres_mutex import (
     Semaphore,
 )
 from tests.support.exclusion import Sections, most_at_once
-from tests.support.fixtures import FAST, wait_until
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, read_line, wait_until
 
 MakeSemaphore = Callable[..., Semaphore]
 
@@ -285,3 +290,111 @@ def test_names_that_leave_no_room_for_the_permit_number_are_refused(dsn: str) ->
         Semaphore(dsn, "ok", permits=0)
     with pytest.raises(ValueError, match="separator"):
         Semaphore(dsn, "a\x1fb", permits=2)
+
+
+HOLDER = """
+import json, sys, time
+from postgres_mutex import Semaphore
+dsn, name, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+semaphore = Semaphore(dsn, name, **options)
+with semaphore.acquire(blocking=True, timeout=60) as held:
+    print(json.dumps({"held": held, "id": semaphore.instance_id}), flush=True)
+    while True:
+        time.sleep(0.1)
+"""
+"""A process holding one permit until it is killed or frozen."""
+
+EARLY: dict[str, Any] = {
+    "heartbeat_interval": 0.3,
+    "alert_threshold": 0.9,
+    "stale_threshold": 600.0,
+    "reclaim_disconnected_after": 2.0,
+    "poll_interval": 0.1,
+}
+"""A holder that opted in to ``reclaim_disconnected_after``: reclaimed in seconds if its process dies, never while
+it lives (its stale threshold is ten minutes)."""
+
+HAND_OFF = 2.0
+"""A generous bound on what a reclaim takes beyond its threshold: a poll, a statement, a loaded machine."""
+
+
+@pytest.fixture
+def holder_process(dsn: str, schema: None) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(name: str, **options: Any) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, dsn, name, json.dumps(options)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started.append(proc)
+        assert proc.stdout is not None
+        assert json.loads(read_line(proc.stdout, timeout=30))["held"] is True
+        return proc
+
+    yield start
+    for proc in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "threshold", "reason"),
+    [(FAST, FAST["stale_threshold"], "stale"), (EARLY, EARLY["reclaim_disconnected_after"], "disconnected")],
+    ids=["after the stale threshold", "early, having opted in to reclaim_disconnected_after"],
+)
+def test_a_killed_holders_permit_is_reclaimed(
+    dsn: str,
+    name: str,
+    holder_process: Callable[..., subprocess.Popen[str]],
+    metrics: RecordingMetrics,
+    options: dict[str, Any],
+    threshold: float,
+    reason: str,
+) -> None:
+    holder = holder_process(name, permits=1, **options)
+    contender = Semaphore(dsn, name, permits=1, metrics=metrics, **options)
+    try:
+        holder.kill()
+        died = time.monotonic()
+        holder.wait(10)
+        with contender.acquire(blocking=True, timeout=threshold + HAND_OFF + 10) as acquired:
+            took = time.monotonic() - died
+            assert acquired
+            assert contender.permit == 0
+        assert took <= threshold + HAND_OFF, f"reclaimed {took:.2f}s after the holder died"
+        assert [reclaim["reason"] for reclaim in metrics.named("stale_reclaimed")] == [reason]
+    finally:
+        contender.close()
+
+
+def test_a_frozen_holder_is_alerted_on_and_keeps_its_permit(
+    dsn: str,
+    name: str,
+    admin: psycopg.Connection[Any],
+    holder_process: Callable[..., subprocess.Popen[str]],
+    metrics: RecordingMetrics,
+) -> None:
+    holder = holder_process(name, permits=1, **EARLY)
+    contender = Semaphore(dsn, name, permits=1, metrics=metrics, **EARLY)
+    try:
+        os.kill(holder.pid, signal.SIGSTOP)
+        # Frozen past the option: its session is alive, so the contender waits, told the holder is silent.
+        wait_for = EARLY["reclaim_disconnected_after"] + 1.5
+        with pytest.raises(LockAcquisitionTimeout), contender.acquire(blocking=True, timeout=wait_for):
+            pytest.fail("a frozen holder's permit was taken")
+        assert metrics.named("alert") != [], "the contender alerted on the silent holder"
+        (row,) = permit_rows(admin, name)
+        assert row[1] != contender.instance_id, "the frozen holder keeps its permit"
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        contender.close()
