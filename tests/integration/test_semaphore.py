@@ -398,3 +398,12 @@ def test_a_frozen_holder_is_alerted_on_and_keeps_its_permit(
     finally:
         os.kill(holder.pid, signal.SIGCONT)
         contender.close()
+
+
+async def test_the_permits_can_be_changed_from_async_code(make_semaphore: MakeSemaphore, dsn: str, name: str) -> None:
+    first = make_semaphore(permits=2)
+    with first.acquire() as got:
+        assert got
+    changed = await LockTable(dsn).set_permits_async(name, 4)
+    assert (changed.previous, changed.permits, changed.released) == (2, 4, 0)
+    assert make_semaphore(permits=4).acquire().__enter__() is True
