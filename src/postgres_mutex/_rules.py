@@ -216,6 +216,9 @@ def observe(
         heartbeat_age = float(age)  # type: ignore[arg-type]
         after = None if reclaim_after is None else float(reclaim_after)  # type: ignore[arg-type]
         disconnected = session_alive is False and after is not None and heartbeat_age >= after
+        # A permit's row is named "<semaphore>\x1f<permit>" (`_sql_permits`).
+        semaphore, separator, permit = str(lock_name).rpartition("\x1f")
+        is_permit = bool(separator) and permit.isdigit()
         observations.append(
             LockObservation(
                 lock_name=str(lock_name),
@@ -227,6 +230,8 @@ def observe(
                 token=None if token is None else int(token),  # type: ignore[call-overload]
                 session_alive=None if session_alive is None else bool(session_alive),
                 reclaim_disconnected_after=after,
+                semaphore=semaphore if is_permit else None,
+                permit=int(permit) if is_permit else None,
             )
         )
     return observations

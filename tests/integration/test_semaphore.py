@@ -407,3 +407,23 @@ async def test_the_permits_can_be_changed_from_async_code(make_semaphore: MakeSe
     changed = await LockTable(dsn).set_permits_async(name, 4)
     assert (changed.previous, changed.permits, changed.released) == (2, 4, 0)
     assert make_semaphore(permits=4).acquire().__enter__() is True
+
+
+def test_holders_and_status_show_each_permit_with_its_semaphore(
+    make_semaphore: MakeSemaphore, dsn: str, name: str
+) -> None:
+    holders = [make_semaphore(permits=2) for _ in range(2)]
+    with holders[0].acquire() as first, holders[1].acquire() as second:
+        assert first
+        assert second
+        seen = LockTable(dsn).holders([f"{name}\x1f0", f"{name}\x1f1"])
+        assert sorted((one.semaphore, one.permit, one.holder) for one in seen) == sorted(
+            (name, semaphore.permit, semaphore.instance_id) for semaphore in holders
+        )
+        status = [sys.executable, "-m", "postgres_mutex", "status", "--dsn", dsn]
+        text = subprocess.run(status, capture_output=True, text=True, timeout=60, check=True).stdout
+        for semaphore in holders:
+            assert f"{name} (permit {semaphore.permit})  {semaphore.instance_id}" in text
+        data = subprocess.run([*status, "--json"], capture_output=True, text=True, timeout=60, check=True).stdout
+        shown = [(lock["semaphore"], lock["permit"]) for lock in json.loads(data)["locks"] if lock["semaphore"] == name]
+        assert sorted(shown) == [(name, 0), (name, 1)]
