@@ -17,6 +17,7 @@ from ._mutex import Mutex
 from ._settings import check_permit_count
 from ._sql import SEPARATOR
 from .client import BUILT_ON_IT, MutexClient
+from .errors import InvalidArgument
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -33,6 +34,9 @@ class Semaphore(Mutex):
     mean what they mean for a Mutex, for that permit. Each Semaphore object
     holds at most one permit at a time: use one per concurrent holder (in
     threads, or tasks), each with its own ``instance_id`` (the default one is).
+
+    ``watch=True`` is refused: a watcher of the whole table (`StaleWatcher`)
+    sees each permit's holder.
 
     The first Semaphore to use a name declares its number of permits in the
     table; one that says another number is refused (`PermitsMismatchError`,
@@ -66,6 +70,9 @@ class Semaphore(Mutex):
         reclaim_disconnected_after: float | None = None,
     ) -> None:
         self._permits = check_permit_count(name, permits)
+        if watch is not False:
+            # A watcher reads holders by lock name, and a semaphore's rows are named per permit.
+            raise InvalidArgument("{watch} is not available for a Semaphore yet: run a StaleWatcher on the table")
         super().__init__(
             dsn,
             name,

@@ -290,6 +290,8 @@ def test_names_that_leave_no_room_for_the_permit_number_are_refused(dsn: str) ->
         Semaphore(dsn, "ok", permits=0)
     with pytest.raises(ValueError, match="separator"):
         Semaphore(dsn, "a\x1fb", permits=2)
+    with pytest.raises(ValueError, match="watch"):
+        Semaphore(dsn, "ok", permits=2, watch=True)
 
 
 HOLDER = """
@@ -427,3 +429,38 @@ def test_holders_and_status_show_each_permit_with_its_semaphore(
         data = subprocess.run([*status, "--json"], capture_output=True, text=True, timeout=60, check=True).stdout
         shown = [(lock["semaphore"], lock["permit"]) for lock in json.loads(data)["locks"] if lock["semaphore"] == name]
         assert sorted(shown) == [(name, 0), (name, 1)]
+
+
+def test_the_history_records_each_permits_holds(dsn: str, name: str, admin: psycopg.Connection[Any]) -> None:
+    table = f"hist_{name.replace('-', '_')}"
+    LockTable(dsn, table=table).create(history=True)
+    try:
+        with MutexClient(dsn) as client:
+            first = client.semaphore(name, permits=2, table=table, **FAST)
+            second = client.semaphore(name, permits=2, table=table, **FAST)
+            with first.acquire() as got, second.acquire() as too:
+                assert got
+                assert too
+                permits = {first.instance_id: first.permit, second.instance_id: second.permit}
+            records = client.table(table).history()
+        assert sorted((record.lock_name, record.holder, record.ended_how) for record in records) == sorted(
+            (f"{name}\x1f{permit}", holder, "released") for holder, permit in permits.items()
+        )
+    finally:
+        admin.execute(f"DROP TABLE IF EXISTS {table}, {table}_history, {table}_semaphores")
+
+
+def test_a_decorated_function_runs_while_holding_a_permit(make_semaphore: MakeSemaphore) -> None:
+    semaphore = make_semaphore(permits=1)
+    seen: list[int | None] = []
+
+    @semaphore.singleton
+    def job() -> str:
+        seen.append(semaphore.permit)
+        return "ran"
+
+    assert job() == "ran"
+    assert seen == [0]
+    with make_semaphore(permits=1).acquire() as other:
+        assert other
+        assert job() is None, "no permit free: the function does not run"
