@@ -27,12 +27,14 @@ from postgres_mutex import (
     LockNotHeldError,
     LockTable,
     MutexClient,
+    OperationTimeout,
     PermitsMismatchError,
     SchemaError,
     Semaphore,
 )
 from tests.support.exclusion import Sections, most_at_once
-from tests.support.fixtures import FAST, ROOT, RecordingMetrics, read_line, wait_until
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, listens, read_line, wait_until
 
 MakeSemaphore = Callable[..., Semaphore]
 
@@ -159,7 +161,7 @@ def test_never_more_than_n_among_contending_holders_each_on_its_own_client(dsn: 
                 while time.monotonic() < stop:
                     with sections.holding(semaphore, who, blocking=True, timeout=30) as got:
                         assert got
-                        time.sleep(0.02)
+                        time.sleep(0.05)
             except BaseException as exc:  # reported by the test, not lost in a thread
                 errors.append(exc)
 
@@ -189,8 +191,8 @@ def test_a_waiter_is_woken_by_a_release_not_by_polling(make_semaphore: MakeSemap
 
     thread = threading.Thread(target=wait)
     thread.start()
-    wait_until(lambda: waiter._lock.phase.value == "acquiring", timeout=10)
-    time.sleep(0.5)  # let it reach its wait: what is measured is the wake-up, not this pause
+    # Listening on the semaphore's channel: it tried once more since, and now waits to be woken.
+    wait_until(lambda: listens(waiter), timeout=10)
     released = time.monotonic()
     holders[1].release()
     thread.join(timeout=20)
@@ -464,3 +466,37 @@ def test_a_decorated_function_runs_while_holding_a_permit(make_semaphore: MakeSe
     with make_semaphore(permits=1).acquire() as other:
         assert other
         assert job() is None, "no permit free: the function does not run"
+
+
+def test_an_acquire_whose_reply_is_lost_leaves_no_permit_behind(
+    make_semaphore: MakeSemaphore, proxy: FaultProxy, proxy_dsn: str, admin: psycopg.Connection[Any], name: str
+) -> None:
+    semaphore, other = make_semaphore(dsn=proxy_dsn, permits=1, operation_timeout=0.5), make_semaphore(permits=1)
+    for _ in range(2):  # connected, the acquire prepared: the next one is a single message
+        with semaphore.acquire():
+            pass
+    proxy.drop_replies()  # the INSERT reaches the server; its answer never comes back
+    with pytest.raises(OperationTimeout) as caught, semaphore.acquire():
+        pytest.fail("must not run")
+    assert caught.value.outcome_unknown
+    proxy.heal()
+    # The Semaphore removed the permit row its unanswered acquire left, in the background.
+    wait_until(lambda: permit_rows(admin, name) == [], timeout=10)
+    with other.acquire() as acquired:
+        assert acquired, "nobody waits out the stale threshold"
+
+
+def test_a_blocking_acquire_takes_back_its_own_permit_after_a_lost_reply(
+    make_semaphore: MakeSemaphore, proxy: FaultProxy, proxy_dsn: str, admin: psycopg.Connection[Any], name: str
+) -> None:
+    semaphore = make_semaphore(dsn=proxy_dsn, permits=2, operation_timeout=0.5)
+    for _ in range(2):
+        with semaphore.acquire():
+            pass
+    proxy.drop_replies()
+    with semaphore.acquire(blocking=True, timeout=15) as acquired:
+        assert acquired
+        rows = permit_rows(admin, name)
+        assert [(permit, holder) for permit, holder, _ in rows] == [(semaphore.permit, semaphore.instance_id)], (
+            "one permit, taken back: not a second one"
+        )
