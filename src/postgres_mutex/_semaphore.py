@@ -69,6 +69,8 @@ class Semaphore(Mutex):
         client: MutexClient | None = None,
         reclaim_disconnected_after: float | None = None,
     ) -> None:
+        if name is None:
+            raise TypeError("Semaphore() needs a name: Semaphore(dsn, 'partner-api', permits=3)")
         self._permits = check_permit_count(name, permits)
         if watch is not False:
             # A watcher reads holders by lock name, and a semaphore's rows are named per permit.
