@@ -502,3 +502,45 @@ def test_a_blocking_acquire_takes_back_its_own_permit_after_a_lost_reply(
         assert [(permit, holder) for permit, holder, _ in rows] == [(semaphore.permit, semaphore.instance_id)], (
             "one permit, taken back: not a second one"
         )
+
+
+def test_after_lowering_the_permits_under_contention_never_more_hold_than_the_new_number(
+    dsn: str, name: str, admin: psycopg.Connection[Any], schema: None
+) -> None:
+    stop = time.monotonic() + 20.0
+    refused: list[PermitsMismatchError] = []
+    errors: list[BaseException] = []
+
+    def contend() -> None:
+        with MutexClient(dsn) as client:
+            semaphore = client.semaphore(name, permits=4, **FAST)
+            try:
+                while time.monotonic() < stop:
+                    with semaphore.acquire(blocking=True, timeout=10):
+                        time.sleep(0.01)
+            except PermitsMismatchError as exc:
+                refused.append(exc)  # the number changed under it: what it must be told
+            except LockNotHeldError:
+                pass  # its permit was released by the change: learned at its heartbeat
+            except BaseException as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=contend) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(permit_rows(admin, name)) >= 2, timeout=10)
+    result = LockTable(dsn).set_permits(name, 2)
+    assert result.previous == 4
+    # Sampled from outside for a second (or 500 reads): never more than 2 rows from now on.
+    samples = []
+    deadline = time.monotonic() + 1.0
+    for _ in range(500):
+        samples.append(len(permit_rows(admin, name)))
+        if time.monotonic() > deadline:
+            break
+    assert max(samples) <= 2
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    assert refused, "a Semaphore still saying 4 was refused once the number was 2"
+    assert all((exc.permits, exc.stored_permits) == (4, 2) for exc in refused)
