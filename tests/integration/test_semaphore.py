@@ -34,7 +34,7 @@ from postgres_mutex import (
 )
 from tests.support.exclusion import Sections, most_at_once
 from tests.support.faultproxy import FaultProxy
-from tests.support.fixtures import FAST, ROOT, RecordingMetrics, listens, read_line, wait_until
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, freeze, listens, read_line, wait_until
 
 MakeSemaphore = Callable[..., Semaphore]
 
@@ -544,3 +544,15 @@ def test_after_lowering_the_permits_under_contention_never_more_hold_than_the_ne
     assert errors == []
     assert refused, "a Semaphore still saying 4 was refused once the number was 2"
     assert all((exc.permits, exc.stored_permits) == (4, 2) for exc in refused)
+
+
+def test_a_fence_refuses_once_a_frozen_holders_permit_was_reclaimed(make_semaphore: MakeSemaphore, dsn: str) -> None:
+    holder, other = make_semaphore(permits=1), make_semaphore(permits=1)
+    with pytest.raises(LockNotHeldError), holder.acquire() as got:
+        assert got
+        freeze(holder)  # its heartbeats stop, as a frozen process's do: its permit goes stale
+        with other.acquire(blocking=True, timeout=20) as taken:
+            assert taken
+            assert other.permit == 0
+            with psycopg.connect(dsn) as conn, pytest.raises(LockNotHeldError):
+                holder.fence(conn)  # its lease ran out before the reclaim: it refuses without asking
