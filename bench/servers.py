@@ -70,8 +70,11 @@ def _version(dsn: str) -> str:
 
 @contextlib.contextmanager
 def bench_table(dsn: str, name: str = TABLE, *, history: bool = False) -> Iterator[str]:
-    """A lock table of the bench's, fresh; dropped (with its sequence and any history) at the end."""
-    drop = sql.SQL("DROP TABLE IF EXISTS {}, {} CASCADE").format(sql.Identifier(name), Names(name).history)
+    """A lock table of the bench's, fresh; dropped (with its sequence, semaphores and any history) at the end."""
+    names = Names(name)
+    drop = sql.SQL("DROP TABLE IF EXISTS {}, {}, {} CASCADE").format(
+        sql.Identifier(name), names.history, names.semaphores
+    )
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(drop)
     table = LockTable(dsn, table=name)

@@ -9,6 +9,7 @@ from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._metrics import FanOutMetrics, LockObservation, MetricsHook, NullMetrics
 from ._mutex import Mutex
+from ._semaphore import Semaphore
 from ._version import __version__
 from .client import MutexClient
 from .election import Election, Leader, Leadership
@@ -19,6 +20,7 @@ from .errors import (
     LockNotHeldError,
     MutexError,
     OperationTimeout,
+    PermitsMismatchError,
     PgMutexError,
     SchemaError,
 )
@@ -46,8 +48,10 @@ __all__ = [
     "MutexError",
     "NullMetrics",
     "OperationTimeout",
+    "PermitsMismatchError",
     "PgMutexError",
     "SchemaError",
+    "Semaphore",
     "__version__",
     "exit_on_sigterm",
 ]

@@ -123,7 +123,7 @@ async def fence_async(lock: LockState, conn: psycopg.AsyncConnection[Any]) -> in
             "(or with autocommit off), before the writes it protects"
         )
     params = {
-        "lock_name": lock.lock_name,
+        "lock_name": hold.row_name,
         "instance_id": lock.instance_id,
         "acquired_at": hold.acquired_at,
         "token": hold.token,
@@ -142,7 +142,7 @@ async def fence_async(lock: LockState, conn: psycopg.AsyncConnection[Any]) -> in
         if not cutter.fired:
             raise
         raise OperationTimeout(
-            f"fencing lock {lock.lock_name!r} did not finish within operation_timeout ({timeout:g}s): "
+            f"fencing {lock.kind} {lock.lock_name!r} did not finish within operation_timeout ({timeout:g}s): "
             "the connection was closed, and the server rolls its transaction back; "
             "nothing the transaction wrote is committed",
             transient=True,
@@ -155,7 +155,7 @@ async def fence_async(lock: LockState, conn: psycopg.AsyncConnection[Any]) -> in
         holder = None if row is None else row[1]
         now_held = f"it is now held by {holder}" if holder else "it is not held by anyone now"
         raise LockNotHeldError(
-            f"lock {lock.lock_name!r} changed hands: the hold with token {hold.token} is no longer current "
+            f"{lock.kind} {lock.lock_name!r} changed hands: the hold with token {hold.token} is no longer current "
             f"({now_held}); roll back the writes of this transaction",
             lock_name=lock.lock_name,
             instance_id=lock.instance_id,

@@ -15,6 +15,7 @@ from ._rules import (
     CANCELLED,
     LOCK_NOT_AVAILABLE,
     PRIVILEGE,
+    SERIALIZATION_FAILURE,
     UNDEFINED_COLUMN,
     observe,
 )
@@ -108,11 +109,13 @@ def create_history(names: Names, timeout: float, retention: float | None, *, exi
 
 
 def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
-    """Whether the table exists, and its shape: a token column, a history, the session columns."""
+    """Whether the table exists, and its shape: a token column, a history, the session columns, semaphores."""
     reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
     assert reply.row is not None
-    exists, has_token, has_history, has_sessions = reply.row
-    return bool(exists), TableShape(tokens=bool(has_token), history=bool(has_history), sessions=bool(has_sessions))
+    exists, has_token, has_history, has_sessions, has_semaphores = reply.row
+    return bool(exists), TableShape(
+        tokens=bool(has_token), history=bool(has_history), sessions=bool(has_sessions), semaphores=bool(has_semaphores)
+    )
 
 
 def migrate(
@@ -140,7 +143,7 @@ def migrate(
         yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
     if history:
         yield from create_history(names, timeout, history_retention, exists=shape.history)
-    return not (shape.tokens and shape.sessions) or (history and not shape.history)
+    return not (shape.tokens and shape.sessions and shape.semaphores) or (history and not shape.history)
 
 
 def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:
@@ -270,6 +273,62 @@ def force_release(names: Names, lock_name: str, timeout: float) -> Flow[tuple[st
         return None
     holder, age, token, _ = reply.row
     return str(holder), float(age), None if token is None else int(token)
+
+
+_CHECK_VIOLATION = "23514"
+
+
+def set_permits(names: Names, semaphore: str, permits: int, timeout: float) -> Flow[tuple[int | None, int]]:
+    """Change a semaphore's N (`_sql_permits.set_permits`); (the previous N or None, holders released).
+
+    Sent again while a row it must change is locked by a fenced transaction,
+    or while a permit taken with the old N meanwhile makes the check refuse
+    the change, until ``timeout``: in brief tries, as `force_release` does.
+    """
+    statements: Statements = yield Shape(names, timeout)
+    if statements.set_permits is None:
+        statements = yield Shape(names, timeout, fresh=True)  # migrated since this client looked?
+    if statements.set_permits is None:
+        raise SchemaError(
+            phrase(
+                "the lock table {table} has no semaphores' table and columns: run {LockTable.migrate()} once",
+                table=names.table_name,
+            )
+        )
+    action = f"change of the permits of semaphore {semaphore!r}"
+    deadline = now() + timeout
+    while True:
+        left = max(deadline - now(), _LEAST_TRY)
+        try:
+            reply: Result = yield Execute(
+                statements.set_permits,
+                {
+                    "semaphore": semaphore,
+                    "permits": permits,
+                    "channel": names.channel(semaphore),
+                    "ended_how": "force_released",
+                    "alert_seconds": None,
+                    "lock_timeout_ms": max(1, int(min(BRIEF_WAIT, left / 2) * 1000)),
+                },
+                left,
+                action,
+            )
+            break
+        except DatabaseError as exc:
+            if exc.sqlstate not in (LOCK_NOT_AVAILABLE, CANCELLED, _CHECK_VIOLATION, SERIALIZATION_FAILURE):
+                raise
+            if deadline - now() <= 0:
+                raise OperationTimeout(
+                    f"{action} did not finish within operation_timeout ({timeout:g}s): its rows stayed locked "
+                    "by another session (a holder's fenced transaction), or permits kept being taken with the "
+                    "old number; nothing was changed",
+                    transient=True,
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            yield Pause(_FORCED_RELEASE_PAUSE)
+    assert reply.row is not None
+    previous, released, _, _ = reply.row
+    return (None if previous is None else int(previous)), int(released)
 
 
 def _server_words(exc: DatabaseError) -> str:

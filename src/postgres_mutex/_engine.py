@@ -195,7 +195,7 @@ class Engine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
             row = (self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history, has_sessions = row
+            exists, has_token, has_history, has_sessions, has_semaphores = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -205,7 +205,12 @@ class Engine:
                     ),
                     sqlstate="42P01",
                 )
-            shape = _sql.TableShape(tokens=bool(has_token), history=bool(has_history), sessions=bool(has_sessions))
+            shape = _sql.TableShape(
+                tokens=bool(has_token),
+                history=bool(has_history),
+                sessions=bool(has_sessions),
+                semaphores=bool(has_semaphores),
+            )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.
             if self.host.shapes.learn(statements):

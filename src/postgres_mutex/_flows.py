@@ -18,11 +18,14 @@ from typing import Any, TypeVar
 from ._clock import now
 from ._rules import (
     CANCELLED,
+    FOREIGN_KEY_VIOLATION,
     SERIALIZATION_FAILURE,
     SHAPE_CHANGED,
     AcquireResult,
     Outcome,
-    interpret_acquire,
+    acquire_statement,
+    permits_mismatch,
+    read_acquire,
 )
 from ._sql import Statement, Statements
 from ._state import LEASE_EXPIRED, NOT_HELD, Hold, HoldStatus, LockState
@@ -54,6 +57,8 @@ T = TypeVar("T")
 # A statement capped by an acquire's remaining time still gets this long, so
 # that a nearly spent timeout ends in a real attempt rather than a cut-off one.
 _MIN_STATEMENT_TIMEOUT = 0.1
+# At most so many of a semaphore's attempts are sent again at once (`PermitReply.retry_at_once`).
+_QUICK_PERMIT_RETRIES = 5
 
 
 def acquire(
@@ -145,6 +150,8 @@ class _Attempts:
         self.stopped = False
         self.statements: Statements | None = None
         self.quick_retry_spent = False
+        self.quick_permit_retries = 0
+        self.held_permits: int | None = None  # a semaphore's, at the last attempt
 
     def until_done(self, owner: object) -> Flow[Hold | None]:
         lock = self.lock
@@ -166,8 +173,13 @@ class _Attempts:
                         self.statements = yield Shape(lock.names, statement_timeout)
                         if lock.timing.reclaim_disconnected_after is not None and not self.statements.shape.sessions:
                             lock.events.sessions_unnamed(lock.names.table_name)
+                    if lock.permits is not None and self.statements.acquire_permit is None:
+                        self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
                     reply = yield Execute(
-                        self.statements.acquire, lock.params(), statement_timeout, lock.describe("acquire")
+                        acquire_statement(self.statements, lock.permits, lock.lock_name),
+                        lock.params(),
+                        statement_timeout,
+                        lock.describe("acquire"),
                     )
                 except DatabaseError as exc:
                     if exc.outcome_unknown:
@@ -184,7 +196,15 @@ class _Attempts:
                     lock.attempt_unanswered(statement_timeout)
                     raise
 
-                result = interpret_acquire(reply.row, lock.instance_id)
+                read = read_acquire(reply.row, lock.instance_id, lock.permits)
+                result, row_name, self.held_permits = read.result, read.row_name, read.held
+                if read.stored_permits not in (None, lock.permits):
+                    lock.attempt_contended(None)
+                    raise permits_mismatch(lock.names.table_name, lock.lock_name, lock.permits, read.stored_permits)
+                if read.retry_at_once(lock.permits) and self.quick_permit_retries < _QUICK_PERMIT_RETRIES:
+                    self.quick_permit_retries += 1
+                    lock.attempt_contended(result.holder)
+                    continue
                 if result.outcome.acquired and not self.statements.shape.tokens and result.token is not None:
                     result = yield from _tokens_appeared(lock, result, statement_timeout)
                 self.result = result
@@ -196,6 +216,7 @@ class _Attempts:
                         sent_at=reply.sent_at,
                         owner=owner,
                         span_context=self.span.get_span_context(),
+                        row_name=row_name,
                     )
                     lock.events.acquired(self.span, result, expected_own_row=possible_before)
                     yield Keep(hold)
@@ -209,8 +230,7 @@ class _Attempts:
                     return None
                 if _passed(self.deadline):
                     raise LockAcquisitionTimeout(
-                        f"lock {lock.lock_name!r} still held by {result.holder or 'another instance'} "
-                        f"after {self._waited():g}s",
+                        lock.still_busy(result.holder, self.held_permits, self._waited()),
                         self.timeout,
                         lock_name=lock.lock_name,
                         holder=result.holder,
@@ -255,6 +275,10 @@ class _Attempts:
             lock.events.contended(span, busy, alert=False)
             yield from self._leave_nothing_behind()
             return False
+        if exc.sqlstate == FOREIGN_KEY_VIOLATION and lock.permits is not None and not self.quick_retry_spent:
+            # The semaphore's N was changed while this attempt ran: the next one reads the new N.
+            self.quick_retry_spent = True
+            return True
         if exc.sqlstate in SHAPE_CHANGED and not self.quick_retry_spent:
             # Rejected at parse time (the history dropped, say): as the table is now.
             self.quick_retry_spent = True
@@ -434,6 +458,7 @@ def _scoped_cleanup(lock: LockState, hold: Hold, *, ended_how: str = "released")
     current = now()
     return Cleanup(
         lock,
+        row_name=hold.row_name,
         acquired_at=hold.acquired_at,
         generation=lock.generation,
         conclusive_from=current,
@@ -455,9 +480,12 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
         return True  # an acquire began since: it takes any row of ours back itself
     statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
     params = {**lock.params(), "acquired_at": cleanup.acquired_at, "ended_how": cleanup.ended_how}
+    if cleanup.row_name is not None:
+        params["lock_name"] = cleanup.row_name
     stray = cleanup.acquired_at is None
+    stray_statement = statements.cleanup_permit if lock.permits is not None else None
     result: Result = yield Execute(
-        statements.cleanup if stray else statements.release,
+        (stray_statement or statements.cleanup) if stray else statements.release,
         params,
         lock.timing.operation_timeout,
         lock.describe("clean-up"),

@@ -128,7 +128,7 @@ def _heartbeat_params(holds: list[Hold], *, tokens: bool) -> dict[str, object]:
     if tokens:
         return {"tokens": [hold.token for hold in holds]}
     return {
-        "lock_names": [hold.lock.lock_name for hold in holds],
+        "lock_names": [hold.row_name for hold in holds],
         "instance_ids": [hold.lock.instance_id for hold in holds],
         "acquired_ats": [hold.acquired_at for hold in holds],
     }
@@ -138,7 +138,7 @@ def _hold_key(hold: Hold, *, tokens: bool) -> tuple[object, ...]:
     """How the heartbeat statement's answer names a hold: by token, or by lock, instance and stamp."""
     if tokens:
         return (hold.token,)
-    return (hold.lock.lock_name, hold.lock.instance_id, hold.acquired_at)
+    return (hold.row_name, hold.lock.instance_id, hold.acquired_at)
 
 
 def busy_error(hold: Hold) -> DatabaseError:

@@ -42,6 +42,10 @@ class LockObservation:
     ``reclaim_disconnected_after``, one behind a pooler, 0.1.0, or a table without the session columns)."""
     reclaim_disconnected_after: float | None = None
     """The holder's ``reclaim_disconnected_after``, in seconds (None: it did not opt in)."""
+    semaphore: str | None = None
+    """For a permit of a `Semaphore`: the semaphore's name (``lock_name`` is then its permit row's)."""
+    permit: int | None = None
+    """For a permit of a `Semaphore`: the permit's number, from 0."""
 
 
 @runtime_checkable

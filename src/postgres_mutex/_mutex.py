@@ -74,6 +74,9 @@ class Mutex:
     Raises `TypeError` or `ValueError`, naming the argument, on bad input.
     """
 
+    _permits: int | None = None
+    """What its lock has: one holder (None), or a `Semaphore`'s permits."""
+
     def __init__(
         self,
         dsn: str | None = None,
@@ -126,6 +129,7 @@ class Mutex:
             metrics=metrics,
             on_lost=on_lost,
             tracer_provider=tracer_provider,
+            permits=self._permits,
         )
         self._engine_for = functools.partial(core.engine_for, self._lock)
         self._engine_async_for = functools.partial(core.engine_async_for, self._lock)

@@ -79,6 +79,7 @@ def new_lock_state(
     metrics: object | None,
     on_lost: LostCallback | None,
     tracer_provider: TracerProvider | None,
+    permits: int | None = None,
 ) -> LockState:
     """The state of one Mutex's lock on ``core``'s client, with how its events are told."""
     events = LockEvents(
@@ -97,4 +98,5 @@ def new_lock_state(
         events=events,
         tracing=core.tracing(tracer_provider, names.table_name),
         state_lock=core.state_lock,
+        permits=permits,
     )

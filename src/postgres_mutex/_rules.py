@@ -11,12 +11,16 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import psycopg
 
 from ._metrics import LockObservation
-from .errors import DatabaseError, OperationTimeout, SchemaError, phrase
+from .errors import DatabaseError, OperationTimeout, PermitsMismatchError, SchemaError, phrase
 from .metric_names import RECLAIM_REASONS
+
+if TYPE_CHECKING:
+    from ._sql import Statement, Statements
 
 
 class Outcome(enum.Enum):
@@ -70,6 +74,72 @@ def interpret_acquire(row: Sequence[object] | None, instance_id: str) -> Acquire
     if holder_id == instance_id or holder_id is None:
         return AcquireResult(Outcome.REACQUIRED, instance_id, heartbeat_age, acquired_at, token)
     return AcquireResult(Outcome.RECLAIMED, holder_id, heartbeat_age, acquired_at, token)
+
+
+@dataclass(frozen=True, slots=True)
+class PermitReply:
+    """What a semaphore's acquire statement (`_sql_permits.acquire_permit`) said."""
+
+    result: AcquireResult
+    row_name: str | None
+    """The ``lock_name`` of the permit row won (None if none was)."""
+    stored_permits: int | None
+    """The semaphore's N in the table: None if another session was declaring it at that moment."""
+    held: int
+    """How many permits were held in the statement's snapshot."""
+
+    def retry_at_once(self, permits: int | None) -> bool:
+        """Nothing won, yet there is reason to try again without waiting: the semaphore was being declared, or
+        another contender won the free permit this one chose while others were free."""
+        if permits is None or self.result.outcome.acquired:
+            return False
+        return self.stored_permits is None or (self.stored_permits == permits and self.held < permits - 1)
+
+
+def read_acquire(row: Sequence[object] | None, instance_id: str, permits: int | None) -> PermitReply:
+    """Read a mutex's acquire row (`interpret_acquire`) or, with ``permits``, a semaphore's: the same five
+    columns, then the permit row's ``lock_name``, the stored N and how many permits were held."""
+    if permits is None:
+        return PermitReply(interpret_acquire(row, instance_id), None, None, 0)
+    if row is None or len(row) != 8:
+        raise ValueError(f"unexpected acquire result {row!r}")
+    result = interpret_acquire(row[:5], instance_id)
+    row_name, stored, held = row[5:]
+    if result.outcome.acquired and not isinstance(row_name, str):
+        raise ValueError(f"unexpected acquire result {row!r}")
+    return PermitReply(
+        result,
+        row_name if isinstance(row_name, str) else None,
+        None if stored is None else int(stored),  # type: ignore[call-overload]
+        int(held),  # type: ignore[call-overload]
+    )
+
+
+def acquire_statement(statements: Statements, permits: int | None, name: str) -> Statement:
+    """The mutex's acquire, or (with ``permits``) a semaphore's, which needs a table migrated for semaphores."""
+    if permits is None:
+        return statements.acquire
+    if statements.acquire_permit is None:
+        raise SchemaError(
+            phrase(
+                "semaphore {name!r} needs the semaphores' table and columns, which the lock table {table} lacks: "
+                "run {LockTable.migrate()} once; mutexes keep working meanwhile",
+                name=name,
+                table=statements.names.table_name,
+            )
+        )
+    return statements.acquire_permit
+
+
+def permits_mismatch(table: str, name: str, permits: int | None, stored: int) -> PermitsMismatchError:
+    """The error for a Semaphore whose ``permits`` disagrees with its semaphore's in the table."""
+    return PermitsMismatchError(
+        f"semaphore {name!r} has {stored} permits in table {table}, but this Semaphore says permits={permits}: "
+        f"use permits={stored}, or change it for everyone with LockTable.set_permits({name!r}, {permits})",
+        semaphore=name,
+        permits=permits or 0,
+        stored_permits=stored,
+    )
 
 
 STALE, DISCONNECTED = RECLAIM_REASONS
@@ -146,6 +216,9 @@ def observe(
         heartbeat_age = float(age)  # type: ignore[arg-type]
         after = None if reclaim_after is None else float(reclaim_after)  # type: ignore[arg-type]
         disconnected = session_alive is False and after is not None and heartbeat_age >= after
+        # A permit's row is named "<semaphore>\x1f<permit>" (`_sql_permits`).
+        semaphore, separator, permit = str(lock_name).rpartition("\x1f")
+        is_permit = bool(separator) and permit.isdigit()
         observations.append(
             LockObservation(
                 lock_name=str(lock_name),
@@ -157,6 +230,8 @@ def observe(
                 token=None if token is None else int(token),  # type: ignore[call-overload]
                 session_alive=None if session_alive is None else bool(session_alive),
                 reclaim_disconnected_after=after,
+                semaphore=semaphore if is_permit else None,
+                permit=int(permit) if is_permit else None,
             )
         )
     return observations
@@ -175,6 +250,8 @@ UNDEFINED_TABLE = "42P01"
 SHAPE_CHANGED = frozenset({UNDEFINED_TABLE, UNDEFINED_COLUMN})
 """A statement named a table or column that is not there: the table changed since it was inspected."""
 SERIALIZATION_FAILURE = "40001"
+FOREIGN_KEY_VIOLATION = "23503"
+"""A permit row named its semaphore with a number of permits that an administrator changed meanwhile."""
 LOCK_NOT_AVAILABLE = "55P03"
 """A row lock not had within ``lock_timeout``: another session holds the row locked."""
 

@@ -49,6 +49,32 @@ def check_name(value: object, argument: str) -> str:
     return value
 
 
+def check_permit_count(name: object, permits: object) -> int:
+    """A Semaphore's number of permits, and its name checked to fit its permits' rows.
+
+    A permit's row is named after the semaphore, the unit separator and the
+    permit's number, in the table's 64 characters: the name must leave room.
+    """
+    if isinstance(permits, bool) or not isinstance(permits, int):
+        raise TypeError(f"permits must be an int, not {type(permits).__name__}")
+    if not 1 <= permits <= 1_000_000:
+        raise InvalidArgument("{permits} must be from 1 to 1000000, got {value!r}", value=permits)
+    if name is not None:
+        check_name(name, "name")
+        room = MAX_NAME_LENGTH - 1 - len(str(permits - 1))
+        if len(name) > room:  # type: ignore[arg-type]
+            raise InvalidArgument(
+                "a semaphore's name must be at most {room} characters long with {permits}={n} (its permits' rows "
+                "add a separator and the permit's number to it in a 64-character column), got {length}",
+                room=room,
+                n=permits,
+                length=len(name),  # type: ignore[arg-type]
+            )
+        if "\x1f" in name:  # type: ignore[operator]
+            raise InvalidArgument("a semaphore's name must not contain the unit separator character (\\x1f)")
+    return permits
+
+
 def check_names(value: object, argument: str) -> frozenset[str] | None:
     """A collection of lock names (or None), each checked; a bare str is refused, not iterated."""
     if value is None:

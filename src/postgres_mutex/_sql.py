@@ -12,12 +12,14 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
   (`Statements`, `TableShape`), and LISTEN for its releases;
 - `_sql_history`: how a hold can end and the parts of the lock statements
   that write the history, and its read;
+- `_sql_permits`: what semaphores add (their permits are rows of the lock table);
 - `_sql_schema`: creating, inspecting and migrating the tables.
 """
 
 from ._sql_history import HISTORY_ENDINGS
 from ._sql_lock import CURRENT, CURRENT_WITH_HISTORY, LEGACY, Statements, TableShape, listen, unlisten
 from ._sql_names import Names
+from ._sql_permits import SEPARATOR
 from ._sql_schema import create_history, create_table, history_retention, inspect_table, migrate_steps
 from ._sql_statement import Statement, session_setup
 
@@ -26,6 +28,7 @@ __all__ = [
     "CURRENT_WITH_HISTORY",
     "HISTORY_ENDINGS",
     "LEGACY",
+    "SEPARATOR",
     "Names",
     "Statement",
     "Statements",

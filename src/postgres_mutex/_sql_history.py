@@ -69,6 +69,35 @@ def acquire_history(names: Names) -> sql.Composable:
     ).format(history=names.history)
 
 
+def acquire_permit_history(names: Names) -> sql.Composable:
+    """`acquire_history` for a permit: the row's hold opened, the one it replaced ended, expired rows swept.
+
+    Reads the permit acquire's ``won`` (the row it wrote, fresh or not) and ``current`` (its snapshot).
+    """
+    return sql.SQL(
+        """, opened AS (
+  INSERT INTO {history} (lock_name, token, holder, acquired_at, keep_until)
+  SELECT lock_name, token, %(instance_id)s, acquired_at, NULL::timestamptz FROM won
+), closed AS (
+  UPDATE {history} AS past
+     SET ended_at = now(), keep_until = DEFAULT,
+         ended_how = CASE WHEN won.fresh THEN NULL
+                          WHEN past.holder = %(instance_id)s THEN 'replaced'
+                          WHEN (SELECT heartbeat_age FROM current WHERE current.lock_name = won.lock_name)
+                               < %(stale_seconds)s THEN 'reclaimed_disconnected'
+                          ELSE 'reclaimed' END,
+         ended_by = CASE WHEN NOT won.fresh THEN %(instance_id)s END,
+         alerts = past.alerts + CASE WHEN NOT won.fresh AND past.holder <> %(instance_id)s THEN 1 ELSE 0 END
+    FROM won
+   WHERE past.lock_name = won.lock_name AND past.ended_at IS NULL
+), expired AS (
+  DELETE FROM {history}
+   WHERE id IN (SELECT id FROM {history} WHERE keep_until < now()
+                 ORDER BY keep_until LIMIT 100 FOR UPDATE SKIP LOCKED)
+)"""
+    ).format(history=names.history)
+
+
 def heartbeat_alerts(names: Names) -> sql.Composable:
     """The heartbeat's part: one after a silence past the alert threshold ends an alert episode, and counts it.
 

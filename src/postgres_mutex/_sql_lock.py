@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
+from . import _sql_permits as permits_sql
 from . import _sql_sessions as sessions
 from ._sql_history import acquire_history, heartbeat_alerts, hold_ended, read_history
 from ._sql_names import Names
@@ -38,11 +39,13 @@ class TableShape:
     sessions: bool = False
     """The columns that name a holder's session (``session_key``, ``session_hold``, ``reclaim_after``):
     a holder whose session ended may be reclaimed before ``stale_threshold``."""
+    semaphores: bool = False
+    """The semaphores' table (``<table>_semaphores``) and the permit columns and constraints (`_sql_permits`)."""
 
 
 LEGACY = TableShape(tokens=False)
-CURRENT = TableShape(tokens=True, sessions=True)
-CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True, sessions=True)
+CURRENT = TableShape(tokens=True, sessions=True, semaphores=True)
+CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True, sessions=True, semaphores=True)
 
 _NOTHING = sql.SQL("")
 
@@ -83,6 +86,12 @@ class Statements:
         self.holders = _holders(names, shape)
         self.force_release = _force_release(names, shape)
         self.history = read_history(names) if shape.history else None
+        # Semaphores need the permit columns, and tokens and sessions, which every migration adds before them.
+        permits = shape.semaphores and shape.tokens and shape.sessions
+        history = shape.history
+        self.acquire_permit = permits_sql.acquire_permit(names, history=history) if permits else None
+        self.cleanup_permit = permits_sql.cleanup_permit(names, history=history) if permits else None
+        self.set_permits = permits_sql.set_permits(names, history=history) if permits else None
 
 
 def _acquire(names: Names, shape: TableShape) -> Statement:

@@ -86,6 +86,17 @@ class Names:
         self.history_by_lock = sql.Identifier(_derived(self.parts, "_history_by_lock")[-1])
         self.history_by_expiry = sql.Identifier(_derived(self.parts, "_history_by_expiry")[-1])
         self.history_open = sql.Identifier(_derived(self.parts, "_history_open")[-1])
+        # Semaphores: the table of their declared permits, and what ties the permit rows to it.
+        self.semaphores_parts = _derived(self.parts, "_semaphores")
+        self.semaphores = sql.Identifier(*self.semaphores_parts)
+        self.semaphores_text = sql.Literal(render(self.semaphores))
+        self.semaphores_pkey = sql.Identifier(_derived(self.parts, "_semaphores_pkey")[-1])
+        self.semaphores_unique = sql.Identifier(_derived(self.parts, "_semaphores_name_permits_key")[-1])
+        self.permit_declared = _derived(self.parts, "_permit_declared")[-1]
+        self.permit_in_range = _derived(self.parts, "_permit_in_range")[-1]
+        self.permit_index_parts = _derived(self.parts, "_permit_key")
+        self.permit_index = sql.Identifier(self.permit_index_parts[-1])
+        self.permit_index_text = sql.Literal(render(sql.Identifier(*self.permit_index_parts)))
 
     @functools.cached_property
     def fence(self) -> str:

@@ -33,6 +33,7 @@ def create_table(names: Names) -> Statement:
         "create_schema",
         sql.SQL(
             """CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint CACHE 1 NO CYCLE;
+{semaphores};
 CREATE TABLE IF NOT EXISTS {table} (
   lock_name      VARCHAR(64) NOT NULL,
   locked         INT NOT NULL DEFAULT 1,
@@ -43,23 +44,73 @@ CREATE TABLE IF NOT EXISTS {table} (
   session_key    BIGINT,
   session_hold   TIMESTAMPTZ,
   reclaim_after  FLOAT8,
+  semaphore      VARCHAR(64),
+  permit         INT,
+  permits        INT,
   CONSTRAINT {unique} UNIQUE (locked, lock_name),
-  CONSTRAINT chk_locked CHECK (locked = 1)
+  CONSTRAINT chk_locked CHECK (locked = 1),
+  {permit_constraints}
 );
 ALTER SEQUENCE {sequence} OWNED BY {table}.token;
-CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token)"""
+CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token);
+{permit_index}"""
         ).format(
             table=names.table,
             unique=names.unique,
             sequence=names.sequence,
             sequence_text=names.sequence_text,
             token_index=names.token_index,
+            semaphores=_create_semaphores(names),
+            permit_constraints=sql.SQL(",\n  ").join(_permit_constraints(names)),
+            permit_index=_permit_index(names),
         ),
     )
 
 
+def _create_semaphores(names: Names) -> sql.Composable:
+    """The semaphores' own table: each one's number of permits, fixed by whoever declared it first."""
+    return sql.SQL(
+        """CREATE TABLE IF NOT EXISTS {semaphores} (
+  name    VARCHAR(64) NOT NULL,
+  permits INT NOT NULL CHECK (permits > 0),
+  CONSTRAINT {pkey} PRIMARY KEY (name),
+  CONSTRAINT {unique} UNIQUE (name, permits)
+)"""
+    ).format(semaphores=names.semaphores, pkey=names.semaphores_pkey, unique=names.semaphores_unique)
+
+
+def _permit_constraints(names: Names) -> list[sql.Composable]:
+    """What makes more holders than permits impossible, whatever a client sends.
+
+    A permit row names a semaphore that exists with exactly the row's number of
+    permits (the foreign key; a mutex's row leaves all three columns NULL, and
+    MATCH SIMPLE checks nothing for it), and a permit below that number (the
+    check). With one row per (semaphore, permit) (`_permit_index`), at most N
+    rows can exist. ON UPDATE CASCADE: an administrator's change of N carries
+    over to the rows that remain, once those at or above the new N are gone.
+    """
+    return [
+        sql.SQL(
+            "CONSTRAINT {declared} FOREIGN KEY (semaphore, permits) REFERENCES {semaphores} (name, permits) "
+            "ON UPDATE CASCADE"
+        ).format(declared=sql.Identifier(names.permit_declared), semaphores=names.semaphores),
+        sql.SQL(
+            "CONSTRAINT {in_range} CHECK ((semaphore IS NULL) = (permit IS NULL) AND (semaphore IS NULL) = "
+            "(permits IS NULL) AND permit >= 0 AND permit < permits)"
+        ).format(in_range=sql.Identifier(names.permit_in_range)),
+    ]
+
+
+def _permit_index(names: Names) -> sql.Composable:
+    """One row per permit; mutexes' rows are not in it."""
+    return sql.SQL(
+        "CREATE UNIQUE INDEX IF NOT EXISTS {index} ON {table} (semaphore, permit) WHERE semaphore IS NOT NULL"
+    ).format(index=names.permit_index, table=names.table)
+
+
 def inspect_table(names: Names) -> Statement:
-    """What the table has: one row ``(exists, has_token, has_history, has_sessions)``, under its own deadline."""
+    """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores)``, under its
+    own deadline. Semaphores count only once their last migration step (the permits' unique index) is done."""
     return statement(
         names.table_name,
         "inspection",
@@ -69,9 +120,12 @@ def inspect_table(names: Names) -> Statement:
                 WHERE attrelid = to_regclass({table_text}) AND attname = 'token' AND NOT attisdropped),
        to_regclass({history_text}) IS NOT NULL,
        (SELECT count(*) = {count} FROM pg_attribute
-         WHERE attrelid = to_regclass({table_text}) AND attname = ANY({columns}) AND NOT attisdropped)"""
+         WHERE attrelid = to_regclass({table_text}) AND attname = ANY({columns}) AND NOT attisdropped),
+       to_regclass({semaphores_text}) IS NOT NULL AND to_regclass({permit_index_text}) IS NOT NULL"""
         ).format(
             table_text=sql.Literal(render(names.table)),
+            semaphores_text=names.semaphores_text,
+            permit_index_text=names.permit_index_text,
             history_text=sql.Literal(render(names.history)),
             count=sql.Literal(len(SESSION_COLUMNS)),
             columns=sql.Literal(list(SESSION_COLUMNS)),
@@ -130,7 +184,8 @@ def history_retention(names: Names, retention_seconds: float) -> Statement:
 
 
 def migrate_steps(names: Names) -> list[Statement]:
-    """Add the token column and the session columns to an existing table, online, one short step at a time.
+    """Add the token column, the session columns and what semaphores need to an existing table, online, one
+    short step at a time.
 
     Each step is idempotent, and takes the table's lock only as long as a
     catalog change does: ``ADD COLUMN`` without a default and ``SET DEFAULT``
@@ -174,4 +229,29 @@ def migrate_steps(names: Names) -> list[Statement]:
                 "ADD COLUMN IF NOT EXISTS session_hold TIMESTAMPTZ, ADD COLUMN IF NOT EXISTS reclaim_after FLOAT8"
             ).format(**fmt),
         ),
+        step("create the semaphores' table", _create_semaphores(names)),
+        step(
+            "add the columns of semaphores' permits",
+            sql.SQL(
+                "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS semaphore VARCHAR(64), "
+                "ADD COLUMN IF NOT EXISTS permit INT, ADD COLUMN IF NOT EXISTS permits INT"
+            ).format(**fmt),
+        ),
+        step(
+            "tie each permit row to its semaphore",
+            # ADD CONSTRAINT has no IF NOT EXISTS: asked first, so the step can be run again.
+            sql.SQL(
+                """DO $migrate$ BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = {table_text}::regclass AND conname = {declared}) THEN
+    ALTER TABLE {table} ADD {constraints};
+  END IF;
+END $migrate$"""
+            ).format(
+                table_text=sql.Literal(render(names.table)),
+                declared=sql.Literal(names.permit_declared),
+                constraints=sql.SQL(", ADD ").join(_permit_constraints(names)),
+                table=names.table,
+            ),
+        ),
+        step("index the permits, one row each", _permit_index(names)),
     ]

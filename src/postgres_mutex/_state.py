@@ -97,6 +97,7 @@ class Hold:
         "paused",
         "reason",
         "renewed_at",
+        "row_name",
         "running_out_told",
         "span_context",
         "status",
@@ -112,8 +113,11 @@ class Hold:
         sent_at: float,
         owner: object,
         span_context: SpanContext | None,
+        row_name: str | None = None,
     ) -> None:
         self.lock = lock
+        self.row_name = lock.lock_name if row_name is None else row_name
+        """The ``lock_name`` of its row: the lock's own, or a semaphore's permit (`_sql_permits`)."""
         self.acquired_at = acquired_at
         self.token = token
         self.renewed_at = sent_at
@@ -158,7 +162,13 @@ class Hold:
 
 
 class LockState:
-    """One Mutex's lock: its identity, settings, how its events are told, and its current hold."""
+    """One Mutex's lock (or one Semaphore's permits): its identity, settings, how its events are told, and its
+    current hold.
+
+    A semaphore's (``permits`` is its N) is held by a row per permit, whose ``lock_name`` each hold carries:
+    statements address the hold's row by it, while names, metrics, spans and the wake-up channel are the
+    semaphore's own.
+    """
 
     def __init__(
         self,
@@ -170,7 +180,10 @@ class LockState:
         events: LockEvents,
         tracing: Tracing,
         state_lock: StateLock,
+        permits: int | None = None,
     ) -> None:
+        self.permits = permits
+        self.kind = "lock" if permits is None else "semaphore"
         self.names = names
         self.tracing = tracing
         self.lock_name = lock_name
@@ -210,8 +223,8 @@ class LockState:
 
     def params(self) -> dict[str, object]:
         hold = self.hold
-        return {
-            "lock_name": self.lock_name,
+        params: dict[str, object] = {
+            "lock_name": self.lock_name if hold is None else hold.row_name,
             "instance_id": self.instance_id,
             "stale_seconds": self.timing.stale_threshold,
             "reclaim_seconds": self.timing.reclaim_disconnected_after,
@@ -220,13 +233,29 @@ class LockState:
             "ended_how": "released",
             "alert_seconds": self.timing.alert_threshold,
         }
+        if self.permits is not None:
+            params["semaphore"] = self.lock_name
+            params["permits"] = self.permits
+        return params
 
     def describe(self, verb: str) -> str:
-        return f"{verb} of lock {self.lock_name!r} (instance_id {self.instance_id!r})"
+        return f"{verb} of {self.kind} {self.lock_name!r} (instance_id {self.instance_id!r})"
+
+    def still_busy(self, holder: str | None, held: int | None, waited: float) -> str:
+        """Why a blocking acquire timed out, in the words of what this is: a lock, or a semaphore's permits."""
+        if self.permits is None:
+            return f"lock {self.lock_name!r} still held by {holder or 'another instance'} after {waited:g}s"
+        held_now = self.permits if held is None else held
+        return f"semaphore {self.lock_name!r} has no permit free: {held_now} of {self.permits} held after {waited:g}s"
 
     def not_held_error(self, reason: str) -> LockNotHeldError:
+        said = (
+            f"lock {self.lock_name!r} is not held by instance {self.instance_id!r}"
+            if self.permits is None
+            else f"semaphore {self.lock_name!r}: no permit is held by instance {self.instance_id!r}"
+        )
         return LockNotHeldError(
-            f"lock {self.lock_name!r} is not held by instance {self.instance_id!r}: {reason}",
+            f"{said}: {reason}",
             lock_name=self.lock_name,
             instance_id=self.instance_id,
             reason=reason,
@@ -237,6 +266,11 @@ class LockState:
     def begin_acquire(self) -> int:
         """Start an acquire; returns its generation, superseding earlier clean-ups. Raises `LockAlreadyHeldError`."""
         with self._lock:
+            if self.phase is not Phase.IDLE and self.permits is not None:
+                raise LockAlreadyHeldError(
+                    f"this Semaphore already holds or is acquiring a permit of semaphore {self.lock_name!r} "
+                    f"(instance_id {self.instance_id!r}); use a separate Semaphore per concurrent holder"
+                )
             if self.phase is not Phase.IDLE:
                 raise LockAlreadyHeldError(
                     f"this Mutex already holds or is acquiring lock {self.lock_name!r} "
@@ -290,10 +324,17 @@ class LockState:
         sent_at: float,
         owner: object,
         span_context: SpanContext | None,
+        row_name: str | None = None,
     ) -> Hold:
         with self._lock:
             hold = Hold(
-                self, acquired_at=acquired_at, token=token, sent_at=sent_at, owner=owner, span_context=span_context
+                self,
+                acquired_at=acquired_at,
+                token=token,
+                sent_at=sent_at,
+                owner=owner,
+                span_context=span_context,
+                row_name=row_name,
             )
             self.hold = hold
             self.phase = Phase.HOLDING

@@ -185,6 +185,8 @@ class Cleanup:
     due: float = field(default_factory=now)
     ended_how: str = "released"
     """How the history records the hold this row belonged to, if the table keeps one."""
+    row_name: str | None = None
+    """The ``lock_name`` of the hold's row (a semaphore's permit), when ``acquired_at`` names one."""
 
     @property
     def superseded(self) -> bool:

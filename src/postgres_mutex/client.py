@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
     from ._mutex import Mutex
+    from ._semaphore import Semaphore
     from .table import LockTable
 
 __all__ = ["MutexClient"]
@@ -102,6 +103,16 @@ class MutexClient:
                 raise TypeError(f"mutex() takes no {given}=: the client already knows how to reach PostgreSQL")
         return BUILT_ON_IT.mutex(lock_name=lock_name, client=self, **options)
 
+    def semaphore(self, name: str, *, permits: int, **options: Any) -> Semaphore:
+        """A `Semaphore` on this client: ``client.semaphore("partner-api", permits=3)``.
+
+        Takes every option of `Semaphore` but the connection ones.
+        """
+        for given in ("dsn", "pool", "async_pool", "client"):
+            if given in options:
+                raise TypeError(f"semaphore() takes no {given}=: the client already knows how to reach PostgreSQL")
+        return BUILT_ON_IT.semaphore(name=name, permits=permits, client=self, **options)
+
     def table(self, table: str = "mutex_lock") -> LockTable:
         """The admin API (`LockTable`) for one lock table, on this client's connections."""
         return BUILT_ON_IT.table(client=self, table=table)
@@ -159,6 +170,7 @@ class _BuiltOnIt:
     """
 
     mutex: Callable[..., Mutex]
+    semaphore: Callable[..., Semaphore]
     table: Callable[..., LockTable]
 
 

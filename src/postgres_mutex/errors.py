@@ -37,6 +37,7 @@ __all__ = [
     "LockNotHeldError",
     "MutexError",
     "OperationTimeout",
+    "PermitsMismatchError",
     "PgMutexError",
     "Phrase",
     "SchemaError",
@@ -118,6 +119,26 @@ class LockAlreadyHeldError(MutexError):
     A Mutex holds at most one lease on its lock; a second acquire would
     otherwise silently share it. Use one Mutex per concurrent holder.
     """
+
+
+class PermitsMismatchError(MutexError, ValueError):
+    """A Semaphore's ``permits`` disagrees with the number its semaphore was declared with.
+
+    The first Semaphore to use a name fixes its number of permits; one that
+    says otherwise is refused rather than let the fleet disagree on the limit.
+    ``semaphore``, ``permits`` (this Semaphore's) and ``stored_permits`` (the
+    table's) say which. Change the number deliberately with
+    `LockTable.set_permits`.
+    """
+
+    def __init__(self, message: str, *, semaphore: str, permits: int, stored_permits: int) -> None:
+        super().__init__(message)
+        self.semaphore = semaphore
+        self.permits = permits
+        self.stored_permits = stored_permits
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), self.args, self.__dict__))
 
 
 class DatabaseError(MutexError):

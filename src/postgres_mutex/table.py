@@ -19,6 +19,7 @@ from ._settings import (
     check_name,
     check_names,
     check_operation_timeout,
+    check_permit_count,
     check_seconds,
     check_thresholds,
 )
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-__all__ = ["ForcedRelease", "HoldRecord", "LockTable"]
+__all__ = ["ForcedRelease", "HoldRecord", "LockTable", "PermitsChanged"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,19 @@ class ForcedRelease:
     """By the server's clock, at the moment of the release."""
     token: int | None
     """The removed hold's fencing token (None on a table without tokens)."""
+
+
+@dataclass(frozen=True)
+class PermitsChanged:
+    """What `LockTable.set_permits` did."""
+
+    name: str
+    permits: int
+    """The semaphore's number of permits now."""
+    previous: int | None
+    """Its number before (None: nobody had used it)."""
+    released: int
+    """How many holders of permits at or above the new number were released."""
 
 
 @dataclass(frozen=True)
@@ -272,6 +286,29 @@ class LockTable:
         check_name(lock_name, "lock_name")
         found = await self._core.engine_async().run(admin_flows.force_release(self._names, lock_name, self._timeout))
         return _forced(lock_name, found)
+
+    # -- semaphores ------------------------------------------------------------------
+
+    def set_permits(self, name: str, permits: int) -> PermitsChanged:
+        """Change how many holders semaphore ``name`` allows at once, for the whole fleet.
+
+        In one transaction: the holders of permits at or above the new number
+        are released (each learns it at its next heartbeat, as after
+        `force_release`), the semaphore's waiters are woken, and the number is
+        changed; once it returns, never more than ``permits`` hold. A semaphore
+        nobody used yet is declared with it. Semaphores of the process that
+        still say the old number are refused at their next acquire
+        (`PermitsMismatchError`): give them the new one.
+        """
+        permits = check_permit_count(name, permits)
+        found = self._core.engine().run(admin_flows.set_permits(self._names, name, permits, self._timeout))
+        return PermitsChanged(name, permits, *found)
+
+    async def set_permits_async(self, name: str, permits: int) -> PermitsChanged:
+        """Async `set_permits`."""
+        permits = check_permit_count(name, permits)
+        found = await self._core.engine_async().run(admin_flows.set_permits(self._names, name, permits, self._timeout))
+        return PermitsChanged(name, permits, *found)
 
 
 def _history_options(history: bool, retention: float | None) -> dict[str, Any]:

@@ -37,12 +37,24 @@ def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) ->
         ("session_key", "bigint", None, "YES", None),
         ("session_hold", "timestamp with time zone", None, "YES", None),
         ("reclaim_after", "double precision", None, "YES", None),
+        # A semaphore's permit: NULL in a mutex's row.
+        ("semaphore", "character varying", 64, "YES", None),
+        ("permit", "integer", None, "YES", None),
+        ("permits", "integer", None, "YES", None),
     ]
     constraints = admin.execute(
         """SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
             WHERE conrelid = 'mutex_lock'::regclass AND contype IN ('u', 'c') ORDER BY conname"""
     ).fetchall()
-    assert constraints == [("chk_locked", "CHECK ((locked = 1))"), ("uq_mutex_lock", "UNIQUE (locked, lock_name)")]
+    assert constraints == [
+        ("chk_locked", "CHECK ((locked = 1))"),
+        (
+            "mutex_lock_permit_in_range",
+            "CHECK ((((semaphore IS NULL) = (permit IS NULL)) AND ((semaphore IS NULL) = (permits IS NULL)) "
+            "AND (permit >= 0) AND (permit < permits)))",
+        ),
+        ("uq_mutex_lock", "UNIQUE (locked, lock_name)"),
+    ]
     # The token column is uniquely indexed (what lets a fence block a reclaim but not a heartbeat),
     # and its sequence hands out tokens in the order sessions draw them.
     (index,) = admin.execute(

@@ -145,3 +145,19 @@ class Sections:
     def overlaps(self) -> list[tuple[Section, Section]]:
         """Sections that began before an earlier one had ended; an open section lasts until now."""
         return overlaps(self.all())
+
+
+def most_at_once(sections: Iterable[Section], *, now: float | None = None) -> int:
+    """The most sections of one lock open at one moment (sections that merely touch are not counted together):
+    what a semaphore of N must keep at N or fewer."""
+    moment = time.monotonic() if now is None else now
+    # At one moment, exits come before entries: a section that ends as another begins is not concurrent with it.
+    events = sorted(
+        [(section.enter, 1) for section in sections] + [(section.end(moment), -1) for section in sections],
+        key=lambda event: (event[0], event[1]),
+    )
+    most = current = 0
+    for _, change in events:
+        current += change
+        most = max(most, current)
+    return most

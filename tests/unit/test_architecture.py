@@ -44,6 +44,7 @@ CORE = {
     "_sql_history",
     "_sql_lock",
     "_sql_names",
+    "_sql_permits",
     "_sql_schema",
     "_sql_sessions",
     "_sql_statement",

@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import DatabaseError, OperationTimeout, SchemaError
-from postgres_mutex._rules import AlertGate, Outcome, classify_failure, interpret_acquire
+from postgres_mutex._rules import AlertGate, Outcome, classify_failure, interpret_acquire, read_acquire
 from postgres_mutex._secrets import Redactor
 from postgres_mutex._settings import Timing
 
@@ -36,6 +36,35 @@ def test_interpret_acquire(row: tuple[object, ...], outcome: Outcome, holder: st
     assert outcome.acquired is (outcome is not Outcome.CONTENDED)
     assert result.acquired_at == (NOW if outcome.acquired else None)
     assert result.token == (7 if outcome.acquired else None)
+
+
+@pytest.mark.parametrize(
+    ("row", "outcome", "permit_row", "retry_at_once"),
+    [
+        ((True, None, None, NOW, 7, "api\x1f2", 3, 1), Outcome.ACQUIRED, "api\x1f2", False),
+        ((False, "host-dead", 700.0, NOW, 7, "api\x1f0", 3, 3), Outcome.RECLAIMED, "api\x1f0", False),
+        # Nothing won with two permits free: another contender won the one chosen; the others are worth a try.
+        ((None, "host-other", 0.1, None, None, None, 3, 1), Outcome.CONTENDED, None, True),
+        # The last free permit went to another contender: wait for a release.
+        ((None, "host-other", 0.1, None, None, None, 3, 2), Outcome.CONTENDED, None, False),
+        ((None, "host-other", 0.1, None, None, None, 3, 3), Outcome.CONTENDED, None, False),
+        # Another session was declaring the semaphore at that moment: its N is known at the next try.
+        ((None, None, None, None, None, None, None, 0), Outcome.CONTENDED, None, True),
+    ],
+)
+def test_read_a_permit_acquire(
+    row: tuple[object, ...], outcome: Outcome, permit_row: str | None, retry_at_once: bool
+) -> None:
+    reply = read_acquire(row, ME, 3)
+    assert reply.result.outcome is outcome
+    assert reply.row_name == permit_row
+    assert reply.retry_at_once(3) is retry_at_once
+
+
+def test_a_mutexs_acquire_is_read_as_before() -> None:
+    reply = read_acquire((True, None, None, NOW, 7), ME, None)
+    assert (reply.result.outcome, reply.row_name, reply.stored_permits) == (Outcome.ACQUIRED, None, None)
+    assert reply.retry_at_once(None) is False
 
 
 def test_a_table_without_tokens_acquires_without_one() -> None:

@@ -38,6 +38,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             "token": seen.token,
             "session": _session(seen),
             "reclaim_disconnected_after": seen.reclaim_disconnected_after,
+            "semaphore": seen.semaphore,
+            "permit": seen.permit,
         }
         for seen in observations
     ]
@@ -57,7 +59,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     lines: list[tuple[str, ...]] = [("LOCK", "HOLDER", "HELD FOR", "SINCE HEARTBEAT", "STATE", "TOKEN", "SESSION")]
     lines += [
         (
-            seen.lock_name,
+            seen.lock_name if seen.semaphore is None else f"{seen.semaphore} (permit {seen.permit})",
             seen.holder,
             duration(round(seen.seconds_held, 3)),
             duration(round(seen.seconds_since_heartbeat, 3)),
