@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .beat import BEAT_DEFAULTS, RUN_HEADERS, LeaderScheduler, LeaderSchedulerMixin, database_scheduler
-from .tasks import SKIPPED, TASK_DEFAULTS, SingletonTask, TaskAlreadyRunning, current_mutex
+from .tasks import SKIPPED, TASK_DEFAULTS, SingletonTask, TaskAlreadyRunning, close_clients, current_mutex
 
 __all__ = [
     "BEAT_DEFAULTS",
@@ -24,6 +24,7 @@ __all__ = [
     "LeaderSchedulerMixin",
     "SingletonTask",
     "TaskAlreadyRunning",
+    "close_clients",
     "current_mutex",
 ]
 

@@ -240,7 +240,7 @@ class LeaderSchedulerMixin:
                 ).fetchall()
         except LockNotHeldError:
             return False
-        except psycopg.Error as exc:
+        except (psycopg.Error, MutexError) as exc:  # the database, unreachable or refusing: try at the next tick
             logger.error("beat leads %r but cannot read its recorded runs: %s", self._beat_name, exc)
             self._drop_connection()
             return False
@@ -275,7 +275,7 @@ class LeaderSchedulerMixin:
                 )
         except LockNotHeldError:
             return None
-        except psycopg.Error as exc:
+        except (psycopg.Error, MutexError) as exc:  # not recorded, so not sent: at most once
             logger.error("beat could not record run %d of %r: %s", entry.total_run_count, entry.name, exc)
             self._drop_connection()
             return None

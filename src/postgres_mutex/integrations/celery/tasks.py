@@ -19,11 +19,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
-from celery import Task
+from celery import Task, signals
 
 from postgres_mutex import Mutex, MutexClient, MutexError
 
-__all__ = ["SKIPPED", "TASK_DEFAULTS", "SingletonTask", "TaskAlreadyRunning", "current_mutex"]
+__all__ = ["SKIPPED", "TASK_DEFAULTS", "SingletonTask", "TaskAlreadyRunning", "close_clients", "current_mutex"]
 
 logger = logging.getLogger("postgres_mutex.integrations.celery")
 
@@ -84,8 +84,30 @@ class _Clients:
                 self._clients[dsn] = known
             return known[1]
 
+    def close(self) -> None:
+        """Close this process's clients: their locks are released, their connections closed."""
+        pid = os.getpid()
+        with self._lock:
+            mine = [client for owner, client in self._clients.values() if owner == pid]
+            self._clients.clear()
+        for client in mine:
+            client.close()
+
 
 _clients = _Clients()
+
+
+def close_clients(**_: Any) -> None:
+    """Close the clients singleton tasks opened in this process (a worker does it as it shuts down).
+
+    A task run after this opens a new one.
+    """
+    _clients.close()
+
+
+# A prefork child as it exits, and a solo or threads worker as it stops: end their sessions cleanly.
+signals.worker_process_shutdown.connect(close_clients, weak=False, dispatch_uid="postgres_mutex.tasks.child")
+signals.worker_shutdown.connect(close_clients, weak=False, dispatch_uid="postgres_mutex.tasks.worker")
 
 
 def lock_name_for(base: str, arguments: Sequence[tuple[str, Any]]) -> str:
