@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 from celery import signals
 from celery.beat import PersistentScheduler, Scheduler
+from celery.utils.time import maybe_make_aware
 from psycopg import sql
 
 from postgres_mutex import Election, Leadership, LockNotHeldError, MutexError
@@ -94,6 +95,7 @@ class LeaderSchedulerMixin:
     _leadership: Leadership | None = None
     _loaded_token: int | None = None
     _cleared: tuple[str, int, int] | None = None
+    _recorded: dict[str, tuple[datetime, int]]
     _conn: psycopg.Connection[Any] | None = None
     _campaign_error: BaseException | None = None
     _closed = False
@@ -130,6 +132,7 @@ class LeaderSchedulerMixin:
     def _start_campaign(self) -> None:
         if self._campaigner is not None or self._closed:
             return
+        self._recorded = {}
         self._election = Election(self._dsn, self._beat_name, **self._options())
         self._campaigner = threading.Thread(target=self._campaign, name="postgres-mutex-beat", daemon=True)
         self._campaigner.start()
@@ -180,6 +183,11 @@ class LeaderSchedulerMixin:
             return standby
         interval: float = super().tick(*args, **kwargs)  # type: ignore[misc]
         return interval
+
+    def is_due(self, entry: Any) -> Any:
+        """Celery's answer, for ``entry`` as of the last run any leading beat recorded for it."""
+        self._catch_up(entry)
+        return super().is_due(entry)  # type: ignore[misc]
 
     def reserve(self, entry: Any) -> Any:
         """Advance ``entry`` and record its run, fenced by this term: what is not recorded is not sent."""
@@ -244,18 +252,28 @@ class LeaderSchedulerMixin:
             logger.error("beat leads %r but cannot read its recorded runs: %s", self._beat_name, exc)
             self._drop_connection()
             return False
-        schedule = self.schedule
-        for name, last_run_at, count in rows:
-            entry = schedule.get(name)
-            if entry is not None:
-                self._take_up(entry, last_run_at, int(count))
-        self._heap = None  # rebuilt from the entries at the next tick
+        self._recorded = {name: (self._aware(last_run_at), int(count)) for name, last_run_at, count in rows}
+        self._heap = None  # rebuilt at the next tick, through is_due, from the runs taken up
         self._loaded_token = leadership.token
-        logger.info("beat took up %d recorded entries of %r", len(rows), self._beat_name)
+        logger.info("beat took up the recorded runs of %d entries of %r", len(rows), self._beat_name)
         return True
 
+    def _aware(self, moment: datetime) -> datetime:
+        return maybe_make_aware(moment, self.app.timezone).astimezone(self.app.timezone)  # type: ignore[no-any-return]
+
+    def _catch_up(self, entry: Any) -> None:
+        """Give ``entry`` the last run recorded for it, if that is later than the one it knows of.
+
+        Applied as each entry is looked at, not once: a scheduler that reloads
+        its entries (django-celery-beat's does, after an edit in the admin)
+        gets the recorded runs again.
+        """
+        recorded = self._recorded.get(entry.name)
+        if recorded is not None and recorded[0] > self._aware(entry.last_run_at):
+            self._take_up(entry, *recorded)
+
     def _take_up(self, entry: Any, last_run_at: datetime, count: int) -> None:
-        entry.last_run_at = last_run_at.astimezone(self.app.timezone)
+        entry.last_run_at = last_run_at
         entry.total_run_count = count
 
     def _record(self, entry: Any) -> tuple[str, int, int] | None:
@@ -271,7 +289,7 @@ class LeaderSchedulerMixin:
                         "ON CONFLICT (beat, entry) DO UPDATE SET last_run_at = EXCLUDED.last_run_at, "
                         "total_run_count = EXCLUDED.total_run_count, token = EXCLUDED.token"
                     ).format(self._state_table),
-                    (self._beat_name, entry.name, entry.last_run_at, entry.total_run_count, token),
+                    (self._beat_name, entry.name, self._aware(entry.last_run_at), entry.total_run_count, token),
                 )
         except LockNotHeldError:
             return None
@@ -279,6 +297,7 @@ class LeaderSchedulerMixin:
             logger.error("beat could not record run %d of %r: %s", entry.total_run_count, entry.name, exc)
             self._drop_connection()
             return None
+        self._recorded[entry.name] = (self._aware(entry.last_run_at), int(entry.total_run_count))
         return (str(entry.name), int(entry.total_run_count), int(token))
 
 
@@ -299,7 +318,8 @@ def database_scheduler() -> type[Scheduler]:
 
         def _take_up(self, entry: Any, last_run_at: datetime, count: int) -> None:
             super()._take_up(entry, last_run_at, count)
-            entry.model.last_run_at = entry.last_run_at
+            entry.model.last_run_at = last_run_at
             entry.model.total_run_count = count
+            self._dirty.add(entry.name)  # saved to Django's database at the next sync
 
     return LeaderDatabaseScheduler
