@@ -9,6 +9,7 @@ creates rather than sleep, so a test decides when a run ends.
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from pathlib import Path
@@ -70,6 +71,9 @@ def configure(app: Celery, folder: Path, dsn: str) -> None:
         postgres_mutex_beat_options={**BEAT_OPTIONS, "instance_id": os.environ.get("CELERY_TEST_BEAT_ID") or None},
     )
 
+
+if os.environ.get("DJANGO_SETTINGS_MODULE"):  # the django-celery-beat test: its models need Django set up
+    importlib.import_module("django").setup()
 
 app = Celery("celery_app")
 if "CELERY_TEST_FOLDER" in os.environ:
