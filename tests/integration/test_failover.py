@@ -339,6 +339,133 @@ def test_a_failover_under_a_held_lock(cluster: PatroniCluster, replication: str,
     )
 
 
+# -- reclaim_disconnected_after across a failover ----------------------------------------------------
+# A failover ends every session the holder had: on the new primary nobody holds its session's
+# marker. Shorter than the option, the holder reconnects and names its new session before its row
+# is old enough to reclaim; longer, it is in doubt before anyone may take the lock over.
+
+RECLAIM_LONGER = 15.0
+"""Longer than a failover here (about 6 s, docs/figures/failover-report.md) plus a heartbeat."""
+RECLAIM_SHORTER = 2 * HEARTBEAT + OPERATION_TIMEOUT
+"""The shortest the option may be with these timings: a failover outlasts it."""
+
+
+def test_a_failover_shorter_than_reclaim_disconnected_after_costs_no_lock(
+    cluster: PatroniCluster, ha: HA, figures: Figures
+) -> None:
+    cluster.heal()
+    leader = cluster.set_synchronous(True)
+    holder = ha.mutex("holder", reclaim_disconnected_after=RECLAIM_LONGER)
+    waiter = ha.mutex("waiter", reclaim_disconnected_after=RECLAIM_LONGER)
+    got: list[float] = []
+
+    def wait() -> None:
+        with ha.sections.holding(waiter, "waiter", blocking=True, timeout=90) as acquired:
+            got.append(time.monotonic())
+            assert acquired
+
+    thread = threading.Thread(target=wait)
+    with ha.sections.holding(holder, "holder"):
+        wait_until(lambda: len(ha.beats("holder")) >= 2)
+        thread.start()
+        wait_until(lambda: len(ha.named("contended", "waiter")) >= 1)
+        killed = time.monotonic()
+        cluster.kill_node(leader)
+        cluster.wait_leader(other_than=leader, timeout=FAILOVER_DEADLINE)
+        promoted = time.monotonic()
+        wait_until(lambda: ha.beats("holder", since=promoted), timeout=LEASE)
+        resumed = min(ha.beats("holder", since=killed))
+        # The waiter keeps trying on the new primary until the row, had the holder not come
+        # back, would have been old enough to reclaim: the row names the holder's new session.
+        wait_until(lambda: time.monotonic() > killed + RECLAIM_LONGER + SLACK, timeout=RECLAIM_LONGER + 2 * SLACK)
+        assert holder.held, "the holder kept its lock"
+        assert not got, "the waiter still waits"
+        assert ha.holder_id() == "holder"
+    thread.join(60)
+    assert got, "the waiter got the lock once it was released"
+    assert ha.named("hold_in_doubt", "holder") == [], "never in doubt: its silence was shorter than the option"
+    assert ha.events.named("lost") == []
+    assert ha.events.named("stale_reclaimed") == []
+    figures.record(
+        "failover (leader killed) shorter than reclaim_disconnected_after",
+        reclaim_disconnected_after_s=RECLAIM_LONGER,
+        kill_to_new_primary_s=promoted - killed,
+        holder_heartbeat_silence_s=resumed - killed,
+        lock_kept=True,
+        in_doubt=False,
+        reclaimed=False,
+    )
+
+
+def test_a_failover_longer_than_reclaim_disconnected_after_tells_the_holder_first(
+    cluster: PatroniCluster, ha: HA, figures: Figures
+) -> None:
+    """The holder is in doubt before its lock may be reclaimed; then confirmed, or lost, whichever comes first.
+
+    On the new primary the holder's heartbeat and the waiter's attempt race: a heartbeat that
+    lands first finds the row still the holder's (confirmed: the waiter waits on); an attempt
+    that lands first reclaims the row (the holder's next heartbeat finds it gone: lost). Either
+    way the holder stopped believing it held before the waiter started to.
+    """
+    cluster.heal()
+    leader = cluster.set_synchronous(True)
+    holder = ha.mutex("holder", reclaim_disconnected_after=RECLAIM_SHORTER)
+    waiter = ha.mutex("waiter", reclaim_disconnected_after=RECLAIM_SHORTER)
+    got: list[float] = []
+
+    def wait() -> None:
+        with ha.sections.holding(waiter, "waiter", blocking=True, timeout=90) as acquired:
+            got.append(time.monotonic())
+            assert acquired
+
+    thread = threading.Thread(target=wait)
+    with contextlib.ExitStack() as stack:
+        assert stack.enter_context(holder.acquire())
+        wait_until(lambda: len(ha.beats("holder")) >= 2)
+        thread.start()
+        wait_until(lambda: len(ha.named("contended", "waiter")) >= 1)
+        killed = time.monotonic()
+        cluster.kill_node(leader)
+        wait_until(lambda: ha.named("hold_in_doubt", "holder"), timeout=RECLAIM_SHORTER + SLACK)
+        doubted = ha.named("hold_in_doubt", "holder")[0].at
+        believes = holder.held
+        assert not believes, "in doubt, the holder does not believe it holds"
+        cluster.wait_leader(other_than=leader, timeout=FAILOVER_DEADLINE)
+        promoted = time.monotonic()
+
+        def settled() -> bool:
+            return bool(ha.named("hold_confirmed", "holder") or ha.named("lost", "holder"))
+
+        wait_until(settled, timeout=LEASE)
+        confirmed = bool(ha.named("hold_confirmed", "holder"))
+        if confirmed:
+            assert holder.held, "confirmed: it holds again"
+            assert not got, "the waiter waits on"
+            stack.close()
+        else:
+            wait_until(lambda: got, timeout=10)
+            assert ha.named("lost", "holder")[0].at >= doubted
+            with contextlib.suppress(LockNotHeldError):
+                stack.close()
+    thread.join(60)
+    assert got, "the waiter got the lock"
+    reclaims = ha.events.named("stale_reclaimed")
+    if confirmed:
+        assert reclaims == [], "a holder that came back in time was not robbed"
+    else:
+        assert [r.fields["reason"] for r in reclaims] == ["disconnected"]
+        assert got[0] >= doubted, "the holder was in doubt before the waiter held"
+    figures.record(
+        "failover (leader killed) longer than reclaim_disconnected_after",
+        reclaim_disconnected_after_s=RECLAIM_SHORTER,
+        kill_to_new_primary_s=promoted - killed,
+        kill_to_holder_in_doubt_s=doubted - killed,
+        outcome="holder confirmed, waiter waited" if confirmed else "reclaimed (disconnected), holder lost",
+        # <= 0: the holder had stopped believing before the waiter began to.
+        split_brain_window_s=None if confirmed else doubted - got[0],
+    )
+
+
 # -- read-only nodes -------------------------------------------------------------------------------
 
 

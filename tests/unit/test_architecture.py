@@ -225,7 +225,7 @@ def test_the_command_line_is_built_on_the_public_api_only() -> None:
 
 def test_nothing_below_the_command_line_imports_it() -> None:
     users = sorted(module for module in MODULES if "_cli" in GRAPH[module])
-    assert users == ["__main__"], users
+    assert users == ["__main__", "cli"], users
 
 
 MOST_PRIVATE_REACHES = 25
@@ -268,3 +268,37 @@ def test_no_hand_written_module_is_over_500_lines() -> None:
         if "do not edit" not in path.read_text()[:600].lower()
     }
     assert {name: lines for name, lines in sizes.items() if lines > 500} == {}
+
+
+INTEGRATIONS = SRC / "integrations"
+
+
+def test_the_framework_integrations_are_built_on_the_public_api_only() -> None:
+    import postgres_mutex
+
+    reached: set[str] = set()
+    for path in sorted(INTEGRATIONS.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            module = node.module or ""
+            if node.level > 0 and not module.startswith("postgres_mutex"):
+                # Relative: within the integrations package only (not up into the library).
+                depth = len(path.relative_to(INTEGRATIONS).parts) - 1
+                assert node.level <= depth + 1, f"{path.name} reaches into the library by a relative import"
+                continue
+            if module == "postgres_mutex":
+                names = {alias.name for alias in node.names}
+                public_modules = {name for name in MODULES if not name.startswith("_")}
+                allowed = set(postgres_mutex.__all__) | public_modules
+                assert names <= allowed, f"{path.name} takes {sorted(names - allowed)} from the package"
+                reached.add("__init__")
+            elif module.startswith("postgres_mutex."):
+                parts = module.split(".")[1:]
+                if parts[0] == "integrations":
+                    continue
+                assert not any(part.startswith("_") for part in parts), f"{path.name} imports the private {module}"
+                reached.add(parts[0])
+    # A guard on the reading itself: the integrations do use the library.
+    assert "__init__" in reached
