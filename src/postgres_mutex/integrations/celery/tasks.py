@@ -1,0 +1,216 @@
+"""Singleton Celery tasks: a task that must not run twice at once, across every worker of the fleet.
+
+``@app.task(base=SingletonTask)`` runs the task's body under a `Mutex` named
+after the task (and, with ``singleton_key``, after chosen arguments). The
+lock is released when the body ends in any way; when the worker process
+dies, its database session ends and the lock is reclaimed after
+``reclaim_disconnected_after`` (60 s unless configured), or after the lock's
+``stale_threshold`` if the session outlives it (a machine that vanished).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal
+
+from celery import Task, signals
+
+from postgres_mutex import Mutex, MutexClient, MutexError
+
+__all__ = ["SKIPPED", "TASK_DEFAULTS", "SingletonTask", "TaskAlreadyRunning", "close_clients", "current_mutex"]
+
+logger = logging.getLogger("postgres_mutex.integrations.celery")
+
+SKIPPED = "postgres-mutex: skipped, the task is already running"
+"""What a singleton task with ``singleton_on_contention = "skip"`` returns when another run holds its lock.
+
+A string, so that every result backend and serializer carries it:
+``result.get() == SKIPPED`` tells a skipped run from one that ran.
+"""
+
+TASK_DEFAULTS: Mapping[str, float] = {"reclaim_disconnected_after": 60.0}
+"""The Mutex options of singleton tasks unless ``postgres_mutex_task_options`` (or the task's
+``singleton_options``) says otherwise; the rest are `Mutex`'s defaults (heartbeat every 10 s,
+alert at 30 s, reclaim of a silent holder at 10 min)."""
+
+Policy = Literal["skip", "wait", "raise"]
+_POLICIES = ("skip", "wait", "raise")
+_MAX_NAME = 64
+
+_current: contextvars.ContextVar[Mutex | None] = contextvars.ContextVar("postgres_mutex_celery_task", default=None)
+
+
+class TaskAlreadyRunning(MutexError):
+    """A singleton task with ``singleton_on_contention = "raise"`` found its lock held by another run.
+
+    Carries one argument, its message, so that result backends can rebuild it.
+    """
+
+
+def current_mutex() -> Mutex:
+    """The `Mutex` the running singleton task holds: for ``mutex.fence(conn)`` on the task's own writes.
+
+    Raises `MutexError` outside the body of a singleton task.
+    """
+    mutex = _current.get()
+    if mutex is None:
+        raise MutexError("current_mutex() is only available inside the body of a SingletonTask")
+    return mutex
+
+
+class _Clients:
+    """One `MutexClient` per process and DSN, made in the process that uses it.
+
+    A prefork child must not use connections its parent opened, so a client
+    made before a fork is left to the parent and a new one is made.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[str, tuple[int, MutexClient]] = {}
+
+    def get(self, dsn: str) -> MutexClient:
+        pid = os.getpid()
+        with self._lock:
+            known = self._clients.get(dsn)
+            if known is None or known[0] != pid:
+                known = (pid, MutexClient(dsn))
+                self._clients[dsn] = known
+            return known[1]
+
+    def close(self) -> None:
+        """Close this process's clients: their locks are released, their connections closed."""
+        pid = os.getpid()
+        with self._lock:
+            mine = [client for owner, client in self._clients.values() if owner == pid]
+            self._clients.clear()
+        for client in mine:
+            client.close()
+
+
+_clients = _Clients()
+
+
+def close_clients(**_: Any) -> None:
+    """Close the clients singleton tasks opened in this process (a worker does it as it shuts down).
+
+    A task run after this opens a new one.
+    """
+    _clients.close()
+
+
+# A prefork child as it exits, and a solo or threads worker as it stops: end their sessions cleanly.
+signals.worker_process_shutdown.connect(close_clients, weak=False, dispatch_uid="postgres_mutex.tasks.child")
+signals.worker_shutdown.connect(close_clients, weak=False, dispatch_uid="postgres_mutex.tasks.worker")
+
+
+def lock_name_for(base: str, arguments: Sequence[tuple[str, Any]]) -> str:
+    """The lock's name: ``base``, then the chosen arguments; hashed past the table's 64 characters."""
+    name = f"{base}({', '.join(f'{key}={value!r}' for key, value in arguments)})" if arguments else base
+    if len(name) <= _MAX_NAME:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "backslashreplace")).hexdigest()[:20]
+    return f"{name[: _MAX_NAME - len(digest) - 1]}#{digest}"
+
+
+class SingletonTask(Task):  # type: ignore[misc]
+    """A Celery task base class whose runs never overlap: ``@app.task(base=SingletonTask)``.
+
+    Options, given to ``@app.task(...)`` as Celery passes task attributes:
+
+    - ``singleton_key``: names of the arguments that make runs distinct
+      (default: none, one run of the task at a time);
+    - ``singleton_on_contention``: ``"skip"`` (default: log, and return
+      `SKIPPED`), ``"wait"`` (up to ``singleton_timeout`` seconds, then raise
+      `LockAcquisitionTimeout`) or ``"raise"`` (`TaskAlreadyRunning`);
+    - ``singleton_timeout``: how long ``"wait"`` waits (default 60 s);
+    - ``singleton_lock_name``: the lock's name before the arguments
+      (default: the task's name);
+    - ``singleton_options``: `Mutex` options for this task, over the app's
+      ``postgres_mutex_task_options`` and `TASK_DEFAULTS`.
+
+    The app's ``postgres_mutex_dsn`` names the database of the lock table.
+    Inside the body, ``self.singleton_mutex`` (or `current_mutex`) is the
+    held `Mutex`: fence the task's own writes with it. A lock lost while the
+    body runs fails the task with `LockNotHeldError` when the body ends.
+    """
+
+    abstract = True
+    singleton_key: ClassVar[Sequence[str]] = ()
+    singleton_on_contention: ClassVar[Policy] = "skip"
+    singleton_timeout: ClassVar[float] = 60.0
+    singleton_lock_name: ClassVar[str | None] = None
+    singleton_options: ClassVar[Mapping[str, Any]] = {}
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Check the task's singleton options as soon as it is registered, not at its first run."""
+        super().on_bound(app)
+        if cls.singleton_on_contention not in _POLICIES:
+            raise ValueError(
+                f"task {cls.name!r}: singleton_on_contention must be one of {', '.join(_POLICIES)}, "
+                f"not {cls.singleton_on_contention!r}"
+            )
+        if isinstance(cls.singleton_key, str):
+            raise TypeError(
+                f"task {cls.name!r}: singleton_key is a list of argument names, "
+                f"not one string: singleton_key=[{cls.singleton_key!r}]"
+            )
+
+    @property
+    def singleton_mutex(self) -> Mutex:
+        """The `Mutex` this run holds (see `current_mutex`)."""
+        return current_mutex()
+
+    def singleton_lock_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """The name of the lock a run with these arguments takes."""
+        base = self.singleton_lock_name or self.name
+        if not self.singleton_key:
+            return lock_name_for(base, ())
+        bound = inspect.signature(self.run).bind(*args, **kwargs)
+        bound.apply_defaults()
+        missing = [key for key in self.singleton_key if key not in bound.arguments]
+        if missing:
+            raise TypeError(f"task {self.name!r}: singleton_key names {missing}, which are not its arguments")
+        return lock_name_for(base, [(key, bound.arguments[key]) for key in self.singleton_key])
+
+    def _singleton_mutex(self, lock_name: str) -> Mutex:
+        conf = self.app.conf
+        dsn = conf.get("postgres_mutex_dsn")
+        if not dsn:
+            raise MutexError(
+                f"task {self.name!r} is a SingletonTask but postgres_mutex_dsn is not set: "
+                "app.conf.postgres_mutex_dsn = 'postgresql://...'"
+            )
+        options = {**TASK_DEFAULTS, **dict(conf.get("postgres_mutex_task_options") or {}), **self.singleton_options}
+        return _clients.get(str(dsn)).mutex(lock_name, **options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body under the task's lock, or skip, wait or raise when another run holds it."""
+        lock_name = self.singleton_lock_for(args, kwargs)
+        waits = self.singleton_on_contention == "wait"
+        mutex = self._singleton_mutex(lock_name)
+        try:
+            with mutex.acquire(blocking=waits, timeout=self.singleton_timeout if waits else None) as acquired:
+                if not acquired:
+                    return self._contended(lock_name, mutex.last_holder)
+                reset = _current.set(mutex)
+                try:
+                    return super().__call__(*args, **kwargs)
+                finally:
+                    _current.reset(reset)
+        finally:
+            mutex.close()
+
+    def _contended(self, lock_name: str, holder: str | None) -> str:
+        by = f" by {holder}" if holder else ""
+        if self.singleton_on_contention == "raise":
+            raise TaskAlreadyRunning(f"task {self.name!r} is already running: its lock {lock_name!r} is held{by}")
+        logger.info("task %s skipped: its lock %r is held%s", self.name, lock_name, by)
+        return SKIPPED
