@@ -58,7 +58,9 @@ def overlaps(
 ) -> list[tuple[Section, Section]]:
     """Every section that began while another of its lock was still running, paired with that other one.
 
-    ``believed``: the earlier section runs only until its holder stopped believing it held the lock.
+    ``believed``: the earlier section runs only until its holder stopped believing it held the lock,
+    and a section whose holder never believed it held the lock (it learned of the loss before the
+    section began: an acquire that returned, then a freeze past the lease) overlaps nothing.
     """
     moment = time.monotonic() if now is None else now
     found: list[tuple[Section, Section]] = []
@@ -72,6 +74,8 @@ def overlaps(
     for lock_sections in by_lock.values():
         latest: Section | None = None  # the section seen so far that runs longest
         for section in sorted(lock_sections, key=lambda s: (s.enter, s.end(moment))):
+            if believed and until(section) <= section.enter:
+                continue
             if latest is not None and section.enter < until(latest):
                 found.append((latest, section))
             if latest is None or until(section) > until(latest):

@@ -58,6 +58,11 @@ def test_believed_counts_a_section_only_while_its_holder_believed_it_held_the_lo
     # Never seen believing: nothing of it counts.
     never = Section("a", 0.0, 10.0, held_at_exit=False)
     assert overlaps([never, Section("b", 0.5, 1.0)], believed=True) == []
+    # Nor when it begins inside another's belief: its acquire returned, then its process froze past
+    # the lease and learned of the loss before the section began (the nemesis found this one).
+    told_first = Section("b", 5.0, 5.1, held_at_exit=False, believed_until=5.0)
+    assert overlaps([Section("a", 4.0, 10.0), told_first], believed=True) == []
+    assert later(overlaps([Section("a", 4.0, 10.0), told_first])) == ["b"], "the sections do overlap"
 
 
 def test_a_worker_log_reads_back_as_sections(tmp_path: Path) -> None:
