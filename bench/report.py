@@ -248,7 +248,7 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
                 f"{contended['share_min'] * 100:.0f} to {contended['share_max'] * 100:.0f} %",
                 f"{contended.get('most_at_once', 1)} ({contended['overlaps']})",
             ]
-            for contended in (results["contended"], results["contended_semaphore"])
+            for contended in (results["contended"], results["contended"]["semaphore"])
         ],
     )
 

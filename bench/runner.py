@@ -189,7 +189,7 @@ def _measure_the_library(
         dsn, table, plan.contended_processes, plan.contended_seconds, timed["insert_delete"].median
     )
     progress(f"contended throughput, a semaphore of {CONTENDED_PERMITS}, the same processes and window")
-    results["contended_semaphore"] = contention.run(
+    results["contended"]["semaphore"] = contention.run(
         dsn,
         table,
         plan.contended_processes,
