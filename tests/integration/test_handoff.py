@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import Mutex, MutexClient, PermitsMismatchError, Semaphore
+from postgres_mutex import LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import process_listens, wait_until
 from tests.support.postgres_server import PostgresServer
@@ -97,31 +97,29 @@ def _make(client: MutexClient, name: str, permits: int | None) -> Mutex | Semaph
 def test_a_change_of_the_number_of_permits_reaches_every_waiter(dsn: str, admin: psycopg.Connection[Any]) -> None:
     """A change of N may free many permits at once: it wakes every waiter, not one, and each learns of it."""
     name = f"handoff-{uuid.uuid4().hex[:10]}"
+
+    async def wait_for_it(semaphore: Semaphore) -> BaseException | None:
+        try:
+            async with semaphore.acquire_async(timeout=30.0):
+                return None
+        except PermitsMismatchError as exc:
+            return exc
+
+    async def scenario(table: LockTable) -> list[BaseException | None]:
+        # The waiters' client lives and ends in this event loop.
+        async with MutexClient(dsn) as client:
+            waiting = [client.semaphore(name, permits=1, **QUIET) for _ in range(3)]
+            tasks = [asyncio.create_task(wait_for_it(semaphore)) for semaphore in waiting]
+            await asyncio.to_thread(wait_until, lambda: process_listens(admin, name), timeout=30)
+            await asyncio.to_thread(table.set_permits, name, 4)
+            return list(await asyncio.gather(*tasks))
+
     with MutexClient(dsn) as client:
         holder = client.semaphore(name, permits=1, **QUIET)
-        waiting = [client.semaphore(name, permits=1, **QUIET) for _ in range(3)]
         with holder.acquire() as got:
             assert got
-
-            async def wait_for_it(semaphore: Semaphore) -> BaseException | None:
-                try:
-                    async with semaphore.acquire_async(timeout=30.0):
-                        return None
-                except PermitsMismatchError as exc:
-                    return exc
-
-            async def scenario() -> list[BaseException | None]:
-                try:
-                    tasks = [asyncio.create_task(wait_for_it(semaphore)) for semaphore in waiting]
-                    await asyncio.to_thread(wait_until, lambda: process_listens(admin, name), timeout=30)
-                    await asyncio.to_thread(client.table().set_permits, name, 4)
-                    return list(await asyncio.gather(*tasks))
-                finally:
-                    for semaphore in waiting:
-                        await semaphore.aclose()
-
             started = time.monotonic()
-            told = asyncio.run(scenario())
+            told = asyncio.run(scenario(client.table()))
             assert all(isinstance(exc, PermitsMismatchError) for exc in told), told
             # Long before their poll (a minute): the change's notification woke all three.
             assert time.monotonic() - started < 20.0, "some waiters slept until their poll"
