@@ -188,11 +188,13 @@ def _measure_the_library(
     results["contended"] = contention.run(
         dsn, table, plan.contended_processes, plan.contended_seconds, timed["insert_delete"].median
     )
-    progress(f"contended throughput, a semaphore of {CONTENDED_PERMITS}, the same processes and window")
+    # More processes than permits, or the semaphore is not contended at all.
+    processes = max(plan.contended_processes, CONTENDED_PERMITS + 1)
+    progress(f"contended throughput, a semaphore of {CONTENDED_PERMITS}, {processes} processes, the same window")
     results["contended"]["semaphore"] = contention.run(
         dsn,
         table,
-        plan.contended_processes,
+        processes,
         plan.contended_seconds,
         timed["insert_delete"].median,
         permits=CONTENDED_PERMITS,
