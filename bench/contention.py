@@ -7,15 +7,18 @@ against the ideal ``1 / (hold + floor)``, where the floor is the plain INSERT
 row can be written and removed. Every critical section is logged on the
 machine's monotonic clock and checked for overlaps; each process's share of
 the cycles shows how fair the lock was.
+
+With ``permits``, the same on a `Semaphore` of that many permits: the ideal
+is N times the lock's, and "overlaps" counts the sections that began while
+N others were in theirs (none may).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import TYPE_CHECKING, Any
 
-from postgres_mutex import LockAcquisitionTimeout, Mutex
+from postgres_mutex import LockAcquisitionTimeout, Mutex, Semaphore
 
 from .processes import run_window, workers
 
@@ -26,20 +29,24 @@ HOLD = 0.002
 """How long each cycle holds the lock (seconds)."""
 
 LOCK = "bench-contended"
+SEMAPHORE = "bench-contended-semaphore"
 
 
-def run(dsn: str, table: str, processes: int, seconds: float, floor: float) -> dict[str, Any]:
-    config = {"dsn": dsn, "table": table, "hold": HOLD}
+def run(
+    dsn: str, table: str, processes: int, seconds: float, floor: float, permits: int | None = None
+) -> dict[str, Any]:
+    config = {"dsn": dsn, "table": table, "hold": HOLD, "permits": permits}
     with workers("contention", [config] * processes) as started:
         reports = run_window(started, seconds)
     sections = sorted((float(a), float(b)) for report in reports for a, b in report["sections"])
-    overlaps = sum(1 for (_, left), (entered, _) in itertools.pairwise(sections) if entered < left)
+    most, overlaps = _most_at_once(sections, permits or 1)
     counts = [len(report["sections"]) for report in reports]
     total = sum(counts)
     held = [b - a for a, b in sections]
-    ideal = 1.0 / (HOLD + floor)
+    ideal = (permits or 1) / (HOLD + floor)
     rate = total / seconds
     return {
+        "permits": permits,
         "processes": processes,
         "seconds": seconds,
         "hold_ms": HOLD * 1e3,
@@ -52,11 +59,28 @@ def run(dsn: str, table: str, processes: int, seconds: float, floor: float) -> d
         "share_min": round(min(counts) / total, 3) if total else None,
         "share_max": round(max(counts) / total, 3) if total else None,
         "overlaps": overlaps,
+        "most_at_once": most,
     }
 
 
+def _most_at_once(sections: list[tuple[float, float]], limit: int) -> tuple[int, int]:
+    """The most sections in progress at once, and how many began with ``limit`` others in progress."""
+    events = sorted([(entered, 1) for entered, _ in sections] + [(left, -1) for _, left in sections])
+    inside = most = overlaps = 0
+    for _, step in events:  # at equal times a leave (-1) sorts first: touching sections do not overlap
+        if step > 0 and inside >= limit:
+            overlaps += 1
+        inside += step
+        most = max(most, inside)
+    return most, overlaps
+
+
 def work(config: dict[str, Any], channel: Channel) -> None:
-    mutex = Mutex(config["dsn"], LOCK, table=config["table"])
+    mutex: Mutex | Semaphore
+    if config["permits"] is None:
+        mutex = Mutex(config["dsn"], LOCK, table=config["table"])
+    else:
+        mutex = Semaphore(config["dsn"], SEMAPHORE, permits=int(config["permits"]), table=config["table"])
     hold = float(config["hold"])
     # A first cycle outside the window: connections open, table shape known.
     with mutex.acquire(blocking=True, timeout=30):

@@ -14,6 +14,8 @@ Two pairs take turns, in blocks of `BLOCK` hand-offs: Mutexes
 baseline, plain psycopg sending the library's own statements as the library
 sends them, with a LISTEN connection of its own and ``conn.notifies()``
 (`RawWaiter`): what a hand-off costs with the same SQL and nothing else.
+A third pair hands a `Semaphore` of one permit back and forth: the same
+hand-off through a permit row.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from postgres_mutex import Mutex
+from postgres_mutex import Mutex, Semaphore
 
 from .processes import Worker, workers
 from .statements import library_statements, params
@@ -42,7 +44,7 @@ SETTLE = 0.02
 BLOCK = 25
 """Hand-offs in a row for one pair before the other pair's turn."""
 
-LOCKS = {"mutex": "bench-handoff", "raw": "bench-handoff-raw"}
+LOCKS = {"mutex": "bench-handoff", "raw": "bench-handoff-raw", "semaphore": "bench-handoff-semaphore"}
 
 
 class _Pair:
@@ -85,9 +87,10 @@ class _Pair:
 
 
 def run(dsn: str, table: str, handoffs: int, *, max_seconds: float) -> dict[str, Any]:
-    configs = [{"dsn": dsn, "table": table, "flavour": flavour} for flavour in ("mutex", "mutex", "raw", "raw")]
+    flavours = ("mutex", "raw", "semaphore")
+    configs = [{"dsn": dsn, "table": table, "flavour": flavour} for flavour in flavours for _ in range(2)]
     with workers("handoff", configs) as started:
-        pairs = {"mutex": _Pair(started[0], started[1]), "raw": _Pair(started[2], started[3])}
+        pairs = {flavour: _Pair(started[2 * n], started[2 * n + 1]) for n, flavour in enumerate(flavours)}
         deadline = time.monotonic() + max_seconds
         while min(len(pair.latencies) for pair in pairs.values()) < handoffs and time.monotonic() < deadline:
             for pair in pairs.values():
@@ -95,11 +98,14 @@ def run(dsn: str, table: str, handoffs: int, *, max_seconds: float) -> dict[str,
                     pair.hand_off()
         for pair in pairs.values():
             pair.finish()
-    mutex, raw = pairs["mutex"].figures(), pairs["raw"].figures()
+    mutex, raw, semaphore = pairs["mutex"].figures(), pairs["raw"].figures(), pairs["semaphore"].figures()
+    semaphore["p50_to_raw"] = round(semaphore["p50_ms"] / raw["p50_ms"], 3)
+    semaphore["p99_to_raw"] = round(semaphore["p99_ms"] / raw["p99_ms"], 3)
     return {
         "settle_s": SETTLE,
         **mutex,
         "raw": raw,
+        "semaphore": semaphore,
         "p50_to_raw": round(mutex["p50_ms"] / raw["p50_ms"], 3),
         "p99_to_raw": round(mutex["p99_ms"] / raw["p99_ms"], 3),
     }
@@ -107,8 +113,8 @@ def run(dsn: str, table: str, handoffs: int, *, max_seconds: float) -> dict[str,
 
 def work(config: dict[str, Any], channel: Channel) -> None:
     waiter: _MutexWaiter | RawWaiter
-    if config["flavour"] == "mutex":
-        waiter = _MutexWaiter(config["dsn"], config["table"])
+    if config["flavour"] in ("mutex", "semaphore"):
+        waiter = _MutexWaiter(config["dsn"], config["table"], semaphore=config["flavour"] == "semaphore")
     else:
         waiter = RawWaiter(config["dsn"], config["table"])
     channel.send(ready=True)
@@ -128,8 +134,12 @@ def work(config: dict[str, Any], channel: Channel) -> None:
 
 
 class _MutexWaiter:
-    def __init__(self, dsn: str, table: str) -> None:
-        self._mutex = Mutex(dsn, LOCKS["mutex"], table=table)
+    def __init__(self, dsn: str, table: str, *, semaphore: bool) -> None:
+        self._mutex: Mutex | Semaphore
+        if semaphore:
+            self._mutex = Semaphore(dsn, LOCKS["semaphore"], permits=1, table=table)
+        else:
+            self._mutex = Mutex(dsn, LOCKS["mutex"], table=table)
         self._holding = contextlib.ExitStack()
 
     def acquire(self) -> None:

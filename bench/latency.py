@@ -16,6 +16,8 @@ to `SELECT 1` measured in the same rounds:
 - ``raw_prefixed``: the library's exact texts (``SET LOCAL`` prefix) on a
   `psycopg.ClientCursor`, as the library sends them behind a pooler;
 - ``mutex_sync``: ``with mutex.acquire() as acquired`` (non-blocking, uncontended);
+- ``semaphore_sync``: ``with semaphore.acquire() as acquired`` on a semaphore
+  of 3 nobody else holds: the same cycle taking a permit row;
 - ``mutex_sync_reclaim``: the same with ``reclaim_disconnected_after``: its row names
   its session, in the same statements (no round trip of its own);
 - ``raw_bare_async``, ``raw_bare_unprepared_async``, ``raw_prefixed_async``,
@@ -31,7 +33,7 @@ from typing import Any
 
 import psycopg
 
-from postgres_mutex import Mutex
+from postgres_mutex import Mutex, Semaphore
 
 from .statements import AsyncRawCycle, RawCycle, insert_delete
 from .timing import Measure, Timed, interleave
@@ -53,6 +55,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
     sync_mutex = Mutex(dsn, "bench-cycle-sync", table=table)
     reclaim_mutex = Mutex(dsn, "bench-cycle-reclaim", table=table, reclaim_disconnected_after=30.0)
     async_mutex = Mutex(dsn, "bench-cycle-async", table=table)
+    semaphore = Semaphore(dsn, "bench-cycle-semaphore", permits=3, table=table)
     try:
         aconn = runner.run(psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name=APPLICATION_NAME))
         measures = [
@@ -66,6 +69,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
             Measure("raw_prefixed", RawCycle(conn, table, "bench-raw-prefixed", prefixed=True)),
             Measure("mutex_sync", _cycle(sync_mutex)),
             Measure("mutex_sync_reclaim", _cycle(reclaim_mutex)),
+            Measure("semaphore_sync", _cycle(semaphore)),
             Measure("raw_bare_async", aop=AsyncRawCycle(aconn, table, "bench-araw-bare", prefixed=False)),
             Measure(
                 "raw_bare_unprepared_async",
@@ -80,6 +84,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
     finally:
         sync_mutex.close()
         reclaim_mutex.close()
+        semaphore.close()
         runner.run(async_mutex.aclose())
         runner.run(sync_mutex.client.aclose())
         runner.close()
@@ -107,7 +112,7 @@ def _insert_delete(conn: psycopg.Connection[Any], table: str) -> Any:
     return cycle
 
 
-def _cycle(mutex: Mutex) -> Any:
+def _cycle(mutex: Mutex | Semaphore) -> Any:
     def cycle() -> None:
         with mutex.acquire() as acquired:
             if not acquired:

@@ -41,6 +41,7 @@ LATENCY_LABELS = {
     "raw_bare_unprepared": "library's acquire + release, bare, never prepared",
     "raw_prefixed": "library's acquire + release as it sends them behind a pooler (`SET LOCAL` prefix, `ClientCursor`)",
     "mutex_sync": "**Mutex cycle, sync**: `with mutex.acquire()`",
+    "semaphore_sync": "**Semaphore cycle, sync**: `with semaphore.acquire()` (3 permits, none held)",
     "mutex_sync_reclaim": "Mutex cycle, sync, with `reclaim_disconnected_after` (its row names its session)",
     "raw_bare_async": "async: acquire + release, bare, psycopg defaults",
     "raw_bare_unprepared_async": "async: acquire + release, bare, never prepared",
@@ -196,6 +197,7 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
     rows = []
     for label, figures, ratio in (
         ("Mutex: `acquire(blocking=True)`, woken by the library's listener", handoff, handoff),
+        ("Semaphore of 1 permit: the same, a permit row for the lock's", handoff["semaphore"], handoff["semaphore"]),
         ("baseline: the same statements on plain psycopg, woken by its own LISTEN", handoff["raw"], None),
     ):
         rows.append(
@@ -224,19 +226,29 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
         rows,
     )
 
-    contended = results["contended"]
     out["contended"] = _table(
-        ["processes", "hold", "cycles/s", "ideal 1 / (hold + floor)", "of ideal", "share per process", "overlaps"],
+        [
+            "lock",
+            "processes",
+            "hold",
+            "cycles/s",
+            "ideal N / (hold + floor)",
+            "of ideal",
+            "share per process",
+            "most at once (overlaps)",
+        ],
         [
             [
+                "Mutex" if contended.get("permits") is None else f"Semaphore of {contended['permits']}",
                 str(contended["processes"]),
                 f"{contended['hold_ms']:g} ms (measured {contended['hold_measured_ms']} ms)",
                 _number(contended["cycles_per_s"]),
                 f"{_number(contended['ideal_per_s'])} (floor {_ms(contended['floor_ms'])})",
                 f"{contended['of_ideal'] * 100:.0f} %",
                 f"{contended['share_min'] * 100:.0f} to {contended['share_max'] * 100:.0f} %",
-                str(contended["overlaps"]),
+                f"{contended.get('most_at_once', 1)} ({contended['overlaps']})",
             ]
+            for contended in (results["contended"], results["contended"]["semaphore"])
         ],
     )
 
@@ -358,7 +370,7 @@ def markdown(results: dict[str, Any], *, markers: bool) -> str:
         "target": "Target: the Mutex cycle against its own statements sent raw",
         "history": "The lock history's cost",
         "handoff": "Hand-off latency (release to the blocked waiter's acquire)",
-        "contended": "Contended throughput (one lock)",
+        "contended": "Contended throughput (one lock, one semaphore)",
         "ceiling": "Server ceiling (distinct locks)",
         "many_locks": "Many locks in one process",
         "pgbouncer": "Through PgBouncer",

@@ -33,6 +33,8 @@ from .servers import server as start_server
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results"
 DOCS_FIGURES = ROOT / "docs" / "figures" / "bench.md"
+CONTENDED_PERMITS = 3
+"""The semaphore the contended section sets beside the mutex: at most this many hold at once."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,17 @@ def _measure_the_library(
     progress(f"contended throughput, {plan.contended_processes} processes, {plan.contended_seconds:g} s")
     results["contended"] = contention.run(
         dsn, table, plan.contended_processes, plan.contended_seconds, timed["insert_delete"].median
+    )
+    # More processes than permits, or the semaphore is not contended at all.
+    processes = max(plan.contended_processes, CONTENDED_PERMITS + 1)
+    progress(f"contended throughput, a semaphore of {CONTENDED_PERMITS}, {processes} processes, the same window")
+    results["contended"]["semaphore"] = contention.run(
+        dsn,
+        table,
+        processes,
+        plan.contended_seconds,
+        timed["insert_delete"].median,
+        permits=CONTENDED_PERMITS,
     )
 
     results["ceiling"] = []

@@ -24,6 +24,11 @@ confirmed it (``reclaim_disconnected_after``, set for half the workers by
 $NEMESIS_RECLAIM_DISCONNECTED_AFTER), ``error`` for a failed acquire or
 release. chaos/nemesis.py reads it back.
 
+$NEMESIS_PERMITS=N makes each lock a `Semaphore` of N permits: a section, its
+log lines and its ledger row are then those of the permit it holds, named
+``LOCK/K`` (each permit is held by one holder at a time, as a mutex is), and the
+checker also counts how many of the semaphore's holders believed at once.
+
 $NEMESIS_BROKEN=lease makes this process deliberately unsafe, for the test
 that shows the nemesis catches it: see `break_the_lease`.
 """
@@ -37,7 +42,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TextIO
@@ -45,11 +50,13 @@ from typing import Any, TextIO
 import psycopg
 
 from chaos.harness import TIMING
-from postgres_mutex import LockNotHeldError, Mutex, MutexError
+from postgres_mutex import LockNotHeldError, Mutex, MutexError, Semaphore
 
 LEDGER = "nemesis_ledger"
 RECLAIM_ENV = "NEMESIS_RECLAIM_DISCONNECTED_AFTER"
 """Seconds: the workers of odd slots run with ``reclaim_disconnected_after`` (the others without)."""
+PERMITS_ENV = "NEMESIS_PERMITS"
+"""A number of permits: every lock of the run is a semaphore of that many (unset: mutexes)."""
 SAMPLE = 0.005
 """How often a section looks at ``held``."""
 BELIEF_EVERY = 0.1
@@ -102,21 +109,27 @@ class Hook:
     """The metrics hook: logs the reclaims this worker made (a stale or disconnected holder's row taken over),
     and when a hold of its turned in doubt or was confirmed (``reclaim_disconnected_after``)."""
 
-    def __init__(self, log: Log) -> None:
+    def __init__(self, log: Log, unit: Callable[[str], str]) -> None:
         self._log = log
+        self._unit = unit
 
     def stale_reclaimed(
         self, lock_name: str, *, instance_id: str, previous_holder: str, token: int | None, reason: str
     ) -> None:
         self._log.write(
-            "reclaimed", lock=lock_name, at=time.monotonic(), previous=previous_holder, token=token, reason=reason
+            "reclaimed",
+            lock=self._unit(lock_name),
+            at=time.monotonic(),
+            previous=previous_holder,
+            token=token,
+            reason=reason,
         )
 
     def hold_in_doubt(self, lock_name: str, *, instance_id: str) -> None:
-        self._log.write("doubt", lock=lock_name, at=time.monotonic())
+        self._log.write("doubt", lock=self._unit(lock_name), at=time.monotonic())
 
     def hold_confirmed(self, lock_name: str, *, instance_id: str, seconds_in_doubt: float) -> None:
-        self._log.write("confirmed", lock=lock_name, at=time.monotonic())
+        self._log.write("confirmed", lock=self._unit(lock_name), at=time.monotonic())
 
 
 @contextmanager
@@ -160,11 +173,11 @@ class Ledger:
             with suppress(psycopg.Error, OSError):  # a broken connection is dropped whatever it says
                 conn.close()
 
-    def increment(self, mutex: Mutex) -> None:
-        """One fenced read-modify-write of the lock's counter; its outcome goes to the log."""
+    def increment(self, mutex: Mutex | Semaphore, lock: str) -> None:
+        """One fenced read-modify-write of the counter of ``lock`` (the mutex's, or the permit's); its outcome
+        goes to the log."""
         self._count += 1
         inc = f"{mutex.instance_id}.{self._count}"
-        lock = mutex.lock_name
         phase = "before commit"
         try:
             conn = self._connection()
@@ -212,8 +225,9 @@ class Belief:
     is never later than the truth); ``ended`` is set the moment it is seen false.
     """
 
-    def __init__(self, mutex: Mutex, log: Log, enter: float) -> None:
+    def __init__(self, mutex: Mutex | Semaphore, log: Log, enter: float, lock: str) -> None:
         self.until = enter
+        self._lock = lock
         self.ended = threading.Event()
         self._stop = threading.Event()
         self._mutex = mutex
@@ -232,7 +246,7 @@ class Belief:
             self.until = seen
             if seen - told >= BELIEF_EVERY:
                 # For a section a SIGKILL leaves open: until when it was seen believing.
-                self._log.write("believed", lock=self._mutex.lock_name, enter=self._enter, at=seen)
+                self._log.write("believed", lock=self._lock, enter=self._enter, at=seen)
                 told = seen
             self._stop.wait(SAMPLE)
 
@@ -241,22 +255,29 @@ class Belief:
         self._thread.join()
 
 
-def work(mutex: Mutex, ledger: Ledger, log: Log, rng: random.Random) -> None:
+def unit_of(mutex: Mutex | Semaphore) -> str:
+    """What a section holds: the mutex's lock, or the semaphore's permit (``LOCK/K``), exclusive either way."""
+    if isinstance(mutex, Semaphore):
+        return f"{mutex.lock_name}/{mutex.permit}"
+    return mutex.lock_name
+
+
+def work(mutex: Mutex | Semaphore, ledger: Ledger, log: Log, rng: random.Random) -> None:
     """One critical section: work for a while, incrementing the ledger on the way; over when ``held`` turns false.
 
     Half the sections are long (seconds): a holder frozen or cut off in the middle of one is
     still in it when its lease, and the stale threshold, run out.
     """
     enter = time.monotonic()
-    lock = mutex.lock_name
+    lock = unit_of(mutex)
     log.write("enter", lock=lock, token=mutex.token, at=enter)
-    belief = Belief(mutex, log, enter)
+    belief = Belief(mutex, log, enter, lock)
     seconds = rng.uniform(0.05, 1.0) if rng.random() < 0.5 else rng.uniform(1.0, 6.0)
     increments = sorted(rng.uniform(0.0, seconds) for _ in range(rng.choice((1, 1, 2, 3))))
     for due in increments:
         if belief.ended.wait(max(0.0, enter + due - time.monotonic())):
             break
-        ledger.increment(mutex)
+        ledger.increment(mutex, lock)
     else:
         belief.ended.wait(max(0.0, enter + seconds - time.monotonic()))
     leave = time.monotonic()
@@ -286,18 +307,35 @@ def main(name: str, locks: list[str], log_path: str, seed: int, stop_file: str) 
     rng = random.Random(f"{seed}-{name}")
     with open(log_path, "a") as out:
         log = Log(out, name)
-        hook = Hook(log)
+        # A semaphore's events name it; the checker wants the permit its holder held last.
+        units: dict[str, str] = {}
+
+        def unit(lock: str) -> str:
+            # The permit held now, else (the hold is gone: a loss) the one held last.
+            mutex = mutexes.get(lock)
+            if isinstance(mutex, Semaphore) and mutex.permit is not None:
+                return unit_of(mutex)
+            return units.get(lock, lock)
+
+        hook = Hook(log, unit)
 
         def lost(error: LockNotHeldError) -> None:
-            log.write("lost", lock=error.lock_name, at=time.monotonic(), reason=error.reason)
+            log.write("lost", lock=unit(error.lock_name or ""), at=time.monotonic(), reason=error.reason)
 
-        mutexes = {lock: Mutex(dsn, lock, instance_id=name, on_lost=lost, metrics=hook, **timing) for lock in locks}
+        permits = int(os.environ.get(PERMITS_ENV) or 0)
+        mutexes: dict[str, Mutex | Semaphore] = {
+            lock: Semaphore(dsn, lock, permits=permits, instance_id=name, on_lost=lost, metrics=hook, **timing)
+            if permits
+            else Mutex(dsn, lock, instance_id=name, on_lost=lost, metrics=hook, **timing)
+            for lock in locks
+        }
         ledger = Ledger(dsn, log)
         log.write("start", pid=os.getpid(), at=time.monotonic(), broken=os.environ.get("NEMESIS_BROKEN", ""))
         while not stop.exists():
             mutex = mutexes[rng.choice(locks)]
             try:
                 with mutex.acquire(blocking=True, timeout=rng.uniform(0.5, 3.0)):
+                    units[mutex.lock_name] = unit_of(mutex)
                     work(mutex, ledger, log, rng)
             except MutexError as exc:
                 # Timed out, lost (leaving the block says so), or the database was unreachable.

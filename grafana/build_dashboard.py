@@ -138,8 +138,14 @@ def _holder_expr() -> str:
     on ``lock_name`` moves the duration onto that series, so one instant query
     gives a table row per lock with holder and duration side by side.
     """
-    holders = f"max by (lock_name, holder) ({selector(m.HOLDER_INFO)})"
-    return f"{holders} * on (lock_name) group_left {max_by_lock(m.HELD_DURATION)}"
+    holders = f"max by (lock_name, permit, holder) ({selector(m.HOLDER_INFO)})"
+    # Per holder: a semaphore's holders are one row each, told apart by their permit (none for a mutex).
+    return f"{holders} * on (lock_name, permit) group_left {max_by_holder(m.HELD_DURATION)}"
+
+
+def max_by_holder(gauge: m.MetricName) -> str:
+    """A watcher gauge per holder: per lock, and per permit of a semaphore."""
+    return f"max by (lock_name, permit) ({selector(gauge)})"
 
 
 # --- panel pieces -----------------------------------------------------------
@@ -231,20 +237,22 @@ def held_locks() -> table.Panel:
         table.Panel()
         .title("Held locks")
         .description(
-            "Each held lock, its holder (the Mutex's instance_id), how long it has been held, "
+            "Each held lock, its holder (the Mutex's instance_id), how long it has been held "
+            "(a semaphore's holders one row each, with their permit), "
             "and seconds since its last heartbeat, as the stale-holder watcher reads them with the server's clock."
         )
         .datasource(DATASOURCE)
-        .targets(_table_queries(_holder_expr(), max_by_lock(m.HEARTBEAT_AGE)))
+        .targets(_table_queries(_holder_expr(), max_by_holder(m.HEARTBEAT_AGE)))
         .with_transformation(DataTransformerConfig(id_val="merge", options={}))
         .with_transformation(
             DataTransformerConfig(
                 id_val="organize",
                 options={
                     "excludeByName": {"Time": True},
-                    "indexByName": {"lock_name": 0, "holder": 1, "Value #A": 2, "Value #B": 3},
+                    "indexByName": {"lock_name": 0, "permit": 1, "holder": 2, "Value #A": 3, "Value #B": 4},
                     "renameByName": {
                         "lock_name": "Lock",
+                        "permit": "Permit",
                         "holder": "Holder",
                         "Value #A": "Held for",
                         "Value #B": "Since last heartbeat",
@@ -415,6 +423,55 @@ def locks_held() -> timeseries.Panel:
     )
 
 
+def permits_in_use() -> timeseries.Panel:
+    """Each semaphore's permits held across the fleet, and this fleet's waiters for them."""
+    return (
+        _graph(
+            "Semaphore permits in use and waiters",
+            "Per semaphore: permits held across the fleet, as the stale-holder watcher reads the table, and "
+            "blocking acquires waiting for a permit, from the processes themselves. Waiters that never fall to "
+            "0 while every permit is in use: the semaphore is too small for the work, or holders hold too long.",
+            COUNT,
+            (f"max by (lock_name) ({selector(m.PERMITS_IN_USE)})", "in use {{lock_name}}"),
+            (
+                f"sum by (lock_name) ({selector(m.WAITERS)}) and on (lock_name) {selector(m.PERMITS_IN_USE)}",
+                "waiting {{lock_name}}",
+            ),
+        )
+        .decimals(0)
+        .line_interpolation(common.LineInterpolation.STEP_AFTER)
+    )
+
+
+def permit_heartbeat_age() -> timeseries.Panel:
+    """Seconds since each semaphore holder's last heartbeat, one line per permit."""
+    return _graph(
+        "Seconds since heartbeat, per permit",
+        "Per semaphore and permit: seconds since its holder's last heartbeat (server clock). Each holder of a "
+        "semaphore is alerted on and reclaimed on its own, as a mutex's holder is.",
+        SECONDS,
+        (
+            f'max by (lock_name, permit) ({m.HEARTBEAT_AGE.prometheus}{{{LOCK_FILTER}, permit!=""}})',
+            "{{lock_name}} permit {{permit}}",
+        ),
+    )
+
+
+def waiters() -> timeseries.Panel:
+    """Blocking acquires waiting, per lock or semaphore."""
+    return (
+        _graph(
+            "Waiters",
+            "Blocking acquires waiting for a release, per lock or semaphore, summed over the processes. "
+            "A release wakes one waiter per process.",
+            COUNT,
+            (f"sum by (lock_name) ({selector(m.WAITERS)})", "{{lock_name}}"),
+        )
+        .decimals(0)
+        .line_interpolation(common.LineInterpolation.STEP_AFTER)
+    )
+
+
 def watcher_up() -> stat.Panel:
     """Whether the stale-holder watcher can read the lock table; without it the holder panels go blank."""
     return (
@@ -567,6 +624,7 @@ def _dashboard() -> dashboard_builders.Dashboard:
         ("Crashed holders", [disconnected_holders(), holder_sessions()]),
         ("Watcher", [watcher_up(), watcher_errors()]),
         ("Elections", [election_leaders(), election_events(), election_state_history(), election_endings()]),
+        ("Semaphores", [permits_in_use(), permit_heartbeat_age(), waiters()]),
     ]
     panel_id = 0
     for title, panels in sections:

@@ -20,7 +20,7 @@ from ._rules import (
     observe,
 )
 from ._settings import BRIEF_WAIT
-from ._sql import Names, Statement, Statements, TableShape
+from ._sql import SEPARATOR, Names, Statement, Statements, TableShape
 from ._steps import Execute, Flow, Pause, Result, Shape
 from .errors import DatabaseError, OperationTimeout, SchemaError, phrase
 
@@ -221,15 +221,24 @@ def read_history(
     return list(reply.rows)
 
 
-def force_release(names: Names, lock_name: str, timeout: float) -> Flow[tuple[str, float, int | None] | None]:
+def force_release(
+    names: Names, lock_name: str, timeout: float, *, permit: int | None = None
+) -> Flow[tuple[str, float, int | None] | None]:
     """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free.
+
+    With ``permit``, ``lock_name`` is a semaphore's: the row is that permit's,
+    and the release wakes the semaphore's waiters.
 
     A row a fenced transaction holds locked is waited for up to ``timeout``,
     in brief waits with the connection free between them, so that the
     heartbeats of the same client (a holder in this process) go on meanwhile.
     """
     statements: Statements = yield Shape(names, timeout)
+    channel = names.channel(lock_name)
     action = f"forced release of lock {lock_name!r}"
+    if permit is not None:
+        action = f"forced release of permit {permit} of semaphore {lock_name!r}"
+        lock_name = f"{lock_name}{SEPARATOR}{permit}"
     deadline = now() + timeout
     while True:
         left = max(deadline - now(), _LEAST_TRY)
@@ -238,7 +247,7 @@ def force_release(names: Names, lock_name: str, timeout: float) -> Flow[tuple[st
                 statements.force_release,
                 {
                     "lock_name": lock_name,
-                    "channel": names.channel(lock_name),
+                    "channel": channel,
                     "ended_how": "force_released",
                     "alert_seconds": None,  # the table does not know the holders' thresholds
                     # At most half the statement's time, so the lock wait, not the

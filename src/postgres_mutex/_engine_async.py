@@ -411,7 +411,17 @@ class _Steps:
         """Perform a step that waits: a statement, an inspection, a pause, a wait for a release."""
         engine = self._engine
         if isinstance(op, steps.Execute):
-            return await engine.execute(op)
+            subscription, listener = self._subscription, engine.listener
+            if subscription is None or listener is None:
+                return await engine.execute(op)
+            took_wake = listener.take_wake(subscription)
+            try:
+                return await engine.execute(op)
+            except BaseException:
+                if took_wake:
+                    # The attempt that used a release's wake-up told nothing: another waiter tries instead.
+                    listener.wake_one(subscription.channel)
+                raise
         if isinstance(op, steps.Shape):
             return await engine.shape(op.names, op.timeout, fresh=op.fresh)
         if isinstance(op, steps.Pause):
@@ -433,7 +443,10 @@ class _Steps:
         wake = AEvent() if subscription is None else subscription.released
         with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
             await wake.wait(op.seconds)
-        wake.clear()
+        if subscription is None:
+            wake.clear()
+        # Else the next attempt clears it (`Listener.take_wake`): a release announced between
+        # this wait's end and that attempt must still end the wait after it.
         return None
 
     def finish(self) -> None:
@@ -441,3 +454,7 @@ class _Steps:
         listener = self._engine.listener
         if subscription is not None and listener is not None:
             listener.unsubscribe(subscription)
+            if subscription.woken:
+                # Woken, but leaving without an attempt that used it (acquired meanwhile, stopped,
+                # out of time): the freed hold may still be free, so another waiter tries.
+                listener.wake_one(subscription.channel)

@@ -128,6 +128,13 @@ class LockEvents:
             assert result.heartbeat_age is not None
             self.alert(result.holder, result.heartbeat_age, span)
 
+    def waiting(self) -> None:
+        """A blocking acquire waits for a release (the waiters gauge counts it until `stopped_waiting`)."""
+        self.hook.waiting(self.lock_name, instance_id=self.instance_id)
+
+    def stopped_waiting(self) -> None:
+        self.hook.stopped_waiting(self.lock_name, instance_id=self.instance_id)
+
     def alert(self, holder: str, seconds_since_heartbeat: float, span: Span | None = None) -> None:
         if span is not None:
             _event(span, "alert", holder=holder, heartbeat_age=seconds_since_heartbeat, name="postgres_mutex.alert")

@@ -108,6 +108,12 @@ class ExporterHook(MetricsHook):
     def watcher_stopped(self, *, watched: frozenset[str] | None) -> None:
         self.view.forget(watched)
 
+    def waiting(self, lock_name: str, *, instance_id: str) -> None:
+        self._level(names.WAITERS, {"lock_name": lock_name}, +1)
+
+    def stopped_waiting(self, lock_name: str, *, instance_id: str) -> None:
+        self._level(names.WAITERS, {"lock_name": lock_name}, -1)
+
     def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
         if self._held.discard(lock_name, instance_id):
             self._held_changed(lock_name, -1)
@@ -176,6 +182,26 @@ class WatchedLock:
     alert_threshold: float
     stale_threshold: float
 
+    @property
+    def name(self) -> str:
+        """The name users gave it: the mutex's, or the semaphore's (not its permit row's)."""
+        return self.observation.semaphore or self.observation.lock_name
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The per-holder gauges' labels (`metric_names.PER_HOLDER`): the name, and the permit of a semaphore."""
+        permit = self.observation.permit
+        return {"lock_name": self.name, "permit": "" if permit is None else str(permit)}
+
+
+def permits_in_use(locks: Sequence[WatchedLock]) -> dict[str, int]:
+    """Per semaphore watched, how many of its permits are held."""
+    counts: dict[str, int] = {}
+    for lock in locks:
+        if lock.observation.semaphore is not None:
+            counts[lock.name] = counts.get(lock.name, 0) + 1
+    return counts
+
 
 class LockTableView:
     """What watchers last reported, per lock: read by exporters at scrape time."""
@@ -194,11 +220,7 @@ class LockTableView:
         stale_threshold: float,
     ) -> None:
         with self._lock:
-            if watched is None:
-                self._locks.clear()
-            else:
-                for name in watched:
-                    self._locks.pop(name, None)
+            self._drop(watched)
             for observation in observations:
                 self._locks[observation.lock_name] = WatchedLock(observation, alert_threshold, stale_threshold)
             self._up = True
@@ -210,13 +232,18 @@ class LockTableView:
     def forget(self, watched: frozenset[str] | None) -> None:
         """A watcher stopped: stop exporting what it saw, rather than freeze it."""
         with self._lock:
-            if watched is None:
-                self._locks.clear()
-            else:
-                for name in watched:
-                    self._locks.pop(name, None)
+            self._drop(watched)
             if not self._locks:
                 self._up = None
+
+    def _drop(self, watched: frozenset[str] | None) -> None:
+        # Kept by row: a semaphore's permits are rows of their own, each watched under the semaphore's name.
+        if watched is None:
+            self._locks.clear()
+            return
+        for row, lock in list(self._locks.items()):
+            if lock.name in watched or row in watched:
+                del self._locks[row]
 
     def snapshot(self) -> tuple[list[WatchedLock], bool | None]:
         """The watched locks, and whether the last read succeeded (None: no watcher reported yet)."""

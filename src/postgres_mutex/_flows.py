@@ -237,9 +237,9 @@ class _Attempts:
                     )
                 if not listening:
                     listening = True
+                    lock.events.waiting()
                     if (yield Listen(lock.channel, lock.timing.operation_timeout)):
-                        # Listening now: try once more at once, so that a release
-                        # between the attempt and the LISTEN cannot be missed.
+                        # Listening now: try again at once, lest a release before the LISTEN be missed.
                         continue
                 yield WaitForRelease(_until(self.deadline, lock.timing.poll_interval), self.stop)
         except BaseException:
@@ -249,6 +249,7 @@ class _Attempts:
             raise
         finally:
             if listening:
+                lock.events.stopped_waiting()
                 yield StopListening()
 
     def _statement_timeout(self) -> float:

@@ -1,7 +1,14 @@
 """The listener of one engine: one LISTENing connection for every waiter, in dsn mode.
 
 A waiter subscribes to its lock's channel and is told when a release is
-notified there, so it tries again at once rather than at its next poll. The
+notified there, so it tries again at once rather than at its next poll.
+Each notification frees one hold (a mutex, or one permit of a semaphore), so
+it wakes one waiter of the process, the longest subscribed among those not
+yet woken: a release costs one attempt per process, not one per waiter (no
+thundering herd). A waiter that leaves without trying after its wake-up
+passes it on (`Listener.wake_one`). A notification with the payload
+`WAKE_ALL` (a change of a semaphore's N, which may free many permits at
+once) wakes every waiter, and so does a lost connection. The
 connection is opened for the first waiter and closed a while after the last
 one; through a transaction-mode pooler nothing it sends is prepared. While
 it is down, waiters poll; a listener that keeps failing is reported.
@@ -39,17 +46,23 @@ _LISTENER_FAILURES_REPORTED = 3
 _LISTENER_REPORT_EVERY = 60.0
 
 
+WAKE_ALL = "*"
+"""The payload of a notification that wakes every waiter of the channel rather than one."""
+
+
 class Subscription:
     """One waiter's interest in one lock's releases."""
 
-    __slots__ = ("channel", "confirmed", "released")
+    __slots__ = ("channel", "confirmed", "released", "woken")
 
     def __init__(self, channel: str) -> None:
         self.channel = channel
         self.confirmed = AEvent()
         """Set once the listener LISTENs on the channel: a release from then on is heard."""
         self.released = AEvent()
-        """Set when a release is announced on the channel (or may have been missed)."""
+        """Set when this waiter is to try again: a release was announced (or may have been missed)."""
+        self.woken = False
+        """A release's wake-up was given to this waiter and no attempt has used it yet (under the state lock)."""
 
 
 class Listener:
@@ -59,7 +72,8 @@ class Listener:
         self._host = host
         self._dsn = dsn
         self._kwargs = connect_kwargs
-        self._subscriptions: dict[str, set[Subscription]] = {}
+        # Per channel, in the order the waiters subscribed: the first not yet woken is woken next.
+        self._subscriptions: dict[str, dict[Subscription, None]] = {}
         self._waker = AWaker()
         self._worker: AWorker | None = None
         self._conn: psycopg.AsyncConnection[Any] | None = None
@@ -69,7 +83,7 @@ class Listener:
     def subscribe(self, channel: str) -> Subscription:
         subscription = Subscription(channel)
         with self._host.state_lock:
-            self._subscriptions.setdefault(channel, set()).add(subscription)
+            self._subscriptions.setdefault(channel, {})[subscription] = None
             if (self._worker is None or not self._worker.running) and not self._closed:
                 self._worker = AWorker(self._run, name="postgres-mutex-listener")
         self._waker.wake()
@@ -79,7 +93,7 @@ class Listener:
         with self._host.state_lock:
             waiting = self._subscriptions.get(subscription.channel)
             if waiting is not None:
-                waiting.discard(subscription)
+                waiting.pop(subscription, None)
                 if not waiting:
                     del self._subscriptions[subscription.channel]
         self._waker.wake()
@@ -89,9 +103,35 @@ class Listener:
         """The channels the connection LISTENs on right now (UNLISTEN follows the last waiter shortly)."""
         return frozenset(self._listening)
 
-    def _released(self, channel: str) -> None:
+    def wake_one(self, channel: str) -> None:
+        """Wake the longest waiting subscriber of ``channel`` not woken yet, if any: one hold was freed."""
+        with self._host.state_lock:
+            chosen = next((sub for sub in self._subscriptions.get(channel, ()) if not sub.woken), None)
+            if chosen is not None:
+                # Marked under the lock: two releases heard at once must choose two different waiters.
+                chosen.woken = True
+        if chosen is not None:
+            chosen.released.set()
+
+    def take_wake(self, subscription: Subscription) -> bool:
+        """An attempt is about to be sent: it uses the waiter's wake-up, if any (True then).
+
+        A release announced from now on wakes the waiter again, so its next
+        wait ends at once: nothing announced after the attempt left is lost.
+        """
+        with self._host.state_lock:
+            woken, subscription.woken = subscription.woken, False
+        subscription.released.clear()
+        return woken
+
+    def _released(self, channel: str, payload: str) -> None:
+        if payload != WAKE_ALL:
+            self.wake_one(channel)
+            return
         with self._host.state_lock:
             waiting = list(self._subscriptions.get(channel, ()))
+            for subscription in waiting:
+                subscription.woken = True
         for subscription in waiting:
             subscription.released.set()
 
@@ -99,6 +139,8 @@ class Listener:
         # The connection was lost: a release may have gone unheard. Every waiter retries now.
         with self._host.state_lock:
             waiting = [sub for subs in self._subscriptions.values() for sub in subs]
+            for subscription in waiting:
+                subscription.woken = True
         for subscription in waiting:
             subscription.released.set()
 
@@ -123,7 +165,7 @@ class Listener:
                 try:
                     if self._conn is None or cutter is None:
                         self._conn = await psycopg.AsyncConnection.connect(self._dsn, autocommit=True, **self._kwargs)
-                        self._conn.add_notify_handler(lambda notify: self._released(notify.channel))
+                        self._conn.add_notify_handler(lambda notify: self._released(notify.channel, notify.payload))
                         cutter = Cutter(self._conn.fileno())
                         listening.clear()
                         if failures:
@@ -193,7 +235,7 @@ class Listener:
         pgconn = conn.pgconn
         pgconn.consume_input()
         while (notify := pgconn.notifies()) is not None:
-            self._released(notify.relname.decode(errors="replace"))
+            self._released(notify.relname.decode(errors="replace"), notify.extra.decode(errors="replace"))
         if conn.broken or pgconn.status != pq.ConnStatus.OK:
             raise psycopg.OperationalError("the listener's connection was closed")
 

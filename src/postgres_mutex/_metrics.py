@@ -137,6 +137,17 @@ class MetricsHook(Protocol):
         """
         return None
 
+    def waiting(self, lock_name: str, *, instance_id: str) -> None:
+        """A blocking acquire found the lock (or every permit of the semaphore) held and now waits for a release.
+
+        Followed by `stopped_waiting` when that acquire ends, however it ends.
+        """
+        return None
+
+    def stopped_waiting(self, lock_name: str, *, instance_id: str) -> None:
+        """A blocking acquire that was `waiting` ended: acquired, timed out, failed or interrupted."""
+        return None
+
     def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
         """A release could not delete the row: this process no longer holds the lock, but the row may remain."""
         return None

@@ -303,10 +303,12 @@ def _holders(names: Names, shape: TableShape) -> Statement:
        acquired_at, {token},
        {sessions}
   FROM {table}
- WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]))
+ WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]){semaphores})
  ORDER BY lock_name"""
         ).format(
             table=names.table,
+            # A semaphore's name asks for its every holder (each permit is a row of its own).
+            semaphores=sql.SQL(" OR semaphore = ANY(%(lock_names)s::text[])") if shape.semaphores else sql.SQL(""),
             token=_token_or_null(shape),
             sessions=sessions.read_by_holders() if shape.sessions else sessions.NOT_READ,
         ),

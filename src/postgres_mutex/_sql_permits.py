@@ -166,8 +166,10 @@ def set_permits(names: Names, *, history: bool) -> Statement:
     at their next heartbeat, as after a forced release), the semaphore's
     waiters are woken, and N is changed, carried over to the remaining rows
     by the foreign key's ON UPDATE CASCADE; a semaphore nobody declared yet
-    is declared. A permit taken with the old N meanwhile makes the change
-    fail on the permits' check (the caller sends it again), never succeed
+    is declared. Its notification's payload is ``*``: a raised N frees many
+    permits at once, so every waiter of each process tries, not one. A
+    permit taken with the old N meanwhile makes the change fail on the
+    permits' check (the caller sends it again), never succeed
     with more than N holders. Waits for a fenced transaction's row lock only
     briefly, as the forced release does. Replies the previous N (NULL if
     none) and how many holders were released.
@@ -188,7 +190,7 @@ def set_permits(names: Names, *, history: bool) -> Statement:
   RETURNING permits
 )
 SELECT (SELECT permits FROM previous), (SELECT count(*) FROM released)::int,
-       (SELECT count(*) FROM changed)::int, pg_notify(%(channel)s, '')::text"""
+       (SELECT count(*) FROM changed)::int, pg_notify(%(channel)s, '*')::text"""
         ).format(
             table=names.table,
             semaphores=names.semaphores,

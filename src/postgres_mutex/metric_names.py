@@ -11,7 +11,8 @@ Prometheus exporter.
 Labels stay bounded: ``lock_name`` everywhere, ``outcome`` on acquire
 durations (`ACQUIRE_OUTCOMES`), ``reason`` on reclaims (`RECLAIM_REASONS`),
 ``ended`` on election terms (`TERM_ENDINGS`),
-``holder`` only on the watcher's info metric.
+``holder`` only on the watcher's info metric, ``permit`` (a semaphore's permit number,
+at most its N) on the watcher's per-holder gauges.
 A process's random instance_id never labels a counter or a histogram.
 """
 
@@ -91,35 +92,77 @@ ACQUIRE_DURATION = MetricName(
     "Time an acquire took, waiting included, by outcome.",
     ("lock_name", "outcome"),
 )
-LOCKS_HELD = MetricName("postgres_mutex.locks.held", "updowncounter", "{lock}", "Locks held by this process.")
+LOCKS_HELD = MetricName(
+    "postgres_mutex.locks.held",
+    "updowncounter",
+    "{lock}",
+    "Locks held by this process; for a semaphore, the permits its holders in this process hold.",
+)
+WAITERS = MetricName(
+    "postgres_mutex.waiters",
+    "updowncounter",
+    "{waiter}",
+    "Blocking acquires of this process waiting for a release of the lock (or of a permit of the semaphore).",
+)
 
 # The stale-holder watcher's view of the table, computed with the server's clock.
+# Per holder: a mutex's one, or each permit's of a semaphore (``lock_name`` is then the
+# semaphore's name and ``permit`` its number; ``permit`` is empty for a mutex).
+PER_HOLDER = ("lock_name", "permit")
 HEARTBEAT_AGE = MetricName(
-    "postgres_mutex.heartbeat.age", "gauge", "s", "Seconds since the holder's last heartbeat (server clock)."
+    "postgres_mutex.heartbeat.age",
+    "gauge",
+    "s",
+    "Seconds since the holder's last heartbeat (server clock).",
+    PER_HOLDER,
 )
-HELD_DURATION = MetricName("postgres_mutex.held.duration", "gauge", "s", "Seconds the holder has held the lock.")
+HELD_DURATION = MetricName(
+    "postgres_mutex.held.duration", "gauge", "s", "Seconds the holder has held the lock.", PER_HOLDER
+)
 HOLDER_INFO = MetricName(
-    "postgres_mutex.holder.info", "gauge", "", "The current holder of each lock (value 1).", ("lock_name", "holder")
+    "postgres_mutex.holder.info",
+    "gauge",
+    "",
+    "The current holder of each lock, or of each permit of a semaphore (value 1).",
+    (*PER_HOLDER, "holder"),
 )
-ALERTING = MetricName("postgres_mutex.alerting", "gauge", "", "1 while the holder is silent past alert_threshold.")
+ALERTING = MetricName(
+    "postgres_mutex.alerting", "gauge", "", "1 while the holder is silent past alert_threshold.", PER_HOLDER
+)
 RECLAIMABLE = MetricName(
     "postgres_mutex.reclaimable",
     "gauge",
     "",
     "1 while the holder may be reclaimed: silent past stale_threshold, or its session ended and it is silent "
     "past its reclaim_disconnected_after.",
+    PER_HOLDER,
 )
 SESSION_ALIVE = MetricName(
     "postgres_mutex.holder.session",
     "gauge",
     "",
     "1 while the holder's database session exists, 0 once it ended; absent for a holder whose row names none.",
+    PER_HOLDER,
 )
 ALERT_THRESHOLD = MetricName(
-    "postgres_mutex.threshold.alert", "gauge", "s", "The watcher's alert_threshold, for drawing on graphs."
+    "postgres_mutex.threshold.alert",
+    "gauge",
+    "s",
+    "The watcher's alert_threshold, for drawing on graphs.",
+    PER_HOLDER,
 )
 STALE_THRESHOLD = MetricName(
-    "postgres_mutex.threshold.stale", "gauge", "s", "The watcher's stale_threshold, for drawing on graphs."
+    "postgres_mutex.threshold.stale",
+    "gauge",
+    "s",
+    "The watcher's stale_threshold, for drawing on graphs.",
+    PER_HOLDER,
+)
+PERMITS_IN_USE = MetricName(
+    "postgres_mutex.semaphore.permits.in_use",
+    "gauge",
+    "{permit}",
+    "Permits of each semaphore held across the fleet, as the watcher read the table.",
 )
 WATCHER_UP = MetricName(
     "postgres_mutex.watcher.up", "gauge", "", "1 if the watcher's last read of the lock table succeeded.", ()
@@ -198,6 +241,7 @@ ALL: tuple[MetricName, ...] = (
     HEARTBEAT_DURATION,
     ACQUIRE_DURATION,
     LOCKS_HELD,
+    WAITERS,
     HEARTBEAT_AGE,
     HELD_DURATION,
     HOLDER_INFO,
@@ -206,6 +250,7 @@ ALL: tuple[MetricName, ...] = (
     SESSION_ALIVE,
     ALERT_THRESHOLD,
     STALE_THRESHOLD,
+    PERMITS_IN_USE,
     WATCHER_UP,
     WATCHER_ERRORS,
     ELECTION_CANDIDATES,

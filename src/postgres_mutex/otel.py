@@ -20,7 +20,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from . import metric_names as names
-from ._exporter import ExporterHook, WatchedLock
+from ._exporter import ExporterHook, WatchedLock, permits_in_use
 from ._version import __version__
 
 __all__ = ["OtelMetrics"]
@@ -58,7 +58,7 @@ class OtelMetrics(ExporterHook):
         )
         self._levels = {
             metric: meter.create_up_down_counter(metric.otel, unit=metric.unit, description=metric.description)
-            for metric in (names.ELECTION_CANDIDATES, names.ELECTION_LEADING)
+            for metric in (names.ELECTION_CANDIDATES, names.ELECTION_LEADING, names.WAITERS)
         }
         for metric, read in (
             (names.HEARTBEAT_AGE, lambda lock: lock.observation.seconds_since_heartbeat),
@@ -74,6 +74,7 @@ class OtelMetrics(ExporterHook):
         for metric, callback in (
             (names.HOLDER_INFO, self._holders),
             (names.SESSION_ALIVE, self._sessions),
+            (names.PERMITS_IN_USE, self._permits_in_use),
             (names.WATCHER_UP, self._watcher_up),
         ):
             meter.create_observable_gauge(
@@ -97,24 +98,25 @@ class OtelMetrics(ExporterHook):
     def _per_lock(self, read: _Read) -> _Callback:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             locks, _ = self.view.snapshot()
-            return [Observation(read(lock), {"lock_name": lock.observation.lock_name}) for lock in locks]
+            return [Observation(read(lock), lock.labels) for lock in locks]
 
         return observe
 
     def _holders(self, options: CallbackOptions) -> Iterable[Observation]:
         locks, _ = self.view.snapshot()
-        return [
-            Observation(1, {"lock_name": lock.observation.lock_name, "holder": lock.observation.holder})
-            for lock in locks
-        ]
+        return [Observation(1, {**lock.labels, "holder": lock.observation.holder}) for lock in locks]
 
     def _sessions(self, options: CallbackOptions) -> Iterable[Observation]:
         locks, _ = self.view.snapshot()
         return [
-            Observation(int(lock.observation.session_alive), {"lock_name": lock.observation.lock_name})
+            Observation(int(lock.observation.session_alive), lock.labels)
             for lock in locks
             if lock.observation.session_alive is not None
         ]
+
+    def _permits_in_use(self, options: CallbackOptions) -> Iterable[Observation]:
+        locks, _ = self.view.snapshot()
+        return [Observation(count, {"lock_name": name}) for name, count in permits_in_use(locks).items()]
 
     def _watcher_up(self, options: CallbackOptions) -> Iterable[Observation]:
         _, up = self.view.snapshot()

@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("PrometheusMetrics needs prometheus-client: pip install 'postgres-mutex[prometheus]'") from exc
 
 from . import metric_names as names
-from ._exporter import ExporterHook, LockTableView
+from ._exporter import ExporterHook, LockTableView, permits_in_use
 
 __all__ = ["PrometheusMetrics"]
 
@@ -85,7 +85,7 @@ class PrometheusMetrics(ExporterHook):
         )
         self._levels = {
             metric: Gauge(metric.prometheus, metric.description, metric.labels, registry=registry)
-            for metric in (names.ELECTION_CANDIDATES, names.ELECTION_LEADING)
+            for metric in (names.ELECTION_CANDIDATES, names.ELECTION_LEADING, names.WAITERS)
         }
         if registry is not None:
             registry.register(_WatchedLocksCollector(self.view))
@@ -119,18 +119,21 @@ class _WatchedLocksCollector(Collector):
         age, held, holder = family(names.HEARTBEAT_AGE), family(names.HELD_DURATION), family(names.HOLDER_INFO)
         alerting, reclaimable, session = family(names.ALERTING), family(names.RECLAIMABLE), family(names.SESSION_ALIVE)
         alert_threshold, stale_threshold = family(names.ALERT_THRESHOLD), family(names.STALE_THRESHOLD)
+        in_use = family(names.PERMITS_IN_USE)
         for lock in locks:
             seen = lock.observation
-            label = [seen.lock_name]
+            label = list(lock.labels.values())
             age.add_metric(label, seen.seconds_since_heartbeat)
             held.add_metric(label, seen.seconds_held)
-            holder.add_metric([seen.lock_name, seen.holder], 1.0)
+            holder.add_metric([*label, seen.holder], 1.0)
             alerting.add_metric(label, float(seen.alerting))
             reclaimable.add_metric(label, float(seen.reclaimable))
             if seen.session_alive is not None:
                 session.add_metric(label, float(seen.session_alive))
             alert_threshold.add_metric(label, lock.alert_threshold)
             stale_threshold.add_metric(label, lock.stale_threshold)
-        yield from (age, held, holder, alerting, reclaimable, session, alert_threshold, stale_threshold)
+        for semaphore, count in permits_in_use(locks).items():
+            in_use.add_metric([semaphore], float(count))
+        yield from (age, held, holder, alerting, reclaimable, session, alert_threshold, stale_threshold, in_use)
         if up is not None:
             yield GaugeMetricFamily(names.WATCHER_UP.prometheus, names.WATCHER_UP.description, value=float(up))

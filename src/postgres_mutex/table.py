@@ -267,8 +267,12 @@ class LockTable:
 
     # -- an operator's override ------------------------------------------------------
 
-    def force_release(self, lock_name: str) -> ForcedRelease | None:
+    def force_release(self, lock_name: str, *, permit: int | None = None) -> ForcedRelease | None:
         """Delete a lock's row whoever holds it, and wake its waiters; returns whom it removed (None if free).
+
+        With ``permit=K``, ``lock_name`` names a semaphore, and only the holder
+        of its permit K (from 0, as `holders` shows it) is released: one
+        holder, not the semaphore's every holder.
 
         For an operator who knows the holder is gone and does not want to wait
         out the stale threshold: a holder that is still alive learns of the
@@ -276,16 +280,15 @@ class LockTable:
         (fencing stops its writes in the database). Waits for a holder's
         fenced transaction to end, up to ``operation_timeout``.
         """
-        check_name(lock_name, "lock_name")
-        return _forced(
-            lock_name, self._core.engine().run(admin_flows.force_release(self._names, lock_name, self._timeout))
-        )
+        _check_release(lock_name, permit)
+        flow = admin_flows.force_release(self._names, lock_name, self._timeout, permit=permit)
+        return _forced(lock_name, self._core.engine().run(flow))
 
-    async def force_release_async(self, lock_name: str) -> ForcedRelease | None:
+    async def force_release_async(self, lock_name: str, *, permit: int | None = None) -> ForcedRelease | None:
         """Async `force_release`."""
-        check_name(lock_name, "lock_name")
-        found = await self._core.engine_async().run(admin_flows.force_release(self._names, lock_name, self._timeout))
-        return _forced(lock_name, found)
+        _check_release(lock_name, permit)
+        flow = admin_flows.force_release(self._names, lock_name, self._timeout, permit=permit)
+        return _forced(lock_name, await self._core.engine_async().run(flow))
 
     # -- semaphores ------------------------------------------------------------------
 
@@ -319,6 +322,13 @@ def _history_options(history: bool, retention: float | None) -> dict[str, Any]:
             raise InvalidArgument("{history_retention} applies to a history: pass {history=True} with it")
         retention = check_seconds(retention, "history_retention")
     return {"history": history, "history_retention": retention}
+
+
+def _check_release(lock_name: str, permit: int | None) -> None:
+    """``force_release``'s arguments checked: a lock's name, or a semaphore's and one of its permits."""
+    check_name(lock_name, "lock_name")
+    if permit is not None and (isinstance(permit, bool) or not isinstance(permit, int) or permit < 0):
+        raise ValueError(f"permit must be a permit's number, an int from 0 (as holders() shows it), not {permit!r}")
 
 
 def _forced(lock_name: str, found: tuple[str, float, int | None] | None) -> ForcedRelease | None:

@@ -91,6 +91,11 @@ def test_no_two_holders_ever_overlapped(quick_run: tuple[dict[str, Any], str, Pa
     assert results["handoff"]["raw"]["acquired_before_release"] == 0
     assert results["contended"]["cycles"] > 0
     assert results["contended"]["overlaps"] == 0
+    assert results["handoff"]["semaphore"]["handoffs"] > 0
+    assert results["handoff"]["semaphore"]["acquired_before_release"] == 0
+    assert results["contended"]["semaphore"]["cycles"] > 0
+    assert results["contended"]["semaphore"]["overlaps"] == 0
+    assert results["contended"]["semaphore"]["most_at_once"] <= results["contended"]["semaphore"]["permits"]
     for run in results["ceiling"]:
         assert all(run[kind]["cycles"] > 0 for kind in ("advisory", "insert_delete", "mutex"))
 

@@ -19,7 +19,17 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
-from postgres_mutex import DatabaseError, Election, FanOutMetrics, Leadership, LockNotHeldError, Mutex, metric_names
+from postgres_mutex import (
+    DatabaseError,
+    Election,
+    FanOutMetrics,
+    Leadership,
+    LockAcquisitionTimeout,
+    LockNotHeldError,
+    Mutex,
+    Semaphore,
+    metric_names,
+)
 from postgres_mutex.otel import OtelMetrics
 from postgres_mutex.prometheus import PrometheusMetrics
 from postgres_mutex.watcher import StaleWatcher
@@ -56,7 +66,12 @@ def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_
         watcher.check()
     # A holder that names its session: the watcher sees it alive; frozen, its hold turns in doubt.
     doubter = make_mutex(metrics=hook, operation_timeout=0.3, reclaim_disconnected_after=0.8)
-    with doubter.acquire():
+    # And a semaphore's holder, watched (its permit labelled), with a blocking acquire that waits for it.
+    semaphore = Semaphore(dsn, f"{lock_name}-semaphore", permits=1, metrics=hook, **FAST)  # type: ignore[arg-type]
+    waiter = Semaphore(dsn, f"{lock_name}-semaphore", permits=1, metrics=hook, **FAST)  # type: ignore[arg-type]
+    with doubter.acquire(), semaphore.acquire():
+        with pytest.raises(LockAcquisitionTimeout), waiter.acquire(blocking=True, timeout=0.3):
+            pass
         watcher.check()
         freeze(doubter)
         hold = doubter._lock.hold
@@ -66,6 +81,8 @@ def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_
         thaw(doubter)
         wait_until(lambda: doubter.held)
     watcher.close()
+    semaphore.close()
+    waiter.close()
     run_election(dsn, hook, f"{lock_name}-election")
 
 
@@ -118,10 +135,10 @@ def test_prometheus_metrics_count_every_event(
     assert value("postgres_mutex_acquire_duration_seconds_count", outcome="reclaimed") == 1
     assert value("postgres_mutex_acquire_duration_seconds_count", outcome="contended") >= 1
     assert value("postgres_mutex_locks_held") == 0, "every hold ended: released or lost, counted once"
-    # The watcher's view, at its last read (the holder was holding then).
-    assert value("postgres_mutex_heartbeat_age_seconds") < FAST["alert_threshold"]
-    assert value("postgres_mutex_threshold_stale_seconds") == FAST["stale_threshold"]
-    assert value("postgres_mutex_alerting") == 0
+    # The watcher's view, at its last read (the holder was holding then); a mutex's holder has no permit.
+    assert value("postgres_mutex_heartbeat_age_seconds", permit="") < FAST["alert_threshold"]
+    assert value("postgres_mutex_threshold_stale_seconds", permit="") == FAST["stale_threshold"]
+    assert value("postgres_mutex_alerting", permit="") == 0
     assert registry.get_sample_value("postgres_mutex_watcher_up") == 1, "the last read succeeded"
     assert registry.get_sample_value("postgres_mutex_watcher_errors_total") == 1
     holders = [
@@ -131,6 +148,17 @@ def test_prometheus_metrics_count_every_event(
         if sample.name == "postgres_mutex_holder_info" and sample.labels["lock_name"] == lock_name
     ]
     assert len(holders) == 1
+    # The semaphore: its holder under the semaphore's name and its permit, not its row's name.
+    semaphore_name = f"{lock_name}-semaphore"
+    assert registry.get_sample_value("postgres_mutex_semaphore_permits_in_use", {"lock_name": semaphore_name}) == 1
+    permit_age = registry.get_sample_value(
+        "postgres_mutex_heartbeat_age_seconds", {"lock_name": semaphore_name, "permit": "0"}
+    )
+    assert permit_age is not None
+    assert permit_age < FAST["alert_threshold"]
+    waiting = registry.get_sample_value("postgres_mutex_waiters", {"lock_name": semaphore_name})
+    assert waiting == 0, "the waiter was counted while it waited, and no more once it gave up"
+    assert value("postgres_mutex_locks_held") == 0
 
 
 def test_no_counter_or_histogram_carries_an_instance_id(
@@ -235,7 +263,10 @@ def test_a_stopped_watcher_stops_exporting_what_it_saw(make_mutex: Callable[...,
         watcher.start()
         wait_until(lambda: registry.get_sample_value("postgres_mutex_watcher_up") == 1)
         watcher.stop()
-    assert registry.get_sample_value("postgres_mutex_heartbeat_age_seconds", {"lock_name": holder.lock_name}) is None
+    age = registry.get_sample_value(
+        "postgres_mutex_heartbeat_age_seconds", {"lock_name": holder.lock_name, "permit": ""}
+    )
+    assert age is None
     assert registry.get_sample_value("postgres_mutex_watcher_up") is None, "not a frozen 'up'"
     watcher.close()
 

@@ -141,7 +141,8 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
     PREFIX-flaky, whose heartbeats the test keeps failing now and then; one holds
     PREFIX-doubted with reclaim_disconnected_after, in doubt now and then. One
     candidate campaigns in election PREFIX-elected, another in
-    PREFIX-leaderless, whose lock a plain Mutex holds.
+    PREFIX-leaderless, whose lock a plain Mutex holds. Three instances take
+    turns on PREFIX-shared, a semaphore of 2.
     """
     from prometheus_client import CollectorRegistry, start_http_server
 
@@ -211,6 +212,16 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
                 hold.paused = False
                 time.sleep(2.0)
 
+    def share() -> None:
+        # Three holders take turns on a semaphore of 2: permits in use, and a waiter now and then.
+        from postgres_mutex import Semaphore
+
+        semaphore = Semaphore(dsn, f"{prefix}-shared", permits=2, metrics=hook, **FAST)  # type: ignore[arg-type]
+        while True:
+            with semaphore.acquire(blocking=True, timeout=60):
+                time.sleep(0.3)
+            time.sleep(0.05)
+
     def leaderless() -> None:
         # Candidates and no leader: something that is not a candidate holds the election's lock.
         from postgres_mutex import Election
@@ -228,6 +239,9 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
         (stall, ("stalled",)),
         (stall, ("flaky",)),
         (doubted, ()),
+        (share, ()),
+        (share, ()),
+        (share, ()),
     ):
         threading.Thread(target=target, args=args, daemon=True).start()
     print("ready", flush=True)

@@ -174,16 +174,25 @@ def cmd_history(args: argparse.Namespace) -> int:
 def cmd_release(args: argparse.Namespace) -> int:
     if not args.force:
         raise UsageError(
-            f"refusing to release lock {args.name!r} without --force: its holder may still be running. "
+            f"refusing to release {args.name!r} without --force: its holder may still be running. "
             "Use it only when you know the holder is gone"
         )
-    removed = _table(args).force_release(args.name)
+    table = _table(args)
+    removed = table.force_release(args.name, permit=args.permit)
+    what = f"lock {args.name!r}" if args.permit is None else f"permit {args.permit} of semaphore {args.name!r}"
     if removed is None:
-        print(f"lock {args.name!r} is not held: nothing to release")
+        print(f"{what} is not held: nothing to release")
+        permits = sorted(seen.permit for seen in table.holders([args.name]) if seen.permit is not None)
+        if permits:
+            # A semaphore's holders are released one at a time: say which ones there are.
+            print(
+                f"semaphore {args.name!r} has holders of permits {', '.join(map(str, permits))}: release one "
+                f"with --permit {permits[0]} (postgres-mutex status --lock {args.name} shows who holds which)"
+            )
         return 1
     token = "" if removed.token is None else f", token {removed.token}"
     print(
-        f"released lock {args.name!r}, held by {removed.holder}{token} "
+        f"released {what}, held by {removed.holder}{token} "
         f"(last heartbeat {duration(removed.seconds_since_heartbeat)} ago)"
     )
     return 0

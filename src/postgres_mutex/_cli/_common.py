@@ -108,6 +108,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def permit_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a permit's number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"permits are numbered from 0, got {value}")
+    return value
+
+
 def dsn(args: argparse.Namespace) -> str:
     # An empty string lets libpq take everything from PG* variables and .pgpass.
     return str(args.dsn or os.environ.get("POSTGRES_MUTEX_DSN", ""))

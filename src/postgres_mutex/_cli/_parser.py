@@ -7,7 +7,17 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ._admin import cmd_history, cmd_init, cmd_migrate, cmd_release, cmd_status, cmd_watch, since
-from ._common import EXIT_BUSY, EXIT_LOST, EXIT_UNAVAILABLE, EXIT_USAGE, Parser, exit_code, positive_int, seconds
+from ._common import (
+    EXIT_BUSY,
+    EXIT_LOST,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    Parser,
+    exit_code,
+    permit_number,
+    positive_int,
+    seconds,
+)
 from ._demo import cmd_demo
 from ._run import MAX_RESTART_DELAY, cmd_run
 
@@ -66,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
         "Run a command while holding a lock; release it when the command ends.",
         "  postgres-mutex run --lock nightly-report -- ./report.sh --full\n"
         "  postgres-mutex run --lock nightly-report --wait --timeout 300 -- ./report.sh\n"
-        "  postgres-mutex run --lock scheduler --wait --restart -- ./scheduler  # one active replica\n\n"
+        "  postgres-mutex run --lock scheduler --wait --restart -- ./scheduler  # one active replica\n"
+        "  postgres-mutex run --lock export --permits 3 --wait -- ./export.sh  # at most 3 at once\n\n"
         "exit codes:\n"
         "  the command's own (128+N if it died of signal N)\n"
         f"  {EXIT_BUSY}   the lock is held elsewhere (or --wait --timeout ran out); see --conflict-exit-code\n"
@@ -79,6 +90,12 @@ def parser() -> argparse.ArgumentParser:
         [connection, thresholds],
     )
     run.add_argument("--lock", required=True, help="the lock's name (1 to 64 characters)")
+    run.add_argument(
+        "--permits",
+        type=positive_int,
+        help="make --lock a semaphore of this many permits: at most N copies of the command run at once across "
+        "the fleet (like consul lock -n); every runner of the semaphore must pass the same N",
+    )
     run.add_argument("--wait", action="store_true", help="wait for the lock instead of giving up at once")
     run.add_argument("--timeout", type=seconds("--timeout"), help="with --wait: give up after this many seconds")
     run.add_argument(
@@ -120,12 +137,13 @@ def parser() -> argparse.ArgumentParser:
 
     status = add(
         "status",
-        "Show every held lock: holder, held for, seconds since heartbeat, state (server clock).",
+        "Show every held lock and every holder of a semaphore (a line per permit): holder, held for, "
+        "seconds since heartbeat, state (server clock).",
         "  postgres-mutex status\n  postgres-mutex status --json | jq '.locks[] | select(.state != \"ok\")'",
         [connection],
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--lock", action="append", help="only this lock (repeatable)")
+    status.add_argument("--lock", action="append", help="only this lock or semaphore (repeatable)")
     status.add_argument("--alert-threshold", type=seconds("--alert-threshold"), default=30.0)
     status.add_argument("--stale-threshold", type=seconds("--stale-threshold"), default=600.0)
     status.set_defaults(handler=cmd_status)
@@ -185,11 +203,16 @@ def parser() -> argparse.ArgumentParser:
 
     release = add(
         "release",
-        "Remove a lock's row whoever holds it: for an operator who knows the holder is gone.",
-        "  postgres-mutex release nightly-report --force",
+        "Remove a lock's row whoever holds it (or one permit of a semaphore): for an operator who knows the "
+        "holder is gone.",
+        "  postgres-mutex release nightly-report --force\n"
+        "  postgres-mutex release partner-api --permit 2 --force  # one holder of a semaphore, as status shows it",
         [connection],
     )
-    release.add_argument("name", help="the lock's name")
+    release.add_argument("name", help="the lock's name (with --permit: the semaphore's)")
+    release.add_argument(
+        "--permit", type=permit_number, help="release only this permit of semaphore NAME (its number in status)"
+    )
     release.add_argument("--force", action="store_true", help="required: confirms the holder is gone")
     release.set_defaults(handler=cmd_release)
 

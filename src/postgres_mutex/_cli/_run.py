@@ -9,7 +9,7 @@ import sys
 import threading
 from types import FrameType
 
-from .. import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, Mutex
+from .. import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, Mutex, Semaphore
 from ..errors import DatabaseError
 from ._common import UsageError, command_env, dsn, say
 from ._supervisor import FORWARDED, Supervisor
@@ -49,32 +49,37 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"({args.heartbeat_interval:g}s): the command must be gone before anyone may reclaim the lock"
         )
     if args.restart:
+        if args.permits is not None:
+            raise UsageError("--restart keeps one copy running: it does not take --permits")
         return _run_restarting(args, command, kill_after)
     lost = threading.Event()
     # Until the command runs, SIGTERM or SIGHUP ends the wait cleanly (nothing left in the table).
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
-    mutex = Mutex(
-        dsn(args),
-        args.lock,
-        table=args.table,
-        instance_id=args.instance_id,
-        on_lost=lambda error: lost.set(),
-        heartbeat_interval=args.heartbeat_interval,
-        alert_threshold=args.alert_threshold,
-        stale_threshold=args.stale_threshold,
-        operation_timeout=args.operation_timeout,
-        reclaim_disconnected_after=args.reclaim_disconnected_after,
-    )
+    options = {
+        "table": args.table,
+        "instance_id": args.instance_id,
+        "on_lost": lambda error: lost.set(),
+        "heartbeat_interval": args.heartbeat_interval,
+        "alert_threshold": args.alert_threshold,
+        "stale_threshold": args.stale_threshold,
+        "operation_timeout": args.operation_timeout,
+        "reclaim_disconnected_after": args.reclaim_disconnected_after,
+    }
+    mutex: Mutex | Semaphore
+    if args.permits is None:
+        mutex = Mutex(dsn(args), args.lock, **options)
+    else:
+        mutex = Semaphore(dsn(args), args.lock, permits=args.permits, **options)
     try:
         holding = mutex.acquire(blocking=args.wait, timeout=args.timeout)
         try:
             acquired = holding.__enter__()
         except LockAcquisitionTimeout as exc:
-            say(f"lock {args.lock!r} still held by {exc.holder or 'another instance'} after {args.timeout:g}s")
+            say(f"{_busy(args, exc.holder, still=True)} after {args.timeout:g}s")
             return int(args.conflict_exit_code)
         if not acquired:
-            say(f"lock {args.lock!r} is held by {mutex.last_holder or 'another instance'}; not running")
+            say(f"{_busy(args, mutex.last_holder)}; not running")
             return int(args.conflict_exit_code)
         supervisor = Supervisor(
             command, env=command_env(mutex.token), lock_lost=lambda: lost.is_set() or not mutex.held
@@ -96,6 +101,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         return code
     finally:
         mutex.close()
+
+
+def _busy(args: argparse.Namespace, holder: str | None, *, still: bool = False) -> str:
+    """Why the command does not run: the lock's holder, or that all of a semaphore's permits are taken."""
+    if args.permits is None:
+        return f"lock {args.lock!r} {'still' if still else 'is'} held by {holder or 'another instance'}"
+    return (
+        f"all {args.permits} permits of semaphore {args.lock!r} {'still' if still else 'are'} held "
+        f"({holder or 'another instance'} among the holders)"
+    )
 
 
 class CommandError(Exception):

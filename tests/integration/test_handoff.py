@@ -1,0 +1,125 @@
+"""A release wakes one waiter per process, not every waiter: hand-offs cost the same with 1 or 100 waiting.
+
+The waiters share one client whose every round trip goes through a
+`FaultProxy` that counts them; the holders reach PostgreSQL directly, so
+what the proxy counts is the waiters' own work: their first attempts, the
+LISTEN, and one acquire and one release per hand-off. Were every waiter
+woken by every release, the count would grow with the square of the
+waiters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+from postgres_mutex import LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore
+from tests.support.faultproxy import FaultProxy
+from tests.support.fixtures import process_listens, wait_until
+from tests.support.postgres_server import PostgresServer
+
+# Long enough that no waiter polls and no heartbeat goes out while the hand-offs run:
+# every hand-off has to come from a release's wake-up.
+QUIET: dict[str, Any] = {
+    "heartbeat_interval": 10.0,
+    "alert_threshold": 60.0,
+    "stale_threshold": 120.0,
+    "poll_interval": 60.0,
+}
+
+# Per waiter: two attempts before it sleeps (one before LISTEN, one after), then
+# its acquire and its release, about five measured; plus a few round trips a
+# client makes whatever the number of waiters (connections' start-up, LISTEN,
+# UNLISTEN, a heartbeat). Every waiter woken by every release measured 9 a
+# waiter with 10 waiting and 53 with 100.
+PER_WAITER = 6
+FIXED = 16
+
+
+@pytest.mark.parametrize("permits", [None, 3], ids=["mutex", "semaphore-of-3"])
+@pytest.mark.parametrize("waiters", [1, 10, 100])
+def test_round_trips_per_hand_off_do_not_grow_with_the_waiters(
+    pg: PostgresServer, dsn: str, schema: None, waiters: int, permits: int | None
+) -> None:
+    name = f"handoff-{uuid.uuid4().hex[:10]}"
+    proxy = FaultProxy(pg.host, pg.port)
+    counted_dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
+    direct = MutexClient(dsn)
+    try:
+        holders = [_make(direct, name, permits) for _ in range(permits or 1)]
+        for holder in holders:
+            assert holder.acquire().__enter__()
+        before = proxy.ready_for_query
+
+        async def wait_for_it(lock: Mutex) -> float:
+            async with lock.acquire_async(timeout=30.0) as got:
+                assert got
+                return time.monotonic()
+
+        async def scenario() -> tuple[list[float], float]:
+            async with MutexClient(counted_dsn) as counted:
+                return await hand_offs(counted)
+
+        async def hand_offs(counted: MutexClient) -> tuple[list[float], float]:
+            tasks = [asyncio.create_task(wait_for_it(_make(counted, name, permits))) for _ in range(waiters)]
+            # Every waiter has made its two attempts and sleeps: only a release wakes it now.
+            await asyncio.to_thread(wait_until, lambda: proxy.ready_for_query - before >= 2 * waiters + 1, timeout=30)
+            released_at = time.monotonic()
+            for holder in holders:
+                await asyncio.to_thread(holder.release)
+            return list(await asyncio.gather(*tasks)), released_at
+
+        acquired_at, released_at = asyncio.run(scenario())
+        round_trips = proxy.ready_for_query - before
+    finally:
+        direct.close()
+        proxy.close()
+
+    # Nobody slept until its poll (a minute away): each hand-off followed the release before it.
+    assert max(acquired_at) - released_at < 20.0, f"the last of {waiters} waiters acquired late"
+    assert round_trips <= PER_WAITER * waiters + FIXED, (
+        f"{round_trips} round trips for {waiters} hand-offs "
+        f"({round_trips / waiters:.1f} each): a release woke more than one waiter"
+    )
+
+
+def _make(client: MutexClient, name: str, permits: int | None) -> Mutex | Semaphore:
+    if permits is None:
+        return client.mutex(name, **QUIET)
+    return client.semaphore(name, permits=permits, **QUIET)
+
+
+def test_a_change_of_the_number_of_permits_reaches_every_waiter(dsn: str, admin: psycopg.Connection[Any]) -> None:
+    """A change of N may free many permits at once: it wakes every waiter, not one, and each learns of it."""
+    name = f"handoff-{uuid.uuid4().hex[:10]}"
+
+    async def wait_for_it(semaphore: Semaphore) -> BaseException | None:
+        try:
+            async with semaphore.acquire_async(timeout=30.0):
+                return None
+        except PermitsMismatchError as exc:
+            return exc
+
+    async def scenario(table: LockTable) -> list[BaseException | None]:
+        # The waiters' client lives and ends in this event loop.
+        async with MutexClient(dsn) as client:
+            waiting = [client.semaphore(name, permits=1, **QUIET) for _ in range(3)]
+            tasks = [asyncio.create_task(wait_for_it(semaphore)) for semaphore in waiting]
+            await asyncio.to_thread(wait_until, lambda: process_listens(admin, name), timeout=30)
+            await asyncio.to_thread(table.set_permits, name, 4)
+            return list(await asyncio.gather(*tasks))
+
+    with MutexClient(dsn) as client:
+        holder = client.semaphore(name, permits=1, **QUIET)
+        with holder.acquire() as got:
+            assert got
+            started = time.monotonic()
+            told = asyncio.run(scenario(client.table()))
+            assert all(isinstance(exc, PermitsMismatchError) for exc in told), told
+            # Long before their poll (a minute): the change's notification woke all three.
+            assert time.monotonic() - started < 20.0, "some waiters slept until their poll"
