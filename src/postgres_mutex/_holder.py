@@ -54,6 +54,8 @@ class Holder:
 
     _permits: int | None = None
     """What its lock has: one holder (None), or a `Semaphore`'s permits."""
+    _rw_mode: str | None = None
+    """For a read/write lock's holder: the mode it holds."""
 
     def __init__(
         self,
@@ -108,6 +110,7 @@ class Holder:
             on_lost=on_lost,
             tracer_provider=tracer_provider,
             permits=self._permits,
+            rw_mode=self._rw_mode,
         )
         self._engine_for = functools.partial(core.engine_for, self._lock)
         self._engine_async_for = functools.partial(core.engine_async_for, self._lock)

@@ -41,6 +41,9 @@ def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) ->
         ("semaphore", "character varying", 64, "YES", None),
         ("permit", "integer", None, "YES", None),
         ("permits", "integer", None, "YES", None),
+        # A read/write lock's row: its lock and mode, NULL in a mutex's or a permit's row.
+        ("rwlock", "character varying", 64, "YES", None),
+        ("rw_mode", "text", None, "YES", None),
     ]
     constraints = admin.execute(
         """SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
@@ -52,6 +55,10 @@ def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) ->
             "mutex_lock_permit_in_range",
             "CHECK ((((semaphore IS NULL) = (permit IS NULL)) AND ((semaphore IS NULL) = (permits IS NULL)) "
             "AND (permit >= 0) AND (permit < permits)))",
+        ),
+        (
+            "mutex_lock_rw_paired",
+            "CHECK ((((rwlock IS NULL) = (rw_mode IS NULL)) AND ((rwlock IS NULL) OR (semaphore IS NULL))))",
         ),
         ("uq_mutex_lock", "UNIQUE (locked, lock_name)"),
     ]
