@@ -153,7 +153,9 @@ def migrate(
         yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
     if history:
         yield from create_history(names, timeout, history_retention, exists=shape.history)
-    return not (shape.tokens and shape.sessions and shape.semaphores) or (history and not shape.history)
+    return not (shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks) or (
+        history and not shape.history
+    )
 
 
 def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:

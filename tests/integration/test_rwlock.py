@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -17,9 +20,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, LockTable, MutexClient, RWLock
+from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, LockTable, MutexClient, RWLock, SchemaError
 from tests.support.exclusion import Section, Sections
-from tests.support.fixtures import FAST, listens, wait_until
+from tests.support.fixtures import FAST, ROOT, listens, read_line, wait_until
 
 MakeRWLock = Callable[..., RWLock]
 
@@ -271,3 +274,146 @@ def test_a_held_mode_refuses_the_other_on_the_same_rwlock_and_timeouts_say_what_
             pytest.fail("read beside a writer")
     with pytest.raises(ValueError, match="at most 50"):
         RWLock("host=127.0.0.1", "x" * 51)
+
+
+HOLDER = """
+import json, sys, time
+from postgres_mutex import RWLock
+dsn, name, mode, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+rwlock = RWLock(dsn, name, **options)
+print(json.dumps({"started": True}), flush=True)
+with (rwlock.write if mode == "write" else rwlock.read)(blocking=True, timeout=60) as held:
+    print(json.dumps({"held": held}), flush=True)
+    while True:
+        time.sleep(0.1)
+"""
+"""A process that holds (or waits for) one mode until it is killed."""
+
+EARLY: dict[str, Any] = {
+    "heartbeat_interval": 0.3,
+    "alert_threshold": 0.9,
+    "stale_threshold": 600.0,
+    "reclaim_disconnected_after": 2.0,
+    "poll_interval": 0.1,
+}
+"""A holder that opted in to ``reclaim_disconnected_after``: reclaimed in seconds if its process dies."""
+
+HAND_OFF = 2.0
+"""A generous bound on what a reclaim takes beyond its threshold: a poll, a statement, a loaded machine."""
+
+
+@pytest.fixture
+def rw_process(dsn: str, schema: None) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(name: str, mode: str, *, wait_for_hold: bool = True, **options: Any) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, dsn, name, mode, json.dumps(options)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started.append(proc)
+        assert proc.stdout is not None
+        assert json.loads(read_line(proc.stdout, timeout=30))["started"] is True
+        if wait_for_hold:
+            assert json.loads(read_line(proc.stdout, timeout=30))["held"] is True
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "threshold"),
+    [(FAST, FAST["stale_threshold"]), (EARLY, EARLY["reclaim_disconnected_after"])],
+    ids=["after the stale threshold", "early, having opted in to reclaim_disconnected_after"],
+)
+def test_a_killed_writer_is_reclaimed_and_readers_proceed(
+    dsn: str, name: str, rw_process: Callable[..., subprocess.Popen[str]], options: dict[str, Any], threshold: float
+) -> None:
+    writer = rw_process(name, "write", **options)
+    reader = RWLock(dsn, name, **options)
+    try:
+        with reader.read() as got:
+            assert not got, "the writer holds"
+        writer.kill()
+        died = time.monotonic()
+        writer.wait(10)
+        with reader.read(blocking=True, timeout=threshold + HAND_OFF + 10) as acquired:
+            took = time.monotonic() - died
+            assert acquired
+        assert took <= threshold + HAND_OFF, f"read {took:.2f}s after the writer died"
+    finally:
+        reader.close()
+
+
+def test_a_killed_reader_is_reclaimed_by_a_writer(
+    dsn: str, name: str, rw_process: Callable[..., subprocess.Popen[str]]
+) -> None:
+    reader = rw_process(name, "read", **EARLY)
+    writer = RWLock(dsn, name, **EARLY)
+    try:
+        reader.kill()
+        died = time.monotonic()
+        reader.wait(10)
+        with writer.write(blocking=True, timeout=30) as acquired:
+            took = time.monotonic() - died
+            assert acquired
+        assert took <= EARLY["reclaim_disconnected_after"] + HAND_OFF, f"wrote {took:.2f}s after the reader died"
+    finally:
+        writer.close()
+
+
+def refused_a_read(rwlock: RWLock) -> bool:
+    with rwlock.read() as got:
+        return not got
+
+
+def test_a_killed_waiting_writer_holds_readers_back_no_longer_than_its_claim_lasts(
+    dsn: str, name: str, rw_process: Callable[..., subprocess.Popen[str]], make_rwlock: MakeRWLock
+) -> None:
+    first, late = make_rwlock(), make_rwlock()
+    claim = 2 * FAST["poll_interval"] + FAST["operation_timeout"]  # as docs/concepts/rwlocks.md says
+    with first.read() as got:
+        assert got
+        waiting = rw_process(name, "write", wait_for_hold=False, **FAST)
+        # Once the writer waits, a new reader waits behind it.
+        wait_until(lambda: refused_a_read(late), timeout=30)
+        waiting.kill()
+        died = time.monotonic()
+        waiting.wait(10)
+        with late.read(blocking=True, timeout=claim + HAND_OFF + 10) as acquired:
+            took = time.monotonic() - died
+            assert acquired, "readers proceed once the dead writer's claim ran out"
+    assert took <= claim + HAND_OFF, f"read {took:.2f}s after the waiting writer died"
+
+
+def test_a_table_without_read_write_locks_keeps_its_mutexes_and_says_to_migrate(
+    dsn: str, name: str, admin: psycopg.Connection[Any]
+) -> None:
+    table = f"rw_{name.replace('-', '_')}"
+    assert LockTable(dsn, table=table).create() is True
+    # As a table made before read/write locks: migrate() adds this last, and only then do they count.
+    admin.execute(f"DROP INDEX {table}_rw_writer_key")
+    try:
+        with MutexClient(dsn) as client:
+            with client.mutex("job", table=table, **FAST).acquire() as held:
+                assert held
+            rwlock = client.rwlock(name, table=table, **FAST)
+            with pytest.raises(SchemaError, match="migrate"), rwlock.read():
+                pass
+            assert LockTable(dsn, table=table).migrate() is True
+            assert LockTable(dsn, table=table).migrate() is False, "idempotent"
+            with rwlock.write() as got:
+                assert got
+    finally:
+        admin.execute(f"DROP TABLE IF EXISTS {table}, {table}_semaphores, {table}_rwlocks")
+        admin.execute(f"DROP SEQUENCE IF EXISTS {table}_token_seq")
