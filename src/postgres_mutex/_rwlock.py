@@ -11,6 +11,7 @@ other mode exist.
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from ._acquisition import Acquisition
@@ -222,11 +223,11 @@ class RWLock:
         """Async `fence`, on an `AsyncConnection`."""
         return await self._holding().fence_async(conn)
 
-    def fenced(self, conn: psycopg.Connection[Any]) -> Any:
+    def fenced(self, conn: psycopg.Connection[Any]) -> AbstractContextManager[int]:
         """`Mutex.fenced` for the mode held: a transaction on ``conn``, fenced first; yields the token."""
         return self._holding().fenced(conn)
 
-    def fenced_async(self, conn: psycopg.AsyncConnection[Any]) -> Any:
+    def fenced_async(self, conn: psycopg.AsyncConnection[Any]) -> AbstractAsyncContextManager[int]:
         """Async `fenced`."""
         return self._holding().fenced_async(conn)
 

@@ -22,7 +22,7 @@ import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, LockTable, MutexClient, RWLock, SchemaError
 from tests.support.exclusion import Section, Sections
-from tests.support.fixtures import FAST, ROOT, listens, read_line, wait_until
+from tests.support.fixtures import FAST, ROOT, freeze, listens, read_line, wait_until
 
 MakeRWLock = Callable[..., RWLock]
 
@@ -241,7 +241,9 @@ async def test_async_readers_share_and_an_async_writer_waits_for_them(make_rwloc
 def test_a_fence_works_in_either_mode_and_refuses_a_writer_after_another_took_over(
     make_rwlock: MakeRWLock, dsn: str, name: str
 ) -> None:
-    reader, writer, other = make_rwlock(), make_rwlock(), make_rwlock()
+    # A lease long enough that the writer, its heartbeats stopped, still trusts it throughout.
+    slow = {"heartbeat_interval": 0.5, "alert_threshold": 2.0, "stale_threshold": 20.0}
+    reader, writer, other = make_rwlock(), make_rwlock(**slow), make_rwlock()
     with reader.read() as got, psycopg.connect(dsn) as conn, reader.fenced(conn) as token:
         assert got
         assert token == reader.token
@@ -249,7 +251,8 @@ def test_a_fence_works_in_either_mode_and_refuses_a_writer_after_another_took_ov
         assert got
         with psycopg.connect(dsn) as conn, writer.fenced(conn) as token:
             assert token == writer.token
-        # An operator frees the writer's row while its holder still trusts its lease; another writer comes.
+        # Frozen (no heartbeat notices the loss), its row freed by an operator; another writer comes.
+        freeze(writer._writer)
         assert LockTable(dsn).force_release(f"{name}\x1fw") is not None
         with other.write(blocking=True, timeout=20) as taken:
             assert taken
