@@ -19,9 +19,9 @@ from ._clock import now
 from ._rules import (
     CANCELLED,
     FOREIGN_KEY_VIOLATION,
+    RW_LOST_RACE,
     SERIALIZATION_FAILURE,
     SHAPE_CHANGED,
-    UNIQUE_VIOLATION,
     AcquireResult,
     Outcome,
     acquire_statement,
@@ -284,7 +284,7 @@ class _Attempts:
         lock, span = self.lock, self.span
         # A read/write lock's race lost between its check and its write: a constraint refused the
         # statement, so nothing was written. That is "busy", not a failure (`_sql_rwlocks`).
-        lost_race = lock.rw_mode is not None and exc.sqlstate in (FOREIGN_KEY_VIOLATION, UNIQUE_VIOLATION)
+        lost_race = lock.rw_mode is not None and exc.sqlstate in RW_LOST_RACE
         if lost_race and self.blocking:
             yield Pause(_until(self.deadline, min(lock.timing.poll_interval, _LOST_RACE_PAUSE)))
             return True  # the next attempt's reply, contended or not, meets the deadline's check

@@ -271,6 +271,11 @@ SHAPE_CHANGED = frozenset({UNDEFINED_TABLE, UNDEFINED_COLUMN})
 SERIALIZATION_FAILURE = "40001"
 FOREIGN_KEY_VIOLATION = "23503"
 UNIQUE_VIOLATION = "23505"
+DEADLOCK_DETECTED = "40P01"
+RW_LOST_RACE = frozenset({FOREIGN_KEY_VIOLATION, UNIQUE_VIOLATION, DEADLOCK_DETECTED})
+"""What ends a read/write lock's attempt that lost a race (`_sql_rwlocks`): the statement was refused whole,
+so nothing was written. A deadlock is one of them: a reader removing a dead writer locks its row, then the
+gate; a writer taking that row over locks the gate, then the row; the server ends one of the two."""
 """A permit row named its semaphore with a number of permits that an administrator changed meanwhile."""
 LOCK_NOT_AVAILABLE = "55P03"
 """A row lock not had within ``lock_timeout``: another session holds the row locked."""

@@ -12,8 +12,9 @@ must match its gate, and the gate cannot change mode while a row of the other
 mode refers to it, so readers and a writer never coexist; a unique index
 allows one writer. These statements check first, so that a busy lock is
 answered with a row that says so; a race lost between the check and the
-write is refused by a constraint, which aborts the statement (the acquire
-flow reads that error as "busy": nothing was written).
+write is refused by a constraint (or, rarely, ends in a deadlock the server
+breaks), which aborts the statement: the acquire flow reads that error as
+"busy", since nothing was written.
 
 Writers are preferred: a blocking writer that finds the lock busy stamps the
 gate's ``writer_waiting_until`` (now plus ``waiting_seconds``), moved on at
