@@ -35,9 +35,13 @@ MAX_RWLOCK_NAME = 50
 class _ModeHolder(Holder):
     """One mode of an `RWLock`: what its ``read`` or ``write`` blocks hold."""
 
-    def __init__(self, mode: str, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, mode: str, *args: Any, chosen_id: bool, **kwargs: Any) -> None:
         self._rw_mode = mode
         super().__init__(*args, **kwargs)
+        if not chosen_id:
+            # The RWLock chose it for both modes: a forked child chooses new ones, as a Mutex's does.
+            self._explicit_id = False
+            self._core.register(self._lock, explicit_id=False)
 
     def __repr__(self) -> str:
         return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
@@ -121,8 +125,9 @@ class RWLock:
             "client": client,
             "reclaim_disconnected_after": reclaim_disconnected_after,
         }
-        self._reader = _ModeHolder("read", dsn, name, **options)
-        self._writer = _ModeHolder("write", dsn, name, **options)
+        chosen_id = instance_id is not None
+        self._reader = _ModeHolder("read", dsn, name, chosen_id=chosen_id, **options)
+        self._writer = _ModeHolder("write", dsn, name, chosen_id=chosen_id, **options)
         self._last: _ModeHolder | None = None
         """The mode last asked for: whose fence says why it is not held, when neither is."""
 
@@ -135,7 +140,8 @@ class RWLock:
 
     @property
     def instance_id(self) -> str:
-        """This RWLock's id, in the table's ``instance_id`` column of its rows of either mode."""
+        """This RWLock's id, in the table's ``instance_id`` column of its rows of either mode (in a forked
+        child, each mode's holder chooses its own, unless the id was given)."""
         return self._reader.instance_id
 
     @property

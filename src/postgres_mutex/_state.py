@@ -187,8 +187,6 @@ class LockState:
         self.rw_mode = rw_mode
         """For a read/write lock's holder: the mode it holds, ``"read"`` or ``"write"`` (`_sql_rwlocks`)."""
         self.kind = "lock" if permits is None else "semaphore" if rw_mode is None else "read/write lock"
-        self.row_name = lock_name if rw_mode is None else rw_row_name(lock_name, instance_id, rw_mode)
-        """The ``lock_name`` of the row an acquire writes, when known before it: a read/write lock's is."""
         self.names = names
         self.tracing = tracing
         self.lock_name = lock_name
@@ -226,6 +224,11 @@ class LockState:
                 return None
             return max(0.0, hold.trusted_until - now())
 
+    @property
+    def row_name(self) -> str:
+        """The ``lock_name`` of the row an acquire writes, when known before it: a read/write lock's is."""
+        return self.lock_name if self.rw_mode is None else rw_row_name(self.lock_name, self.instance_id, self.rw_mode)
+
     def params(self) -> dict[str, object]:
         hold = self.hold
         params: dict[str, object] = {
@@ -254,10 +257,8 @@ class LockState:
     def still_busy(self, holder: str | None, held: int | None, waited: float) -> str:
         """Why a blocking acquire timed out, in the words of what this is: a lock, or a semaphore's permits."""
         if self.rw_mode is not None:
-            return (
-                f"read/write lock {self.lock_name!r} not granted for {self.rw_mode} after {waited:g}s "
-                f"(held by {holder or 'another instance'})"
-            )
+            by = holder or "another instance"
+            return f"read/write lock {self.lock_name!r} not granted for {self.rw_mode} after {waited:g}s (held by {by})"
         if self.permits is None:
             return f"lock {self.lock_name!r} still held by {holder or 'another instance'} after {waited:g}s"
         held_now = self.permits if held is None else held
@@ -475,7 +476,7 @@ class LockState:
         self.phase = Phase.IDLE
         self.hold = None
         self.stray_row_possible = False
-        self.instance_id = instance_id
+        self.instance_id = instance_id  # a read/write lock's row_name follows it
         self.events.instance_id = instance_id
         self.alert_gate = AlertGate(self.timing.alert_threshold)
         self.cleanup_on_the_wire = threading.Lock()
