@@ -420,3 +420,26 @@ def test_a_table_without_read_write_locks_keeps_its_mutexes_and_says_to_migrate(
     finally:
         admin.execute(f"DROP TABLE IF EXISTS {table}, {table}_semaphores, {table}_rwlocks")
         admin.execute(f"DROP SEQUENCE IF EXISTS {table}_token_seq")
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_restarted_holder_reusing_its_id_takes_its_row_back_and_the_old_hold_learns_it(
+    dsn: str, name: str, schema: None, mode: str
+) -> None:
+    # As after a lost reply, or a process restarted with the same instance_id: the row is ours already.
+    with MutexClient(dsn) as before, MutexClient(dsn) as after:
+        old = before.rwlock(name, instance_id="catalogue-worker-1", **FAST)
+        new = after.rwlock(name, instance_id="catalogue-worker-1", **FAST)
+        other = after.rwlock(name, **FAST)
+        with pytest.raises(LockNotHeldError), getattr(old, mode)() as got:
+            assert got
+            old_token = old.token
+            assert old_token is not None
+            with getattr(new, mode)() as again:
+                assert again, "its own row, taken back"
+                assert new.token is not None
+                assert new.token > old_token
+                wait_until(lambda: not old.held, timeout=10)
+                if mode == "write":
+                    with other.read() as read:
+                        assert not read, "still one writer: the row was taken back, not doubled"
