@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from postgres_mutex import LockTable, Mutex, MutexClient, SchemaError
+from postgres_mutex import LockTable, Mutex, MutexClient, RWLock, SchemaError
 from tests.support.doc_examples import ROOT, expand
 from tests.support.fixtures import FAST, frozen_holder
 from tests.support.postgres_server import PASSWORD, PostgresServer
@@ -257,6 +257,20 @@ def test_a_role_with_only_dml_privileges_can_do_everything_but_create(
     assert caught.value.sqlstate == "42501"
     holder.close()
     rival.close()
+
+
+def test_a_role_with_only_dml_privileges_can_use_a_read_write_lock(dml_role: str, lock_name: str) -> None:
+    # The README's grants cover the read/write locks' gates, which every acquire may insert or update.
+    writer = RWLock(dml_role, lock_name, **FAST)
+    reader = RWLock(dml_role, lock_name, **FAST)
+    try:
+        with writer.write() as wrote:
+            assert wrote
+        with reader.read() as read:
+            assert read
+    finally:
+        writer.close()
+        reader.close()
 
 
 def test_a_role_without_privileges_gets_a_clear_error(
