@@ -261,8 +261,9 @@ def test_a_role_with_only_dml_privileges_can_do_everything_but_create(
 
 def test_a_role_with_only_dml_privileges_can_use_a_read_write_lock(dml_role: str, lock_name: str) -> None:
     # The README's grants cover the read/write locks' gates, which every acquire may insert or update.
-    writer = RWLock(dml_role, lock_name, **FAST)
-    reader = RWLock(dml_role, lock_name, **FAST)
+    options: dict[str, Any] = dict(FAST)
+    writer = RWLock(dml_role, lock_name, **options)
+    reader = RWLock(dml_role, lock_name, **options)
     try:
         with writer.write() as wrote:
             assert wrote
