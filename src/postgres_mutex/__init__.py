@@ -9,6 +9,7 @@ from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._metrics import FanOutMetrics, LockObservation, MetricsHook, NullMetrics
 from ._mutex import Mutex
+from ._rwlock import RWLock
 from ._semaphore import Semaphore
 from ._version import __version__
 from .client import MutexClient
@@ -50,6 +51,7 @@ __all__ = [
     "OperationTimeout",
     "PermitsMismatchError",
     "PgMutexError",
+    "RWLock",
     "SchemaError",
     "Semaphore",
     "__version__",

@@ -6,8 +6,9 @@ the lock flows, they do no I/O and own their retries and deadlines.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _sql
 from ._clock import now
@@ -17,12 +18,17 @@ from ._rules import (
     PRIVILEGE,
     SERIALIZATION_FAILURE,
     UNDEFINED_COLUMN,
+    AcquireResult,
+    Outcome,
     observe,
 )
 from ._settings import BRIEF_WAIT
 from ._sql import SEPARATOR, Names, Statement, Statements, TableShape
 from ._steps import Execute, Flow, Pause, Result, Shape
 from .errors import DatabaseError, OperationTimeout, SchemaError, phrase
+
+if TYPE_CHECKING:
+    from ._state import LockState
 
 T = TypeVar("T")
 
@@ -112,9 +118,13 @@ def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
     """Whether the table exists, and its shape: a token column, a history, the session columns, semaphores."""
     reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
     assert reply.row is not None
-    exists, has_token, has_history, has_sessions, has_semaphores = reply.row
+    exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks = reply.row
     return bool(exists), TableShape(
-        tokens=bool(has_token), history=bool(has_history), sessions=bool(has_sessions), semaphores=bool(has_semaphores)
+        tokens=bool(has_token),
+        history=bool(has_history),
+        sessions=bool(has_sessions),
+        semaphores=bool(has_semaphores),
+        rwlocks=bool(has_rwlocks),
     )
 
 
@@ -143,7 +153,9 @@ def migrate(
         yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
     if history:
         yield from create_history(names, timeout, history_retention, exists=shape.history)
-    return not (shape.tokens and shape.sessions and shape.semaphores) or (history and not shape.history)
+    return not (shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks) or (
+        history and not shape.history
+    )
 
 
 def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:
@@ -345,3 +357,23 @@ def _server_words(exc: DatabaseError) -> str:
     diag = getattr(cause, "diag", None)
     primary = getattr(diag, "message_primary", None)
     return str(primary) if primary else str(exc)
+
+
+def tokens_appeared(lock: LockState, result: AcquireResult, timeout: float) -> Flow[AcquireResult]:
+    """The table was migrated while this process used it without tokens: use its new shape from now on.
+
+    A fresh row took its token from the column's default. A row taken over
+    kept the previous hold's, which must not name this one: it gets a new
+    token (or none, if that fails: fencing then says the hold has none).
+    """
+    taken_over = result.outcome is not Outcome.ACQUIRED
+    token = None if taken_over else result.token
+    try:
+        statements: Statements = yield Shape(lock.names, timeout, fresh=True)
+        if taken_over and statements.retoken is not None:
+            params = {**lock.params(), "acquired_at": result.acquired_at}
+            reply = yield Execute(statements.retoken, params, timeout, lock.describe("acquire"))
+            token = None if reply.row is None else reply.row[0]
+    except DatabaseError:
+        pass  # the hold stands; only its token is unknown
+    return replace(result, token=token)

@@ -195,7 +195,7 @@ class Engine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
             row = (self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history, has_sessions, has_semaphores = row
+            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -210,6 +210,7 @@ class Engine:
                 history=bool(has_history),
                 sessions=bool(has_sessions),
                 semaphores=bool(has_semaphores),
+                rwlocks=bool(has_rwlocks),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.

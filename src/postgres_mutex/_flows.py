@@ -12,13 +12,14 @@ I/O. The heartbeat's flows are in `_heartbeat_flows`, the table's in
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, TypeVar
 
+from ._admin_flows import tokens_appeared
 from ._clock import now
 from ._rules import (
     CANCELLED,
     FOREIGN_KEY_VIOLATION,
+    RW_LOST_RACE,
     SERIALIZATION_FAILURE,
     SHAPE_CHANGED,
     AcquireResult,
@@ -57,6 +58,8 @@ T = TypeVar("T")
 # A statement capped by an acquire's remaining time still gets this long, so
 # that a nearly spent timeout ends in a real attempt rather than a cut-off one.
 _MIN_STATEMENT_TIMEOUT = 0.1
+_LOST_RACE_PAUSE = 0.05  # seconds at most before a read/write lock's next attempt after a race lost
+
 # At most so many of a semaphore's attempts are sent again at once (`PermitReply.retry_at_once`).
 _QUICK_PERMIT_RETRIES = 5
 
@@ -173,11 +176,17 @@ class _Attempts:
                         self.statements = yield Shape(lock.names, statement_timeout)
                         if lock.timing.reclaim_disconnected_after is not None and not self.statements.shape.sessions:
                             lock.events.sessions_unnamed(lock.names.table_name)
-                    if lock.permits is not None and self.statements.acquire_permit is None:
+                    if (lock.permits is not None and self.statements.acquire_permit is None) or (
+                        lock.rw_mode is not None and self.statements.acquire_read is None
+                    ):
                         self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
+                    params = lock.params()
+                    if lock.rw_mode is not None:
+                        # Only a writer that will wait claims the lock ahead of new readers.
+                        params["waiting"] = self.blocking
                     reply = yield Execute(
-                        acquire_statement(self.statements, lock.permits, lock.lock_name),
-                        lock.params(),
+                        acquire_statement(self.statements, lock.permits, lock.lock_name, lock.rw_mode),
+                        params,
                         statement_timeout,
                         lock.describe("acquire"),
                     )
@@ -196,9 +205,15 @@ class _Attempts:
                     lock.attempt_unanswered(statement_timeout)
                     raise
 
-                read = read_acquire(reply.row, lock.instance_id, lock.permits)
+                read = read_acquire(reply.row, lock.instance_id, lock.permits, wide=lock.rw_mode is not None)
                 result, row_name, self.held_permits = read.result, read.row_name, read.held
-                if read.stored_permits not in (None, lock.permits):
+                if lock.rw_mode is not None:
+                    if read.stored_permits == 1 and self.quick_permit_retries < _QUICK_PERMIT_RETRIES:
+                        # Another reader was opening the gate this one found closed: it is open now.
+                        self.quick_permit_retries += 1
+                        lock.attempt_contended(result.holder)
+                        continue
+                elif read.stored_permits not in (None, lock.permits):
                     lock.attempt_contended(None)
                     raise permits_mismatch(lock.names.table_name, lock.lock_name, lock.permits, read.stored_permits)
                 if read.retry_at_once(lock.permits) and self.quick_permit_retries < _QUICK_PERMIT_RETRIES:
@@ -206,7 +221,7 @@ class _Attempts:
                     lock.attempt_contended(result.holder)
                     continue
                 if result.outcome.acquired and not self.statements.shape.tokens and result.token is not None:
-                    result = yield from _tokens_appeared(lock, result, statement_timeout)
+                    result = yield from tokens_appeared(lock, result, statement_timeout)
                 self.result = result
                 if result.outcome.acquired:
                     assert result.acquired_at is not None
@@ -268,7 +283,13 @@ class _Attempts:
     def _after_failure(self, exc: DatabaseError) -> Flow[bool]:
         """What a failed attempt means: True to try again, False when the lock is busy; else it raises."""
         lock, span = self.lock, self.span
-        if exc.sqlstate == CANCELLED and not self.blocking:
+        # A read/write lock's race lost between its check and its write: a constraint refused the
+        # statement, so nothing was written. That is "busy", not a failure (`_sql_rwlocks`).
+        lost_race = lock.rw_mode is not None and exc.sqlstate in RW_LOST_RACE
+        if lost_race and self.blocking:
+            yield Pause(_until(self.deadline, min(lock.timing.poll_interval, _LOST_RACE_PAUSE)))
+            return True  # the next attempt's reply, contended or not, meets the deadline's check
+        if (exc.sqlstate == CANCELLED or lost_race) and not self.blocking:
             # The server gave up waiting for the row: another session has it
             # locked (an acquire in flight, a holder's fenced transaction).
             busy = AcquireResult(Outcome.CONTENDED, None, None)
@@ -310,26 +331,6 @@ class _Attempts:
         lock.events.attempt_failed(span, exc, retrying_in=pause)
         yield Pause(pause)
         return True
-
-
-def _tokens_appeared(lock: LockState, result: AcquireResult, timeout: float) -> Flow[AcquireResult]:
-    """The table was migrated while this process used it without tokens: use its new shape from now on.
-
-    A fresh row took its token from the column's default. A row taken over
-    kept the previous hold's, which must not name this one: it gets a new
-    token (or none, if that fails: fencing then says the hold has none).
-    """
-    taken_over = result.outcome is not Outcome.ACQUIRED
-    token = None if taken_over else result.token
-    try:
-        statements: Statements = yield Shape(lock.names, timeout, fresh=True)
-        if taken_over and statements.retoken is not None:
-            params = {**lock.params(), "acquired_at": result.acquired_at}
-            reply = yield Execute(statements.retoken, params, timeout, lock.describe("acquire"))
-            token = None if reply.row is None else reply.row[0]
-    except DatabaseError:
-        pass  # the hold stands; only its token is unknown
-    return replace(result, token=token)
 
 
 def _retry_at_once(exc: DatabaseError) -> bool:

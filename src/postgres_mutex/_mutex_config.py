@@ -80,6 +80,7 @@ def new_lock_state(
     on_lost: LostCallback | None,
     tracer_provider: TracerProvider | None,
     permits: int | None = None,
+    rw_mode: str | None = None,
 ) -> LockState:
     """The state of one Mutex's lock on ``core``'s client, with how its events are told."""
     events = LockEvents(
@@ -99,4 +100,5 @@ def new_lock_state(
         tracing=core.tracing(tracer_provider, names.table_name),
         state_lock=core.state_lock,
         permits=permits,
+        rw_mode=rw_mode,
     )

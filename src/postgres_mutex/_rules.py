@@ -7,6 +7,7 @@ a database failure means for the lock are decided here and nowhere else.
 from __future__ import annotations
 
 import enum
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,10 +17,12 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from ._metrics import LockObservation
+from ._sql import SEPARATOR
 from .errors import DatabaseError, OperationTimeout, PermitsMismatchError, SchemaError, phrase
 from .metric_names import RECLAIM_REASONS
 
 if TYPE_CHECKING:
+    from ._settings import Timing
     from ._sql import Statement, Statements
 
 
@@ -96,10 +99,13 @@ class PermitReply:
         return self.stored_permits is None or (self.stored_permits == permits and self.held < permits - 1)
 
 
-def read_acquire(row: Sequence[object] | None, instance_id: str, permits: int | None) -> PermitReply:
-    """Read a mutex's acquire row (`interpret_acquire`) or, with ``permits``, a semaphore's: the same five
-    columns, then the permit row's ``lock_name``, the stored N and how many permits were held."""
-    if permits is None:
+def read_acquire(
+    row: Sequence[object] | None, instance_id: str, permits: int | None, *, wide: bool = False
+) -> PermitReply:
+    """Read a mutex's acquire row (`interpret_acquire`) or, with ``permits`` (or ``wide``: a read/write lock's), the
+    same five columns, then the row's ``lock_name``, the stored N (for a read/write lock: 1 to try again at once)
+    and how many rows were held."""
+    if permits is None and not wide:
         return PermitReply(interpret_acquire(row, instance_id), None, None, 0)
     if row is None or len(row) != 8:
         raise ValueError(f"unexpected acquire result {row!r}")
@@ -115,8 +121,21 @@ def read_acquire(row: Sequence[object] | None, instance_id: str, permits: int | 
     )
 
 
-def acquire_statement(statements: Statements, permits: int | None, name: str) -> Statement:
-    """The mutex's acquire, or (with ``permits``) a semaphore's, which needs a table migrated for semaphores."""
+def acquire_statement(statements: Statements, permits: int | None, name: str, rw_mode: str | None = None) -> Statement:
+    """The mutex's acquire, or (with ``permits``) a semaphore's, or (with ``rw_mode``) a read/write lock's; the
+    last two need a table migrated for them."""
+    if rw_mode is not None:
+        chosen = statements.acquire_read if rw_mode == "read" else statements.acquire_write
+        if chosen is None:
+            raise SchemaError(
+                phrase(
+                    "read/write lock {name!r} needs the read/write locks' table and columns, which the lock table "
+                    "{table} lacks: run {LockTable.migrate()} once; mutexes keep working meanwhile",
+                    name=name,
+                    table=statements.names.table_name,
+                )
+            )
+        return chosen
     if permits is None:
         return statements.acquire
     if statements.acquire_permit is None:
@@ -251,6 +270,12 @@ SHAPE_CHANGED = frozenset({UNDEFINED_TABLE, UNDEFINED_COLUMN})
 """A statement named a table or column that is not there: the table changed since it was inspected."""
 SERIALIZATION_FAILURE = "40001"
 FOREIGN_KEY_VIOLATION = "23503"
+UNIQUE_VIOLATION = "23505"
+DEADLOCK_DETECTED = "40P01"
+RW_LOST_RACE = frozenset({FOREIGN_KEY_VIOLATION, UNIQUE_VIOLATION, DEADLOCK_DETECTED})
+"""What ends a read/write lock's attempt that lost a race (`_sql_rwlocks`): the statement was refused whole,
+so nothing was written. A deadlock is one of them: a reader removing a dead writer locks its row, then the
+gate; a writer taking that row over locks the gate, then the row; the server ends one of the two."""
 """A permit row named its semaphore with a number of permits that an administrator changed meanwhile."""
 LOCK_NOT_AVAILABLE = "55P03"
 """A row lock not had within ``lock_timeout``: another session holds the row locked."""
@@ -349,3 +374,22 @@ def classify_failure(
             f"{action} failed: {detail}", transient=transient, outcome_unknown=unknown, sqlstate=sqlstate
         )
     return error
+
+
+def rw_row_name(lock_name: str, instance_id: str, mode: str) -> str:
+    """The ``lock_name`` of a read/write lock's row (`_sql_rwlocks`): one writer's, or each reader's own.
+
+    A reader's carries a digest of its instance id: distinct per holder, and short enough to fit.
+    """
+    if mode == "write":
+        return f"{lock_name}{SEPARATOR}w"
+    return f"{lock_name}{SEPARATOR}r{hashlib.sha256(instance_id.encode()).hexdigest()[:12]}"
+
+
+def writer_claim_seconds(timing: Timing) -> float:
+    """How long a waiting writer's claim keeps new readers out without being renewed.
+
+    A blocking writer renews it at every attempt, at least every ``poll_interval``; an attempt may take
+    up to ``operation_timeout``. Twice the one plus the other leaves room for one late attempt.
+    """
+    return 2 * timing.poll_interval + timing.operation_timeout

@@ -1,11 +1,11 @@
 """`Semaphore`: at most N holders at once, across the fleet, with every guarantee of `Mutex`.
 
-A Semaphore is a Mutex whose lock has N permits: each hold is one permit, a
+A Semaphore is a sibling of `Mutex` (both are `Holder`s) whose lock has N permits: each hold is one permit, a
 row of the lock table of its own (`_sql_permits`), so the client's one
 heartbeat statement renews it with the mutexes' holds, and its lease, doubt,
 early reclaim, fencing, history and ``on_lost`` are the mutex's, unchanged.
 The acquire, the waiting (woken by any release of a permit of the same
-semaphore) and the messages are what differ; the rest is `Mutex`'s own code.
+semaphore) and the messages are what differ; the rest is the code every holder shares.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._events import LostCallback
-from ._mutex import Mutex
+from ._holder import Holder
 from ._settings import check_permit_count
 from ._sql import SEPARATOR
 from .client import BUILT_ON_IT, MutexClient
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 
-class Semaphore(Mutex):
+class Semaphore(Holder):
     """A distributed semaphore: at most ``permits`` holders of ``name`` at once, enforced by the database.
 
     ``Semaphore(dsn, "partner-api", permits=3)`` takes every option of
@@ -119,7 +119,7 @@ class Semaphore(Mutex):
             f"table={self.table!r} status={self._lock.phase.value}>"
         )
 
-    def _new_sibling(self, lock_name: str) -> Mutex:
+    def _new_sibling(self, lock_name: str) -> Semaphore:
         """A Semaphore of another name (see `Siblings`), on the same client, with the same permits and settings."""
         sibling = self._client.semaphore(lock_name, permits=self.permits, instance_id=self.instance_id, **self._options)
         if not self._explicit_id:

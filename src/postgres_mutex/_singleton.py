@@ -21,7 +21,7 @@ from ._settings import check_name, check_wait
 from .errors import LockAlreadyHeldError
 
 if TYPE_CHECKING:
-    from ._mutex import Mutex
+    from ._holder import Holder
 
 logger = logging.getLogger("postgres_mutex")
 
@@ -30,7 +30,7 @@ R = TypeVar("R")
 
 
 def only_while_held(
-    target: Mutex, *, blocking: bool, timeout: float | None
+    target: Holder, *, blocking: bool, timeout: float | None
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """The decorator `Mutex.singleton` returns: ``func`` runs inside ``target.acquire(...)``, or not at all."""
 
@@ -54,7 +54,7 @@ def only_while_held(
 
 
 def only_while_held_async(
-    target: Mutex, *, blocking: bool, timeout: float | None
+    target: Holder, *, blocking: bool, timeout: float | None
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]:
     """The decorator `Mutex.singleton_async` returns, for coroutine functions."""
 
@@ -84,12 +84,12 @@ class Siblings:
     settings and its identity), the first time a decorator names its lock.
     """
 
-    def __init__(self, mutex: Mutex, make: Callable[[str], Mutex]) -> None:
+    def __init__(self, mutex: Holder, make: Callable[[str], Holder]) -> None:
         self._mutex = mutex
         self._make = make
-        self._made: dict[str, Mutex] = {}
+        self._made: dict[str, Holder] = {}
 
-    def get(self, lock_name: str | None) -> Mutex:
+    def get(self, lock_name: str | None) -> Holder:
         """The Mutex for ``lock_name``: the Mutex itself for its own name (or None)."""
         if lock_name is None or lock_name == self._mutex.lock_name:
             return self._mutex

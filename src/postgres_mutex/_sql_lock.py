@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from psycopg import sql
 
 from . import _sql_permits as permits_sql
+from . import _sql_rwlocks as rwlocks_sql
 from . import _sql_sessions as sessions
 from ._sql_history import acquire_history, heartbeat_alerts, hold_ended, read_history
 from ._sql_names import Names
@@ -41,11 +42,14 @@ class TableShape:
     a holder whose session ended may be reclaimed before ``stale_threshold``."""
     semaphores: bool = False
     """The semaphores' table (``<table>_semaphores``) and the permit columns and constraints (`_sql_permits`)."""
+    rwlocks: bool = False
+    """The read/write locks' gates (``<table>_rwlocks``) and the columns and constraints of their rows
+    (`_sql_rwlocks`)."""
 
 
 LEGACY = TableShape(tokens=False)
-CURRENT = TableShape(tokens=True, sessions=True, semaphores=True)
-CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True, sessions=True, semaphores=True)
+CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True)
+CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True, sessions=True, semaphores=True, rwlocks=True)
 
 _NOTHING = sql.SQL("")
 
@@ -92,6 +96,10 @@ class Statements:
         self.acquire_permit = permits_sql.acquire_permit(names, history=history) if permits else None
         self.cleanup_permit = permits_sql.cleanup_permit(names, history=history) if permits else None
         self.set_permits = permits_sql.set_permits(names, history=history) if permits else None
+        # Read/write locks need tokens and sessions too, which every migration adds before them.
+        rw = shape.rwlocks and shape.tokens and shape.sessions
+        self.acquire_read = rwlocks_sql.acquire_read(names) if rw else None
+        self.acquire_write = rwlocks_sql.acquire_write(names) if rw else None
 
 
 def _acquire(names: Names, shape: TableShape) -> Statement:

@@ -97,6 +97,16 @@ class Names:
         self.permit_index_parts = _derived(self.parts, "_permit_key")
         self.permit_index = sql.Identifier(self.permit_index_parts[-1])
         self.permit_index_text = sql.Literal(render(sql.Identifier(*self.permit_index_parts)))
+        # Read/write locks: their gates (one row each: the mode rows may take), and what ties the rows to them.
+        self.rwlocks_parts = _derived(self.parts, "_rwlocks")
+        self.rwlocks = sql.Identifier(*self.rwlocks_parts)
+        self.rwlocks_pkey = sql.Identifier(_derived(self.parts, "_rwlocks_pkey")[-1])
+        self.rwlocks_unique = sql.Identifier(_derived(self.parts, "_rwlocks_name_mode_key")[-1])
+        self.rw_gated = _derived(self.parts, "_rw_gated")[-1]
+        self.rw_paired = _derived(self.parts, "_rw_paired")[-1]
+        self.rw_writer_index_parts = _derived(self.parts, "_rw_writer_key")
+        self.rw_writer_index = sql.Identifier(self.rw_writer_index_parts[-1])
+        self.rw_writer_index_text = sql.Literal(render(sql.Identifier(*self.rw_writer_index_parts)))
 
     @functools.cached_property
     def fence(self) -> str:

@@ -34,6 +34,7 @@ def create_table(names: Names) -> Statement:
         sql.SQL(
             """CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint CACHE 1 NO CYCLE;
 {semaphores};
+{rwlocks};
 CREATE TABLE IF NOT EXISTS {table} (
   lock_name      VARCHAR(64) NOT NULL,
   locked         INT NOT NULL DEFAULT 1,
@@ -47,13 +48,17 @@ CREATE TABLE IF NOT EXISTS {table} (
   semaphore      VARCHAR(64),
   permit         INT,
   permits        INT,
+  rwlock         VARCHAR(64),
+  rw_mode        TEXT,
   CONSTRAINT {unique} UNIQUE (locked, lock_name),
   CONSTRAINT chk_locked CHECK (locked = 1),
-  {permit_constraints}
+  {permit_constraints},
+  {rw_constraints}
 );
 ALTER SEQUENCE {sequence} OWNED BY {table}.token;
 CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token);
-{permit_index}"""
+{permit_index};
+{rw_writer_index}"""
         ).format(
             table=names.table,
             unique=names.unique,
@@ -63,6 +68,9 @@ CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token);
             semaphores=_create_semaphores(names),
             permit_constraints=sql.SQL(",\n  ").join(_permit_constraints(names)),
             permit_index=_permit_index(names),
+            rwlocks=_create_rwlocks(names),
+            rw_constraints=sql.SQL(",\n  ").join(_rw_constraints(names)),
+            rw_writer_index=_rw_writer_index(names),
         ),
     )
 
@@ -108,9 +116,53 @@ def _permit_index(names: Names) -> sql.Composable:
     ).format(index=names.permit_index, table=names.table)
 
 
+def _create_rwlocks(names: Names) -> sql.Composable:
+    """The read/write locks' gates: the mode each lock's rows may take now, and a waiting writer's claim.
+
+    ``writer_waiting_until``: while it is in the future, no new reader is let in
+    (`_sql_rwlocks`); a waiting writer moves it on at each attempt.
+    """
+    return sql.SQL(
+        """CREATE TABLE IF NOT EXISTS {rwlocks} (
+  name                 VARCHAR(64) NOT NULL,
+  mode                 TEXT NOT NULL CHECK (mode IN ('read', 'write')),
+  writer_waiting_until TIMESTAMPTZ,
+  CONSTRAINT {pkey} PRIMARY KEY (name),
+  CONSTRAINT {unique} UNIQUE (name, mode)
+)"""
+    ).format(rwlocks=names.rwlocks, pkey=names.rwlocks_pkey, unique=names.rwlocks_unique)
+
+
+def _rw_constraints(names: Names) -> list[sql.Composable]:
+    """What makes a reader and a writer at once impossible, whatever a client sends.
+
+    A read/write lock's row names its lock and its mode, and the gate of that
+    lock must say the same mode (the foreign key). NO ACTION: the gate cannot
+    change mode while a row of the other mode refers to it, so rows of both
+    modes never exist together. A mutex's or a permit's row leaves both
+    columns NULL, which MATCH SIMPLE does not check.
+    """
+    return [
+        sql.SQL("CONSTRAINT {gated} FOREIGN KEY (rwlock, rw_mode) REFERENCES {rwlocks} (name, mode)").format(
+            gated=sql.Identifier(names.rw_gated), rwlocks=names.rwlocks
+        ),
+        sql.SQL(
+            "CONSTRAINT {paired} CHECK ((rwlock IS NULL) = (rw_mode IS NULL) AND (rwlock IS NULL OR semaphore IS NULL))"
+        ).format(paired=sql.Identifier(names.rw_paired)),
+    ]
+
+
+def _rw_writer_index(names: Names) -> sql.Composable:
+    """One writer per read/write lock, whatever its row is named."""
+    return sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {index} ON {table} (rwlock) WHERE rw_mode = 'write'").format(
+        index=names.rw_writer_index, table=names.table
+    )
+
+
 def inspect_table(names: Names) -> Statement:
-    """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores)``, under its
-    own deadline. Semaphores count only once their last migration step (the permits' unique index) is done."""
+    """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks)``,
+    under its own deadline. Semaphores (read/write locks) count only once their last migration step (the unique
+    index) is done."""
     return statement(
         names.table_name,
         "inspection",
@@ -121,11 +173,13 @@ def inspect_table(names: Names) -> Statement:
        to_regclass({history_text}) IS NOT NULL,
        (SELECT count(*) = {count} FROM pg_attribute
          WHERE attrelid = to_regclass({table_text}) AND attname = ANY({columns}) AND NOT attisdropped),
-       to_regclass({semaphores_text}) IS NOT NULL AND to_regclass({permit_index_text}) IS NOT NULL"""
+       to_regclass({semaphores_text}) IS NOT NULL AND to_regclass({permit_index_text}) IS NOT NULL,
+       to_regclass({rw_writer_index_text}) IS NOT NULL"""
         ).format(
             table_text=sql.Literal(render(names.table)),
             semaphores_text=names.semaphores_text,
             permit_index_text=names.permit_index_text,
+            rw_writer_index_text=names.rw_writer_index_text,
             history_text=sql.Literal(render(names.history)),
             count=sql.Literal(len(SESSION_COLUMNS)),
             columns=sql.Literal(list(SESSION_COLUMNS)),
@@ -254,4 +308,27 @@ END $migrate$"""
             ),
         ),
         step("index the permits, one row each", _permit_index(names)),
+        step("create the read/write locks' gates", _create_rwlocks(names)),
+        step(
+            "add the columns of read/write locks' rows",
+            sql.SQL(
+                "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS rwlock VARCHAR(64), ADD COLUMN IF NOT EXISTS rw_mode TEXT"
+            ).format(**fmt),
+        ),
+        step(
+            "tie each read/write lock's row to its gate",
+            sql.SQL(
+                """DO $migrate$ BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = {table_text}::regclass AND conname = {gated}) THEN
+    ALTER TABLE {table} ADD {constraints};
+  END IF;
+END $migrate$"""
+            ).format(
+                table_text=sql.Literal(render(names.table)),
+                gated=sql.Literal(names.rw_gated),
+                constraints=sql.SQL(", ADD ").join(_rw_constraints(names)),
+                table=names.table,
+            ),
+        ),
+        step("index the writers, one per read/write lock", _rw_writer_index(names)),
     ]

@@ -47,7 +47,7 @@ from opentelemetry.trace import SpanContext
 
 from ._clock import now
 from ._events import LockEvents
-from ._rules import AlertGate
+from ._rules import AlertGate, rw_row_name, writer_claim_seconds
 from ._settings import Timing
 from .errors import LockAlreadyHeldError, LockNotHeldError
 
@@ -181,9 +181,12 @@ class LockState:
         tracing: Tracing,
         state_lock: StateLock,
         permits: int | None = None,
+        rw_mode: str | None = None,
     ) -> None:
         self.permits = permits
-        self.kind = "lock" if permits is None else "semaphore"
+        self.rw_mode = rw_mode
+        """For a read/write lock's holder: the mode it holds, ``"read"`` or ``"write"`` (`_sql_rwlocks`)."""
+        self.kind = "lock" if permits is None else "semaphore" if rw_mode is None else "read/write lock"
         self.names = names
         self.tracing = tracing
         self.lock_name = lock_name
@@ -221,10 +224,15 @@ class LockState:
                 return None
             return max(0.0, hold.trusted_until - now())
 
+    @property
+    def row_name(self) -> str:
+        """The ``lock_name`` of the row an acquire writes, when known before it: a read/write lock's is."""
+        return self.lock_name if self.rw_mode is None else rw_row_name(self.lock_name, self.instance_id, self.rw_mode)
+
     def params(self) -> dict[str, object]:
         hold = self.hold
         params: dict[str, object] = {
-            "lock_name": self.lock_name if hold is None else hold.row_name,
+            "lock_name": self.row_name if hold is None else hold.row_name,
             "instance_id": self.instance_id,
             "stale_seconds": self.timing.stale_threshold,
             "reclaim_seconds": self.timing.reclaim_disconnected_after,
@@ -236,6 +244,11 @@ class LockState:
         if self.permits is not None:
             params["semaphore"] = self.lock_name
             params["permits"] = self.permits
+        if self.rw_mode is not None:
+            params["rwlock"] = self.lock_name
+            params["row_name"] = self.row_name
+            params["waiting"] = False
+            params["waiting_seconds"] = writer_claim_seconds(self.timing)
         return params
 
     def describe(self, verb: str) -> str:
@@ -243,6 +256,9 @@ class LockState:
 
     def still_busy(self, holder: str | None, held: int | None, waited: float) -> str:
         """Why a blocking acquire timed out, in the words of what this is: a lock, or a semaphore's permits."""
+        if self.rw_mode is not None:
+            by = holder or "another instance"
+            return f"read/write lock {self.lock_name!r} not granted for {self.rw_mode} after {waited:g}s (held by {by})"
         if self.permits is None:
             return f"lock {self.lock_name!r} still held by {holder or 'another instance'} after {waited:g}s"
         held_now = self.permits if held is None else held
@@ -254,6 +270,8 @@ class LockState:
             if self.permits is None
             else f"semaphore {self.lock_name!r}: no permit is held by instance {self.instance_id!r}"
         )
+        if self.rw_mode is not None:
+            said = f"read/write lock {self.lock_name!r} is not held for {self.rw_mode} by instance {self.instance_id!r}"
         return LockNotHeldError(
             f"{said}: {reason}",
             lock_name=self.lock_name,
@@ -266,6 +284,11 @@ class LockState:
     def begin_acquire(self) -> int:
         """Start an acquire; returns its generation, superseding earlier clean-ups. Raises `LockAlreadyHeldError`."""
         with self._lock:
+            if self.phase is not Phase.IDLE and self.rw_mode is not None:
+                raise LockAlreadyHeldError(
+                    f"this RWLock already holds or is acquiring read/write lock {self.lock_name!r} for {self.rw_mode} "
+                    f"(instance_id {self.instance_id!r}); use a separate RWLock per concurrent holder"
+                )
             if self.phase is not Phase.IDLE and self.permits is not None:
                 raise LockAlreadyHeldError(
                     f"this Semaphore already holds or is acquiring a permit of semaphore {self.lock_name!r} "
@@ -453,7 +476,7 @@ class LockState:
         self.phase = Phase.IDLE
         self.hold = None
         self.stray_row_possible = False
-        self.instance_id = instance_id
+        self.instance_id = instance_id  # a read/write lock's row_name follows it
         self.events.instance_id = instance_id
         self.alert_gate = AlertGate(self.timing.alert_threshold)
         self.cleanup_on_the_wire = threading.Lock()

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
     from ._mutex import Mutex
+    from ._rwlock import RWLock
     from ._semaphore import Semaphore
     from .table import LockTable
 
@@ -113,6 +114,16 @@ class MutexClient:
                 raise TypeError(f"semaphore() takes no {given}=: the client already knows how to reach PostgreSQL")
         return BUILT_ON_IT.semaphore(name=name, permits=permits, client=self, **options)
 
+    def rwlock(self, name: str, **options: Any) -> RWLock:
+        """An `RWLock` on this client: ``client.rwlock("catalogue")``.
+
+        Takes every option of `RWLock` but the connection ones.
+        """
+        for given in ("dsn", "pool", "async_pool", "client"):
+            if given in options:
+                raise TypeError(f"rwlock() takes no {given}=: the client already knows how to reach PostgreSQL")
+        return BUILT_ON_IT.rwlock(name=name, client=self, **options)
+
     def table(self, table: str = "mutex_lock") -> LockTable:
         """The admin API (`LockTable`) for one lock table, on this client's connections."""
         return BUILT_ON_IT.table(client=self, table=table)
@@ -171,6 +182,7 @@ class _BuiltOnIt:
 
     mutex: Callable[..., Mutex]
     semaphore: Callable[..., Semaphore]
+    rwlock: Callable[..., RWLock]
     table: Callable[..., LockTable]
 
 

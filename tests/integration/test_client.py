@@ -348,14 +348,16 @@ def test_pool_mode_borrows_at_most_one_connection_per_operation(dsn: str, schema
         client.close()
 
 
-@pytest.mark.parametrize("owner", ["Mutex", "LockTable", "MutexClient"])
+@pytest.mark.parametrize("owner", ["Mutex", "LockTable", "MutexClient", "RWLock"])
 def test_every_sync_method_has_an_async_twin_with_the_same_parameters(owner: str) -> None:
     import postgres_mutex
 
     cls = getattr(postgres_mutex, owner)
     twins = {"close": "aclose", "__enter__": "__aenter__", "__exit__": "__aexit__"}
     checked = 0
-    for name, member in vars(cls).items():
+    # Its own methods and those it inherits (a Mutex's are its base's, shared with the other holders).
+    members = {name: member for klass in reversed(cls.__mro__) for name, member in vars(klass).items()}
+    for name, member in members.items():
         if (name.startswith("_") and name not in twins) or not inspect.isfunction(member):
             continue
         if name.endswith("_async") or name in twins.values() or name in ("mutex", "table", "close_async"):
@@ -364,7 +366,8 @@ def test_every_sync_method_has_an_async_twin_with_the_same_parameters(owner: str
         if twin is None:
             continue
         checked += 1
-        assert inspect.iscoroutinefunction(twin) or name in ("acquire", "singleton", "fenced"), f"{owner}.{name}"
+        context_managers = ("acquire", "singleton", "fenced", "read", "write")
+        assert inspect.iscoroutinefunction(twin) or name in context_managers, f"{owner}.{name}"
         ours, theirs = inspect.signature(member).parameters, inspect.signature(twin).parameters
         assert list(ours) == list(theirs), f"{owner}.{name} and its twin take the same parameters"
         for parameter in ours:

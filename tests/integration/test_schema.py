@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from postgres_mutex import LockTable, Mutex, MutexClient, SchemaError
+from postgres_mutex import LockTable, Mutex, MutexClient, RWLock, SchemaError
 from tests.support.doc_examples import ROOT, expand
 from tests.support.fixtures import FAST, frozen_holder
 from tests.support.postgres_server import PASSWORD, PostgresServer
@@ -41,6 +41,9 @@ def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) ->
         ("semaphore", "character varying", 64, "YES", None),
         ("permit", "integer", None, "YES", None),
         ("permits", "integer", None, "YES", None),
+        # A read/write lock's row: its lock and mode, NULL in a mutex's or a permit's row.
+        ("rwlock", "character varying", 64, "YES", None),
+        ("rw_mode", "text", None, "YES", None),
     ]
     constraints = admin.execute(
         """SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
@@ -52,6 +55,10 @@ def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) ->
             "mutex_lock_permit_in_range",
             "CHECK ((((semaphore IS NULL) = (permit IS NULL)) AND ((semaphore IS NULL) = (permits IS NULL)) "
             "AND (permit >= 0) AND (permit < permits)))",
+        ),
+        (
+            "mutex_lock_rw_paired",
+            "CHECK ((((rwlock IS NULL) = (rw_mode IS NULL)) AND ((rwlock IS NULL) OR (semaphore IS NULL))))",
         ),
         ("uq_mutex_lock", "UNIQUE (locked, lock_name)"),
     ]
@@ -250,6 +257,21 @@ def test_a_role_with_only_dml_privileges_can_do_everything_but_create(
     assert caught.value.sqlstate == "42501"
     holder.close()
     rival.close()
+
+
+def test_a_role_with_only_dml_privileges_can_use_a_read_write_lock(dml_role: str, lock_name: str) -> None:
+    # The README's grants cover the read/write locks' gates, which every acquire may insert or update.
+    options: dict[str, Any] = dict(FAST)
+    writer = RWLock(dml_role, lock_name, **options)
+    reader = RWLock(dml_role, lock_name, **options)
+    try:
+        with writer.write() as wrote:
+            assert wrote
+        with reader.read() as read:
+            assert read
+    finally:
+        writer.close()
+        reader.close()
 
 
 def test_a_role_without_privileges_gets_a_clear_error(

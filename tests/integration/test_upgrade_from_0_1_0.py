@@ -702,14 +702,23 @@ def test_the_table_is_0_1_0s_table_plus_a_token_column(
         ("semaphore", "YES", None),
         ("permit", "YES", None),
         ("permits", "YES", None),
+        # And a read/write lock's row (concepts/rwlocks.md): NULL in every row 0.1.0 writes.
+        ("rwlock", "YES", None),
+        ("rw_mode", "YES", None),
     ]
     assert re.fullmatch(r"nextval\('([a-z0-9_]+\.)?mutex_lock_token_seq'::regclass\)", default), (
         f"a row 0.1.0 inserts takes a token from the column's default: {default}"
     )
     readme_definitions = [definition for _, definition in readme_constraints]
     assert [definition for _, definition in old_constraints] == readme_definitions
-    # The semaphores' constraints check nothing in a row whose permit columns are NULL, as 0.1.0's are.
-    permits = {"mutex_lock_permit_declared", "mutex_lock_permit_in_range"}
+    # The semaphores' and read/write locks' constraints check nothing in a row whose columns of theirs are
+    # NULL, as 0.1.0's are.
+    permits = {
+        "mutex_lock_permit_declared",
+        "mutex_lock_permit_in_range",
+        "mutex_lock_rw_gated",
+        "mutex_lock_rw_paired",
+    }
     assert {name for name, _ in new_constraints} - permits == {"chk_locked", "uq_mutex_lock"}
     new_constraints = [(name, definition) for name, definition in new_constraints if name not in permits]
     assert [definition for _, definition in new_constraints] == readme_definitions

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from postgres_mutex import LockNotHeldError, Mutex
+from postgres_mutex import LockNotHeldError
+from postgres_mutex._holder import Holder  # what Mutex, Semaphore and RWLock holders share
 
 
 @dataclass
@@ -114,7 +115,7 @@ class Sections:
             section.exit = time.monotonic()
 
     @contextmanager
-    def holding(self, mutex: Mutex, who: str, **acquire: Any) -> Iterator[bool]:
+    def holding(self, mutex: Holder, who: str, **acquire: Any) -> Iterator[bool]:
         """``with mutex.acquire(...)`` recording the section; a lost lock ends it when it is lost."""
         with mutex.acquire(**acquire) as acquired:
             if not acquired:

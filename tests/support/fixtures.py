@@ -22,6 +22,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, Mutex
+from postgres_mutex._holder import Holder  # what Mutex, Semaphore and RWLock holders share
 from postgres_mutex._sql import Names
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
@@ -61,7 +62,7 @@ async def await_until(predicate: Callable[[], object], *, timeout: float = 10.0,
         await asyncio.sleep(interval)
 
 
-async def held_in_a_task(mutex: Mutex) -> asyncio.Task[None]:
+async def held_in_a_task(mutex: Holder) -> asyncio.Task[None]:
     """A task that holds ``mutex`` in an ``async with`` block until cancelled; returned once it holds it."""
     entered = asyncio.Event()
 
@@ -102,7 +103,7 @@ def required_tool(name: str, package: str) -> str:
 
 
 @contextlib.contextmanager
-def frozen_holder(mutex: Mutex) -> Iterator[None]:
+def frozen_holder(mutex: Holder) -> Iterator[None]:
     """Hold the lock, then stop heartbeating as a frozen process would.
 
     The row goes stale and the holder's lease runs out, so leaving the block
@@ -114,14 +115,14 @@ def frozen_holder(mutex: Mutex) -> Iterator[None]:
         yield
 
 
-def thaw(mutex: Mutex) -> None:
+def thaw(mutex: Holder) -> None:
     """Let a holder `freeze` stopped heartbeat again, as a process resumed after SIGCONT would."""
     hold = mutex._lock.hold
     assert hold is not None
     hold.paused = False
 
 
-def freeze(mutex: Mutex) -> None:
+def freeze(mutex: Holder) -> None:
     """Stop a holder's heartbeats, as if its process froze (its lease still runs out, and is noticed)."""
     hold = mutex._lock.hold
     assert hold is not None
@@ -139,7 +140,7 @@ def channel_of(lock_name: str, table: str = "mutex_lock") -> str:
     return Names(table).channel(lock_name)
 
 
-def listens(mutex: Mutex, *, engine: Any = None) -> bool:
+def listens(mutex: Holder, *, engine: Any = None) -> bool:
     """In-process: the client of ``mutex`` LISTENs on its lock's channel (``engine``: an async engine, else sync).
 
     A waiter asks its client's listener to LISTEN, then tries the lock once

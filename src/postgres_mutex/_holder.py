@@ -1,0 +1,455 @@
+"""`Holder`: what Mutex, Semaphore and a read/write lock's holders share, as siblings.
+
+Each of them is one hold at a time of something in the lock table, renewed by
+the client's heartbeat, with the same lease, doubt, early reclaim, fencing,
+decorators and closing. They differ in what they hold (a lock, a permit, a
+mode of a read/write lock: the `LockState` made for them), how they are
+named and described, and what a sibling of another name is. A Semaphore is
+therefore no Mutex (``isinstance`` says so): neither can stand in for the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+
+from . import _acquisition, _acquisition_async
+from . import _flows as flows
+from . import _heartbeat_flows as heartbeat_flows
+from ._acompat import current_owner
+from ._acquisition import Acquisition
+from ._acquisition_async import AsyncAcquisition
+from ._candidacy import Candidacy
+from ._closing import release_on_aclose, release_on_close
+from ._events import LostCallback
+from ._mutex_config import MutexConfig, check_reclaim_source, checked_names, new_lock_state
+from ._own_watch import OwnLockWatch
+from ._settings import Timing, check_wait, default_instance_id
+from ._singleton import Siblings, singleton_decorator, singleton_decorator_async
+from ._sql import Names
+from .client import MutexClient, core_of, shared_client
+
+if TYPE_CHECKING:
+    import psycopg
+    from opentelemetry.trace import TracerProvider
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    from .watcher import StaleWatcher
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Holder:
+    """One hold at a time of something in the lock table, with every guarantee of a `Mutex`.
+
+    Not used on its own: `Mutex`, `Semaphore` and `RWLock`'s holders are made
+    of it, and each says what it holds (its `LockState`), how it is described
+    and what a sibling of another name is. The docstrings below speak of the
+    Mutex; for the others, "the lock" is what they hold (a permit, a mode).
+    """
+
+    _permits: int | None = None
+    """What its lock has: one holder (None), or a `Semaphore`'s permits."""
+    _rw_mode: str | None = None
+    """For a read/write lock's holder: the mode it holds."""
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        lock_name: str | None = None,
+        *,
+        pool: ConnectionPool[Any] | None = None,
+        async_pool: AsyncConnectionPool[Any] | None = None,
+        instance_id: str | None = None,
+        table: str = "mutex_lock",
+        heartbeat_interval: float = 10.0,
+        alert_threshold: float = 30.0,
+        stale_threshold: float = 600.0,
+        poll_interval: float = 0.5,
+        metrics: object | None = None,
+        on_lost: LostCallback | None = None,
+        operation_timeout: float | None = None,
+        watch: bool = False,
+        tracer_provider: TracerProvider | None = None,
+        client: MutexClient | None = None,
+        reclaim_disconnected_after: float | None = None,
+    ) -> None:
+        lock_name, instance_id = checked_names(lock_name, instance_id)
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
+        if not isinstance(watch, bool):
+            raise TypeError(f"watch must be a bool, not {type(watch).__name__}")
+        timing = Timing.validate(
+            heartbeat_interval=heartbeat_interval,
+            alert_threshold=alert_threshold,
+            stale_threshold=stale_threshold,
+            poll_interval=poll_interval,
+            operation_timeout=operation_timeout,
+            reclaim_disconnected_after=reclaim_disconnected_after,
+        )
+        names = Names(table)
+        if client is None:
+            client = shared_client(dsn, pool, async_pool)
+        elif dsn is not None or pool is not None or async_pool is not None:
+            raise ValueError("pass either client or dsn/pool/async_pool, not both")
+        check_reclaim_source(timing, client)
+        self._client = client
+        core = self._core = core_of(client)
+        self._metrics = metrics
+        self._lock = new_lock_state(
+            core,
+            names=names,
+            lock_name=lock_name,
+            instance_id=instance_id if instance_id is not None else default_instance_id(),
+            timing=timing,
+            metrics=metrics,
+            on_lost=on_lost,
+            tracer_provider=tracer_provider,
+            permits=self._permits,
+            rw_mode=self._rw_mode,
+        )
+        self._engine_for = functools.partial(core.engine_for, self._lock)
+        self._engine_async_for = functools.partial(core.engine_async_for, self._lock)
+        core.register(self._lock, explicit_id=instance_id is not None)
+        core.attach()
+        self._attached = True
+        self._options: dict[str, Any] = {
+            "table": table,
+            "heartbeat_interval": heartbeat_interval,
+            "alert_threshold": alert_threshold,
+            "stale_threshold": stale_threshold,
+            "poll_interval": poll_interval,
+            "metrics": metrics,
+            "on_lost": on_lost,
+            "operation_timeout": operation_timeout,
+            "tracer_provider": tracer_provider,
+            "reclaim_disconnected_after": reclaim_disconnected_after,
+        }
+        self._explicit_id = instance_id is not None
+        self._siblings = Siblings(self, self._new_sibling)
+        self._candidacy = Candidacy(
+            self._lock,
+            self._engine_for,
+            self._engine_async_for,
+            before=self._start_watch,
+            before_async=self._start_watch_async,
+        )
+        self._watch: OwnLockWatch | None = OwnLockWatch(client, table, self._lock, metrics) if watch else None
+        if self._watch is not None:
+            self._watch.start_at_creation(core.has_sync)
+
+    # -- introspection -------------------------------------------------------------
+
+    @property
+    def lock_name(self) -> str:
+        """The name of what is held, as the table, metrics, spans and errors show it."""
+        return self._lock.lock_name
+
+    @property
+    def instance_id(self) -> str:
+        """This Mutex's id, as written in the table's ``instance_id`` column."""
+        return self._lock.instance_id
+
+    @property
+    def table(self) -> str:
+        return self._lock.names.table_name
+
+    @property
+    def dsn(self) -> str | None:
+        """The connection string this Mutex's client uses (None in pool mode). Never printed by the library."""
+        return self._client.dsn
+
+    @property
+    def pool(self) -> ConnectionPool[Any] | None:
+        return self._client.pool
+
+    @property
+    def async_pool(self) -> AsyncConnectionPool[Any] | None:
+        return self._client.async_pool
+
+    @property
+    def client(self) -> MutexClient:
+        """The client whose connections and heartbeats this Mutex uses."""
+        return self._client
+
+    @property
+    def metrics(self) -> object | None:
+        """The metrics hook given to this Mutex (None if none)."""
+        return self._metrics
+
+    @property
+    def config(self) -> MutexConfig:
+        """This Mutex's settings, validated (defaults filled in)."""
+        timing = self._lock.timing
+        return MutexConfig(
+            lock_name=self.lock_name,
+            instance_id=self.instance_id,
+            table=self.table,
+            heartbeat_interval=timing.heartbeat_interval,
+            alert_threshold=timing.alert_threshold,
+            stale_threshold=timing.stale_threshold,
+            poll_interval=timing.poll_interval,
+            operation_timeout=timing.operation_timeout,
+            reclaim_disconnected_after=timing.reclaim_disconnected_after,
+        )
+
+    @property
+    def held(self) -> bool:
+        """True while this Mutex holds the lock and its lease has not run out (nor, with
+        ``reclaim_disconnected_after``, is its hold in doubt).
+
+        Reading it never touches the database; it turns false the moment the
+        lease runs out, even if the heartbeat has not noticed yet.
+        """
+        return self._lock.held
+
+    @property
+    def lease_remaining(self) -> float | None:
+        """Seconds this hold stays held without another successful heartbeat (None when not held).
+
+        Renewed by every heartbeat; a long job can checkpoint when it runs low
+        (the ``lease_running_out`` metrics call comes at two thirds of it).
+        """
+        return self._lock.lease_remaining()
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token of the current hold: an `int` while held, None otherwise.
+
+        Strictly greater than every token the table issued before this
+        acquisition began. None also while held on a table without a token
+        column (see `LockTable.migrate`).
+        """
+        hold = self._lock.hold
+        return hold.token if hold is not None and self._lock.held else None
+
+    @property
+    def last_holder(self) -> str | None:
+        """Who held the lock at this Mutex's last attempt that found it taken (None if unknown), for messages."""
+        return self._lock.last_holder
+
+    def ensure_held(self) -> None:
+        """Raise `LockNotHeldError` unless the lock is still held.
+
+        Call it between steps of long work to stop promptly after a loss.
+        """
+        self._lock.require_held()
+
+    @property
+    def watcher(self) -> StaleWatcher | None:
+        """The watcher of this Mutex's own lock (``watch=True``), else None."""
+        return None if self._watch is None else self._watch.watcher
+
+    # -- schema --------------------------------------------------------------------
+
+    def create_schema(self) -> None:
+        """Create the lock table if it does not exist. Idempotent, safe to race.
+
+        Raises `SchemaError` if the role may not create it.
+        """
+        self._client.table(self.table).create()
+
+    async def create_schema_async(self) -> None:
+        """Async `create_schema`."""
+        await self._client.table(self.table).create_async()
+
+    # -- acquire and release ----------------------------------------------------------
+
+    def acquire(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+        """Hold the lock for the ``with`` block; yields whether it was acquired.
+
+        Non-blocking (the default) tries once and yields False if another
+        instance holds the lock. Blocking waits, woken at once by the holder's
+        release, polling every ``poll_interval`` otherwise, and raises
+        `LockAcquisitionTimeout` after ``timeout`` seconds (None: no limit),
+        so the block never runs unlocked.
+
+        Leaving the block releases the lock, whether it ends normally, by an
+        exception or by KeyboardInterrupt. If the lock was lost meanwhile, a
+        normal exit raises `LockNotHeldError`. Raises `LockAlreadyHeldError`
+        if this Mutex already holds the lock, `DatabaseError` if PostgreSQL
+        cannot be used.
+        """
+        timeout = check_wait(blocking, timeout)
+        self._start_watch()
+        return Acquisition(self._engine_for, self._lock, blocking=blocking, timeout=timeout)
+
+    def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
+        """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
+        timeout = check_wait(blocking, timeout)
+        self._start_watch_async()
+        return AsyncAcquisition(self._engine_async_for, self._lock, blocking=blocking, timeout=timeout)
+
+    def release(self) -> None:
+        """Delete this Mutex's lock row (waking waiters at once).
+
+        Raises `LockNotHeldError` if this Mutex does not hold the lock (as
+        ``threading.Lock.release`` does), or if the lock had been lost (a row
+        that may still be ours is then deleted in the background). Raises
+        `DatabaseError` if the row could not be deleted within
+        ``operation_timeout``: it is deleted in the background as soon as the
+        database answers, and is reclaimable after ``stale_threshold`` anyway.
+
+        Called from another thread or task than the one whose ``with`` block
+        holds the lock, it releases the lock and that block's exit raises
+        `LockNotHeldError`: the block learns that it ran partly unlocked.
+        """
+        self._core.engine().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
+
+    async def release_async(self) -> None:
+        """Async `release`."""
+        await self._core.engine_async().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
+
+    def heartbeat(self) -> None:
+        """Renew the lock now (the client's heartbeat does this on its own).
+
+        Raises `LockNotHeldError` if the lock is not held or turns out lost,
+        `DatabaseError` if the heartbeat failed.
+        """
+        self._core.engine().run(heartbeat_flows.heartbeat_now(self._lock, self._lock.tracing))
+
+    async def heartbeat_async(self) -> None:
+        """Async `heartbeat`."""
+        await self._core.engine_async().run(heartbeat_flows.heartbeat_now(self._lock, self._lock.tracing))
+
+    # -- fencing -------------------------------------------------------------------
+
+    def fence(self, conn: psycopg.Connection[Any]) -> int:
+        """Check, inside the caller's open transaction on ``conn``, that this hold is still current.
+
+        ``conn`` is any connection to the lock table's database; the check is
+        one round trip on it and opens nothing. On success it returns the
+        token, and until that transaction ends no other instance can take the
+        lock over (a reclaim or a forced release waits for it), while this
+        holder's heartbeats carry on. If the lock changed hands, raises
+        `LockNotHeldError` (reason: fenced out), so the transaction's writes
+        are rolled back by the caller. Raises `SchemaError` on a table without
+        tokens, `ValueError` if ``conn`` has no open transaction.
+
+        It takes one ``operation_timeout`` at most, like the library's own
+        statements: past it (a silent network, a row locked elsewhere) it
+        closes ``conn`` and raises `OperationTimeout`. The server then rolls
+        the transaction back, so nothing it wrote commits; use a new
+        connection (a pool replaces a closed one by itself).
+        """
+        return _acquisition.fence(self._lock, conn)
+
+    async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
+        """Async `fence`, on an `AsyncConnection`."""
+        return await _acquisition_async.fence_async(self._lock, conn)
+
+    @contextlib.contextmanager
+    def fenced(self, conn: psycopg.Connection[Any]) -> Iterator[int]:
+        """A transaction on ``conn`` that is fenced first; yields the token.
+
+        ``with mutex.fenced(conn) as token:`` opens a transaction (a savepoint
+        inside one already open), calls `fence`, and commits when the block
+        ends, or rolls back if it raises: writes made in the block land only
+        while this hold is the lock's current one.
+        """
+        with conn.transaction():
+            yield self.fence(conn)
+
+    @contextlib.asynccontextmanager
+    async def fenced_async(self, conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[int]:
+        """Async `fenced`, on an `AsyncConnection`."""
+        async with conn.transaction():
+            yield await self.fence_async(conn)
+
+    # -- decorators ----------------------------------------------------------------
+
+    @overload
+    def singleton(self, lock_name: Callable[P, R]) -> Callable[P, R | None]: ...
+
+    @overload
+    def singleton(
+        self, lock_name: str | None = None, *, blocking: bool = False, timeout: float | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+
+    def singleton(
+        self,
+        lock_name: str | Callable[P, R] | None = None,
+        *,
+        blocking: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Decorate a function to run only while holding the lock.
+
+        ``lock_name`` defaults to this Mutex's; another name gets a Mutex on
+        the same client with the same settings. When the lock is held
+        elsewhere (or by another call in this process) the function does not
+        run and the call returns None. Blocking with a ``timeout`` raises
+        `LockAcquisitionTimeout` instead. Also usable bare: ``@mutex.singleton``.
+        """
+        return singleton_decorator(self._siblings, lock_name, blocking=blocking, timeout=timeout)
+
+    @overload
+    def singleton_async(self, lock_name: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | None]]: ...
+
+    @overload
+    def singleton_async(
+        self, lock_name: str | None = None, *, blocking: bool = True, timeout: float | None = None
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]: ...
+
+    def singleton_async(
+        self,
+        lock_name: str | Callable[P, Awaitable[R]] | None = None,
+        *,
+        blocking: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        """Async `singleton` for coroutine functions; blocking by default, like `acquire_async`."""
+        return singleton_decorator_async(self._siblings, lock_name, blocking=blocking, timeout=timeout)
+
+    def _new_sibling(self, lock_name: str) -> Holder:
+        """A holder of the same kind for another name (see `Siblings`): each kind says how it is made."""
+        raise NotImplementedError
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release any lock held, stop the watcher, and let go of the client.
+
+        Returns within about one ``operation_timeout``: a lock known to be lost
+        is not released over the network in the caller's time (a row that may
+        remain is deleted in the background). The last Mutex of a shared
+        client closes its connections; a pool is never closed.
+        """
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
+        release_on_close(self._lock, self.release, has_sync=self._core.has_sync)
+        self._detach()
+        self._siblings.close()
+
+    async def aclose(self) -> None:
+        """Async `close`."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
+        await release_on_aclose(self._lock, self.release_async)
+        self._detach()
+        await self._siblings.aclose()
+
+    async def close_async(self) -> None:
+        """Async `close`, under the name 0.1.0 gave it; `aclose` is the name to use."""
+        await self.aclose()
+
+    def _detach(self) -> None:
+        if self._attached:
+            self._attached = False
+            self._core.detach()
+
+    # -- the watcher of this Mutex's own lock ------------------------------------------
+
+    def _start_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.start_sync()
+
+    def _start_watch_async(self) -> None:
+        if self._watch is not None:
+            self._watch.start_async()

@@ -1,0 +1,274 @@
+"""`RWLock`: any number of readers or one writer, across the fleet, with every guarantee of `Mutex`.
+
+An RWLock is two holders of one name, siblings of `Mutex` on `Holder`: a
+reader's and a writer's. Each hold is a row of the lock table of its own
+(`_sql_rwlocks`), so the client's one heartbeat statement renews it, and its
+lease, doubt, early reclaim, fencing and ``on_lost`` are a mutex's. The
+acquire statements are what differ, and the exclusion is the table's: a row's
+mode must match its lock's gate, which cannot change mode while rows of the
+other mode exist.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from ._acquisition import Acquisition
+from ._acquisition_async import AsyncAcquisition
+from ._events import LostCallback
+from ._holder import Holder
+from ._settings import check_name, default_instance_id
+from ._sql import SEPARATOR
+from .client import BUILT_ON_IT, MutexClient
+from .errors import InvalidArgument, LockNotHeldError
+
+if TYPE_CHECKING:
+    import psycopg
+    from opentelemetry.trace import TracerProvider
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+MAX_RWLOCK_NAME = 50
+"""A reader's row adds a separator, ``r`` and a 12-character digest to the name, in 64 characters."""
+
+
+class _ModeHolder(Holder):
+    """One mode of an `RWLock`: what its ``read`` or ``write`` blocks hold."""
+
+    def __init__(self, mode: str, *args: Any, chosen_id: bool, **kwargs: Any) -> None:
+        self._rw_mode = mode
+        super().__init__(*args, **kwargs)
+        if not chosen_id:
+            # The RWLock chose it for both modes: a forked child chooses new ones, as a Mutex's does.
+            self._explicit_id = False
+            self._core.register(self._lock, explicit_id=False)
+
+    def __repr__(self) -> str:
+        return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
+
+    def _new_sibling(self, lock_name: str) -> _ModeHolder:
+        raise InvalidArgument("an RWLock's holders take no other name: make an RWLock for {value!r}", value=lock_name)
+
+
+class RWLock:
+    """A distributed read/write lock: any number of readers of ``name``, or one writer, never both.
+
+    ``RWLock(dsn, "catalogue")`` takes every option of `Mutex` (but ``watch``).
+    ``with rw.read(blocking=True) as got:`` holds it for reading for the block,
+    ``with rw.write(...)`` for writing; both yield whether it was acquired,
+    with `Mutex.acquire`'s defaults, timeouts and errors (``read_async`` and
+    ``write_async`` wait by default, like `Mutex.acquire_async`). One RWLock
+    holds one mode at a time: use one per concurrent holder.
+
+    The database enforces the exclusion, whatever a client sends. Writers are
+    preferred: once a writer waits (blocking), new readers wait behind it, so
+    a stream of overlapping readers cannot starve it; a writer that stops
+    waiting, or dies while waiting, holds readers back for at most
+    ``2 * poll_interval + operation_timeout`` more. Each holder heartbeats as a
+    Mutex's does: a crashed reader or writer is reclaimed at ``stale_threshold``
+    (earlier with ``reclaim_disconnected_after``), and its holder learns it
+    lost the lock before anyone may take it. `token`, `fence` and `fenced`
+    work for the mode held: a writer's fence refuses once another writer (or
+    a reader) has come since.
+
+    The table must have been created (or migrated) by this version: `SchemaError`
+    says to run ``postgres-mutex migrate`` otherwise. The name is at most 50
+    characters long.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        name: str | None = None,
+        *,
+        pool: ConnectionPool[Any] | None = None,
+        async_pool: AsyncConnectionPool[Any] | None = None,
+        instance_id: str | None = None,
+        table: str = "mutex_lock",
+        heartbeat_interval: float = 10.0,
+        alert_threshold: float = 30.0,
+        stale_threshold: float = 600.0,
+        poll_interval: float = 0.5,
+        metrics: object | None = None,
+        on_lost: LostCallback | None = None,
+        operation_timeout: float | None = None,
+        watch: bool = False,
+        tracer_provider: TracerProvider | None = None,
+        client: MutexClient | None = None,
+        reclaim_disconnected_after: float | None = None,
+    ) -> None:
+        if name is None:
+            raise TypeError("RWLock() needs a name: RWLock(dsn, 'catalogue')")
+        name = check_name(name, "name")
+        if len(name) > MAX_RWLOCK_NAME or SEPARATOR in name:
+            raise InvalidArgument(
+                "{name} must be at most {n} characters long, without the unit separator (its rows add to it in a "
+                "64-character column), got {length}",
+                n=MAX_RWLOCK_NAME,
+                length=len(name),
+            )
+        if watch is not False:
+            raise InvalidArgument("{watch} is not available for an RWLock yet: run a StaleWatcher on the table")
+        options: dict[str, Any] = {
+            "pool": pool,
+            "async_pool": async_pool,
+            "instance_id": default_instance_id() if instance_id is None else instance_id,
+            "table": table,
+            "heartbeat_interval": heartbeat_interval,
+            "alert_threshold": alert_threshold,
+            "stale_threshold": stale_threshold,
+            "poll_interval": poll_interval,
+            "metrics": metrics,
+            "on_lost": on_lost,
+            "operation_timeout": operation_timeout,
+            "tracer_provider": tracer_provider,
+            "client": client,
+            "reclaim_disconnected_after": reclaim_disconnected_after,
+        }
+        chosen_id = instance_id is not None
+        self._reader = _ModeHolder("read", dsn, name, chosen_id=chosen_id, **options)
+        self._writer = _ModeHolder("write", dsn, name, chosen_id=chosen_id, **options)
+        self._last: _ModeHolder | None = None
+        """The mode last asked for: whose fence says why it is not held, when neither is."""
+
+    # -- introspection -------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The read/write lock's name (metrics, spans and errors use it)."""
+        return self._reader.lock_name
+
+    @property
+    def instance_id(self) -> str:
+        """This RWLock's id, in the table's ``instance_id`` column of its rows of either mode (in a forked
+        child, each mode's holder chooses its own, unless the id was given)."""
+        return self._reader.instance_id
+
+    @property
+    def table(self) -> str:
+        return self._reader.table
+
+    @property
+    def client(self) -> MutexClient:
+        return self._reader.client
+
+    @property
+    def mode(self) -> str | None:
+        """``"read"`` or ``"write"`` while held in that mode, None otherwise."""
+        held = self._held()
+        return None if held is None else held._rw_mode
+
+    @property
+    def held(self) -> bool:
+        """True while held in either mode and its lease has not run out (see `Mutex.held`)."""
+        return self._held() is not None
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token of the current hold, of either mode (None when not held)."""
+        held = self._held()
+        return None if held is None else held.token
+
+    @property
+    def lease_remaining(self) -> float | None:
+        """Seconds the current hold stays held without another heartbeat (None when not held)."""
+        held = self._held()
+        return None if held is None else held.lease_remaining
+
+    def __repr__(self) -> str:
+        return f"<RWLock name={self.name!r} instance_id={self.instance_id!r} table={self.table!r} mode={self.mode}>"
+
+    def _held(self) -> _ModeHolder | None:
+        for holder in (self._writer, self._reader):
+            if holder.held:
+                return holder
+        return None
+
+    # -- acquire ---------------------------------------------------------------------
+
+    def read(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+        """Hold the lock for reading for the ``with`` block; yields whether it was acquired (see `Mutex.acquire`)."""
+        self._not_in_other_mode(self._writer)
+        self._last = self._reader
+        return self._reader.acquire(blocking=blocking, timeout=timeout)
+
+    def write(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+        """Hold the lock alone, for writing, for the ``with`` block; yields whether it was acquired."""
+        self._not_in_other_mode(self._reader)
+        self._last = self._writer
+        return self._writer.acquire(blocking=blocking, timeout=timeout)
+
+    def read_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
+        """Async `read`; blocking by default. Cancelling the task releases the lock."""
+        self._not_in_other_mode(self._writer)
+        self._last = self._reader
+        return self._reader.acquire_async(blocking=blocking, timeout=timeout)
+
+    def write_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
+        """Async `write`; blocking by default. Cancelling the task releases the lock."""
+        self._not_in_other_mode(self._reader)
+        self._last = self._writer
+        return self._writer.acquire_async(blocking=blocking, timeout=timeout)
+
+    def _not_in_other_mode(self, other: _ModeHolder) -> None:
+        if other.held:
+            # Its own rows would exclude each other: waiting could never end.
+            raise InvalidArgument(
+                "this RWLock holds {value!r} for {mode} already: leave that block first (or use another RWLock)",
+                value=self.name,
+                mode=other._rw_mode,
+            )
+
+    # -- fencing ---------------------------------------------------------------------
+
+    def fence(self, conn: psycopg.Connection[Any]) -> int:
+        """`Mutex.fence` for the mode held: `LockNotHeldError` if neither is, or the hold is no longer current."""
+        return self._holding().fence(conn)
+
+    async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
+        """Async `fence`, on an `AsyncConnection`."""
+        return await self._holding().fence_async(conn)
+
+    def fenced(self, conn: psycopg.Connection[Any]) -> AbstractContextManager[int]:
+        """`Mutex.fenced` for the mode held: a transaction on ``conn``, fenced first; yields the token."""
+        return self._holding().fenced(conn)
+
+    def fenced_async(self, conn: psycopg.AsyncConnection[Any]) -> AbstractAsyncContextManager[int]:
+        """Async `fenced`."""
+        return self._holding().fenced_async(conn)
+
+    def _holding(self) -> _ModeHolder:
+        held = self._held()
+        if held is not None:
+            return held
+        if self._last is not None:
+            return self._last  # its own error says why it is not held (lost, released, never acquired)
+        raise LockNotHeldError(
+            f"read/write lock {self.name!r} is not held by instance {self.instance_id!r}",
+            lock_name=self.name,
+            instance_id=self.instance_id,
+            reason="this RWLock holds neither mode",
+        )
+
+    def release(self) -> None:
+        """Release the mode held (see `Mutex.release`)."""
+        self._holding().release()
+
+    async def release_async(self) -> None:
+        """Async `release`."""
+        await self._holding().release_async()
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what is held and let go of the client (see `Mutex.close`)."""
+        self._reader.close()
+        self._writer.close()
+
+    async def aclose(self) -> None:
+        """Async `close`."""
+        await self._reader.aclose()
+        await self._writer.aclose()
+
+
+BUILT_ON_IT.rwlock = RWLock
