@@ -1,11 +1,10 @@
 """What each lock operation does, written once for the sync and async paths: acquire, release, clean-up.
 
-Each flow is a generator that yields the steps it needs (`_steps`: `Execute`,
-`Pause`, `Listen`, ...) and receives the result; an engine (`_engine_async`,
-and `_engine` generated from it) performs those steps on a connection.
-Retries, deadlines and the meaning of every result live here; what each
-event means to the outside world is told by `LockEvents`. Nothing here does
-I/O. The heartbeat's flows are in `_heartbeat_flows`, the table's in
+Each flow is a generator that yields the steps it needs (`_steps`: `Execute`, `Pause`,
+`Listen`, ...) and receives the result; an engine (`_engine_async`, and `_engine` generated
+from it) performs those steps on a connection. Retries, deadlines and the meaning of every
+result live here; what each event means to the outside world is told by `LockEvents`.
+Nothing here does I/O. The heartbeat's flows are in `_heartbeat_flows`, the table's in
 `_admin_flows`.
 """
 

@@ -56,7 +56,7 @@ def test_round_trips_per_hand_off_do_not_grow_with_the_waiters(
             assert holder.acquire().__enter__()
         before = proxy.ready_for_query
 
-        async def wait_for_it(lock: Mutex) -> float:
+        async def wait_for_it(lock: Mutex | Semaphore) -> float:
             async with lock.acquire_async(timeout=30.0) as got:
                 assert got
                 return time.monotonic()
