@@ -33,7 +33,10 @@ def acquire_permit(names: Names, *, history: bool) -> Statement:
     """One statement per attempt, in the spirit of the mutex's acquire.
 
     - ``declared`` creates the semaphore with this Semaphore's N if nobody has
-      (racing declarers: the first one's N stands); ``stored`` reads it, and
+      (racing declarers: the first one's N stands; no conflict target, since
+      a racer's row conflicts on the (name, permits) key the foreign key
+      needs as well as on the name, and a conflict on a key that is not the
+      target is an error, not nothing); ``stored`` reads it, and
       nothing is written unless it agrees with ours (``agreed``): the reply
       carries the stored N, so the client can say both;
     - ``mine`` takes back a permit row of ours (a lost reply, or a restarted
@@ -59,7 +62,7 @@ def acquire_permit(names: Names, *, history: bool) -> Statement:
         sql.SQL(
             """WITH declared AS (
   INSERT INTO {semaphores} (name, permits) VALUES (%(semaphore)s, %(permits)s)
-  ON CONFLICT (name) DO NOTHING
+  ON CONFLICT DO NOTHING
   RETURNING permits
 ), stored AS (
   SELECT COALESCE((SELECT permits FROM declared),

@@ -33,7 +33,7 @@ from ._sql_statement import Statement, statement
 
 _GATE = """WITH gate_made AS (
   INSERT INTO {rwlocks} (name, mode) VALUES (%(rwlock)s, {first_mode})
-  ON CONFLICT (name) DO NOTHING
+  ON CONFLICT DO NOTHING
   RETURNING mode, writer_waiting_until
 ), gate AS (
   SELECT mode, writer_waiting_until > now() IS TRUE AS writer_waits
