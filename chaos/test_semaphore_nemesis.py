@@ -51,7 +51,10 @@ class SemaphoreRun(Run):
 
     def holders(self) -> dict[str, str]:
         # One holder per semaphore is enough for the nemesis: it aims a fault at "the holder".
-        rows = self.rows_left()
+        try:
+            rows = self.rows_left()
+        except psycopg.OperationalError:
+            return {}  # restarting: the fault picks a worker by its own draw
         return {self.semaphore: rows[0][1]} if rows else {}
 
     def rows_left(self) -> list[tuple[str, str]]:
