@@ -155,6 +155,24 @@ class HA:
         self._watchers.append(watcher)
         return watcher
 
+    def waiting(
+        self, waiter: Mutex, timeout: float = 90, hold: threading.Event | None = None
+    ) -> tuple[threading.Thread, list[float]]:
+        """A thread (not started) in which ``waiter`` waits for the lock as section "waiter", and when it got it.
+
+        It holds the lock until ``hold`` is set (not at all without one).
+        """
+        got: list[float] = []
+
+        def wait() -> None:
+            with self.sections.holding(waiter, "waiter", blocking=True, timeout=timeout) as acquired:
+                got.append(time.monotonic())
+                assert acquired
+                if hold is not None:
+                    hold.wait(60)
+
+        return threading.Thread(target=wait), got
+
     def named(self, event: str, who: str, since: float = 0.0) -> list[Event]:
         return [e for e in self.events.named(event) if e.fields.get("instance_id") == who and e.at > since]
 
@@ -230,14 +248,7 @@ def test_a_switchover_under_a_held_lock(sync_cluster: PatroniCluster, ha: HA, fi
     cluster = sync_cluster
     holder, waiter = ha.mutex("holder"), ha.mutex("waiter")
     ha.watch()
-    got: list[float] = []
-
-    def wait() -> None:
-        with ha.sections.holding(waiter, "waiter", blocking=True, timeout=60) as acquired:
-            got.append(time.monotonic())
-            assert acquired
-
-    thread = threading.Thread(target=wait)
+    thread, got = ha.waiting(waiter, timeout=60)
     with ha.sections.holding(holder, "holder"):
         wait_until(lambda: len(ha.beats("holder")) >= 2)
         thread.start()
@@ -283,14 +294,7 @@ def test_a_failover_under_a_held_lock(cluster: PatroniCluster, replication: str,
     standby = next(node for node in cluster.nodes if node.name != leader.name)
     holder, waiter = ha.mutex("holder"), ha.mutex("waiter")
     ha.watch()
-    got: list[float] = []
-
-    def wait() -> None:
-        with ha.sections.holding(waiter, "waiter", blocking=True, timeout=90) as acquired:
-            got.append(time.monotonic())
-            assert acquired
-
-    thread = threading.Thread(target=wait)
+    thread, got = ha.waiting(waiter)
     with ha.sections.holding(holder, "holder"):
         wait_until(lambda: len(ha.beats("holder")) >= 2)
         thread.start()
@@ -357,14 +361,7 @@ def test_a_failover_shorter_than_reclaim_disconnected_after_costs_no_lock(
     leader = cluster.set_synchronous(True)
     holder = ha.mutex("holder", reclaim_disconnected_after=RECLAIM_LONGER)
     waiter = ha.mutex("waiter", reclaim_disconnected_after=RECLAIM_LONGER)
-    got: list[float] = []
-
-    def wait() -> None:
-        with ha.sections.holding(waiter, "waiter", blocking=True, timeout=90) as acquired:
-            got.append(time.monotonic())
-            assert acquired
-
-    thread = threading.Thread(target=wait)
+    thread, got = ha.waiting(waiter)
     with ha.sections.holding(holder, "holder"):
         wait_until(lambda: len(ha.beats("holder")) >= 2)
         thread.start()
@@ -411,14 +408,7 @@ def test_a_failover_longer_than_reclaim_disconnected_after_tells_the_holder_firs
     leader = cluster.set_synchronous(True)
     holder = ha.mutex("holder", reclaim_disconnected_after=RECLAIM_SHORTER)
     waiter = ha.mutex("waiter", reclaim_disconnected_after=RECLAIM_SHORTER)
-    got: list[float] = []
-
-    def wait() -> None:
-        with ha.sections.holding(waiter, "waiter", blocking=True, timeout=90) as acquired:
-            got.append(time.monotonic())
-            assert acquired
-
-    thread = threading.Thread(target=wait)
+    thread, got = ha.waiting(waiter)
     with contextlib.ExitStack() as stack:
         assert stack.enter_context(holder.acquire())
         wait_until(lambda: len(ha.beats("holder")) >= 2)
@@ -707,16 +697,8 @@ def test_asynchronous_replication_a_just_acquired_row_can_vanish_with_the_old_pr
         ha = HA(cluster, f"{lock_name}-{round_}")
         try:
             holder, waiter = ha.mutex("holder"), ha.mutex("waiter")
-            got: list[float] = []
             done = threading.Event()
-
-            def wait(ha: HA = ha, waiter: Mutex = waiter, got: list[float] = got, done: threading.Event = done) -> None:
-                with ha.sections.holding(waiter, "waiter", blocking=True, timeout=90) as acquired:
-                    got.append(time.monotonic())
-                    assert acquired
-                    done.wait(60)
-
-            thread = threading.Thread(target=wait)
+            thread, got = ha.waiting(waiter, hold=done)
             with contextlib.ExitStack() as stack:
                 with cluster.replication_paused(leader):
                     assert stack.enter_context(holder.acquire()), "acquired on the leader alone"
