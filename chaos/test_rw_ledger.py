@@ -152,11 +152,12 @@ def test_19_writers_lose_no_update_and_readers_never_see_half_a_write(
         workers.append(worker)
         return worker
 
-    def stale_by_the_server(name: str) -> bool:
+    def no_fresh_row(name: str) -> bool:
+        """``name`` has no row renewed within the stale threshold (by the server's clock): stale, or taken over."""
         found = admin.execute(
-            "SELECT last_heartbeat < now() - make_interval(secs => %s) FROM mutex_lock "
-            "WHERE rwlock = %s AND instance_id = %s",
-            (STALE + 0.5, rwlock, name),
+            "SELECT NOT EXISTS (SELECT 1 FROM mutex_lock WHERE rwlock = %s AND instance_id = %s "
+            "AND last_heartbeat >= now() - make_interval(secs => %s))",
+            (rwlock, name, STALE + 0.5),
         ).fetchone()
         return found is not None and bool(found[0])
 
@@ -181,7 +182,7 @@ def test_19_writers_lose_no_update_and_readers_never_see_half_a_write(
         os.kill(frozen.proc.pid, signal.SIGSTOP)  # in an increment, its fence's row lock held
         frozen_at = time.monotonic()
         committed_at_freeze = total("committed", "writer")
-        wait_until(lambda: stale_by_the_server(frozen.name), timeout=30)
+        wait_until(lambda: no_fresh_row(frozen.name), timeout=30)
         committed_while_frozen = total("committed", "writer") - committed_at_freeze
         os.kill(frozen.proc.pid, signal.SIGCONT)
         resumed_at = time.monotonic()
