@@ -179,6 +179,7 @@ def test_19_writers_lose_no_update_and_readers_never_see_half_a_write(
 
         frozen = writers[0]
         slow(frozen)
+        exits = len(frozen.said("exit"))  # before the end of the hold it is frozen in
         os.kill(frozen.proc.pid, signal.SIGSTOP)  # in an increment, its fence's row lock held
         frozen_at = time.monotonic()
         committed_at_freeze = total("committed", "writer")
@@ -186,7 +187,7 @@ def test_19_writers_lose_no_update_and_readers_never_see_half_a_write(
         committed_while_frozen = total("committed", "writer") - committed_at_freeze
         os.kill(frozen.proc.pid, signal.SIGCONT)
         resumed_at = time.monotonic()
-        frozen.wait_for("exit", after=len(frozen.said("exit")))  # its frozen increment ended, then its hold
+        frozen.wait_for("exit", after=exits)  # its frozen increment ended, then its hold
 
         killed = writers[1]
         slow(killed)
