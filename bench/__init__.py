@@ -2,12 +2,14 @@
 
 Run ``python -m bench`` from the repository root (``--quick`` for a run of
 under a minute, ``--dsn`` for your own server, ``--pgbouncer`` to add
-PgBouncer, ``--skip-peers`` or ``--only-peers`` for the other locks);
+PgBouncer, ``--skip-peers`` or ``--only-peers`` for the other locks,
+``--only-rwlocks`` for the read/write locks alone);
 docs/performance.md says what each section measures and shows a full run.
 
 Modules are named for what they measure: `latency` (one connection, from
 ``SELECT 1`` to a Mutex cycle), `handoff`, `contention` (one lock, several
-processes), `ceiling` (distinct locks), `many_locks` (one process holding
+processes), `rwlocks` (read/write locks beside the Mutex, and a writer
+behind a stream of readers), `ceiling` (distinct locks), `many_locks` (one process holding
 many), `pgbouncer`, `peers` (the locks a user would pick instead: `peer_locks`
 is their workers' side, `peer_servers` starts what they run on, `peers_report`
 writes their table). `statements` sends the library's own statements raw,

@@ -11,6 +11,11 @@ the cycles shows how fair the lock was.
 With ``permits``, the same on a `Semaphore` of that many permits: the ideal
 is N times the lock's, and "overlaps" counts the sections that began while
 N others were in theirs (none may).
+
+With ``modes`` (one per process, ``"read"`` or ``"write"``), the same on one
+`RWLock`, each process holding it in its mode: the ideal is the lock's (a
+writer's cycle, for writers only), and "overlaps" counts the sections that
+began while a writer was in its own, or, for a writer, while anyone was.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from postgres_mutex import LockAcquisitionTimeout, Mutex, Semaphore
+from postgres_mutex import LockAcquisitionTimeout, Mutex, RWLock, Semaphore
 
 from .processes import run_window, workers
 
@@ -30,16 +35,33 @@ HOLD = 0.002
 
 LOCK = "bench-contended"
 SEMAPHORE = "bench-contended-semaphore"
+RWLOCK = "bench-contended-rwlock"
 
 
 def run(
-    dsn: str, table: str, processes: int, seconds: float, floor: float, permits: int | None = None
+    dsn: str,
+    table: str,
+    processes: int,
+    seconds: float,
+    floor: float,
+    permits: int | None = None,
+    modes: list[str] | None = None,
 ) -> dict[str, Any]:
     config = {"dsn": dsn, "table": table, "hold": HOLD, "permits": permits}
-    with workers("contention", [config] * processes) as started:
+    configs = [{**config, "mode": mode} for mode in modes] if modes else [config] * processes
+    with workers("contention", configs) as started:
         reports = run_window(started, seconds)
     sections = sorted((float(a), float(b)) for report in reports for a, b in report["sections"])
-    most, overlaps = _most_at_once(sections, permits or 1)
+    if modes:
+        writes = [
+            (float(a), float(b))
+            for report, mode in zip(reports, modes, strict=True)
+            if mode == "write"
+            for a, b in report["sections"]
+        ]
+        most, overlaps = _most_at_once(sections, len(sections) or 1)[0], _beside_a_writer(sections, writes)
+    else:
+        most, overlaps = _most_at_once(sections, permits or 1)
     counts = [len(report["sections"]) for report in reports]
     total = sum(counts)
     held = [b - a for a, b in sections]
@@ -47,7 +69,8 @@ def run(
     rate = total / seconds
     return {
         "permits": permits,
-        "processes": processes,
+        "modes": modes,
+        "processes": len(configs),
         "seconds": seconds,
         "hold_ms": HOLD * 1e3,
         "hold_measured_ms": round(sum(held) / len(held) * 1e3, 3) if held else None,
@@ -75,22 +98,35 @@ def _most_at_once(sections: list[tuple[float, float]], limit: int) -> tuple[int,
     return most, overlaps
 
 
+def _beside_a_writer(sections: list[tuple[float, float]], writes: list[tuple[float, float]]) -> int:
+    """How many sections overlapped a writer's other than themselves (touching is not overlapping)."""
+    return sum(
+        1 for section in sections if any(w != section and section[0] < w[1] and w[0] < section[1] for w in writes)
+    )
+
+
 def work(config: dict[str, Any], channel: Channel) -> None:
-    mutex: Mutex | Semaphore
-    if config["permits"] is None:
+    mutex: Mutex | Semaphore | RWLock
+    mode = config.get("mode")
+    if mode is not None:
+        mutex = RWLock(config["dsn"], RWLOCK, table=config["table"])
+        acquire = mutex.read if mode == "read" else mutex.write
+    elif config["permits"] is None:
         mutex = Mutex(config["dsn"], LOCK, table=config["table"])
+        acquire = mutex.acquire
     else:
         mutex = Semaphore(config["dsn"], SEMAPHORE, permits=int(config["permits"]), table=config["table"])
+        acquire = mutex.acquire
     hold = float(config["hold"])
     # A first cycle outside the window: connections open, table shape known.
-    with mutex.acquire(blocking=True, timeout=30):
+    with acquire(blocking=True, timeout=30):
         pass
     channel.send(ready=True)
     _, end = channel.window()
     sections: list[tuple[float, float]] = []
     while (left := end - time.monotonic()) > 0:
         try:
-            with mutex.acquire(blocking=True, timeout=left):
+            with acquire(blocking=True, timeout=left):
                 entered = time.monotonic()
                 time.sleep(hold)
                 sections.append((entered, time.monotonic()))

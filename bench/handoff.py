@@ -15,7 +15,9 @@ baseline, plain psycopg sending the library's own statements as the library
 sends them, with a LISTEN connection of its own and ``conn.notifies()``
 (`RawWaiter`): what a hand-off costs with the same SQL and nothing else.
 A third pair hands a `Semaphore` of one permit back and forth: the same
-hand-off through a permit row.
+hand-off through a permit row. `bench.rwlocks` runs a pair of its own, an
+`RWLock`'s writer and reader, whose hand-offs alternate: writer to reader,
+reader to writer (`pairs`, with each worker's ``mode``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from postgres_mutex import Mutex, Semaphore
+from postgres_mutex import Mutex, RWLock, Semaphore
 
 from .processes import Worker, workers
 from .statements import library_statements, params
@@ -44,21 +46,29 @@ SETTLE = 0.02
 BLOCK = 25
 """Hand-offs in a row for one pair before the other pair's turn."""
 
-LOCKS = {"mutex": "bench-handoff", "raw": "bench-handoff-raw", "semaphore": "bench-handoff-semaphore"}
+LOCKS = {
+    "mutex": "bench-handoff",
+    "raw": "bench-handoff-raw",
+    "semaphore": "bench-handoff-semaphore",
+    "rwlock": "bench-handoff-rwlock",
+}
 
 
-class _Pair:
-    """Two workers handing one lock back and forth."""
+class Pair:
+    """Two workers handing one lock back and forth; each hand-off is labelled with the releasing worker's label."""
 
-    def __init__(self, first: Worker, second: Worker) -> None:
+    def __init__(self, first: Worker, second: Worker, labels: tuple[str, str] = ("", "")) -> None:
         first.send(cmd="acquire")
         first.receive(10)  # waiting
         first.receive(10)  # acquired
         self.holder, self.waiter = first, second
+        self._labels = {first.pid: labels[0], second.pid: labels[1]}
         self.latencies: list[float] = []
         self.release_calls: list[float] = []
+        self.released_by: list[str] = []
 
     def hand_off(self) -> None:
+        self.released_by.append(self._labels[self.holder.pid])
         self.waiter.send(cmd="acquire")
         self.waiter.receive(10)  # waiting
         time.sleep(SETTLE)
@@ -73,32 +83,51 @@ class _Pair:
         self.holder.send(cmd="release")
         self.holder.receive(10)
 
-    def figures(self) -> dict[str, Any]:
-        latencies = self.latencies
+    def figures(self, released_by: str | None = None) -> dict[str, Any]:
+        """The hand-offs' figures; with ``released_by``, of those released by the worker of that label only."""
+        chosen = [n for n, label in enumerate(self.released_by) if released_by in (None, label)]
+        latencies = [self.latencies[n] for n in chosen]
+        release_calls = [self.release_calls[n] for n in chosen]
         return {
             "handoffs": len(latencies),
             "p50_ms": round(median(latencies) * 1e3, 3),
             "p99_ms": round(percentile(latencies, 0.99) * 1e3, 3),
             "max_ms": round(max(latencies) * 1e3, 3),
-            "release_call_p50_ms": round(median(self.release_calls) * 1e3, 3),
+            "release_call_p50_ms": round(median(release_calls) * 1e3, 3),
             # A waiter that returned before the holder began its release: two holders at once.
             "acquired_before_release": sum(1 for value in latencies if value < 0),
         }
 
 
-def run(dsn: str, table: str, handoffs: int, *, max_seconds: float) -> dict[str, Any]:
-    flavours = ("mutex", "raw", "semaphore")
-    configs = [{"dsn": dsn, "table": table, "flavour": flavour} for flavour in flavours for _ in range(2)]
+def pairs(
+    dsn: str,
+    table: str,
+    workers_of: dict[str, tuple[dict[str, Any], dict[str, Any]]],
+    handoffs: int,
+    max_seconds: float,
+) -> dict[str, Pair]:
+    """A pair per name, of two workers with those configs (a ``flavour`` each, a ``mode`` for an RWLock's),
+    taking turns in blocks of `BLOCK` until each made ``handoffs`` hand-offs or ``max_seconds`` passed."""
+    configs = [{"dsn": dsn, "table": table, **config} for two in workers_of.values() for config in two]
     with workers("handoff", configs) as started:
-        pairs = {flavour: _Pair(started[2 * n], started[2 * n + 1]) for n, flavour in enumerate(flavours)}
+        made = {
+            name: Pair(started[2 * n], started[2 * n + 1], (str(two[0].get("mode", "")), str(two[1].get("mode", ""))))
+            for n, (name, two) in enumerate(workers_of.items())
+        }
         deadline = time.monotonic() + max_seconds
-        while min(len(pair.latencies) for pair in pairs.values()) < handoffs and time.monotonic() < deadline:
-            for pair in pairs.values():
+        while min(len(pair.latencies) for pair in made.values()) < handoffs and time.monotonic() < deadline:
+            for pair in made.values():
                 for _ in range(min(BLOCK, handoffs - len(pair.latencies))):
                     pair.hand_off()
-        for pair in pairs.values():
+        for pair in made.values():
             pair.finish()
-    mutex, raw, semaphore = pairs["mutex"].figures(), pairs["raw"].figures(), pairs["semaphore"].figures()
+    return made
+
+
+def run(dsn: str, table: str, handoffs: int, *, max_seconds: float) -> dict[str, Any]:
+    flavours = ("mutex", "raw", "semaphore")
+    made = pairs(dsn, table, {f: ({"flavour": f}, {"flavour": f}) for f in flavours}, handoffs, max_seconds)
+    mutex, raw, semaphore = made["mutex"].figures(), made["raw"].figures(), made["semaphore"].figures()
     semaphore["p50_to_raw"] = round(semaphore["p50_ms"] / raw["p50_ms"], 3)
     semaphore["p99_to_raw"] = round(semaphore["p99_ms"] / raw["p99_ms"], 3)
     return {
@@ -113,8 +142,8 @@ def run(dsn: str, table: str, handoffs: int, *, max_seconds: float) -> dict[str,
 
 def work(config: dict[str, Any], channel: Channel) -> None:
     waiter: _MutexWaiter | RawWaiter
-    if config["flavour"] in ("mutex", "semaphore"):
-        waiter = _MutexWaiter(config["dsn"], config["table"], semaphore=config["flavour"] == "semaphore")
+    if config["flavour"] in ("mutex", "semaphore", "rwlock"):
+        waiter = _MutexWaiter(config["dsn"], config["table"], config["flavour"], config.get("mode"))
     else:
         waiter = RawWaiter(config["dsn"], config["table"])
     channel.send(ready=True)
@@ -134,16 +163,21 @@ def work(config: dict[str, Any], channel: Channel) -> None:
 
 
 class _MutexWaiter:
-    def __init__(self, dsn: str, table: str, *, semaphore: bool) -> None:
-        self._mutex: Mutex | Semaphore
-        if semaphore:
+    def __init__(self, dsn: str, table: str, flavour: str, mode: str | None) -> None:
+        self._mutex: Mutex | Semaphore | RWLock
+        if flavour == "semaphore":
             self._mutex = Semaphore(dsn, LOCKS["semaphore"], permits=1, table=table)
+            self._acquire = self._mutex.acquire
+        elif flavour == "rwlock":
+            self._mutex = RWLock(dsn, LOCKS["rwlock"], table=table)
+            self._acquire = self._mutex.read if mode == "read" else self._mutex.write
         else:
             self._mutex = Mutex(dsn, LOCKS["mutex"], table=table)
+            self._acquire = self._mutex.acquire
         self._holding = contextlib.ExitStack()
 
     def acquire(self) -> None:
-        self._holding.enter_context(self._mutex.acquire(blocking=True, timeout=30))
+        self._holding.enter_context(self._acquire(blocking=True, timeout=30))
 
     def release(self) -> None:
         self._holding.close()

@@ -20,6 +20,7 @@ SECTIONS = (
     "history",
     "handoff",
     "contended",
+    "rwlocks",
     "ceiling",
     "many_locks",
     "pgbouncer",
@@ -28,6 +29,8 @@ SECTIONS = (
 """Every section the JSON has, in order (a skipped one says why)."""
 
 PEERS_TITLE = "The peers: other locks, measured beside this one"
+
+RWLOCKS_TITLE = "Read/write locks, beside the Mutex"
 
 TARGET = 1.3
 """The issue's target: a Mutex cycle at most this many times its two statements sent bare."""
@@ -110,6 +113,8 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
     """Markdown lines per section name (only the meta and the peers after a run of the peers alone)."""
     out: dict[str, list[str]] = {"meta": _meta(results["meta"])}
     if "latency" not in results:
+        if "rwlocks" in results:
+            out["rwlocks"] = _rwlocks(results["rwlocks"])
         out["peers"] = _peers(results["peers"])
         return out
 
@@ -252,6 +257,8 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
         ],
     )
 
+    out["rwlocks"] = _rwlocks(results["rwlocks"])
+
     rows = []
     for run in results["ceiling"]:
         rows.append(
@@ -363,6 +370,108 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
     return out
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _rwlocks(rw: dict[str, Any]) -> list[str]:
+    """The read/write locks' tables: each figure beside the Mutex's of the same run."""
+    cycle = rw["cycle"]
+    cycles = _table(
+        ["cycle (uncontended, non-blocking)", "median", "p99", "ratio to the Mutex cycle (median / p99)"],
+        [
+            [
+                label,
+                _ms(cycle[name]["median_ms"]),
+                _ms(cycle[name]["p99_ms"]),
+                "1 (baseline)"
+                if name == "mutex"
+                else f"{_x(cycle[name]['median_to_mutex'])} / {_x(cycle[name]['p99_to_mutex'])}",
+            ]
+            for name, label in (
+                ("mutex", "Mutex: `with mutex.acquire()`"),
+                ("read", "**read**: `with rw.read()`"),
+                ("write", "**write**: `with rw.write()`"),
+            )
+        ],
+    )
+    handoff = rw["handoff"]
+    handoffs = _table(
+        ["hand-off (release to the blocked waiter's acquire)", "count", "p50", "p99", "max", "ratio to the Mutex's"],
+        [
+            [
+                label,
+                str(handoff[name]["handoffs"]),
+                _ms(handoff[name]["p50_ms"]),
+                _ms(handoff[name]["p99_ms"]),
+                _ms(handoff[name]["max_ms"]),
+                "1 (baseline)"
+                if name == "mutex"
+                else f"{_x(handoff[name]['p50_to_mutex'])} / {_x(handoff[name]['p99_to_mutex'])}",
+            ]
+            for name, label in (
+                ("mutex", "Mutex to a blocked Mutex"),
+                ("write_to_read", "**writer** releases, a blocked **reader** gets it"),
+                ("read_to_write", "**reader** releases, a blocked **writer** gets it"),
+            )
+        ],
+    )
+    contended = rw["contended"]
+    rows = []
+    for name, label in (("mutex", "Mutex"), ("writers", "RWLock, writers only"), ("mix", "RWLock, a mix")):
+        figures = contended[name]
+        modes = figures.get("modes") or []
+        counts = [
+            _count(modes.count(mode), noun) for mode, noun in (("write", "writer"), ("read", "reader")) if mode in modes
+        ]
+        who = ", ".join(counts) or str(figures["processes"])
+        rows.append(
+            [
+                label,
+                who,
+                _number(figures["cycles_per_s"]),
+                "1 (baseline)" if name == "mutex" else _x(figures["to_mutex"]),
+                f"{figures['of_ideal'] * 100:.0f} %",
+                f"{figures['share_min'] * 100:.0f} to {figures['share_max'] * 100:.0f} %",
+                f"{figures['most_at_once']} ({figures['overlaps']})",
+            ]
+        )
+    hold = contended["mutex"]["hold_ms"]
+    contention = _table(
+        [
+            f"contended, {hold:g} ms holds",
+            "processes",
+            "cycles/s",
+            "ratio to the Mutex",
+            "of ideal 1 / (hold + floor)",
+            "share per process",
+            "most at once (overlaps)",
+        ],
+        rows,
+    )
+    starved = rw["starvation"]
+    starvation = [
+        f"A writer behind a stream of readers: {starved['readers']} reader processes hold the lock on beats "
+        f"{starved['hold_s']:g} s apart, staggered, each re-acquiring at once, so the lock is never free of "
+        f"readers (at least {starved['readers_holding_at_ask_min']} held whenever the writer asked); a writer "
+        f"asked for it {starved['rounds']} times. Its wait over one reader's hold: p50 "
+        f"{_x(starved['wait_p50_to_hold'])} ({starved['wait_p50_s']:.3f} s), max {_x(starved['wait_max_to_hold'])} "
+        f"({starved['wait_max_s']:.3f} s). Writers are preferred: the bound is one hold plus a hand-off.",
+    ]
+    return [
+        f"One process for the cycles ({cycle['mutex']['n']} operations per row, interleaved rounds after a warm-up), "
+        "two for the hand-offs (a writer and a reader, so they alternate), the same window for each contended row.",
+        "",
+        *cycles,
+        "",
+        *handoffs,
+        "",
+        *contention,
+        "",
+        *starvation,
+    ]
+
+
 def markdown(results: dict[str, Any], *, markers: bool) -> str:
     titles = {
         "meta": None,
@@ -371,6 +480,7 @@ def markdown(results: dict[str, Any], *, markers: bool) -> str:
         "history": "The lock history's cost",
         "handoff": "Hand-off latency (release to the blocked waiter's acquire)",
         "contended": "Contended throughput (one lock, one semaphore)",
+        "rwlocks": RWLOCKS_TITLE,
         "ceiling": "Server ceiling (distinct locks)",
         "many_locks": "Many locks in one process",
         "pgbouncer": "Through PgBouncer",

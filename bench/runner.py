@@ -24,7 +24,19 @@ import psycopg
 
 import postgres_mutex
 
-from . import ceiling, contention, handoff, history, latency, many_locks, peers, peers_report, pgbouncer, report
+from . import (
+    ceiling,
+    contention,
+    handoff,
+    history,
+    latency,
+    many_locks,
+    peers,
+    peers_report,
+    pgbouncer,
+    report,
+    rwlocks,
+)
 from .latency import Sizes
 from .servers import HISTORY_TABLE, SWEEP_TABLE, bench_table
 from .servers import pgbouncer as start_pgbouncer
@@ -53,6 +65,8 @@ class Plan:
     many_settle: float
     many_cycling: float
     pgbouncer: Sizes
+    starvation_rounds: int
+    starvation_hold: float
 
 
 FULL = Plan(
@@ -68,6 +82,8 @@ FULL = Plan(
     many_settle=3.0,
     many_cycling=5.0,
     pgbouncer=Sizes(rounds=100, per_round=10, warmup=50),
+    starvation_rounds=20,
+    starvation_hold=0.5,
 )
 
 QUICK = Plan(
@@ -83,6 +99,8 @@ QUICK = Plan(
     many_settle=1.0,
     many_cycling=1.0,
     pgbouncer=Sizes(rounds=6, per_round=6, warmup=10),
+    starvation_rounds=3,
+    starvation_hold=0.2,
 )
 
 
@@ -120,6 +138,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"measure the peers alone (a full run without --out rewrites their section of "
         f"{DOCS_FIGURES.relative_to(ROOT)} only)",
     )
+    which.add_argument(
+        "--only-rwlocks",
+        action="store_true",
+        help=f"measure the read/write locks alone, beside a Mutex measured in the same run (a full run without "
+        f"--out rewrites their section of {DOCS_FIGURES.relative_to(ROOT)} only)",
+    )
     return parser.parse_args(argv)
 
 
@@ -135,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     with start_server(args.dsn) as target, bench_table(target.dsn) as table:
         progress(f"PostgreSQL {target.version} ({target.settings})")
         results["meta"] = _meta(args, target.version, target.settings)
-        if not args.only_peers:
+        if args.only_rwlocks:
+            results["rwlocks"] = _measure_rwlocks(plan, target.dsn, table, floor=None)
+        elif not args.only_peers:
             _measure_the_library(args, plan, target.dsn, table, target.throwaway, results)
-        if args.skip_peers:
+        if args.skip_peers or args.only_rwlocks:
             results["peers"] = {"skipped": "run without --skip-peers to measure them"}
         else:
             progress("the peers: postgres-mutex 0.1.0, PALs, redis-py, python-redis-lock, etcd")
@@ -151,11 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     (out / "bench.md").write_text(figures)
     written = [out / "bench.json", out / "bench.md"]
     if args.out is None and not args.quick:
-        if args.only_peers:
+        if args.only_peers or args.only_rwlocks:
             # The other sections stay as their own run measured them; this one says it is from another.
-            alone = "From a run of the peers alone, not the run described at the top of this file: "
-            body = [alone + report.sections(results)["meta"][0], "", *report.sections(results)["peers"]]
-            peers_report.splice(DOCS_FIGURES, "peers", report.PEERS_TITLE, body)
+            name, title = ("peers", report.PEERS_TITLE) if args.only_peers else ("rwlocks", report.RWLOCKS_TITLE)
+            alone = f"From a run of the {'peers' if args.only_peers else 'read/write locks'} alone, not the run "
+            alone += "described at the top of this file: "
+            body = [alone + report.sections(results)["meta"][0], "", *report.sections(results)[name]]
+            peers_report.splice(DOCS_FIGURES, name, title, body)
         else:
             DOCS_FIGURES.write_text(figures)
         written.append(DOCS_FIGURES)
@@ -200,6 +228,14 @@ def _measure_the_library(
         permits=CONTENDED_PERMITS,
     )
 
+    results["rwlocks"] = _measure_rwlocks(
+        plan,
+        dsn,
+        table,
+        floor=timed["insert_delete"].median,
+        mutex_contended={key: value for key, value in results["contended"].items() if key != "semaphore"},
+    )
+
     results["ceiling"] = []
     for processes in plan.ceiling_processes:
         progress(
@@ -232,6 +268,32 @@ def _measure_the_library(
         results["pgbouncer"] = {"skipped": "run with --pgbouncer to measure it"}
 
 
+def _measure_rwlocks(
+    plan: Plan, dsn: str, table: str, floor: float | None, mutex_contended: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The read/write locks' section; ``floor`` (the plain INSERT + DELETE) and the Mutex's contended row are
+    measured here if not given."""
+    if floor is None:
+        progress("the floor: a plain INSERT + DELETE")
+        floor = rwlocks.floor(dsn, table, plan.latency)
+    progress(
+        f"read/write locks: cycle, {plan.handoffs} hand-offs, {plan.contended_processes} processes contending, "
+        f"a writer behind a stream of readers {plan.starvation_rounds} times"
+    )
+    return rwlocks.run(
+        dsn,
+        table,
+        plan.latency,
+        handoffs=plan.handoffs,
+        processes=plan.contended_processes,
+        seconds=plan.contended_seconds,
+        floor=floor,
+        rounds=plan.starvation_rounds,
+        hold=plan.starvation_hold,
+        mutex_contended=mutex_contended,
+    )
+
+
 def _meta(args: argparse.Namespace, server_version: str, settings: str) -> dict[str, Any]:
     command = ["python", "-m", "bench"]
     command += ["--dsn", "..."] if args.dsn else []
@@ -239,6 +301,7 @@ def _meta(args: argparse.Namespace, server_version: str, settings: str) -> dict[
     command += ["--pgbouncer"] if args.pgbouncer else []
     command += ["--skip-peers"] if args.skip_peers else []
     command += ["--only-peers"] if args.only_peers else []
+    command += ["--only-rwlocks"] if args.only_rwlocks else []
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),

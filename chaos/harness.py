@@ -53,6 +53,7 @@ SCENARIOS = (
     "14. nemesis",
     "15. nemesis, broken lease (caught)",
     "17. nemesis, semaphore of 3",
+    "19. ledger, read/write lock, writers frozen and killed",
 )
 """Every scenario the report names, in its order; the docs' copy is rewritten only by a run that measured them all."""
 

@@ -23,7 +23,7 @@ import pytest
 from bench.report import LATENCY_LABELS, SECTIONS
 from tests.support.fixtures import ROOT
 
-QUICK_RUN_TIMEOUT = 100.0
+QUICK_RUN_TIMEOUT = 150.0
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,33 @@ def test_no_two_holders_ever_overlapped(quick_run: tuple[dict[str, Any], str, Pa
     assert results["contended"]["semaphore"]["most_at_once"] <= results["contended"]["semaphore"]["permits"]
     for run in results["ceiling"]:
         assert all(run[kind]["cycles"] > 0 for kind in ("advisory", "insert_delete", "mutex"))
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
+def test_read_write_locks_are_measured_beside_the_mutex_and_a_writer_gets_past_a_stream_of_readers(
+    quick_run: tuple[dict[str, Any], str, Path],
+) -> None:
+    results, stdout, _ = quick_run
+    rw = results["rwlocks"]
+    for name in ("mutex", "read", "write"):
+        assert rw["cycle"][name]["n"] > 0
+    assert rw["cycle"]["read"]["median_to_mutex"] == pytest.approx(
+        rw["cycle"]["read"]["median_ms"] / rw["cycle"]["mutex"]["median_ms"], rel=0.01
+    )
+    for name in ("write_to_read", "read_to_write"):
+        assert rw["handoff"][name]["handoffs"] > 0, "hand-offs alternate: writer to reader, reader to writer"
+        assert rw["handoff"][name]["acquired_before_release"] == 0
+    assert rw["contended"]["mutex"]["cycles_per_s"] == results["contended"]["cycles_per_s"], "the same run's Mutex"
+    for name in ("writers", "mix"):
+        assert rw["contended"][name]["cycles"] > 0
+        assert rw["contended"][name]["overlaps"] == 0, "no section beside a writer's"
+    assert rw["contended"]["writers"]["most_at_once"] == 1
+    starved = rw["starvation"]
+    assert starved["rounds"] >= 1
+    # The stream was continuous: the writer always asked while readers held, and still got in.
+    assert starved["readers_holding_at_ask_min"] >= 1
+    assert starved["wait_max_s"] is not None
+    assert "## Read/write locks, beside the Mutex" in stdout
 
 
 @pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
