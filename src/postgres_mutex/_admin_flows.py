@@ -21,6 +21,7 @@ from ._rules import (
     AcquireResult,
     Outcome,
     observe,
+    rw_row_name,
 )
 from ._settings import BRIEF_WAIT
 from ._sql import SEPARATOR, Names, Statement, Statements, TableShape
@@ -234,12 +235,20 @@ def read_history(
 
 
 def force_release(
-    names: Names, lock_name: str, timeout: float, *, permit: int | None = None
+    names: Names,
+    lock_name: str,
+    timeout: float,
+    *,
+    permit: int | None = None,
+    writer: bool = False,
+    reader: str | None = None,
 ) -> Flow[tuple[str, float, int | None] | None]:
     """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free.
 
     With ``permit``, ``lock_name`` is a semaphore's: the row is that permit's,
-    and the release wakes the semaphore's waiters.
+    and the release wakes the semaphore's waiters. With ``writer``, or
+    ``reader`` (an instance id), it is a read/write lock's: the row is its
+    writer's, or that reader's, and the release wakes the lock's waiters.
 
     A row a fenced transaction holds locked is waited for up to ``timeout``,
     in brief waits with the connection free between them, so that the
@@ -251,6 +260,12 @@ def force_release(
     if permit is not None:
         action = f"forced release of permit {permit} of semaphore {lock_name!r}"
         lock_name = f"{lock_name}{SEPARATOR}{permit}"
+    elif writer:
+        action = f"forced release of the writer of read/write lock {lock_name!r}"
+        lock_name = rw_row_name(lock_name, "", "write")
+    elif reader is not None:
+        action = f"forced release of reader {reader!r} of read/write lock {lock_name!r}"
+        lock_name = rw_row_name(lock_name, reader, "read")
     deadline = now() + timeout
     while True:
         left = max(deadline - now(), _LEAST_TRY)
