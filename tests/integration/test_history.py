@@ -335,6 +335,34 @@ def test_a_dead_writer_removed_by_a_reader_is_recorded_reclaimed_by_that_reader(
     assert records[-1].alerts == 1, "the silence that let it be reclaimed"
 
 
+def test_the_cli_history_of_a_read_write_lock_or_semaphore_says_each_holds_mode_or_permit(
+    dsn: str, table: str, lock_name: str, holders: list[Semaphore | RWLock]
+) -> None:
+    options: dict[str, Any] = {**FAST, "table": table}
+    rw = RWLock(dsn, lock_name, instance_id="rw-1", **options)
+    semaphore = Semaphore(dsn, f"{lock_name}-sem", permits=1, instance_id="sem-1", **options)
+    holders += [rw, semaphore]
+    with rw.read() as got:
+        assert got
+    with rw.write() as got:
+        assert got
+    with semaphore.acquire() as got:
+        assert got
+
+    text = cli("history", "--dsn", dsn, "--table", table, "--lock", lock_name)
+    assert text.returncode == 0, text.stderr
+    assert [line.split()[:2] for line in text.stdout.splitlines()[1:]] == [
+        [lock_name, "(write)"],
+        [lock_name, "(read)"],
+    ]
+    as_json = cli("history", "--dsn", dsn, "--table", table, "--lock", f"{lock_name}-sem", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    [hold] = json.loads(as_json.stdout)["holds"]
+    assert (hold["semaphore"], hold["permit"], hold["rwlock"], hold["mode"]) == (f"{lock_name}-sem", 0, None, None)
+    every = json.loads(cli("history", "--dsn", dsn, "--table", table, "--json").stdout)["holds"]
+    assert [(h["rwlock"], h["mode"]) for h in every if h["rwlock"]] == [(lock_name, "write"), (lock_name, "read")]
+
+
 # -- retention -----------------------------------------------------------------------------------
 
 
