@@ -5,7 +5,9 @@ says which rows R may have: readers' (``'read'``) or one writer's
 (``'write'``). A reader's row is named R, the unit separator, ``r`` and a
 digest of its instance id; the writer's R, the separator and ``w``; both carry
 ``rwlock`` = R and ``rw_mode``. The heartbeat, the release, the clean-up and
-the fence address a row by its ``lock_name`` with the mutex's statements.
+the fence address a row by its ``lock_name`` with the mutex's statements. On
+a table with a history, each acquire writes it as a permit's does, and ends
+the holds of the dead holders' rows it deleted (`acquire_rw_history`).
 
 The exclusion is the schema's (`_sql_schema`): a row's ``(rwlock, rw_mode)``
 must match its gate, and the gate cannot change mode while a row of the other

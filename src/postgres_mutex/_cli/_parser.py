@@ -208,7 +208,9 @@ def parser() -> argparse.ArgumentParser:
         "  postgres-mutex history --since 2h --json | jq '.holds[] | select(.ended_how == \"reclaimed\")'",
         [connection],
     )
-    history.add_argument("--lock", help="only this lock")
+    history.add_argument(
+        "--lock", help="only this lock, or every permit of this semaphore, or every holder of this read/write lock"
+    )
     history.add_argument(
         "--since", type=since, help="holds not ended by then: an ISO 8601 moment, or an age (90s, 15m, 2h, 7d)"
     )
