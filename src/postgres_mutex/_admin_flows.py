@@ -227,7 +227,14 @@ def read_history(
         )
     reply = yield Execute(
         statements.history,
-        {"lock_name": lock_name, "since": since, "since_seconds": since_seconds, "limit": limit},
+        {
+            # A lock's name reads the holds of its every row; a row's own name (a permit's, a reader's), its own.
+            "family": None if lock_name is None else lock_name.partition(SEPARATOR)[0],
+            "row": lock_name if lock_name is not None and SEPARATOR in lock_name else None,
+            "since": since,
+            "since_seconds": since_seconds,
+            "limit": limit,
+        },
         timeout,
         f"read of the history of table {names.table_name}",
     )

@@ -170,7 +170,8 @@ def read_history(names: Names) -> Statement:
     """The history, newest first: every hold of a lock (or of all), since a moment.
 
     A lock's holds are those of its rows: the mutex's one, a semaphore's
-    permits, a read/write lock's readers and writer (`FAMILY`).
+    permits, a read/write lock's readers and writer (`FAMILY`); ``row``
+    narrows them to one row's.
     """
     return statement(
         names.table_name,
@@ -179,7 +180,8 @@ def read_history(names: Names) -> Statement:
             """SELECT lock_name, token, holder, acquired_at, ended_at, ended_how, ended_by, alerts,
        EXTRACT(EPOCH FROM coalesce(ended_at, now()) - acquired_at)::float8
   FROM {history}
- WHERE (%(lock_name)s::text IS NULL OR {family} = %(lock_name)s)
+ WHERE (%(family)s::text IS NULL OR {family} = %(family)s)
+   AND (%(row)s::text IS NULL OR lock_name = %(row)s)
    AND (%(since)s::timestamptz IS NULL OR coalesce(ended_at, 'infinity') >= %(since)s)
    AND (%(since_seconds)s::float8 IS NULL
         OR coalesce(ended_at, 'infinity') >= now() - make_interval(secs => %(since_seconds)s::float8))

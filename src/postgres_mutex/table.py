@@ -243,7 +243,8 @@ class LockTable:
 
         The name of a `Semaphore` or of an `RWLock` gives the holds of its
         every permit, or of its readers and writers: each record says which
-        (``semaphore`` and ``permit``, or ``rwlock`` and ``mode``).
+        (``semaphore`` and ``permit``, or ``rwlock`` and ``mode``); a row's
+        own ``lock_name`` (one permit's, one reader's) gives that row's.
 
         ``since`` keeps the holds that had not ended by then: an aware
         datetime, or a timedelta before now by the server's clock; at most

@@ -302,12 +302,15 @@ def test_permits_and_read_write_holds_are_recorded_with_what_they_held_and_read_
         "released",
     )
     assert (held.rwlock, held.mode) == (None, None)
+    assert lock_table.history(held.lock_name) == [held], "a permit's row, by its own name"
+    assert lock_table.history(f"{lock_name}-sem\x1f{1 - permit}") == []  # type: ignore[operator]
     wrote, read = lock_table.history(f"{lock_name}-rw")
     assert [(r.rwlock, r.mode, r.holder, r.ended_how) for r in (read, wrote)] == [
         (f"{lock_name}-rw", "read", "reader-1", "released"),
         (f"{lock_name}-rw", "write", "writer-1", "released"),
     ]
     assert wrote.token == write_token
+    assert lock_table.history(read.lock_name) == [read]
     assert (wrote.semaphore, wrote.permit) == (None, None)
     [alone] = lock_table.history(lock_name)
     assert (alone.holder, alone.semaphore, alone.rwlock, alone.mode) == ("mutex-1", None, None, None), (
