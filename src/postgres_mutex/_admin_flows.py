@@ -21,6 +21,7 @@ from ._rules import (
     AcquireResult,
     Outcome,
     observe,
+    rw_row_name,
 )
 from ._settings import BRIEF_WAIT
 from ._sql import SEPARATOR, Names, Statement, Statements, TableShape
@@ -226,7 +227,14 @@ def read_history(
         )
     reply = yield Execute(
         statements.history,
-        {"lock_name": lock_name, "since": since, "since_seconds": since_seconds, "limit": limit},
+        {
+            # A lock's name reads the holds of its every row; a row's own name (a permit's, a reader's), its own.
+            "family": None if lock_name is None else lock_name.partition(SEPARATOR)[0],
+            "row": lock_name if lock_name is not None and SEPARATOR in lock_name else None,
+            "since": since,
+            "since_seconds": since_seconds,
+            "limit": limit,
+        },
         timeout,
         f"read of the history of table {names.table_name}",
     )
@@ -234,12 +242,20 @@ def read_history(
 
 
 def force_release(
-    names: Names, lock_name: str, timeout: float, *, permit: int | None = None
+    names: Names,
+    lock_name: str,
+    timeout: float,
+    *,
+    permit: int | None = None,
+    writer: bool = False,
+    reader: str | None = None,
 ) -> Flow[tuple[str, float, int | None] | None]:
     """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free.
 
     With ``permit``, ``lock_name`` is a semaphore's: the row is that permit's,
-    and the release wakes the semaphore's waiters.
+    and the release wakes the semaphore's waiters. With ``writer``, or
+    ``reader`` (an instance id), it is a read/write lock's: the row is its
+    writer's, or that reader's, and the release wakes the lock's waiters.
 
     A row a fenced transaction holds locked is waited for up to ``timeout``,
     in brief waits with the connection free between them, so that the
@@ -251,6 +267,12 @@ def force_release(
     if permit is not None:
         action = f"forced release of permit {permit} of semaphore {lock_name!r}"
         lock_name = f"{lock_name}{SEPARATOR}{permit}"
+    elif writer:
+        action = f"forced release of the writer of read/write lock {lock_name!r}"
+        lock_name = rw_row_name(lock_name, "", "write")
+    elif reader is not None:
+        action = f"forced release of reader {reader!r} of read/write lock {lock_name!r}"
+        lock_name = rw_row_name(lock_name, reader, "read")
     deadline = now() + timeout
     while True:
         left = max(deadline - now(), _LEAST_TRY)

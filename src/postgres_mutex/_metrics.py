@@ -46,6 +46,10 @@ class LockObservation:
     """For a permit of a `Semaphore`: the semaphore's name (``lock_name`` is then its permit row's)."""
     permit: int | None = None
     """For a permit of a `Semaphore`: the permit's number, from 0."""
+    rwlock: str | None = None
+    """For a holder of an `RWLock`: the read/write lock's name (``lock_name`` is then its holder's row's)."""
+    mode: str | None = None
+    """For a holder of an `RWLock`: ``"read"`` or ``"write"``."""
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ._events import LockEvents, LostCallback
 from ._metrics import guard
-from ._settings import Timing, check_name
+from ._settings import Timing, check_lock_name, check_name
 from ._sql import Names
 from ._state import LockState
 from .errors import InvalidArgument
@@ -47,7 +47,7 @@ def checked_names(lock_name: str | None, instance_id: str | None) -> tuple[str, 
     """The lock's name and the instance id asked for (None: the default one), checked."""
     if lock_name is None:
         raise MissingLockName("Mutex() needs a lock_name: Mutex(dsn, 'nightly-report')")
-    check_name(lock_name, "lock_name")
+    check_lock_name(lock_name, "lock_name")
     if instance_id == "":
         instance_id = None  # as in 0.1.0: an unset environment variable means the default id
     if instance_id is not None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from ._metrics import LockObservation
-from ._sql import SEPARATOR
+from ._sql import SEPARATOR, row_of
 from .errors import DatabaseError, OperationTimeout, PermitsMismatchError, SchemaError, phrase
 from .metric_names import RECLAIM_REASONS
 
@@ -235,9 +235,7 @@ def observe(
         heartbeat_age = float(age)  # type: ignore[arg-type]
         after = None if reclaim_after is None else float(reclaim_after)  # type: ignore[arg-type]
         disconnected = session_alive is False and after is not None and heartbeat_age >= after
-        # A permit's row is named "<semaphore>\x1f<permit>" (`_sql_permits`).
-        semaphore, separator, permit = str(lock_name).rpartition("\x1f")
-        is_permit = bool(separator) and permit.isdigit()
+        row = row_of(str(lock_name))  # a permit's, or a read/write lock's holder's
         observations.append(
             LockObservation(
                 lock_name=str(lock_name),
@@ -249,8 +247,10 @@ def observe(
                 token=None if token is None else int(token),  # type: ignore[call-overload]
                 session_alive=None if session_alive is None else bool(session_alive),
                 reclaim_disconnected_after=after,
-                semaphore=semaphore if is_permit else None,
-                permit=int(permit) if is_permit else None,
+                semaphore=row.semaphore,
+                permit=row.permit,
+                rwlock=row.rwlock,
+                mode=row.mode,
             )
         )
     return observations

@@ -11,8 +11,9 @@ other mode exist.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 MAX_RWLOCK_NAME = 50
 """A reader's row adds a separator, ``r`` and a 12-character digest to the name, in 64 characters."""
 
@@ -35,8 +39,9 @@ MAX_RWLOCK_NAME = 50
 class _ModeHolder(Holder):
     """One mode of an `RWLock`: what its ``read`` or ``write`` blocks hold."""
 
-    def __init__(self, mode: str, *args: Any, chosen_id: bool, **kwargs: Any) -> None:
+    def __init__(self, mode: str, *args: Any, chosen_id: bool, entering: Callable[[], None], **kwargs: Any) -> None:
         self._rw_mode = mode
+        self._entering = entering
         super().__init__(*args, **kwargs)
         if not chosen_id:
             # The RWLock chose it for both modes: a forked child chooses new ones, as a Mutex's does.
@@ -45,6 +50,16 @@ class _ModeHolder(Holder):
 
     def __repr__(self) -> str:
         return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
+
+    def acquire(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+        """`Holder.acquire`, once its `RWLock` has said this mode may be asked for (see `RWLock.read`)."""
+        self._entering()
+        return super().acquire(blocking=blocking, timeout=timeout)
+
+    def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
+        """`Holder.acquire_async`, once its `RWLock` has said this mode may be asked for."""
+        self._entering()
+        return super().acquire_async(blocking=blocking, timeout=timeout)
 
     def _new_sibling(self, lock_name: str) -> _ModeHolder:
         raise InvalidArgument("an RWLock's holders take no other name: make an RWLock for {value!r}", value=lock_name)
@@ -126,8 +141,12 @@ class RWLock:
             "reclaim_disconnected_after": reclaim_disconnected_after,
         }
         chosen_id = instance_id is not None
-        self._reader = _ModeHolder("read", dsn, name, chosen_id=chosen_id, **options)
-        self._writer = _ModeHolder("write", dsn, name, chosen_id=chosen_id, **options)
+        self._reader = _ModeHolder(
+            "read", dsn, name, chosen_id=chosen_id, entering=lambda: self._entering(self._reader), **options
+        )
+        self._writer = _ModeHolder(
+            "write", dsn, name, chosen_id=chosen_id, entering=lambda: self._entering(self._writer), **options
+        )
         self._last: _ModeHolder | None = None
         """The mode last asked for: whose fence says why it is not held, when neither is."""
 
@@ -175,6 +194,13 @@ class RWLock:
         held = self._held()
         return None if held is None else held.lease_remaining
 
+    @property
+    def last_holder(self) -> str | None:
+        """Who held the lock at the last attempt (in the mode last asked for) that found it taken (None if
+        unknown), for messages: the writer, or one of the readers."""
+        last = self._last or self._reader
+        return last.last_holder
+
     def __repr__(self) -> str:
         return f"<RWLock name={self.name!r} instance_id={self.instance_id!r} table={self.table!r} mode={self.mode}>"
 
@@ -188,29 +214,23 @@ class RWLock:
 
     def read(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
         """Hold the lock for reading for the ``with`` block; yields whether it was acquired (see `Mutex.acquire`)."""
-        self._not_in_other_mode(self._writer)
-        self._last = self._reader
         return self._reader.acquire(blocking=blocking, timeout=timeout)
 
     def write(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
         """Hold the lock alone, for writing, for the ``with`` block; yields whether it was acquired."""
-        self._not_in_other_mode(self._reader)
-        self._last = self._writer
         return self._writer.acquire(blocking=blocking, timeout=timeout)
 
     def read_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
         """Async `read`; blocking by default. Cancelling the task releases the lock."""
-        self._not_in_other_mode(self._writer)
-        self._last = self._reader
         return self._reader.acquire_async(blocking=blocking, timeout=timeout)
 
     def write_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
         """Async `write`; blocking by default. Cancelling the task releases the lock."""
-        self._not_in_other_mode(self._reader)
-        self._last = self._writer
         return self._writer.acquire_async(blocking=blocking, timeout=timeout)
 
-    def _not_in_other_mode(self, other: _ModeHolder) -> None:
+    def _entering(self, mode: _ModeHolder) -> None:
+        """Before ``mode`` is acquired (by a ``with`` block or a decorator): refused while the other is held."""
+        other = self._writer if mode is self._reader else self._reader
         if other.held:
             # Its own rows would exclude each other: waiting could never end.
             raise InvalidArgument(
@@ -218,6 +238,105 @@ class RWLock:
                 value=self.name,
                 mode=other._rw_mode,
             )
+        self._last = mode
+
+    # -- decorators ------------------------------------------------------------------
+
+    @overload
+    def read_singleton(self, func: Callable[P, R], /) -> Callable[P, R | None]: ...
+
+    @overload
+    def read_singleton(
+        self, *, blocking: bool = False, timeout: float | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+
+    def read_singleton(
+        self, func: Callable[..., Any] | None = None, *, blocking: bool = False, timeout: float | None = None
+    ) -> Any:
+        """Decorate a function to run only while holding the lock for reading (see `Mutex.singleton`).
+
+        Each call holds it for reading for the call, with `read`'s
+        ``blocking`` and ``timeout``: while a writer holds it or waits, the
+        function does not run and the call returns None (blocking with a
+        ``timeout``, it raises `LockAcquisitionTimeout` instead). Readers
+        elsewhere run meanwhile; in this process, one RWLock holds once at a
+        time, so a call made while it reads (another call, a ``with`` block)
+        returns None too, and one made while it writes raises
+        `InvalidArgument`, as `read` does: use an RWLock per concurrent
+        caller. Also usable bare: ``@rw.read_singleton``.
+        """
+        return (
+            self._reader.singleton(func)
+            if func is not None
+            else self._reader.singleton(blocking=blocking, timeout=timeout)
+        )
+
+    @overload
+    def write_singleton(self, func: Callable[P, R], /) -> Callable[P, R | None]: ...
+
+    @overload
+    def write_singleton(
+        self, *, blocking: bool = False, timeout: float | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+
+    def write_singleton(
+        self, func: Callable[..., Any] | None = None, *, blocking: bool = False, timeout: float | None = None
+    ) -> Any:
+        """Decorate a function to run only while holding the lock alone, for writing (see `read_singleton`).
+
+        While anyone else reads or writes, the function does not run and the
+        call returns None, unless ``blocking``: a waiting writer keeps new
+        readers out until it gets in. Also usable bare: ``@rw.write_singleton``.
+        """
+        return (
+            self._writer.singleton(func)
+            if func is not None
+            else self._writer.singleton(blocking=blocking, timeout=timeout)
+        )
+
+    @overload
+    def read_singleton_async(self, func: Callable[P, Awaitable[R]], /) -> Callable[P, Awaitable[R | None]]: ...
+
+    @overload
+    def read_singleton_async(
+        self, *, blocking: bool = True, timeout: float | None = None
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]: ...
+
+    def read_singleton_async(
+        self,
+        func: Callable[..., Any] | None = None,
+        *,
+        blocking: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        """Async `read_singleton` for coroutine functions; blocking by default, like `read_async`."""
+        return (
+            self._reader.singleton_async(func)
+            if func is not None
+            else self._reader.singleton_async(blocking=blocking, timeout=timeout)
+        )
+
+    @overload
+    def write_singleton_async(self, func: Callable[P, Awaitable[R]], /) -> Callable[P, Awaitable[R | None]]: ...
+
+    @overload
+    def write_singleton_async(
+        self, *, blocking: bool = True, timeout: float | None = None
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]: ...
+
+    def write_singleton_async(
+        self,
+        func: Callable[..., Any] | None = None,
+        *,
+        blocking: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        """Async `write_singleton` for coroutine functions; blocking by default, like `write_async`."""
+        return (
+            self._writer.singleton_async(func)
+            if func is not None
+            else self._writer.singleton_async(blocking=blocking, timeout=timeout)
+        )
 
     # -- fencing ---------------------------------------------------------------------
 

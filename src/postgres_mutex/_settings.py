@@ -13,6 +13,7 @@ import socket
 import warnings
 from dataclasses import dataclass
 
+from ._sql import SEPARATOR
 from .errors import InvalidArgument
 
 # VARCHAR(64) in the table: PostgreSQL counts characters, not bytes.
@@ -49,6 +50,24 @@ def check_name(value: object, argument: str) -> str:
     return value
 
 
+def check_lock_name(value: object, argument: str) -> str:
+    """A mutex's (or an election's) name: `check_name`, and without the unit separator.
+
+    The rows of semaphores' permits and of read/write locks' holders are
+    named after their lock and that character (`_sql_rows`): a mutex of such
+    a name could share a row with one of them, and hold it or take it over.
+    """
+    name = check_name(value, argument)
+    if SEPARATOR in name:
+        raise _invalid(
+            argument,
+            "must not contain the unit separator character (\\x1f): the rows of semaphores and read/write locks "
+            "are named with it, got {value!r}",
+            value=name,
+        )
+    return name
+
+
 def check_permit_count(name: object, permits: object) -> int:
     """A Semaphore's number of permits, and its name checked to fit its permits' rows.
 
@@ -70,7 +89,7 @@ def check_permit_count(name: object, permits: object) -> int:
                 n=permits,
                 length=len(name),  # type: ignore[arg-type]
             )
-        if "\x1f" in name:  # type: ignore[operator]
+        if SEPARATOR in name:  # type: ignore[operator]
             raise InvalidArgument("a semaphore's name must not contain the unit separator character (\\x1f)")
     return permits
 

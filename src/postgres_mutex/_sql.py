@@ -13,6 +13,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
 - `_sql_history`: how a hold can end and the parts of the lock statements
   that write the history, and its read;
 - `_sql_permits`: what semaphores add (their permits are rows of the lock table);
+- `_sql_rows`: what a row's name says it holds (a mutex, a permit, a read/write lock's mode);
 - `_sql_schema`: creating, inspecting and migrating the tables.
 """
 
@@ -20,6 +21,7 @@ from ._sql_history import HISTORY_ENDINGS
 from ._sql_lock import CURRENT, CURRENT_WITH_HISTORY, LEGACY, Statements, TableShape, listen, unlisten
 from ._sql_names import Names
 from ._sql_permits import SEPARATOR
+from ._sql_rows import RowOf, row_of
 from ._sql_schema import create_history, create_table, history_retention, inspect_table, migrate_steps
 from ._sql_statement import Statement, session_setup
 
@@ -30,6 +32,7 @@ __all__ = [
     "LEGACY",
     "SEPARATOR",
     "Names",
+    "RowOf",
     "Statement",
     "Statements",
     "TableShape",
@@ -39,6 +42,7 @@ __all__ = [
     "inspect_table",
     "listen",
     "migrate_steps",
+    "row_of",
     "session_setup",
     "unlisten",
 ]

@@ -32,6 +32,12 @@ lease ran out and its row was deleted after); abandoned (a row an unanswered acq
 by the clean-up); force_released (an operator's ``release --force``)."""
 
 
+FAMILY = sql.SQL("split_part(lock_name, chr(31), 1)")
+"""The lock a history row's hold was of: its ``lock_name`` up to the unit separator (`_sql_rows`), so one
+lock's name finds its mutex's holds, or its every permit's, reader's and writer's; the history's index is on
+it (`_sql_schema.create_history`)."""
+
+
 def acquire_history(names: Names) -> sql.Composable:
     """The acquire's part: a row for the new hold, the end of those it replaced, and the sweep of expired rows.
 
@@ -98,6 +104,33 @@ def acquire_permit_history(names: Names) -> sql.Composable:
     ).format(history=names.history)
 
 
+def acquire_rw_history(names: Names, *, deleted: str) -> sql.Composable:
+    """`acquire_permit_history` for a read/write lock's holder, and the end of the holds its acquire deleted.
+
+    A reader's acquire deletes a dead writer's row, a writer's the rows of
+    dead readers (``deleted``: the CTE that returns their ``lock_name``):
+    those holds were reclaimed by this instance, as a row taken over is.
+    """
+    return sql.Composed(
+        [
+            acquire_permit_history(names),
+            sql.SQL(
+                """, reclaimed AS (
+  UPDATE {history} AS past
+     SET ended_at = now(), keep_until = DEFAULT,
+         ended_how = CASE WHEN (SELECT heartbeat_age FROM current WHERE current.lock_name = gone_row.lock_name)
+                               < %(stale_seconds)s THEN 'reclaimed_disconnected'
+                          ELSE 'reclaimed' END,
+         ended_by = %(instance_id)s,
+         alerts = past.alerts + 1
+    FROM {deleted} AS gone_row
+   WHERE past.lock_name = gone_row.lock_name AND past.ended_at IS NULL
+)"""
+            ).format(history=names.history, deleted=sql.Identifier(deleted)),
+        ]
+    )
+
+
 def heartbeat_alerts(names: Names) -> sql.Composable:
     """The heartbeat's part: one after a silence past the alert threshold ends an alert episode, and counts it.
 
@@ -134,7 +167,12 @@ def hold_ended(names: Names) -> sql.Composable:
 
 
 def read_history(names: Names) -> Statement:
-    """The history, newest first: every hold of a lock (or of all), since a moment."""
+    """The history, newest first: every hold of a lock (or of all), since a moment.
+
+    A lock's holds are those of its rows: the mutex's one, a semaphore's
+    permits, a read/write lock's readers and writer (`FAMILY`); ``row``
+    narrows them to one row's.
+    """
     return statement(
         names.table_name,
         "read of the history",
@@ -142,11 +180,12 @@ def read_history(names: Names) -> Statement:
             """SELECT lock_name, token, holder, acquired_at, ended_at, ended_how, ended_by, alerts,
        EXTRACT(EPOCH FROM coalesce(ended_at, now()) - acquired_at)::float8
   FROM {history}
- WHERE (%(lock_name)s::text IS NULL OR lock_name = %(lock_name)s)
+ WHERE (%(family)s::text IS NULL OR {family} = %(family)s)
+   AND (%(row)s::text IS NULL OR lock_name = %(row)s)
    AND (%(since)s::timestamptz IS NULL OR coalesce(ended_at, 'infinity') >= %(since)s)
    AND (%(since_seconds)s::float8 IS NULL
         OR coalesce(ended_at, 'infinity') >= now() - make_interval(secs => %(since_seconds)s::float8))
  ORDER BY acquired_at DESC, id DESC
  LIMIT %(limit)s"""
-        ).format(history=names.history),
+        ).format(history=names.history, family=FAMILY),
     )

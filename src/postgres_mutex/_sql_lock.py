@@ -98,8 +98,8 @@ class Statements:
         self.set_permits = permits_sql.set_permits(names, history=history) if permits else None
         # Read/write locks need tokens and sessions too, which every migration adds before them.
         rw = shape.rwlocks and shape.tokens and shape.sessions
-        self.acquire_read = rwlocks_sql.acquire_read(names) if rw else None
-        self.acquire_write = rwlocks_sql.acquire_write(names) if rw else None
+        self.acquire_read = rwlocks_sql.acquire_read(names, history=history) if rw else None
+        self.acquire_write = rwlocks_sql.acquire_write(names, history=history) if rw else None
 
 
 def _acquire(names: Names, shape: TableShape) -> Statement:
@@ -311,12 +311,14 @@ def _holders(names: Names, shape: TableShape) -> Statement:
        acquired_at, {token},
        {sessions}
   FROM {table}
- WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]){semaphores})
+ WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]){semaphores}{rwlocks})
  ORDER BY lock_name"""
         ).format(
             table=names.table,
-            # A semaphore's name asks for its every holder (each permit is a row of its own).
-            semaphores=sql.SQL(" OR semaphore = ANY(%(lock_names)s::text[])") if shape.semaphores else sql.SQL(""),
+            # A semaphore's name asks for its every holder (each permit is a row of its own), a read/write
+            # lock's for its readers or its writer.
+            semaphores=sql.SQL(" OR semaphore = ANY(%(lock_names)s::text[])") if shape.semaphores else _NOTHING,
+            rwlocks=sql.SQL(" OR rwlock = ANY(%(lock_names)s::text[])") if shape.rwlocks else _NOTHING,
             token=_token_or_null(shape),
             sessions=sessions.read_by_holders() if shape.sessions else sessions.NOT_READ,
         ),

@@ -5,7 +5,9 @@ says which rows R may have: readers' (``'read'``) or one writer's
 (``'write'``). A reader's row is named R, the unit separator, ``r`` and a
 digest of its instance id; the writer's R, the separator and ``w``; both carry
 ``rwlock`` = R and ``rw_mode``. The heartbeat, the release, the clean-up and
-the fence address a row by its ``lock_name`` with the mutex's statements.
+the fence address a row by its ``lock_name`` with the mutex's statements. On
+a table with a history, each acquire writes it as a permit's does, and ends
+the holds of the dead holders' rows it deleted (`acquire_rw_history`).
 
 The exclusion is the schema's (`_sql_schema`): a row's ``(rwlock, rw_mode)``
 must match its gate, and the gate cannot change mode while a row of the other
@@ -28,6 +30,7 @@ from __future__ import annotations
 from psycopg import sql
 
 from . import _sql_sessions as sessions
+from ._sql_history import acquire_rw_history
 from ._sql_names import Names
 from ._sql_statement import Statement, statement
 
@@ -88,14 +91,19 @@ def _format(names: Names, pieces: tuple[str, ...], **more: sql.Composable) -> sq
     return sql.Composed([sql.SQL(piece).format(**values) for piece in pieces])
 
 
-def acquire_read(names: Names) -> Statement:
+def _history(names: Names, history: bool, *, deleted: str) -> sql.Composable:
+    """With a history, the acquire's part that writes it (`acquire_rw_history`); else nothing."""
+    return acquire_rw_history(names, deleted=deleted) if history else sql.SQL("")
+
+
+def acquire_read(names: Names, *, history: bool = False) -> Statement:
     """A reader's attempt, in one statement.
 
     - ``mine`` takes back a reader row of ours (a lost reply, a restarted
       process reusing its id), as the mutex's acquire does;
     - a writer whose row is stale or disconnected is deleted (``dropped``),
       rechecked on the row's latest version under its row lock;
-    - ``opened`` turns a gate left at ``'write'`` back to ``'read'`` when no
+    - ``gate_opened`` turns a gate left at ``'write'`` back to ``'read'`` when no
       live writer holds and none waits (its NO ACTION foreign key refuses it
       while a writer's row remains);
     - ``inserted`` adds our reader row, when the gate says (or now says)
@@ -118,7 +126,7 @@ def acquire_read(names: Names) -> Statement:
         _GONE_EXISTING,
         """
   RETURNING existing.lock_name
-), opened AS (
+), gate_opened AS (
   UPDATE {rwlocks} AS g SET mode = 'read'
    WHERE g.name = %(rwlock)s AND g.mode = 'write'
      AND NOT EXISTS (SELECT 1 FROM live_writer) AND NOT (SELECT writer_waits FROM gate)
@@ -131,29 +139,30 @@ def acquire_read(names: Names) -> Statement:
          %(rwlock)s, 'read'
    WHERE NOT EXISTS (SELECT 1 FROM mine) AND NOT EXISTS (SELECT 1 FROM live_writer)
      AND NOT (SELECT writer_waits FROM gate)
-     AND ((SELECT mode FROM gate) = 'read' OR EXISTS (SELECT 1 FROM opened))
+     AND ((SELECT mode FROM gate) = 'read' OR EXISTS (SELECT 1 FROM gate_opened))
   ON CONFLICT DO NOTHING
   RETURNING fresh.lock_name, fresh.acquired_at, fresh.token
 ), won AS (
   SELECT true AS fresh, * FROM inserted
   UNION ALL SELECT false, * FROM mine
 )""",
-        _REPLY,
     )
     retry = sql.SQL(
         "CASE WHEN won.lock_name IS NULL AND (SELECT mode FROM gate) = 'write' AND NOT (SELECT writer_waits FROM gate)"
-        " AND NOT EXISTS (SELECT 1 FROM live_writer) AND NOT EXISTS (SELECT 1 FROM opened) THEN 1 END"
+        " AND NOT EXISTS (SELECT 1 FROM live_writer) AND NOT EXISTS (SELECT 1 FROM gate_opened) THEN 1 END"
     )
     return statement(
         names.table_name,
         "acquire",
-        _format(names, pieces, retry=retry, first_mode=sql.Literal("read")),
+        _format(names, pieces, first_mode=sql.Literal("read"))
+        + _history(names, history, deleted="dropped")
+        + _format(names, (_REPLY,), retry=retry),
         preparable=True,
         marks=True,
     )
 
 
-def acquire_write(names: Names) -> Statement:
+def acquire_write(names: Names, *, history: bool = False) -> Statement:
     """A writer's attempt, in one statement.
 
     - the gate is made at ``'write'`` if R had none (no row can refer to it yet);
@@ -162,7 +171,7 @@ def acquire_write(names: Names) -> Statement:
       waits, and a blocking one (``%(waiting)s``) stamps the gate's
       ``writer_waiting_until`` so that no new reader comes in (``stamped``);
     - else stale or disconnected readers' rows are deleted (``cleared``), the
-      gate is set to ``'write'`` (``closed``: refused by the foreign key if a
+      gate is set to ``'write'`` (``gate_closed``: refused by the foreign key if a
       reader's row came in meanwhile, which aborts the statement) and its
       stamp cleared, and the writer row is inserted, or taken over if a stale
       writer's (``taken``, checked again under its row lock).
@@ -187,12 +196,12 @@ def acquire_write(names: Names) -> Statement:
         _GONE_EXISTING,
         """
   RETURNING existing.lock_name
-), closed AS (
+), gate_closed AS (
   UPDATE {rwlocks} AS g SET mode = 'write', writer_waiting_until = NULL
    WHERE g.name = %(rwlock)s AND NOT EXISTS (SELECT 1 FROM others) AND NOT EXISTS (SELECT 1 FROM mine)
   RETURNING g.mode
 ), open_to_us AS (
-  SELECT 1 FROM closed UNION ALL SELECT 1 FROM gate_made
+  SELECT 1 FROM gate_closed UNION ALL SELECT 1 FROM gate_made
 ), taken AS (
   UPDATE {table} AS existing
      SET instance_id = %(instance_id)s,
@@ -219,12 +228,13 @@ def acquire_write(names: Names) -> Statement:
   UNION ALL SELECT false, * FROM mine
   UNION ALL SELECT false, * FROM taken
 )""",
-        _REPLY,
     )
     return statement(
         names.table_name,
         "acquire",
-        _format(names, pieces, retry=sql.SQL("NULL::int"), first_mode=sql.Literal("write")),
+        _format(names, pieces, first_mode=sql.Literal("write"))
+        + _history(names, history, deleted="cleared")
+        + _format(names, (_REPLY,), retry=sql.SQL("NULL::int")),
         preparable=True,
         marks=True,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from ._sql_history import HISTORY_ENDINGS
+from ._sql_history import FAMILY, HISTORY_ENDINGS
 from ._sql_names import Names
 from ._sql_sessions import COLUMNS as SESSION_COLUMNS
 from ._sql_statement import Statement, render, schema_change, statement
@@ -210,7 +210,7 @@ def create_history(names: Names, retention_seconds: float) -> Statement:
   alerts      INT NOT NULL DEFAULT 0,
   keep_until  TIMESTAMPTZ DEFAULT now() + make_interval(secs => {retention})
 );
-CREATE INDEX IF NOT EXISTS {by_lock} ON {history} (lock_name, acquired_at);
+CREATE INDEX IF NOT EXISTS {by_lock} ON {history} (({family}), acquired_at);
 CREATE INDEX IF NOT EXISTS {by_expiry} ON {history} (keep_until);
 CREATE INDEX IF NOT EXISTS {open} ON {history} (lock_name) WHERE ended_at IS NULL"""
         ).format(
@@ -218,6 +218,8 @@ CREATE INDEX IF NOT EXISTS {open} ON {history} (lock_name) WHERE ended_at IS NUL
             endings=sql.SQL(", ").join(sql.Literal(ending) for ending in HISTORY_ENDINGS),
             retention=sql.Literal(float(retention_seconds)),
             by_lock=names.history_by_lock,
+            # A lock's holds are read by its name, whichever of its rows held it.
+            family=FAMILY,
             by_expiry=names.history_by_expiry,
             # An acquire ends the lock's open holds: found among its few open
             # ones, not among every hold it had within the retention.

@@ -55,7 +55,7 @@ from ._leader import Leader, LeaderReader
 from ._metrics import guard
 from ._mutex import Mutex
 from ._relay import Relay
-from ._settings import check_name, check_seconds
+from ._settings import check_lock_name, check_seconds
 from ._term import Flag, Leadership, TermPolicy
 from .errors import InvalidArgument, LockNotHeldError, MutexError
 from .table import LockTable
@@ -117,7 +117,7 @@ class Election:
     ) -> None:
         if name is None:
             raise TypeError("Election() needs a name: Election(dsn, 'scheduler')")
-        check_name(name, "name")
+        check_lock_name(name, "name")
         grace = None if grace_period is None else check_seconds(grace_period, "grace_period")
         backoff = check_seconds(failure_backoff, "failure_backoff")
         max_backoff = check_seconds(max_failure_backoff, "max_failure_backoff")

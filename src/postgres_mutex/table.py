@@ -23,7 +23,7 @@ from ._settings import (
     check_seconds,
     check_thresholds,
 )
-from ._sql import Names
+from ._sql import Names, row_of
 from .client import BUILT_ON_IT, MutexClient, core_of, shared_client
 from .errors import InvalidArgument
 
@@ -85,6 +85,14 @@ class HoldRecord:
     """Alert episodes during the hold: heartbeat silences past the alert threshold."""
     held_for: float
     """Seconds from acquired_at to ended_at (or to now, while the hold lasts)."""
+    semaphore: str | None = None
+    """For a permit of a `Semaphore`: the semaphore's name (``lock_name`` is then its permit row's)."""
+    permit: int | None = None
+    """For a permit of a `Semaphore`: the permit's number, from 0."""
+    rwlock: str | None = None
+    """For a hold of an `RWLock`: the read/write lock's name (``lock_name`` is then its holder's row's)."""
+    mode: str | None = None
+    """For a hold of an `RWLock`: ``"read"`` or ``"write"``."""
 
 
 class LockTable:
@@ -201,7 +209,11 @@ class LockTable:
     ) -> list[LockObservation]:
         """Every held lock (or those named), sorted by name: holder, held for, seconds since heartbeat, token.
 
-        Ages come from the server's clock. ``alerting`` and ``reclaimable``
+        Each holder of a `Semaphore` is a record of its own, with its
+        ``semaphore`` and ``permit``; each holder of an `RWLock` too, with its
+        ``rwlock`` and ``mode`` (``"read"`` or ``"write"``). Naming a
+        semaphore or a read/write lock in ``lock_names`` asks for its every
+        holder. Ages come from the server's clock. ``alerting`` and ``reclaimable``
         are judged against the thresholds given (those of the Mutexes, which
         the table does not know).
         """
@@ -229,20 +241,25 @@ class LockTable:
     ) -> list[HoldRecord]:
         """The holds the history recorded, newest first: of ``lock_name`` (or of every lock).
 
+        The name of a `Semaphore` or of an `RWLock` gives the holds of its
+        every permit, or of its readers and writers: each record says which
+        (``semaphore`` and ``permit``, or ``rwlock`` and ``mode``); a row's
+        own ``lock_name`` (one permit's, one reader's) gives that row's.
+
         ``since`` keeps the holds that had not ended by then: an aware
         datetime, or a timedelta before now by the server's clock; at most
         ``limit`` rows. Raises `SchemaError` if the table keeps no history
         (`create` / `migrate` with ``history=True``).
         """
         flow = self._history(lock_name, since, limit)
-        return [HoldRecord(*row) for row in self._core.engine().run(flow)]
+        return [_hold(row) for row in self._core.engine().run(flow)]
 
     async def history_async(
         self, lock_name: str | None = None, *, since: datetime | timedelta | None = None, limit: int = 100
     ) -> list[HoldRecord]:
         """Async `history`."""
         flow = self._history(lock_name, since, limit)
-        return [HoldRecord(*row) for row in await self._core.engine_async().run(flow)]
+        return [_hold(row) for row in await self._core.engine_async().run(flow)]
 
     def _history(
         self, lock_name: str | None, since: datetime | timedelta | None, limit: int
@@ -267,12 +284,17 @@ class LockTable:
 
     # -- an operator's override ------------------------------------------------------
 
-    def force_release(self, lock_name: str, *, permit: int | None = None) -> ForcedRelease | None:
+    def force_release(
+        self, lock_name: str, *, permit: int | None = None, writer: bool = False, reader: str | None = None
+    ) -> ForcedRelease | None:
         """Delete a lock's row whoever holds it, and wake its waiters; returns whom it removed (None if free).
 
         With ``permit=K``, ``lock_name`` names a semaphore, and only the holder
         of its permit K (from 0, as `holders` shows it) is released: one
-        holder, not the semaphore's every holder.
+        holder, not the semaphore's every holder. With ``writer=True``,
+        ``lock_name`` names an `RWLock` and its writer is released; with
+        ``reader=INSTANCE_ID``, that one of its readers (its ``holder`` in
+        `holders`). At most one of ``permit``, ``writer`` and ``reader``.
 
         For an operator who knows the holder is gone and does not want to wait
         out the stale threshold: a holder that is still alive learns of the
@@ -280,15 +302,23 @@ class LockTable:
         (fencing stops its writes in the database). Waits for a holder's
         fenced transaction to end, up to ``operation_timeout``.
         """
-        _check_release(lock_name, permit)
-        flow = admin_flows.force_release(self._names, lock_name, self._timeout, permit=permit)
+        flow = self._force_release(lock_name, permit, writer, reader)
         return _forced(lock_name, self._core.engine().run(flow))
 
-    async def force_release_async(self, lock_name: str, *, permit: int | None = None) -> ForcedRelease | None:
+    async def force_release_async(
+        self, lock_name: str, *, permit: int | None = None, writer: bool = False, reader: str | None = None
+    ) -> ForcedRelease | None:
         """Async `force_release`."""
-        _check_release(lock_name, permit)
-        flow = admin_flows.force_release(self._names, lock_name, self._timeout, permit=permit)
+        flow = self._force_release(lock_name, permit, writer, reader)
         return _forced(lock_name, await self._core.engine_async().run(flow))
+
+    def _force_release(
+        self, lock_name: str, permit: int | None, writer: bool, reader: str | None
+    ) -> steps.Flow[tuple[str, float, int | None] | None]:
+        _check_release(lock_name, permit, writer, reader)
+        return admin_flows.force_release(
+            self._names, lock_name, self._timeout, permit=permit, writer=writer, reader=reader
+        )
 
     # -- semaphores ------------------------------------------------------------------
 
@@ -314,6 +344,11 @@ class LockTable:
         return PermitsChanged(name, permits, *found)
 
 
+def _hold(row: tuple[Any, ...]) -> HoldRecord:
+    """A row of the history read, with what its row's name says it held (`row_of`)."""
+    return HoldRecord(*row, **row_of(str(row[0]))._asdict())
+
+
 def _history_options(history: bool, retention: float | None) -> dict[str, Any]:
     if not isinstance(history, bool):
         raise InvalidArgument("{history} must be True or False, got {value!r}", value=history)
@@ -324,11 +359,21 @@ def _history_options(history: bool, retention: float | None) -> dict[str, Any]:
     return {"history": history, "history_retention": retention}
 
 
-def _check_release(lock_name: str, permit: int | None) -> None:
-    """``force_release``'s arguments checked: a lock's name, or a semaphore's and one of its permits."""
+def _check_release(lock_name: str, permit: int | None, writer: bool, reader: str | None) -> None:
+    """``force_release``'s arguments checked: a lock's name, or a semaphore's and one of its permits, or a
+    read/write lock's and its writer or one of its readers."""
     check_name(lock_name, "lock_name")
     if permit is not None and (isinstance(permit, bool) or not isinstance(permit, int) or permit < 0):
         raise ValueError(f"permit must be a permit's number, an int from 0 (as holders() shows it), not {permit!r}")
+    if not isinstance(writer, bool):
+        raise InvalidArgument("{writer} must be True or False, got {value!r}", value=writer)
+    if reader is not None:
+        check_name(reader, "reader")
+    if (permit is not None) + writer + (reader is not None) > 1:
+        raise InvalidArgument(
+            "{permit}, {writer} and {reader} each name one holder (of a semaphore, or of a read/write lock): "
+            "pass one of them"
+        )
 
 
 def _forced(lock_name: str, found: tuple[str, float, int | None] | None) -> ForcedRelease | None:

@@ -30,7 +30,9 @@ from postgres_mutex import (
     Mutex,
     MutexClient,
     OperationTimeout,
+    RWLock,
     SchemaError,
+    Semaphore,
 )
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
@@ -39,7 +41,7 @@ from tests.support.postgres_server import PostgresServer
 
 def drop(dsn: str, table: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_history")
+        conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_history, {table}_semaphores, {table}_rwlocks")
         conn.execute(f"DROP SEQUENCE IF EXISTS {table}_token_seq")
 
 
@@ -256,6 +258,112 @@ async def test_history_async_reads_what_the_sync_api_wrote(
     [record] = await LockTable(dsn, table=table).history_async(lock_name)
     assert record.ended_how == "released"
     assert await LockTable(dsn, table=table).has_history_async()
+
+
+# -- semaphores and read/write locks -------------------------------------------------------------
+
+
+@pytest.fixture
+def holders(dsn: str, table: str) -> Iterator[list[Semaphore | RWLock]]:
+    """Semaphores and RWLocks on this test's table (``FAST``), closed at its end."""
+    made: list[Semaphore | RWLock] = []
+    yield made
+    for holder in made:
+        with contextlib.suppress(Exception):
+            holder.close()
+
+
+def test_permits_and_read_write_holds_are_recorded_with_what_they_held_and_read_by_their_lock(
+    dsn: str, table: str, lock_name: str, holders: list[Semaphore | RWLock]
+) -> None:
+    options: dict[str, Any] = {**FAST, "table": table}
+    semaphore = Semaphore(dsn, f"{lock_name}-sem", permits=2, instance_id="sem-1", **options)
+    reader = RWLock(dsn, f"{lock_name}-rw", instance_id="reader-1", **options)
+    writer = RWLock(dsn, f"{lock_name}-rw", instance_id="writer-1", **options)
+    mutex = Mutex(dsn, lock_name, instance_id="mutex-1", **options)
+    holders += [semaphore, reader, writer, mutex]  # type: ignore[list-item]
+    with semaphore.acquire() as got:
+        assert got
+        permit = semaphore.permit
+    with reader.read() as got:
+        assert got
+    with writer.write() as got:
+        assert got
+        write_token = writer.token
+    with mutex.acquire():
+        pass
+
+    lock_table = LockTable(dsn, table=table)
+    [held] = lock_table.history(f"{lock_name}-sem")
+    assert (held.semaphore, held.permit, held.holder, held.ended_how) == (
+        f"{lock_name}-sem",
+        permit,
+        "sem-1",
+        "released",
+    )
+    assert (held.rwlock, held.mode) == (None, None)
+    assert lock_table.history(held.lock_name) == [held], "a permit's row, by its own name"
+    assert lock_table.history(f"{lock_name}-sem\x1f{1 - permit}") == []  # type: ignore[operator]
+    wrote, read = lock_table.history(f"{lock_name}-rw")
+    assert [(r.rwlock, r.mode, r.holder, r.ended_how) for r in (read, wrote)] == [
+        (f"{lock_name}-rw", "read", "reader-1", "released"),
+        (f"{lock_name}-rw", "write", "writer-1", "released"),
+    ]
+    assert wrote.token == write_token
+    assert lock_table.history(read.lock_name) == [read]
+    assert (wrote.semaphore, wrote.permit) == (None, None)
+    [alone] = lock_table.history(lock_name)
+    assert (alone.holder, alone.semaphore, alone.rwlock, alone.mode) == ("mutex-1", None, None, None), (
+        "a lock's name reads its own holds, not those of a lock whose name it begins"
+    )
+
+
+def test_a_dead_writer_removed_by_a_reader_is_recorded_reclaimed_by_that_reader(
+    dsn: str, table: str, lock_name: str, holders: list[Semaphore | RWLock]
+) -> None:
+    options: dict[str, Any] = {**FAST, "table": table}
+    writer = RWLock(dsn, lock_name, instance_id="writer-1", **options)
+    reader = RWLock(dsn, lock_name, instance_id="reader-1", **options)
+    holders += [writer, reader]
+    with pytest.raises(LockNotHeldError), writer.write() as got:
+        assert got
+        freeze(writer._writer)  # its process froze: no more heartbeats
+        with reader.read(blocking=True, timeout=15) as read:
+            assert read
+    records = LockTable(dsn, table=table).history(lock_name)
+    assert [(r.mode, r.holder, r.ended_how, r.ended_by) for r in reversed(records)] == [
+        ("write", "writer-1", "reclaimed", "reader-1"),
+        ("read", "reader-1", "released", None),
+    ]
+    assert records[-1].alerts == 1, "the silence that let it be reclaimed"
+
+
+def test_the_cli_history_of_a_read_write_lock_or_semaphore_says_each_holds_mode_or_permit(
+    dsn: str, table: str, lock_name: str, holders: list[Semaphore | RWLock]
+) -> None:
+    options: dict[str, Any] = {**FAST, "table": table}
+    rw = RWLock(dsn, lock_name, instance_id="rw-1", **options)
+    semaphore = Semaphore(dsn, f"{lock_name}-sem", permits=1, instance_id="sem-1", **options)
+    holders += [rw, semaphore]
+    with rw.read() as got:
+        assert got
+    with rw.write() as got:
+        assert got
+    with semaphore.acquire() as got:
+        assert got
+
+    text = cli("history", "--dsn", dsn, "--table", table, "--lock", lock_name)
+    assert text.returncode == 0, text.stderr
+    assert [line.split()[:2] for line in text.stdout.splitlines()[1:]] == [
+        [lock_name, "(write)"],
+        [lock_name, "(read)"],
+    ]
+    as_json = cli("history", "--dsn", dsn, "--table", table, "--lock", f"{lock_name}-sem", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    [hold] = json.loads(as_json.stdout)["holds"]
+    assert (hold["semaphore"], hold["permit"], hold["rwlock"], hold["mode"]) == (f"{lock_name}-sem", 0, None, None)
+    every = json.loads(cli("history", "--dsn", dsn, "--table", table, "--json").stdout)["holds"]
+    assert [(h["rwlock"], h["mode"]) for h in every if h["rwlock"]] == [(lock_name, "write"), (lock_name, "read")]
 
 
 # -- retention -----------------------------------------------------------------------------------

@@ -461,3 +461,77 @@ def test_a_restarted_holder_reusing_its_id_takes_its_row_back_and_the_old_hold_l
                 if mode == "write":
                     with other.read() as read:
                         assert not read, "still one writer: the row was taken back, not doubled"
+
+
+# -- decorators ------------------------------------------------------------------------------------
+
+
+def test_decorated_functions_run_only_in_their_mode_and_are_skipped_otherwise(make_rwlock: MakeRWLock) -> None:
+    other = make_rwlock()
+    rw = make_rwlock()
+    calls: list[str] = []
+
+    @rw.read_singleton
+    def read_catalogue() -> str:
+        calls.append(f"read as {rw.mode}")
+        return "read"
+
+    @rw.write_singleton(blocking=False)
+    def rebuild() -> str:
+        calls.append(f"wrote as {rw.mode}")
+        return "rebuilt"
+
+    with other.read() as got:
+        assert got
+        assert read_catalogue() == "read", "readers share"
+        assert rebuild() is None, "not beside a reader"
+    with other.write() as got:
+        assert got
+        assert read_catalogue() is None, "not beside a writer"
+        assert rebuild() is None
+    assert rebuild() == "rebuilt"
+    assert calls == ["read as read", "wrote as write"]
+    assert not rw.held, "each call released what it held"
+
+
+def test_a_decorated_reader_waits_with_a_timeout_and_refuses_while_its_rwlock_writes(make_rwlock: MakeRWLock) -> None:
+    other = make_rwlock()
+    rw = make_rwlock()
+
+    @rw.read_singleton(blocking=True, timeout=0.3)
+    def read_catalogue() -> None:
+        raise AssertionError("must not run")
+
+    with other.write() as got:
+        assert got
+        with pytest.raises(LockAcquisitionTimeout):
+            read_catalogue()
+    with rw.write() as got:
+        assert got
+        with pytest.raises(ValueError, match=r"holds .* for write already"):
+            read_catalogue()  # its own writer would keep it waiting forever
+
+
+async def test_async_decorated_functions_wait_by_default_and_skip_when_asked_not_to(make_rwlock: MakeRWLock) -> None:
+    other = make_rwlock()
+    rw = make_rwlock()
+
+    @rw.read_singleton_async()
+    async def read_catalogue() -> str:
+        return f"read as {rw.mode}"
+
+    @rw.write_singleton_async(blocking=False)
+    async def rebuild() -> str:
+        return "rebuilt"
+
+    async with other.write_async() as got:
+        assert got
+        waiting = asyncio.ensure_future(read_catalogue())
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        assert await rebuild() is None
+    assert await asyncio.wait_for(waiting, timeout=30) == "read as read", "woken by the writer's release"
+    async with other.read_async() as got:
+        assert got
+        assert await rebuild() is None
+    assert await rebuild() == "rebuilt"

@@ -45,6 +45,7 @@ CORE = {
     "_sql_lock",
     "_sql_names",
     "_sql_permits",
+    "_sql_rows",
     "_sql_rwlocks",
     "_sql_schema",
     "_sql_sessions",

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
+from postgres_mutex import Election, LockAcquisitionTimeout, LockNotHeldError, Mutex
 from postgres_mutex.errors import InvalidArgument
 from postgres_mutex.watcher import StaleWatcher
 from tests.support.fixtures import ROOT
@@ -116,6 +116,17 @@ def test_an_interval_that_would_hammer_the_server_is_refused_naming_the_minimum(
 def test_lock_name_is_required() -> None:
     with pytest.raises(TypeError, match="lock_name"):
         Mutex(DSN)
+
+
+@pytest.mark.parametrize("name", ["partner-api\x1f0", "catalogue\x1fw", "\x1f"])
+def test_a_mutex_or_election_name_with_the_unit_separator_is_refused(name: str) -> None:
+    # A semaphore's permit or a read/write lock's holder is a row named with it: a mutex must not share one.
+    with pytest.raises(InvalidArgument, match=r"lock_name must not contain the unit separator"):
+        Mutex(DSN, name)
+    with pytest.raises(InvalidArgument, match=r"name must not contain the unit separator"):
+        Election(DSN, name)
+    with pytest.raises(InvalidArgument, match=r"lock_name must not contain the unit separator"):
+        Mutex(DSN, "job").singleton(name)
 
 
 def test_a_64_character_name_is_fine() -> None:

@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import DatabaseError, OperationTimeout, SchemaError
-from postgres_mutex._rules import AlertGate, Outcome, classify_failure, interpret_acquire, read_acquire
+from postgres_mutex._rules import AlertGate, Outcome, classify_failure, interpret_acquire, observe, read_acquire
 from postgres_mutex._secrets import Redactor
 from postgres_mutex._settings import Timing
 
@@ -174,3 +174,17 @@ def test_redactor_masks_passwords_in_any_shape() -> None:
     assert redact("postgres://x:other@h/db") == "postgres://x:***@h/db"
     assert redact("host=h password='a b' user=u") == "host=h password=*** user=u"
     assert Redactor(None).redact("nothing secret") == "nothing secret"
+
+
+def test_a_holders_row_says_what_it_holds_by_its_name() -> None:
+    rows = [
+        (name, "holder", 1.0, 2.0, None, 7, None, None)
+        for name in ("job", "partner-api\x1f2", "catalogue\x1fr0123456789ab", "catalogue\x1fw")
+    ]
+    seen = observe(rows, alert_threshold=30.0, stale_threshold=600.0)
+    assert [(s.lock_name, s.semaphore, s.permit, s.rwlock, s.mode) for s in seen] == [
+        ("job", None, None, None, None),
+        ("partner-api\x1f2", "partner-api", 2, None, None),
+        ("catalogue\x1fr0123456789ab", None, None, "catalogue", "read"),
+        ("catalogue\x1fw", None, None, "catalogue", "write"),
+    ]

@@ -10,7 +10,7 @@ import sys
 import threading
 from datetime import UTC, datetime, timedelta
 
-from .. import LockObservation, LockTable
+from .. import HoldRecord, LockObservation, LockTable
 from ._common import UsageError, dsn, duration, print_columns, say
 
 
@@ -40,6 +40,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             "reclaim_disconnected_after": seen.reclaim_disconnected_after,
             "semaphore": seen.semaphore,
             "permit": seen.permit,
+            "rwlock": seen.rwlock,
+            "mode": seen.mode,
         }
         for seen in observations
     ]
@@ -59,7 +61,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     lines: list[tuple[str, ...]] = [("LOCK", "HOLDER", "HELD FOR", "SINCE HEARTBEAT", "STATE", "TOKEN", "SESSION")]
     lines += [
         (
-            seen.lock_name if seen.semaphore is None else f"{seen.semaphore} (permit {seen.permit})",
+            _shown(seen),
             seen.holder,
             duration(round(seen.seconds_held, 3)),
             duration(round(seen.seconds_since_heartbeat, 3)),
@@ -71,6 +73,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     ]
     print_columns(lines)
     return 0
+
+
+def _shown(held: LockObservation | HoldRecord) -> str:
+    """A row as an operator names it: the lock, a semaphore and its permit, or a read/write lock and its mode."""
+    if held.semaphore is not None:
+        return f"{held.semaphore} (permit {held.permit})"
+    if held.rwlock is not None:
+        return f"{held.rwlock} ({held.mode})"
+    return held.lock_name
 
 
 def _session(seen: LockObservation) -> str | None:
@@ -141,6 +152,10 @@ def cmd_history(args: argparse.Namespace) -> int:
                 "ended_by": record.ended_by,
                 "held_for_seconds": round(record.held_for, 3),
                 "alerts": record.alerts,
+                "semaphore": record.semaphore,
+                "permit": record.permit,
+                "rwlock": record.rwlock,
+                "mode": record.mode,
             }
             for record in records
         ]
@@ -158,7 +173,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             ended += f" by {record.ended_by}"
         lines.append(
             (
-                record.lock_name,
+                _shown(record),
                 "-" if record.token is None else str(record.token),
                 record.holder,
                 record.acquired_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"),
@@ -178,17 +193,18 @@ def cmd_release(args: argparse.Namespace) -> int:
             "Use it only when you know the holder is gone"
         )
     table = _table(args)
-    removed = table.force_release(args.name, permit=args.permit)
-    what = f"lock {args.name!r}" if args.permit is None else f"permit {args.permit} of semaphore {args.name!r}"
+    removed = table.force_release(args.name, permit=args.permit, writer=args.writer, reader=args.reader)
+    if args.permit is not None:
+        what = f"permit {args.permit} of semaphore {args.name!r}"
+    elif args.writer:
+        what = f"the writer of read/write lock {args.name!r}"
+    elif args.reader is not None:
+        what = f"reader {args.reader!r} of read/write lock {args.name!r}"
+    else:
+        what = f"lock {args.name!r}"
     if removed is None:
         print(f"{what} is not held: nothing to release")
-        permits = sorted(seen.permit for seen in table.holders([args.name]) if seen.permit is not None)
-        if permits:
-            # A semaphore's holders are released one at a time: say which ones there are.
-            print(
-                f"semaphore {args.name!r} has holders of permits {', '.join(map(str, permits))}: release one "
-                f"with --permit {permits[0]} (postgres-mutex status --lock {args.name} shows who holds which)"
-            )
+        _say_holders(table.holders([args.name]), args.name)
         return 1
     token = "" if removed.token is None else f", token {removed.token}"
     print(
@@ -196,6 +212,27 @@ def cmd_release(args: argparse.Namespace) -> int:
         f"(last heartbeat {duration(removed.seconds_since_heartbeat)} ago)"
     )
     return 0
+
+
+def _say_holders(holders: list[LockObservation], name: str) -> None:
+    """The holders a release of NAME alone does not free: a semaphore's and a read/write lock's go one at a
+    time, the operator's choice; say which there are and how to name one."""
+    status = f"postgres-mutex status --lock {name} shows who holds which"
+    permits = sorted(seen.permit for seen in holders if seen.permit is not None)
+    if permits:
+        print(
+            f"semaphore {name!r} has holders of permits {', '.join(map(str, permits))}: release one "
+            f"with --permit {permits[0]} ({status})"
+        )
+    rw = [seen for seen in holders if seen.rwlock is not None]
+    if any(seen.mode == "write" for seen in rw):
+        print(f"read/write lock {name!r} has a writer: release it with --writer ({status})")
+    readers = sorted(seen.holder for seen in rw if seen.mode == "read")
+    if readers:
+        print(
+            f"read/write lock {name!r} has readers {', '.join(readers)}: release one with --reader {readers[0]} "
+            f"({status})"
+        )
 
 
 def cmd_watch(args: argparse.Namespace) -> int:

@@ -52,6 +52,9 @@ CLI_WORDS: Mapping[str, str] = {
     "reclaim_disconnected_after": "--reclaim-disconnected-after",
     "since": "--since",
     "limit": "--limit",
+    "permit": "--permit",
+    "writer": "--writer",
+    "reader": "--reader",
 }
 """The library's terms as a user of the command knows them: its flags and subcommands."""
 

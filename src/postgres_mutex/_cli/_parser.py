@@ -77,7 +77,9 @@ def parser() -> argparse.ArgumentParser:
         "  postgres-mutex run --lock nightly-report -- ./report.sh --full\n"
         "  postgres-mutex run --lock nightly-report --wait --timeout 300 -- ./report.sh\n"
         "  postgres-mutex run --lock scheduler --wait --restart -- ./scheduler  # one active replica\n"
-        "  postgres-mutex run --lock export --permits 3 --wait -- ./export.sh  # at most 3 at once\n\n"
+        "  postgres-mutex run --lock export --permits 3 --wait -- ./export.sh  # at most 3 at once\n"
+        "  postgres-mutex run --lock catalogue --read --wait -- ./serve.sh  # many readers at once\n"
+        "  postgres-mutex run --lock catalogue --write --wait --timeout 600 -- ./rebuild.sh  # alone\n\n"
         "exit codes:\n"
         "  the command's own (128+N if it died of signal N)\n"
         f"  {EXIT_BUSY}   the lock is held elsewhere (or --wait --timeout ran out); see --conflict-exit-code\n"
@@ -95,6 +97,19 @@ def parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="make --lock a semaphore of this many permits: at most N copies of the command run at once across "
         "the fleet (like consul lock -n); every runner of the semaphore must pass the same N",
+    )
+    modes = run.add_mutually_exclusive_group()
+    modes.add_argument(
+        "--read",
+        action="store_true",
+        help="make --lock a read/write lock and hold it for reading: any number of readers run at once, never "
+        "beside a writer",
+    )
+    modes.add_argument(
+        "--write",
+        action="store_true",
+        help="make --lock a read/write lock and hold it for writing: alone, with no reader and no other writer; "
+        "while it waits (--wait), new readers wait behind it",
     )
     run.add_argument("--wait", action="store_true", help="wait for the lock instead of giving up at once")
     run.add_argument("--timeout", type=seconds("--timeout"), help="with --wait: give up after this many seconds")
@@ -137,13 +152,13 @@ def parser() -> argparse.ArgumentParser:
 
     status = add(
         "status",
-        "Show every held lock and every holder of a semaphore (a line per permit): holder, held for, "
-        "seconds since heartbeat, state (server clock).",
+        "Show every held lock, every holder of a semaphore (a line per permit) and of a read/write lock (a line "
+        "per reader, with its mode): holder, held for, seconds since heartbeat, state (server clock).",
         "  postgres-mutex status\n  postgres-mutex status --json | jq '.locks[] | select(.state != \"ok\")'",
         [connection],
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--lock", action="append", help="only this lock or semaphore (repeatable)")
+    status.add_argument("--lock", action="append", help="only this lock, semaphore or read/write lock (repeatable)")
     status.add_argument("--alert-threshold", type=seconds("--alert-threshold"), default=30.0)
     status.add_argument("--stale-threshold", type=seconds("--stale-threshold"), default=600.0)
     status.set_defaults(handler=cmd_status)
@@ -193,7 +208,9 @@ def parser() -> argparse.ArgumentParser:
         "  postgres-mutex history --since 2h --json | jq '.holds[] | select(.ended_how == \"reclaimed\")'",
         [connection],
     )
-    history.add_argument("--lock", help="only this lock")
+    history.add_argument(
+        "--lock", help="only this lock, or every permit of this semaphore, or every holder of this read/write lock"
+    )
     history.add_argument(
         "--since", type=since, help="holds not ended by then: an ISO 8601 moment, or an age (90s, 15m, 2h, 7d)"
     )
@@ -203,15 +220,27 @@ def parser() -> argparse.ArgumentParser:
 
     release = add(
         "release",
-        "Remove a lock's row whoever holds it (or one permit of a semaphore): for an operator who knows the "
-        "holder is gone.",
+        "Remove a lock's row whoever holds it (or one permit of a semaphore, or one holder of a read/write lock): "
+        "for an operator who knows the holder is gone.",
         "  postgres-mutex release nightly-report --force\n"
-        "  postgres-mutex release partner-api --permit 2 --force  # one holder of a semaphore, as status shows it",
+        "  postgres-mutex release partner-api --permit 2 --force  # one holder of a semaphore, as status shows it\n"
+        "  postgres-mutex release catalogue --writer --force  # the writer of a read/write lock\n"
+        "  postgres-mutex release catalogue --reader web-3-1a2b --force  # one reader, by its holder's id",
         [connection],
     )
-    release.add_argument("name", help="the lock's name (with --permit: the semaphore's)")
     release.add_argument(
+        "name",
+        help="the lock's name (with --permit: the semaphore's; with --writer or --reader: the read/write lock's)",
+    )
+    which = release.add_mutually_exclusive_group()
+    which.add_argument(
         "--permit", type=permit_number, help="release only this permit of semaphore NAME (its number in status)"
+    )
+    which.add_argument("--writer", action="store_true", help="release only the writer of read/write lock NAME")
+    which.add_argument(
+        "--reader",
+        metavar="INSTANCE_ID",
+        help="release only this reader of read/write lock NAME (its holder in status)",
     )
     release.add_argument("--force", action="store_true", help="required: confirms the holder is gone")
     release.set_defaults(handler=cmd_release)

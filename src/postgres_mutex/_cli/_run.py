@@ -1,4 +1,5 @@
-"""``postgres-mutex run``: a command under a lock (flock(1) for a fleet), and ``--restart``: one running copy."""
+"""``postgres-mutex run``: a command under a lock (flock(1) for a fleet), a semaphore's permit, or a read/write
+lock's mode; and ``--restart``: one running copy."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import threading
 from types import FrameType
 
-from .. import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, Mutex, Semaphore
+from .. import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, Mutex, RWLock, Semaphore
 from ..errors import DatabaseError
 from ._common import UsageError, command_env, dsn, say
 from ._supervisor import FORWARDED, Supervisor
@@ -38,6 +39,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise UsageError("run needs a command after --, e.g. postgres-mutex run --lock job -- ./job.sh")
+    mode = "read" if args.read else "write" if args.write else None
+    if mode is not None and args.permits is not None:
+        raise UsageError(f"--{mode} makes --lock a read/write lock, --permits a semaphore: pass one of them, not both")
     if args.timeout is not None and not args.wait and not args.restart:
         raise UsageError("--timeout applies only to a wait: pass --wait, or drop --timeout")
     # A lost lock is declared one heartbeat interval before anyone may reclaim
@@ -51,6 +55,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.restart:
         if args.permits is not None:
             raise UsageError("--restart keeps one copy running: it does not take --permits")
+        if mode is not None:
+            raise UsageError(f"--restart keeps one copy running under a lock of its own: it does not take --{mode}")
         return _run_restarting(args, command, kill_after)
     lost = threading.Event()
     # Until the command runs, SIGTERM or SIGHUP ends the wait cleanly (nothing left in the table).
@@ -66,13 +72,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         "operation_timeout": args.operation_timeout,
         "reclaim_disconnected_after": args.reclaim_disconnected_after,
     }
-    mutex: Mutex | Semaphore
-    if args.permits is None:
+    mutex: Mutex | Semaphore | RWLock
+    if mode is not None:
+        mutex = RWLock(dsn(args), args.lock, **options)
+        acquire = mutex.read if mode == "read" else mutex.write
+    elif args.permits is None:
         mutex = Mutex(dsn(args), args.lock, **options)
+        acquire = mutex.acquire
     else:
         mutex = Semaphore(dsn(args), args.lock, permits=args.permits, **options)
+        acquire = mutex.acquire
     try:
-        holding = mutex.acquire(blocking=args.wait, timeout=args.timeout)
+        holding = acquire(blocking=args.wait, timeout=args.timeout)
         try:
             acquired = holding.__enter__()
         except LockAcquisitionTimeout as exc:
@@ -104,7 +115,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _busy(args: argparse.Namespace, holder: str | None, *, still: bool = False) -> str:
-    """Why the command does not run: the lock's holder, or that all of a semaphore's permits are taken."""
+    """Why the command does not run: the lock's holder, that all of a semaphore's permits are taken, or who
+    keeps a read/write lock from this mode."""
+    someone = holder or "another instance"
+    if args.read:
+        return (
+            f"read/write lock {args.lock!r} {'still' if still else 'is'} closed to readers: a writer holds it or "
+            f"waits for it ({someone} among its holders)"
+        )
+    if args.write:
+        return f"read/write lock {args.lock!r} {'still' if still else 'is'} held ({someone} among its holders)"
     if args.permits is None:
         return f"lock {args.lock!r} {'still' if still else 'is'} held by {holder or 'another instance'}"
     return (
