@@ -27,10 +27,10 @@ T = TypeVar("T")
 
 def current_owner() -> object:
     """Who is running: the asyncio task, if there is one in this thread, else the thread."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        task = None
+    # Asked of the running loop, if any, rather than by catching the error
+    # asyncio.current_task raises without one: twice per sync lock cycle.
+    loop = asyncio._get_running_loop()
+    task = None if loop is None else asyncio.current_task(loop)
     return task if task is not None else threading.current_thread()
 
 
