@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 
 from . import _sql
 from . import _steps as steps
@@ -303,7 +304,8 @@ def _statement(
     if settling:
         text += "; " + _sql.session_setup(conn.info.backend_pid, timeout_ms)
     params = {**bound, "_server_timeout_ms": timeout_ms}
-    cursor = psycopg.ClientCursor(conn)
+    # Rows as tuples whatever the row factory of a pool's connections (dict_row, say).
+    cursor = psycopg.ClientCursor(conn, row_factory=tuple_row)
     sent_at = now()
     cursor.execute(text, params)
     if settling and session is not None:
@@ -358,7 +360,7 @@ def _prepared(
 def _result(cursor: psycopg.Cursor[Any], sent_at: float) -> steps.Result:
     result = cursor.pgresult
     rows = cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else []
-    return steps.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
+    return steps.Result(cursor.rowcount, tuple(rows), sent_at)
 
 
 _WAITS = object()

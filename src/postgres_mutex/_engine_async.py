@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 
 from . import _sql
 from . import _steps as steps
@@ -308,7 +309,8 @@ async def _statement(
     if settling:
         text += "; " + _sql.session_setup(conn.info.backend_pid, timeout_ms)
     params = {**bound, "_server_timeout_ms": timeout_ms}
-    cursor = psycopg.AsyncClientCursor(conn)
+    # Rows as tuples whatever the row factory of a pool's connections (dict_row, say).
+    cursor = psycopg.AsyncClientCursor(conn, row_factory=tuple_row)
     sent_at = now()
     await cursor.execute(text, params)
     if settling and session is not None:
@@ -363,7 +365,7 @@ async def _prepared(
 async def _result(cursor: psycopg.AsyncCursor[Any], sent_at: float) -> steps.Result:
     result = cursor.pgresult
     rows = await cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else []
-    return steps.Result(cursor.rowcount, tuple(tuple(row) for row in rows), sent_at)
+    return steps.Result(cursor.rowcount, tuple(rows), sent_at)
 
 
 _WAITS = object()

@@ -72,14 +72,19 @@ class Tracing:
             return isinstance(self._provider, trace.NoOpTracerProvider)
         return isinstance(trace.get_tracer_provider(), _NO_SDK)
 
-    @contextlib.contextmanager
     def span(
         self, name: str, attributes: Mapping[str, AttributeValue], *, links: Sequence[SpanContext | None] = ()
-    ) -> Iterator[Span]:
+    ) -> contextlib.AbstractContextManager[Span]:
         """A client span, current for its duration; an exception escaping it is recorded as an error."""
         if self._silent():
-            yield trace.INVALID_SPAN
-            return
+            # One shared, reusable block: a silent span costs the check alone, twice per lock cycle.
+            return _SILENT
+        return self._recorded(name, attributes, links)
+
+    @contextlib.contextmanager
+    def _recorded(
+        self, name: str, attributes: Mapping[str, AttributeValue], links: Sequence[SpanContext | None]
+    ) -> Iterator[Span]:
         valid = [Link(context) for context in links if context is not None and context.is_valid]
         with self._tracer.start_as_current_span(
             name,
@@ -91,6 +96,10 @@ class Tracing:
             if span.is_recording():
                 span.set_attributes({**self._attributes, **attributes})
             yield span
+
+
+_SILENT: contextlib.nullcontext[Span] = contextlib.nullcontext(trace.INVALID_SPAN)
+"""The span of every operation while no SDK is configured: records nothing, and is never current."""
 
 
 def set_outcome(span: Span, outcome: str, **attributes: Any) -> None:

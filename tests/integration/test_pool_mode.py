@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from postgres_mutex import Mutex, MutexError
@@ -106,6 +107,19 @@ def test_the_mutex_never_closes_the_pool(make_mutex: Callable[..., Mutex], pool:
         pass
     mutex.close()
     assert not pool.closed
+
+
+def test_a_pool_whose_rows_are_dicts_serves_every_operation(dsn: str, make_mutex: Callable[..., Mutex]) -> None:
+    # The application's row factory is its own: the library reads its rows as tuples regardless.
+    with ConnectionPool(dsn, min_size=1, max_size=1, kwargs={"row_factory": dict_row}, open=True) as pool:
+        mutex, other = make_mutex(pool=pool), make_mutex(pool=pool)
+        with mutex.acquire() as acquired:
+            assert acquired
+            assert mutex.token is not None
+            mutex.heartbeat()
+            with other.acquire() as second:
+                assert not second
+        assert not mutex.held
 
 
 async def test_async_pool_mode_opens_nothing_else(
