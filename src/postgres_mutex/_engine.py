@@ -61,8 +61,12 @@ T = TypeVar("T")
 
 # The server's share of a statement's deadline: it cancels the statement a
 # little before the client would cut the connection, so a statement stuck
-# behind a row lock ends with a clean error and the connection survives.
+# behind a row lock ends with a clean error and the connection survives. The
+# client keeps at least _CLIENT_MARGIN (half the deadline, for the shortest):
+# a tenth of a short deadline is too little for the server's error to arrive
+# on a busy machine before the client's cut.
 _SERVER_SHARE = 0.9
+_CLIENT_MARGIN = 0.05
 
 # On a direct connection the server's deadline is the session's. A statement
 # goes prepared under it if it fits the statement's own server deadline: never
@@ -282,7 +286,7 @@ def _statement(
     session: ServerSession | None,
     cursor: psycopg.Cursor[Any] | None,
 ) -> steps.Result:
-    timeout_ms = max(1, int(op.timeout * _SERVER_SHARE * 1000))
+    timeout_ms = max(1, int(_server_deadline(op.timeout) * 1000))
     bound = op.params
     if op.statement.marks:
         # The session key of this connection (none for a pool's: its sessions are the application's),
@@ -323,6 +327,11 @@ def _statement(
     while cursor.nextset():
         pass
     return _result(cursor, sent_at)
+
+
+def _server_deadline(timeout: float) -> float:
+    """How long the server may run a statement whose client deadline is ``timeout``: always less."""
+    return timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))
 
 
 def _tell_pooler(op: steps.Execute, session: ServerSession) -> None:
