@@ -232,7 +232,7 @@ class _Attempts:
                         span_context=self.span.get_span_context(),
                         row_name=row_name,
                     )
-                    lock.events.acquired(self.span, result, expected_own_row=possible_before)
+                    lock.events.acquired(self.span, result, expected_own_row=possible_before, row=row_name)
                     yield Keep(hold)
                     return hold
                 lock.attempt_contended(result.holder)

@@ -6,8 +6,10 @@ a database failure means for the lock are decided here and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +54,8 @@ class AcquireResult:
     """When acquired: the new row's ``acquired_at``, which identifies this hold."""
     token: int | None = None
     """When acquired on a table with tokens: this acquisition's fencing token."""
+    holder_mode: str | None = None
+    """For a read/write lock: the mode of ``holder``'s row (``"read"`` or ``"write"``)."""
 
 
 def interpret_acquire(row: Sequence[object] | None, instance_id: str) -> AcquireResult:
@@ -104,13 +108,15 @@ def read_acquire(
 ) -> PermitReply:
     """Read a mutex's acquire row (`interpret_acquire`) or, with ``permits`` (or ``wide``: a read/write lock's), the
     same five columns, then the row's ``lock_name``, the stored N (for a read/write lock: 1 to try again at once)
-    and how many rows were held."""
+    and how many rows were held; a read/write lock's, then the mode of the holder shown."""
     if permits is None and not wide:
         return PermitReply(interpret_acquire(row, instance_id), None, None, 0)
-    if row is None or len(row) != 8:
+    if row is None or len(row) != (9 if wide else 8):
         raise ValueError(f"unexpected acquire result {row!r}")
     result = interpret_acquire(row[:5], instance_id)
-    row_name, stored, held = row[5:]
+    if wide and isinstance(row[8], str):
+        result = dataclasses.replace(result, holder_mode=row[8])
+    row_name, stored, held = row[5:8]
     if result.outcome.acquired and not isinstance(row_name, str):
         raise ValueError(f"unexpected acquire result {row!r}")
     return PermitReply(
@@ -235,9 +241,11 @@ def observe(
         heartbeat_age = float(age)  # type: ignore[arg-type]
         after = None if reclaim_after is None else float(reclaim_after)  # type: ignore[arg-type]
         disconnected = session_alive is False and after is not None and heartbeat_age >= after
-        # A permit's row is named "<semaphore>\x1f<permit>" (`_sql_permits`).
-        semaphore, separator, permit = str(lock_name).rpartition("\x1f")
+        # A permit's row is named "<semaphore>\x1f<permit>" (`_sql_permits`), a read/write lock's
+        # "<rwlock>\x1fw" or "<rwlock>\x1fr<digest>" (`rw_row_name`).
+        semaphore, separator, permit = str(lock_name).rpartition(SEPARATOR)
         is_permit = bool(separator) and permit.isdigit()
+        rw_mode = _RW_ROW_MODES.get(permit[:1]) if separator and _RW_ROW.fullmatch(permit) else None
         observations.append(
             LockObservation(
                 lock_name=str(lock_name),
@@ -251,6 +259,8 @@ def observe(
                 reclaim_disconnected_after=after,
                 semaphore=semaphore if is_permit else None,
                 permit=int(permit) if is_permit else None,
+                rwlock=semaphore if rw_mode is not None else None,
+                rw_mode=rw_mode,
             )
         )
     return observations
@@ -374,6 +384,10 @@ def classify_failure(
             f"{action} failed: {detail}", transient=transient, outcome_unknown=unknown, sqlstate=sqlstate
         )
     return error
+
+
+_RW_ROW = re.compile(r"w|r[0-9a-f]{12}")
+_RW_ROW_MODES = {"w": "write", "r": "read"}
 
 
 def rw_row_name(lock_name: str, instance_id: str, mode: str) -> str:

@@ -315,8 +315,11 @@ def _holders(names: Names, shape: TableShape) -> Statement:
  ORDER BY lock_name"""
         ).format(
             table=names.table,
-            # A semaphore's name asks for its every holder (each permit is a row of its own).
-            semaphores=sql.SQL(" OR semaphore = ANY(%(lock_names)s::text[])") if shape.semaphores else sql.SQL(""),
+            # A semaphore's or read/write lock's name asks for its every holder (each is a row of its own).
+            semaphores=sql.SQL(
+                (" OR semaphore = ANY(%(lock_names)s::text[])" if shape.semaphores else "")
+                + (" OR rwlock = ANY(%(lock_names)s::text[])" if shape.rwlocks else "")
+            ),
             token=_token_or_null(shape),
             sessions=sessions.read_by_holders() if shape.sessions else sessions.NOT_READ,
         ),

@@ -130,10 +130,10 @@ class StaleWatcher:
 
     def _saw(self, observations: list[LockObservation]) -> list[LockObservation]:
         for seen in observations:
-            # Judged per row (each permit's holder alone), reported under the name users gave:
-            # the semaphore's, not its permit row's.
+            # Judged per row (each permit's or reader's holder alone), reported under the name users gave:
+            # the semaphore's or read/write lock's, not its row's.
             if self._alerts.should_alert(seen.lock_name, seen.holder, seen.seconds_since_heartbeat):
-                self._events.alert(seen.semaphore or seen.lock_name, seen.holder, seen.seconds_since_heartbeat)
+                self._events.alert(seen)
         self._alerts.held_now({seen.lock_name for seen in observations})
         self._latest, self._healthy = observations, True
         self._events.observed(observations)
