@@ -478,7 +478,7 @@ class LockState:
         self.stray_row_possible = False
         self.instance_id = instance_id  # a read/write lock's row_name follows it
         self.events.instance_id = instance_id
-        self.alert_gate = AlertGate(self.timing.alert_threshold)
+        self.alert_gate = type(self.alert_gate)(self.timing.alert_threshold)  # a watcher's to alert, if it was
         self.cleanup_on_the_wire = threading.Lock()
 
 
