@@ -24,6 +24,10 @@ logger = logging.getLogger("postgres_mutex")
 LostCallback = Callable[[LockNotHeldError], object]
 
 
+_HOLDER_TYPES = {"lock": "Mutex", "semaphore": "Semaphore", "read/write lock": "RWLock"}
+"""What holds each kind of lock, as a program makes it."""
+
+
 def describe(kind: str, name: str, *, permit: int | None = None, rw_mode: str | None = None) -> str:
     """What is held, as log lines name it: ``lock 'job'``, ``semaphore 'api' (permit 2)``,
     ``read/write lock 'catalogue' (read)``; never a row's name, with its separator."""
@@ -142,9 +146,10 @@ class LockEvents:
             )
         elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
             logger.warning(
-                "%s already carried this holder's instance_id %r; took it back. "
+                "%s already carried this %s's instance_id %r; took it back. "
                 "A restarted process reusing its id, or an id shared by two live processes?",
                 self.what,
+                _HOLDER_TYPES[self.kind],
                 self.instance_id,
             )
         else:
