@@ -16,7 +16,7 @@ from opentelemetry.trace import Span
 from ._metrics import LockObservation, MetricsHook
 from ._rules import DISCONNECTED, AcquireResult, Outcome, reclaim_reason
 from ._sql import SEPARATOR
-from ._tracing import OUTCOME, AttributeValue, mark_error, set_outcome
+from ._tracing import MODE, OUTCOME, PERMIT, AttributeValue, mark_error, set_outcome
 from .errors import LockNotHeldError
 
 logger = logging.getLogger("postgres_mutex")
@@ -90,6 +90,10 @@ class LockEvents:
     def what(self) -> str:
         return describe(self.kind, self.lock_name, permit=self.permit, rw_mode=self.rw_mode)
 
+    def span_mode(self) -> dict[str, AttributeValue]:
+        """The span attribute of a read/write lock's holder: its mode (none for any other)."""
+        return {} if self.rw_mode is None else {MODE: self.rw_mode}
+
     # -- acquiring -------------------------------------------------------------
 
     def sessions_unnamed(self, table: str) -> None:
@@ -156,6 +160,8 @@ class LockEvents:
             logger.debug("acquired %s (instance_id %r)", self.what, self.instance_id)
         if span.is_recording() and result.token is not None:
             span.set_attribute("postgres_mutex.token", result.token)
+        if span.is_recording() and self.kind == "semaphore" and self.permit is not None:
+            span.set_attribute(PERMIT, self.permit)
         self.hook.acquired(self.lock_name, instance_id=self.instance_id, token=result.token)
 
     def contended(self, span: Span, result: AcquireResult, *, alert: bool) -> None:

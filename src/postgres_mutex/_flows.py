@@ -366,7 +366,7 @@ def stray_row_cleanup(lock: LockState, generation: int) -> Cleanup:
 
 
 def span_attributes(lock: LockState, **extra: AttributeValue) -> dict[str, AttributeValue]:
-    return {LOCK_NAME: lock.lock_name, INSTANCE_ID: lock.instance_id, **extra}
+    return {LOCK_NAME: lock.lock_name, INSTANCE_ID: lock.instance_id, **lock.events.span_mode(), **extra}
 
 
 # -- release -------------------------------------------------------------------
