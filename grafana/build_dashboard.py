@@ -521,19 +521,12 @@ def writer_waiting() -> statetimeline.Panel:
         statetimeline.Panel()
         .title("Writer waiting")
         .description(
-            "Per read/write lock: whether a writer waits (from the processes' waiters). While one does, no new "
-            "reader is let in, so that a stream of readers cannot starve it; writers that wait without a break "
-            "for long are PostgresMutexWriterKeptWaiting."
+            "Per read/write lock: whether a writer waits, as the stale-holder watcher reads the lock's gate. "
+            "While one does, no new reader is let in, so that a stream of readers cannot starve it; writers "
+            "that wait without a break for long are PostgresMutexWriterKeptWaiting."
         )
         .datasource(DATASOURCE)
-        .targets(
-            _queries(
-                (
-                    f'clamp_max(sum by (lock_name) ({m.WAITERS.prometheus}{{{LOCK_FILTER}, mode="write"}}), 1)',
-                    "{{lock_name}}",
-                )
-            )
-        )
+        .targets(_queries((max_by_lock(m.RWLOCK_WRITER_WAITING), "{{lock_name}}")))
         .mappings([WRITER_WAITING_MAPPING])
         .thresholds(_thresholds((None, "green")))
         .show_value(common.VisibilityMode.NEVER)

@@ -228,6 +228,16 @@ def rwlock_holders(locks: Sequence[WatchedLock]) -> dict[tuple[str, str], int]:
     return counts
 
 
+def writers_waiting(locks: Sequence[WatchedLock]) -> dict[str, int]:
+    """Per read/write lock watched and held: 1 while a writer waits for it, else 0."""
+    waiting: dict[str, int] = {}
+    for lock in locks:
+        seen = lock.observation
+        if seen.rwlock is not None and seen.writer_waiting is not None:
+            waiting[seen.rwlock] = max(waiting.get(seen.rwlock, 0), int(seen.writer_waiting))
+    return waiting
+
+
 def permits_in_use(locks: Sequence[WatchedLock]) -> dict[str, int]:
     """Per semaphore watched, how many of its permits are held."""
     counts: dict[str, int] = {}

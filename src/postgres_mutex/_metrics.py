@@ -50,6 +50,8 @@ class LockObservation:
     """For a hold of an `RWLock`: the read/write lock's name (``lock_name`` is then its row's)."""
     rw_mode: str | None = None
     """For a hold of an `RWLock`: ``"read"`` or ``"write"``."""
+    writer_waiting: bool | None = None
+    """For a hold of an `RWLock`: whether a writer waits for the lock, so that new readers wait behind it."""
 
     @property
     def name(self) -> str:

@@ -237,7 +237,7 @@ def observe(
 ) -> list[LockObservation]:
     """Turn the holders query's rows into observations, with the thresholds applied."""
     observations = []
-    for lock_name, holder, age, held_for, _acquired_at, token, session_alive, reclaim_after in rows:
+    for lock_name, holder, age, held_for, _acquired_at, token, session_alive, reclaim_after, writer_waits in rows:
         heartbeat_age = float(age)  # type: ignore[arg-type]
         after = None if reclaim_after is None else float(reclaim_after)  # type: ignore[arg-type]
         disconnected = session_alive is False and after is not None and heartbeat_age >= after
@@ -261,6 +261,7 @@ def observe(
                 permit=int(permit) if is_permit else None,
                 rwlock=semaphore if rw_mode is not None else None,
                 rw_mode=rw_mode,
+                writer_waiting=None if rw_mode is None or writer_waits is None else bool(writer_waits),
             )
         )
     return observations

@@ -180,6 +180,12 @@ RWLOCK_HOLDERS = MetricName(
     "Holders of each read/write lock across the fleet, by mode (readers, or 1 writer), as the watcher read the table.",
     ("lock_name", "mode"),
 )
+RWLOCK_WRITER_WAITING = MetricName(
+    "postgres_mutex.rwlock.writer_waiting",
+    "gauge",
+    "",
+    "1 while a writer waits for the read/write lock, holding new readers back, as the watcher read the table.",
+)
 WATCHER_UP = MetricName(
     "postgres_mutex.watcher.up", "gauge", "", "1 if the watcher's last read of the lock table succeeded.", ()
 )
@@ -271,6 +277,7 @@ ALL: tuple[MetricName, ...] = (
     STALE_THRESHOLD,
     PERMITS_IN_USE,
     RWLOCK_HOLDERS,
+    RWLOCK_WRITER_WAITING,
     WATCHER_UP,
     WATCHER_ERRORS,
     ELECTION_CANDIDATES,

@@ -20,7 +20,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from . import metric_names as names
-from ._exporter import ExporterHook, WatchedLock, per_holder, permits_in_use, rwlock_holders
+from ._exporter import ExporterHook, WatchedLock, per_holder, permits_in_use, rwlock_holders, writers_waiting
 from ._version import __version__
 
 __all__ = ["OtelMetrics"]
@@ -76,6 +76,7 @@ class OtelMetrics(ExporterHook):
             (names.SESSION_ALIVE, self._sessions),
             (names.PERMITS_IN_USE, self._permits_in_use),
             (names.RWLOCK_HOLDERS, self._rwlock_holders),
+            (names.RWLOCK_WRITER_WAITING, self._writers_waiting),
             (names.WATCHER_UP, self._watcher_up),
         ):
             meter.create_observable_gauge(
@@ -123,6 +124,10 @@ class OtelMetrics(ExporterHook):
         locks, _ = self.view.snapshot()
         counts = rwlock_holders(locks)
         return [Observation(count, {"lock_name": name, "mode": mode}) for (name, mode), count in counts.items()]
+
+    def _writers_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
+        locks, _ = self.view.snapshot()
+        return [Observation(waiting, {"lock_name": name}) for name, waiting in writers_waiting(locks).items()]
 
     def _watcher_up(self, options: CallbackOptions) -> Iterable[Observation]:
         _, up = self.view.snapshot()

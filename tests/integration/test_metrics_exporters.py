@@ -178,6 +178,8 @@ def test_prometheus_metrics_count_every_event(
     assert reader_age is not None
     assert reader_age < FAST["alert_threshold"]
     assert registry.get_sample_value("postgres_mutex_waiters", {**rw, "mode": "write"}) == 0
+    # The watcher read the gate while the writer's claim (renewed as it waited) still held readers back.
+    assert registry.get_sample_value("postgres_mutex_rwlock_writer_waiting", rw) == 1
 
 
 def test_no_counter_or_histogram_carries_an_instance_id(
@@ -325,6 +327,7 @@ def test_a_read_write_locks_holders_are_told_by_its_name_and_mode(
             )
             rw_holders = {"lock_name": lock_name, "mode": "read"}
             assert registry.get_sample_value("postgres_mutex_rwlock_holders", rw_holders) == 2
+            assert registry.get_sample_value("postgres_mutex_rwlock_writer_waiting", {"lock_name": lock_name}) == 0
             thaw(quiet._reader)
             wait_until(lambda: quiet.held)
         assert registry.get_sample_value("postgres_mutex_alerts_total", {"lock_name": lock_name, "mode": "read"}) == 1
