@@ -24,6 +24,13 @@ logger = logging.getLogger("postgres_mutex")
 LostCallback = Callable[[LockNotHeldError], object]
 
 
+def kind_of(semaphore: bool, rw_mode: str | None) -> str:
+    """What is held, in the words messages use: a lock, a semaphore, a read/write lock (a holder with a mode)."""
+    if rw_mode is not None:
+        return "read/write lock"
+    return "semaphore" if semaphore else "lock"
+
+
 _HOLDER_TYPES = {"lock": "Mutex", "semaphore": "Semaphore", "read/write lock": "RWLock"}
 """What holds each kind of lock, as a program makes it."""
 
@@ -71,9 +78,7 @@ class LockEvents:
         rw_mode: str | None = None,
     ) -> None:
         self.lock_name = lock_name
-        self.kind = "lock" if permits is None else "semaphore"
-        if rw_mode is not None:
-            self.kind = "read/write lock"
+        self.kind = kind_of(permits is not None, rw_mode)
         self.rw_mode = rw_mode
         self.permit: int | None = None
         """The permit the semaphore's last hold took (its row's number), for log lines."""
@@ -318,9 +323,7 @@ class WatcherEvents:
     def alert(self, seen: LockObservation) -> None:
         """``seen``'s holder is silent: told under the name users gave (a semaphore's or read/write lock's,
         not its row's), with its permit or mode."""
-        kind = "lock" if seen.semaphore is None and seen.rwlock is None else "semaphore"
-        if seen.rwlock is not None:
-            kind = "read/write lock"
+        kind = kind_of(seen.semaphore is not None, seen.rw_mode)
         what = describe(kind, seen.name, permit=seen.permit, rw_mode=seen.rw_mode)
         report_alert(
             self.hook, what, seen.name, seen.holder, seen.seconds_since_heartbeat, self.alert_threshold, seen.rw_mode
