@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypedDict
 
 from opentelemetry.trace import Span
 
@@ -29,6 +30,16 @@ def kind_of(semaphore: bool, rw_mode: str | None) -> str:
     if rw_mode is not None:
         return "read/write lock"
     return "semaphore" if semaphore else "lock"
+
+
+class ModeKeyword(TypedDict, total=False):
+    mode: str
+
+
+def mode_keyword(mode: str | None) -> ModeKeyword:
+    """``mode=`` for the hook calls about a read/write lock's holder only: hooks of any other lock get the
+    calls they always got (the README's), to the keyword."""
+    return {} if mode is None else {"mode": mode}
 
 
 _HOLDER_TYPES = {"lock": "Mutex", "semaphore": "Semaphore", "read/write lock": "RWLock"}
@@ -151,7 +162,7 @@ class LockEvents:
                 previous_holder=result.holder,
                 token=result.token,
                 reason=reason,
-                mode=self.rw_mode,  # a read/write lock's row is only ever taken over by a holder of its mode
+                **mode_keyword(self.rw_mode),  # a read/write lock's row is taken over only by a holder of its mode
             )
         elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
             logger.warning(
@@ -180,10 +191,10 @@ class LockEvents:
 
     def waiting(self) -> None:
         """A blocking acquire waits for a release (the waiters gauge counts it until `stopped_waiting`)."""
-        self.hook.waiting(self.lock_name, instance_id=self.instance_id, mode=self.rw_mode)
+        self.hook.waiting(self.lock_name, instance_id=self.instance_id, **mode_keyword(self.rw_mode))
 
     def stopped_waiting(self) -> None:
-        self.hook.stopped_waiting(self.lock_name, instance_id=self.instance_id, mode=self.rw_mode)
+        self.hook.stopped_waiting(self.lock_name, instance_id=self.instance_id, **mode_keyword(self.rw_mode))
 
     def alert(
         self, holder: str, seconds_since_heartbeat: float, span: Span | None = None, *, mode: str | None = None
@@ -306,7 +317,7 @@ def report_alert(
         seconds_since_heartbeat,
         alert_threshold,
     )
-    hook.alert(lock_name, holder=holder, seconds_since_heartbeat=seconds_since_heartbeat, mode=mode)
+    hook.alert(lock_name, holder=holder, seconds_since_heartbeat=seconds_since_heartbeat, **mode_keyword(mode))
 
 
 class WatcherEvents:

@@ -99,7 +99,7 @@ class MetricsHook(Protocol):
         ``reason`` (one of `RECLAIM_REASONS`) says why: ``stale``, silent past
         ``stale_threshold``; ``disconnected``, a holder that opted in to
         ``reclaim_disconnected_after`` whose database session had ended.
-        ``mode``: for a read/write lock, the mode of the hold taken over.
+        ``mode``: given only for a read/write lock, the mode of the hold taken over.
         """
         return None
 
@@ -108,9 +108,9 @@ class MetricsHook(Protocol):
 
         Fired once per stale episode (by a contender, or a watcher): again only
         after the holder heartbeats or changes. ``lock_name`` is a semaphore's
-        or read/write lock's own name for one of its holders; ``mode`` is the
-        mode of a read/write lock's holder (``"read"`` or ``"write"``; None
-        for any other lock, or when a contender could not tell).
+        or read/write lock's own name for one of its holders; ``mode``, given
+        only for a read/write lock's holder, is its mode (``"read"`` or
+        ``"write"``).
         """
         return None
 
@@ -157,7 +157,7 @@ class MetricsHook(Protocol):
         """A blocking acquire found the lock (or every permit of the semaphore) held and now waits for a release.
 
         Followed by `stopped_waiting` when that acquire ends, however it ends.
-        ``mode``: for a read/write lock, the mode it waits to hold.
+        ``mode``: given only for a read/write lock, the mode it waits to hold.
         """
         return None
 
