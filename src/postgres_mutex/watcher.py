@@ -16,7 +16,11 @@ server's clock (`LockTable.holders`) — and:
 
 Run it as a thread (`start` / `stop`) in sync code, as a task (`run`) in
 async code, or switch it on for one Mutex's own lock with ``Mutex(...,
-watch=True)``.
+watch=True)`` (for every holder of a Semaphore or an RWLock with theirs).
+
+A semaphore's or read/write lock's holders are rows of their own: each is
+judged on its own, and told under the name the program gave (with its permit,
+or its mode), never its row's.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class StaleWatcher:
     Give it a ``dsn``, a ``pool`` / ``async_pool``, or a ``client``; it reads
     through the process's shared client for that DSN or pool. ``lock_names``
     limits it to some locks (a list of names; default: every lock in the
-    table). Raises `TypeError` / `ValueError` naming the argument on bad input.
+    table); a semaphore's or read/write lock's name stands for every one of
+    its holders. Raises `TypeError` / `ValueError` naming the argument on bad input.
     """
 
     def __init__(
