@@ -87,6 +87,14 @@ LEADERS_MAPPING = ValueMap(
 )
 """Display of the number of leaders an election reports: one is right, none is an outage."""
 
+WRITER_WAITING_MAPPING = ValueMap(
+    options={
+        "0": ValueMappingResult(text="NO WRITER WAITS", color="green", index=0),
+        "1": ValueMappingResult(text="WRITER WAITS", color="orange", index=1),
+    }
+)
+"""Display of whether a writer waits for a read/write lock (new readers then wait behind it)."""
+
 UP_MAPPING = ValueMap(
     options={
         "0": ValueMappingResult(text="DOWN", color="red", index=0),
@@ -138,14 +146,15 @@ def _holder_expr() -> str:
     on ``lock_name`` moves the duration onto that series, so one instant query
     gives a table row per lock with holder and duration side by side.
     """
-    holders = f"max by (lock_name, permit, holder) ({selector(m.HOLDER_INFO)})"
-    # Per holder: a semaphore's holders are one row each, told apart by their permit (none for a mutex).
-    return f"{holders} * on (lock_name, permit) group_left {max_by_holder(m.HELD_DURATION)}"
+    holders = f"max by (lock_name, permit, mode, holder) ({selector(m.HOLDER_INFO)})"
+    # Per holder: a semaphore's holders are one row each, told apart by their permit (none for a mutex);
+    # a read/write lock's by their mode.
+    return f"{holders} * on (lock_name, permit, mode) group_left {max_by_holder(m.HELD_DURATION)}"
 
 
 def max_by_holder(gauge: m.MetricName) -> str:
-    """A watcher gauge per holder: per lock, and per permit of a semaphore."""
-    return f"max by (lock_name, permit) ({selector(gauge)})"
+    """A watcher gauge per holder: per lock, per permit of a semaphore, per mode of a read/write lock."""
+    return f"max by (lock_name, permit, mode) ({selector(gauge)})"
 
 
 # --- panel pieces -----------------------------------------------------------
@@ -238,7 +247,8 @@ def held_locks() -> table.Panel:
         .title("Held locks")
         .description(
             "Each held lock, its holder (the Mutex's instance_id), how long it has been held "
-            "(a semaphore's holders one row each, with their permit), "
+            "(a semaphore's holders one row each, with their permit; a read/write lock's writer, or the reader "
+            "silent longest, with their mode), "
             "and seconds since its last heartbeat, as the stale-holder watcher reads them with the server's clock."
         )
         .datasource(DATASOURCE)
@@ -249,10 +259,18 @@ def held_locks() -> table.Panel:
                 id_val="organize",
                 options={
                     "excludeByName": {"Time": True},
-                    "indexByName": {"lock_name": 0, "permit": 1, "holder": 2, "Value #A": 3, "Value #B": 4},
+                    "indexByName": {
+                        "lock_name": 0,
+                        "permit": 1,
+                        "mode": 2,
+                        "holder": 3,
+                        "Value #A": 4,
+                        "Value #B": 5,
+                    },
                     "renameByName": {
                         "lock_name": "Lock",
                         "permit": "Permit",
+                        "mode": "Mode",
                         "holder": "Holder",
                         "Value #A": "Held for",
                         "Value #B": "Since last heartbeat",
@@ -472,6 +490,76 @@ def waiters() -> timeseries.Panel:
     )
 
 
+RW_FILTER = f'{LOCK_FILTER}, mode!=""'
+"""A read/write lock's series: those with a mode (a mutex's and a semaphore's have none)."""
+
+
+def _rw_rate(metric: m.MetricName) -> str:
+    return f"rate({metric.prometheus}{{{RW_FILTER}}}[$__rate_interval])"
+
+
+def rwlock_holders() -> timeseries.Panel:
+    """Each read/write lock's holders per mode across the fleet, and the fleet's waiters per mode."""
+    return (
+        _graph(
+            "Read/write lock holders and waiters",
+            "Per read/write lock and mode: holders across the fleet (readers, or 1 writer), as the stale-holder "
+            "watcher reads the table, and blocking acquires waiting to read or to write, from the processes "
+            "themselves. Readers waiting while no writer holds: a writer waits, and new readers queue behind it.",
+            COUNT,
+            (f"max by (lock_name, mode) ({selector(m.RWLOCK_HOLDERS)})", "{{mode}} held {{lock_name}}"),
+            (f"sum by (lock_name, mode) ({m.WAITERS.prometheus}{{{RW_FILTER}}})", "{{mode}} waiting {{lock_name}}"),
+        )
+        .decimals(0)
+        .line_interpolation(common.LineInterpolation.STEP_AFTER)
+    )
+
+
+def writer_waiting() -> statetimeline.Panel:
+    """Whether a writer waits for each read/write lock: while one does, new readers are held back."""
+    return (
+        statetimeline.Panel()
+        .title("Writer waiting")
+        .description(
+            "Per read/write lock: whether a writer waits, as the stale-holder watcher reads the lock's gate. "
+            "While one does, no new reader is let in, so that a stream of readers cannot starve it; writers "
+            "that wait without a break for long are PostgresMutexWriterKeptWaiting."
+        )
+        .datasource(DATASOURCE)
+        .targets(_queries((max_by_lock(m.RWLOCK_WRITER_WAITING), "{{lock_name}}")))
+        .mappings([WRITER_WAITING_MAPPING])
+        .thresholds(_thresholds((None, "green")))
+        .show_value(common.VisibilityMode.NEVER)
+        .merge_values(True)
+        .fill_opacity(80)
+        .height(8)
+        .span(12)
+    )
+
+
+def rwlock_heartbeat_age() -> timeseries.Panel:
+    """Seconds since the heartbeat of each read/write lock's writer, and of its reader silent longest."""
+    return _graph(
+        "Seconds since heartbeat, per mode",
+        "Per read/write lock: seconds since its writer's last heartbeat, or since that of its reader silent "
+        "longest (server clock). Each holder is alerted on and reclaimed on its own, as a mutex's holder is.",
+        SECONDS,
+        (f"max by (lock_name, mode) ({m.HEARTBEAT_AGE.prometheus}{{{RW_FILTER}}})", "{{lock_name}} {{mode}}"),
+    )
+
+
+def rwlock_alerts() -> timeseries.Panel:
+    """Alerts and reclaims of read/write locks' holders, per mode."""
+    return _graph(
+        "Read/write lock alerts and reclaims",
+        "Per read/write lock and mode of the holder: holders found silent past alert_threshold (once per "
+        "episode), and holds taken over from a silent holder, summed over the processes.",
+        PER_SECOND,
+        (f"sum by (lock_name, mode) ({_rw_rate(m.ALERTS)})", "alert {{lock_name}} {{mode}}"),
+        (f"sum by (lock_name, mode) ({_rw_rate(m.STALE_RECLAIMS)})", "reclaimed {{lock_name}} {{mode}}"),
+    )
+
+
 def watcher_up() -> stat.Panel:
     """Whether the stale-holder watcher can read the lock table; without it the holder panels go blank."""
     return (
@@ -625,6 +713,7 @@ def _dashboard() -> dashboard_builders.Dashboard:
         ("Watcher", [watcher_up(), watcher_errors()]),
         ("Elections", [election_leaders(), election_events(), election_state_history(), election_endings()]),
         ("Semaphores", [permits_in_use(), permit_heartbeat_age(), waiters()]),
+        ("Read/write locks", [rwlock_holders(), writer_waiting(), rwlock_heartbeat_age(), rwlock_alerts()]),
     ]
     panel_id = 0
     for title, panels in sections:

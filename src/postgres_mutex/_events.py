@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypedDict
 
 from opentelemetry.trace import Span
 
 from ._metrics import LockObservation, MetricsHook
 from ._rules import DISCONNECTED, AcquireResult, Outcome, reclaim_reason
-from ._tracing import OUTCOME, AttributeValue, mark_error, set_outcome
+from ._sql import SEPARATOR
+from ._tracing import MODE, OUTCOME, PERMIT, AttributeValue, mark_error, set_outcome
 from .errors import LockNotHeldError
 
 logger = logging.getLogger("postgres_mutex")
@@ -23,16 +25,53 @@ logger = logging.getLogger("postgres_mutex")
 LostCallback = Callable[[LockNotHeldError], object]
 
 
+def kind_of(semaphore: bool, rw_mode: str | None) -> str:
+    """What is held, in the words messages use: a lock, a semaphore, a read/write lock (a holder with a mode)."""
+    if rw_mode is not None:
+        return "read/write lock"
+    return "semaphore" if semaphore else "lock"
+
+
+class ModeKeyword(TypedDict, total=False):
+    mode: str
+
+
+def mode_keyword(mode: str | None) -> ModeKeyword:
+    """``mode=`` for the hook calls about a read/write lock's holder only: hooks of any other lock get the
+    calls they always got (the README's), to the keyword."""
+    return {} if mode is None else {"mode": mode}
+
+
+_HOLDER_TYPES = {"lock": "Mutex", "semaphore": "Semaphore", "read/write lock": "RWLock"}
+"""What holds each kind of lock, as a program makes it."""
+
+
+def describe(kind: str, name: str, *, permit: int | None = None, rw_mode: str | None = None) -> str:
+    """What is held, as log lines name it: ``lock 'job'``, ``semaphore 'api' (permit 2)``,
+    ``read/write lock 'catalogue' (read)``; never a row's name, with its separator."""
+    said = f"{kind} {name!r}"
+    if permit is not None:
+        return f"{said} (permit {permit})"
+    return said if rw_mode is None else f"{said} ({rw_mode})"
+
+
 class LockEvents:
-    """How the events of one lock, held by one instance, are reported."""
+    """How the events of one lock, held by one instance, are reported.
+
+    A semaphore's or read/write lock's events are told under its own name, in its own words (`describe`),
+    with the permit its hold took or the mode it holds.
+    """
 
     __slots__ = (
         "alert_threshold",
         "hook",
         "instance_id",
+        "kind",
         "lock_name",
         "on_doubt",
         "on_lost",
+        "permit",
+        "rw_mode",
         "stale_threshold",
         "told_unnamed",
     )
@@ -46,8 +85,14 @@ class LockEvents:
         on_lost: LostCallback | None,
         alert_threshold: float,
         stale_threshold: float,
+        permits: int | None = None,
+        rw_mode: str | None = None,
     ) -> None:
         self.lock_name = lock_name
+        self.kind = kind_of(permits is not None, rw_mode)
+        self.rw_mode = rw_mode
+        self.permit: int | None = None
+        """The permit the semaphore's last hold took (its row's number), for log lines."""
         self.instance_id = instance_id
         self.hook = hook
         self.on_lost = on_lost
@@ -57,6 +102,14 @@ class LockEvents:
         """What an `Election` does when its leader's hold turns in doubt: the term ends (set by the election)."""
         self.told_unnamed = False
 
+    @property
+    def what(self) -> str:
+        return describe(self.kind, self.lock_name, permit=self.permit, rw_mode=self.rw_mode)
+
+    def span_mode(self) -> dict[str, AttributeValue]:
+        """The span attribute of a read/write lock's holder: its mode (none for any other)."""
+        return {} if self.rw_mode is None else {MODE: self.rw_mode}
+
     # -- acquiring -------------------------------------------------------------
 
     def sessions_unnamed(self, table: str) -> None:
@@ -64,10 +117,10 @@ class LockEvents:
         if not self.told_unnamed:
             self.told_unnamed = True
             logger.warning(
-                "lock %r: the lock table %s has no session columns, so reclaim_disconnected_after cannot name "
+                "%s: the lock table %s has no session columns, so reclaim_disconnected_after cannot name "
                 "this holder's session: it is not reclaimed early. Run LockTable.migrate() (or 'postgres-mutex "
                 "migrate') to add them",
-                self.lock_name,
+                self.what,
                 table,
             )
 
@@ -77,23 +130,27 @@ class LockEvents:
         if retrying_in is not None:
             logger.warning("%s; retrying in %.3gs", error, retrying_in)
 
-    def acquired(self, span: Span, result: AcquireResult, *, expected_own_row: bool) -> None:
+    def acquired(self, span: Span, result: AcquireResult, *, expected_own_row: bool, row: str | None = None) -> None:
+        """Acquired; ``row``: the ``lock_name`` of the row won, whose number is a semaphore's permit."""
+        if self.kind == "semaphore" and row is not None:
+            number = row.rpartition(SEPARATOR)[2]
+            self.permit = int(number) if number.isdigit() else None
         _event(span, result.outcome.value, holder=result.holder, token=result.token)
         if result.outcome is Outcome.RECLAIMED:
             assert result.holder is not None
             reason = reclaim_reason(result, self.stale_threshold)
             if reason == DISCONNECTED:
                 logger.warning(
-                    "reclaimed lock %r from %r, whose database session had ended, silent for %.1fs "
+                    "reclaimed %s from %r, whose database session had ended, silent for %.1fs "
                     "(its reclaim_disconnected_after)",
-                    self.lock_name,
+                    self.what,
                     result.holder,
                     result.heartbeat_age or 0.0,
                 )
             else:
                 logger.warning(
-                    "reclaimed lock %r from %r, silent for %.1fs (stale_threshold %gs)",
-                    self.lock_name,
+                    "reclaimed %s from %r, silent for %.1fs (stale_threshold %gs)",
+                    self.what,
                     result.holder,
                     result.heartbeat_age or 0.0,
                     self.stale_threshold,
@@ -105,18 +162,22 @@ class LockEvents:
                 previous_holder=result.holder,
                 token=result.token,
                 reason=reason,
+                **mode_keyword(self.rw_mode),  # a read/write lock's row is taken over only by a holder of its mode
             )
         elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
             logger.warning(
-                "lock %r already carried this Mutex's instance_id %r; took it back. "
+                "%s already carried this %s's instance_id %r; took it back. "
                 "A restarted process reusing its id, or an id shared by two live processes?",
-                self.lock_name,
+                self.what,
+                _HOLDER_TYPES[self.kind],
                 self.instance_id,
             )
         else:
-            logger.debug("acquired lock %r (instance_id %r)", self.lock_name, self.instance_id)
+            logger.debug("acquired %s (instance_id %r)", self.what, self.instance_id)
         if span.is_recording() and result.token is not None:
             span.set_attribute("postgres_mutex.token", result.token)
+        if span.is_recording() and self.kind == "semaphore" and self.permit is not None:
+            span.set_attribute(PERMIT, self.permit)
         self.hook.acquired(self.lock_name, instance_id=self.instance_id, token=result.token)
 
     def contended(self, span: Span, result: AcquireResult, *, alert: bool) -> None:
@@ -126,19 +187,23 @@ class LockEvents:
         if alert:
             assert result.holder is not None
             assert result.heartbeat_age is not None
-            self.alert(result.holder, result.heartbeat_age, span)
+            self.alert(result.holder, result.heartbeat_age, span, mode=result.holder_mode)
 
     def waiting(self) -> None:
         """A blocking acquire waits for a release (the waiters gauge counts it until `stopped_waiting`)."""
-        self.hook.waiting(self.lock_name, instance_id=self.instance_id)
+        self.hook.waiting(self.lock_name, instance_id=self.instance_id, **mode_keyword(self.rw_mode))
 
     def stopped_waiting(self) -> None:
-        self.hook.stopped_waiting(self.lock_name, instance_id=self.instance_id)
+        self.hook.stopped_waiting(self.lock_name, instance_id=self.instance_id, **mode_keyword(self.rw_mode))
 
-    def alert(self, holder: str, seconds_since_heartbeat: float, span: Span | None = None) -> None:
+    def alert(
+        self, holder: str, seconds_since_heartbeat: float, span: Span | None = None, *, mode: str | None = None
+    ) -> None:
+        """A contender found ``holder`` silent; ``mode``: the mode it holds, for a read/write lock."""
         if span is not None:
             _event(span, "alert", holder=holder, heartbeat_age=seconds_since_heartbeat, name="postgres_mutex.alert")
-        report_alert(self.hook, self.lock_name, holder, seconds_since_heartbeat, self.alert_threshold)
+        what = describe(self.kind, self.lock_name, rw_mode=mode)
+        report_alert(self.hook, what, self.lock_name, holder, seconds_since_heartbeat, self.alert_threshold, mode)
 
     def acquire_ended(self, span: Span, outcome: str, *, attempts: int, waited: float, holder: str | None) -> None:
         """How a whole acquire ended: acquired, reclaimed, contended, timeout, error or cancelled."""
@@ -167,9 +232,9 @@ class LockEvents:
     def running_out(self, seconds_left: float) -> None:
         """Two thirds of the time the hold is trusted went by without a successful heartbeat."""
         logger.warning(
-            "lock %r (instance_id %r): no heartbeat has succeeded for two thirds of the time the hold is trusted "
+            "%s (instance_id %r): no heartbeat has succeeded for two thirds of the time the hold is trusted "
             "without one; %.1fs left",
-            self.lock_name,
+            self.what,
             self.instance_id,
             seconds_left,
         )
@@ -178,8 +243,8 @@ class LockEvents:
     def in_doubt(self) -> None:
         """The hold turned in doubt (see `_state`): not held until a heartbeat confirms it, or finds it lost."""
         logger.warning(
-            "lock %r (instance_id %r): %s",
-            self.lock_name,
+            "%s (instance_id %r): %s",
+            self.what,
             self.instance_id,
             "hold in doubt: not held until a "
             "heartbeat confirms it (another instance may reclaim it if this process's database session ended)",
@@ -191,8 +256,8 @@ class LockEvents:
     def confirmed(self, seconds: float) -> None:
         """A heartbeat found the row of a hold in doubt still this holder's: held again."""
         logger.warning(
-            "lock %r (instance_id %r): a heartbeat confirmed the hold after %.1fs in doubt; held again",
-            self.lock_name,
+            "%s (instance_id %r): a heartbeat confirmed the hold after %.1fs in doubt; held again",
+            self.what,
             self.instance_id,
             seconds,
         )
@@ -200,20 +265,20 @@ class LockEvents:
 
     def lost(self, error: LockNotHeldError) -> None:
         """Called once per loss, from the client's event thread (never from the heartbeat)."""
-        logger.error("lost lock %r (instance_id %r): %s", self.lock_name, self.instance_id, error.reason)
+        logger.error("lost %s (instance_id %r): %s", self.what, self.instance_id, error.reason)
         self.hook.lost(self.lock_name, instance_id=self.instance_id, reason=error.reason)
         if self.on_lost is not None:
             try:
                 self.on_lost(error)
             except Exception:
-                logger.warning("on_lost callback for lock %r raised; ignoring it", self.lock_name, exc_info=True)
+                logger.warning("on_lost callback for %s raised; ignoring it", self.what, exc_info=True)
 
     # -- releasing -------------------------------------------------------------
 
     def released(self, span: Span, *, deleted: bool) -> None:
         set_outcome(span, "released" if deleted else "not_found")
         if deleted:
-            logger.debug("released lock %r (instance_id %r)", self.lock_name, self.instance_id)
+            logger.debug("released %s (instance_id %r)", self.what, self.instance_id)
             self.hook.released(self.lock_name, instance_id=self.instance_id)
 
     def released_after_loss(self, span: Span) -> None:
@@ -226,24 +291,33 @@ class LockEvents:
             self.hook.release_failed(self.lock_name, instance_id=self.instance_id, error=error)
 
     def row_removed(self) -> None:
-        logger.info("lock %r: removed the row an unanswered statement may have left", self.lock_name)
+        logger.info("%s: removed the row an unanswered statement may have left", self.what)
 
     def row_may_remain(self, error: BaseException) -> None:
         logger.debug("%s; trying again in the background", error)
 
 
 def report_alert(
-    hook: MetricsHook, lock_name: str, holder: str, seconds_since_heartbeat: float, alert_threshold: float
+    hook: MetricsHook,
+    what: str,
+    lock_name: str,
+    holder: str,
+    seconds_since_heartbeat: float,
+    alert_threshold: float,
+    mode: str | None = None,
 ) -> None:
-    """A holder silent past the alert threshold, seen by a contender or a watcher: once per episode."""
+    """A holder silent past the alert threshold, seen by a contender or a watcher: once per episode.
+
+    ``what`` names it in the log line (`describe`); ``lock_name`` and ``mode`` label it for the hook.
+    """
     logger.warning(
-        "lock %r: holder %r has not heartbeated for %.1fs (alert_threshold %gs)",
-        lock_name,
+        "%s: holder %r has not heartbeated for %.1fs (alert_threshold %gs)",
+        what,
         holder,
         seconds_since_heartbeat,
         alert_threshold,
     )
-    hook.alert(lock_name, holder=holder, seconds_since_heartbeat=seconds_since_heartbeat)
+    hook.alert(lock_name, holder=holder, seconds_since_heartbeat=seconds_since_heartbeat, **mode_keyword(mode))
 
 
 class WatcherEvents:
@@ -257,8 +331,14 @@ class WatcherEvents:
         self.alert_threshold = alert_threshold
         self.stale_threshold = stale_threshold
 
-    def alert(self, lock_name: str, holder: str, seconds_since_heartbeat: float) -> None:
-        report_alert(self.hook, lock_name, holder, seconds_since_heartbeat, self.alert_threshold)
+    def alert(self, seen: LockObservation) -> None:
+        """``seen``'s holder is silent: told under the name users gave (a semaphore's or read/write lock's,
+        not its row's), with its permit or mode."""
+        kind = kind_of(seen.semaphore is not None, seen.mode)
+        what = describe(kind, seen.name, permit=seen.permit, rw_mode=seen.mode)
+        report_alert(
+            self.hook, what, seen.name, seen.holder, seen.seconds_since_heartbeat, self.alert_threshold, seen.mode
+        )
 
     def observed(self, observations: Sequence[LockObservation]) -> None:
         self.hook.observed(

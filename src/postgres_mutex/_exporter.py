@@ -68,8 +68,9 @@ class ExporterHook(MetricsHook):
         previous_holder: str,
         token: int | None = None,
         reason: str = "stale",
+        mode: str | None = None,
     ) -> None:
-        self._add(names.STALE_RECLAIMS, {"lock_name": lock_name, "reason": reason})
+        self._add(names.STALE_RECLAIMS, {"lock_name": lock_name, "mode": mode or "", "reason": reason})
 
     def lease_running_out(self, lock_name: str, *, instance_id: str, seconds_left: float) -> None:
         self._add(names.LEASES_RUNNING_OUT, {"lock_name": lock_name})
@@ -77,8 +78,8 @@ class ExporterHook(MetricsHook):
     def hold_in_doubt(self, lock_name: str, *, instance_id: str) -> None:
         self._add(names.DOUBTS, {"lock_name": lock_name})
 
-    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
-        self._add(names.ALERTS, {"lock_name": lock_name})
+    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float, mode: str | None = None) -> None:
+        self._add(names.ALERTS, {"lock_name": lock_name, "mode": mode or ""})
 
     def heartbeat_latency(self, lock_name: str, *, instance_id: str, seconds: float) -> None:
         self._record(names.HEARTBEAT_DURATION, seconds, {"lock_name": lock_name})
@@ -108,11 +109,11 @@ class ExporterHook(MetricsHook):
     def watcher_stopped(self, *, watched: frozenset[str] | None) -> None:
         self.view.forget(watched)
 
-    def waiting(self, lock_name: str, *, instance_id: str) -> None:
-        self._level(names.WAITERS, {"lock_name": lock_name}, +1)
+    def waiting(self, lock_name: str, *, instance_id: str, mode: str | None = None) -> None:
+        self._level(names.WAITERS, {"lock_name": lock_name, "mode": mode or ""}, +1)
 
-    def stopped_waiting(self, lock_name: str, *, instance_id: str) -> None:
-        self._level(names.WAITERS, {"lock_name": lock_name}, -1)
+    def stopped_waiting(self, lock_name: str, *, instance_id: str, mode: str | None = None) -> None:
+        self._level(names.WAITERS, {"lock_name": lock_name, "mode": mode or ""}, -1)
 
     def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
         if self._held.discard(lock_name, instance_id):
@@ -184,14 +185,57 @@ class WatchedLock:
 
     @property
     def name(self) -> str:
-        """The name users gave it: the mutex's, or the semaphore's (not its permit row's)."""
-        return self.observation.semaphore or self.observation.lock_name
+        """The name users gave it: the mutex's, the semaphore's or the read/write lock's (not its row's)."""
+        return self.observation.name
 
     @property
     def labels(self) -> dict[str, str]:
-        """The per-holder gauges' labels (`metric_names.PER_HOLDER`): the name, and the permit of a semaphore."""
+        """The per-holder gauges' labels (`metric_names.PER_HOLDER`): the name, the permit of a semaphore's
+        holder, the mode of a read/write lock's."""
         permit = self.observation.permit
-        return {"lock_name": self.name, "permit": "" if permit is None else str(permit)}
+        return {
+            "lock_name": self.name,
+            "permit": "" if permit is None else str(permit),
+            "mode": self.observation.mode or "",
+        }
+
+
+def per_holder(locks: Sequence[WatchedLock]) -> list[WatchedLock]:
+    """The holders the per-holder gauges show: each, but a read/write lock's readers as one.
+
+    Readers come and go without bound, each with a row of its own; one series per reader would grow
+    Prometheus without limit. The one shown is the reader silent longest: the one an alert is about.
+    """
+    shown: dict[tuple[str, str], WatchedLock] = {}
+    for lock in locks:
+        seen = lock.observation
+        key = (lock.name, "read") if seen.mode == "read" else (seen.lock_name, "")  # else: by row, its own
+        other = shown.get(key)
+        if other is None or seen.seconds_since_heartbeat > other.observation.seconds_since_heartbeat:
+            shown[key] = lock
+    return list(shown.values())
+
+
+def rwlock_holders(locks: Sequence[WatchedLock]) -> dict[tuple[str, str], int]:
+    """Per read/write lock watched and held, how many hold it in each mode (both modes given, 0 included)."""
+    counts: dict[tuple[str, str], int] = {}
+    for lock in locks:
+        seen = lock.observation
+        if seen.rwlock is not None and seen.mode is not None:
+            for mode in names.RW_MODES:
+                counts.setdefault((seen.rwlock, mode), 0)
+            counts[seen.rwlock, seen.mode] += 1
+    return counts
+
+
+def writers_waiting(locks: Sequence[WatchedLock]) -> dict[str, int]:
+    """Per read/write lock watched and held: 1 while a writer waits for it, else 0."""
+    waiting: dict[str, int] = {}
+    for lock in locks:
+        seen = lock.observation
+        if seen.rwlock is not None and seen.writer_waiting is not None:
+            waiting[seen.rwlock] = max(waiting.get(seen.rwlock, 0), int(seen.writer_waiting))
+    return waiting
 
 
 def permits_in_use(locks: Sequence[WatchedLock]) -> dict[str, int]:
@@ -237,7 +281,8 @@ class LockTableView:
                 self._up = None
 
     def _drop(self, watched: frozenset[str] | None) -> None:
-        # Kept by row: a semaphore's permits are rows of their own, each watched under the semaphore's name.
+        # Kept by row: a semaphore's permits (a read/write lock's holds) are rows of their own, each watched
+        # under the semaphore's (read/write lock's) name.
         if watched is None:
             self._locks.clear()
             return

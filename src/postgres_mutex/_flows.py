@@ -232,7 +232,7 @@ class _Attempts:
                         span_context=self.span.get_span_context(),
                         row_name=row_name,
                     )
-                    lock.events.acquired(self.span, result, expected_own_row=possible_before)
+                    lock.events.acquired(self.span, result, expected_own_row=possible_before, row=row_name)
                     yield Keep(hold)
                     return hold
                 lock.attempt_contended(result.holder)
@@ -366,7 +366,7 @@ def stray_row_cleanup(lock: LockState, generation: int) -> Cleanup:
 
 
 def span_attributes(lock: LockState, **extra: AttributeValue) -> dict[str, AttributeValue]:
-    return {LOCK_NAME: lock.lock_name, INSTANCE_ID: lock.instance_id, **extra}
+    return {LOCK_NAME: lock.lock_name, INSTANCE_ID: lock.instance_id, **lock.events.span_mode(), **extra}
 
 
 # -- release -------------------------------------------------------------------

@@ -47,9 +47,16 @@ class LockObservation:
     permit: int | None = None
     """For a permit of a `Semaphore`: the permit's number, from 0."""
     rwlock: str | None = None
-    """For a holder of an `RWLock`: the read/write lock's name (``lock_name`` is then its holder's row's)."""
+    """For a hold of an `RWLock`: the read/write lock's name (``lock_name`` is then its row's)."""
     mode: str | None = None
-    """For a holder of an `RWLock`: ``"read"`` or ``"write"``."""
+    """For a hold of an `RWLock`: ``"read"`` or ``"write"``."""
+    writer_waiting: bool | None = None
+    """For a hold of an `RWLock`: whether a writer waits for the lock, so that new readers wait behind it."""
+
+    @property
+    def name(self) -> str:
+        """The name users gave what is held: the mutex's, the semaphore's or the read/write lock's (not its row's)."""
+        return self.semaphore or self.rwlock or self.lock_name
 
 
 @runtime_checkable
@@ -85,20 +92,25 @@ class MetricsHook(Protocol):
         previous_holder: str,
         token: int | None = None,
         reason: str = "stale",
+        mode: str | None = None,
     ) -> None:
         """The lock was taken over from ``previous_holder``.
 
         ``reason`` (one of `RECLAIM_REASONS`) says why: ``stale``, silent past
         ``stale_threshold``; ``disconnected``, a holder that opted in to
         ``reclaim_disconnected_after`` whose database session had ended.
+        ``mode``: given only for a read/write lock, the mode of the hold taken over.
         """
         return None
 
-    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
+    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float, mode: str | None = None) -> None:
         """The holder has not heartbeated for ``alert_threshold``: slow, or dead?
 
         Fired once per stale episode (by a contender, or a watcher): again only
-        after the holder heartbeats or changes.
+        after the holder heartbeats or changes. ``lock_name`` is a semaphore's
+        or read/write lock's own name for one of its holders; ``mode``, given
+        only for a read/write lock's holder, is its mode (``"read"`` or
+        ``"write"``).
         """
         return None
 
@@ -141,14 +153,15 @@ class MetricsHook(Protocol):
         """
         return None
 
-    def waiting(self, lock_name: str, *, instance_id: str) -> None:
+    def waiting(self, lock_name: str, *, instance_id: str, mode: str | None = None) -> None:
         """A blocking acquire found the lock (or every permit of the semaphore) held and now waits for a release.
 
         Followed by `stopped_waiting` when that acquire ends, however it ends.
+        ``mode``: given only for a read/write lock, the mode it waits to hold.
         """
         return None
 
-    def stopped_waiting(self, lock_name: str, *, instance_id: str) -> None:
+    def stopped_waiting(self, lock_name: str, *, instance_id: str, mode: str | None = None) -> None:
         """A blocking acquire that was `waiting` ended: acquired, timed out, failed or interrupted."""
         return None
 

@@ -90,6 +90,8 @@ def new_lock_state(
         on_lost=on_lost,
         alert_threshold=timing.alert_threshold,
         stale_threshold=timing.stale_threshold,
+        permits=permits,
+        rw_mode=rw_mode,
     )
     return LockState(
         names=names,

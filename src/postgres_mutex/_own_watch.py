@@ -1,15 +1,27 @@
-"""``Mutex(..., watch=True)``: the watcher of a Mutex's own lock."""
+"""``Mutex(..., watch=True)``: the watcher of a Mutex's own lock (or of a Semaphore's or an RWLock's holders)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import TYPE_CHECKING
 
+from ._rules import AlertGate
 from .watcher import StaleWatcher
 
 if TYPE_CHECKING:
     from ._state import LockState
     from .client import MutexClient
+
+
+class LeftToTheWatcher(AlertGate):
+    """The alert gate of a contender whose lock's holders a watcher of its own judges: it never alerts.
+
+    A semaphore's or read/write lock's holders are rows of their own, each judged by the watcher, once per
+    episode; a contender sees one of them at a time, and alerting too would tell the same silence twice.
+    """
+
+    def should_alert(self, holder: str | None, heartbeat_age: float | None) -> bool:
+        return False
 
 
 class OwnLockWatch:
@@ -20,10 +32,18 @@ class OwnLockWatch:
     the Mutex, so that a process that only watches its lock is alerted too: a
     thread if the client has a sync path, else a task of the running loop (with
     only an ``async_pool`` and no running loop, at the first ``acquire_async``).
+
+    A Semaphore's (an RWLock's) watches every holder of the semaphore (the
+    read/write lock), each alerted on once per episode by the watcher alone
+    (`LeftToTheWatcher`), under the name users gave it, with its permit (mode).
     """
 
     def __init__(self, client: MutexClient, table: str, lock: LockState, metrics: object | None) -> None:
         timing = lock.timing
+        shared = {lock.lock_name: lock.alert_gate}
+        if lock.permits is not None or lock.rw_mode is not None:
+            self.leave_alerts_of(lock)
+            shared = {}
         self.watcher: StaleWatcher = StaleWatcher(
             client=client,
             table=table,
@@ -32,10 +52,15 @@ class OwnLockWatch:
             stale_threshold=timing.stale_threshold,
             interval=min(5.0, timing.alert_threshold / 2),
             metrics=metrics,
-            _shared_gates={lock.lock_name: lock.alert_gate},
+            _shared_gates=shared,
         )
 
         self._in_thread = False
+
+    @staticmethod
+    def leave_alerts_of(lock: LockState) -> None:
+        """Leave the alerts on ``lock``'s holders to this watcher: its contenders no longer alert."""
+        lock.alert_gate = LeftToTheWatcher(lock.timing.alert_threshold)
 
     def start_at_creation(self, has_sync: bool) -> None:
         if has_sync:

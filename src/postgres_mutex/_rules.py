@@ -6,6 +6,7 @@ a database failure means for the lock are decided here and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import threading
@@ -52,6 +53,8 @@ class AcquireResult:
     """When acquired: the new row's ``acquired_at``, which identifies this hold."""
     token: int | None = None
     """When acquired on a table with tokens: this acquisition's fencing token."""
+    holder_mode: str | None = None
+    """For a read/write lock: the mode of ``holder``'s row (``"read"`` or ``"write"``)."""
 
 
 def interpret_acquire(row: Sequence[object] | None, instance_id: str) -> AcquireResult:
@@ -104,13 +107,15 @@ def read_acquire(
 ) -> PermitReply:
     """Read a mutex's acquire row (`interpret_acquire`) or, with ``permits`` (or ``wide``: a read/write lock's), the
     same five columns, then the row's ``lock_name``, the stored N (for a read/write lock: 1 to try again at once)
-    and how many rows were held."""
+    and how many rows were held; a read/write lock's, then the mode of the holder shown."""
     if permits is None and not wide:
         return PermitReply(interpret_acquire(row, instance_id), None, None, 0)
-    if row is None or len(row) != 8:
+    if row is None or len(row) != (9 if wide else 8):
         raise ValueError(f"unexpected acquire result {row!r}")
     result = interpret_acquire(row[:5], instance_id)
-    row_name, stored, held = row[5:]
+    if wide and isinstance(row[8], str):
+        result = dataclasses.replace(result, holder_mode=row[8])
+    row_name, stored, held = row[5:8]
     if result.outcome.acquired and not isinstance(row_name, str):
         raise ValueError(f"unexpected acquire result {row!r}")
     return PermitReply(
@@ -231,7 +236,7 @@ def observe(
 ) -> list[LockObservation]:
     """Turn the holders query's rows into observations, with the thresholds applied."""
     observations = []
-    for lock_name, holder, age, held_for, _acquired_at, token, session_alive, reclaim_after in rows:
+    for lock_name, holder, age, held_for, _acquired_at, token, session_alive, reclaim_after, writer_waits in rows:
         heartbeat_age = float(age)  # type: ignore[arg-type]
         after = None if reclaim_after is None else float(reclaim_after)  # type: ignore[arg-type]
         disconnected = session_alive is False and after is not None and heartbeat_age >= after
@@ -251,6 +256,7 @@ def observe(
                 permit=row.permit,
                 rwlock=row.rwlock,
                 mode=row.mode,
+                writer_waiting=None if row.mode is None or writer_waits is None else bool(writer_waits),
             )
         )
     return observations

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+    from .watcher import StaleWatcher
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -68,7 +70,7 @@ class _ModeHolder(Holder):
 class RWLock:
     """A distributed read/write lock: any number of readers of ``name``, or one writer, never both.
 
-    ``RWLock(dsn, "catalogue")`` takes every option of `Mutex` (but ``watch``).
+    ``RWLock(dsn, "catalogue")`` takes every option of `Mutex`.
     ``with rw.read(blocking=True) as got:`` holds it for reading for the block,
     ``with rw.write(...)`` for writing; both yield whether it was acquired,
     with `Mutex.acquire`'s defaults, timeouts and errors (``read_async`` and
@@ -85,6 +87,10 @@ class RWLock:
     lost the lock before anyone may take it. `token`, `fence` and `fenced`
     work for the mode held: a writer's fence refuses once another writer (or
     a reader) has come since.
+
+    ``watch=True`` watches every holder of the read/write lock (a `StaleWatcher`,
+    as `Mutex` has for its lock): each reader and the writer is alerted on once
+    per episode, and reported to ``metrics``, under the lock's name and its mode.
 
     The table must have been created (or migrated) by this version: `SchemaError`
     says to run ``postgres-mutex migrate`` otherwise. The name is at most 50
@@ -122,8 +128,6 @@ class RWLock:
                 n=MAX_RWLOCK_NAME,
                 length=len(name),
             )
-        if watch is not False:
-            raise InvalidArgument("{watch} is not available for an RWLock yet: run a StaleWatcher on the table")
         options: dict[str, Any] = {
             "pool": pool,
             "async_pool": async_pool,
@@ -142,11 +146,22 @@ class RWLock:
         }
         chosen_id = instance_id is not None
         self._reader = _ModeHolder(
-            "read", dsn, name, chosen_id=chosen_id, entering=lambda: self._entering(self._reader), **options
+            "read",
+            dsn,
+            name,
+            chosen_id=chosen_id,
+            watch=watch,
+            entering=lambda: self._entering(self._reader),
+            **options,
         )
         self._writer = _ModeHolder(
             "write", dsn, name, chosen_id=chosen_id, entering=lambda: self._entering(self._writer), **options
         )
+        watching = self._reader._watch
+        if watching is not None:
+            # One watcher sees every holder of the lock, for either mode: it starts with either, and alerts for both.
+            watching.leave_alerts_of(self._writer._lock)
+            self._writer._watch = watching
         self._last: _ModeHolder | None = None
         """The mode last asked for: whose fence says why it is not held, when neither is."""
 
@@ -170,6 +185,11 @@ class RWLock:
     @property
     def client(self) -> MutexClient:
         return self._reader.client
+
+    @property
+    def watcher(self) -> StaleWatcher | None:
+        """The watcher of this read/write lock's holders (``watch=True``), else None."""
+        return self._reader.watcher
 
     @property
     def mode(self) -> str | None:

@@ -17,7 +17,6 @@ from ._holder import Holder
 from ._settings import check_permit_count
 from ._sql import SEPARATOR
 from .client import BUILT_ON_IT, MutexClient
-from .errors import InvalidArgument
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -35,8 +34,10 @@ class Semaphore(Holder):
     holds at most one permit at a time: use one per concurrent holder (in
     threads, or tasks), each with its own ``instance_id`` (the default one is).
 
-    ``watch=True`` is refused: a watcher of the whole table (`StaleWatcher`)
-    sees each permit's holder.
+    ``watch=True`` watches every holder of the semaphore (a `StaleWatcher`,
+    as `Mutex` has for its lock): each permit's holder is alerted on once per
+    episode, and reported to ``metrics``, under the semaphore's name and its
+    permit.
 
     The first Semaphore to use a name declares its number of permits in the
     table; one that says another number is refused (`PermitsMismatchError`,
@@ -72,9 +73,6 @@ class Semaphore(Holder):
         if name is None:
             raise TypeError("Semaphore() needs a name: Semaphore(dsn, 'partner-api', permits=3)")
         self._permits = check_permit_count(name, permits)
-        if watch is not False:
-            # A watcher reads holders by lock name, and a semaphore's rows are named per permit.
-            raise InvalidArgument("{watch} is not available for a Semaphore yet: run a StaleWatcher on the table")
         super().__init__(
             dsn,
             name,

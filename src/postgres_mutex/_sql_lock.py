@@ -309,7 +309,8 @@ def _holders(names: Names, shape: TableShape) -> Statement:
        EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age,
        EXTRACT(EPOCH FROM now() - acquired_at)::float8 AS held_for,
        acquired_at, {token},
-       {sessions}
+       {sessions},
+       {writer_waits}
   FROM {table}
  WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]){semaphores}{rwlocks})
  ORDER BY lock_name"""
@@ -321,9 +322,20 @@ def _holders(names: Names, shape: TableShape) -> Statement:
             rwlocks=sql.SQL(" OR rwlock = ANY(%(lock_names)s::text[])") if shape.rwlocks else _NOTHING,
             token=_token_or_null(shape),
             sessions=sessions.read_by_holders() if shape.sessions else sessions.NOT_READ,
+            writer_waits=_writer_waits(names) if shape.rwlocks else sql.SQL("NULL::boolean AS writer_waits"),
         ),
         marks=shape.sessions,
     )
+
+
+def _writer_waits(names: Names) -> sql.Composable:
+    """For a read/write lock's row: whether a writer waits for its lock (`_sql_rwlocks`: its claim on the
+    gate is in the future), holding new readers back; NULL for any other row."""
+    return sql.SQL(
+        """CASE WHEN rwlock IS NOT NULL THEN (
+         SELECT gate.writer_waiting_until > now() FROM {rwlocks} AS gate WHERE gate.name = {table}.rwlock
+       ) IS TRUE END AS writer_waits"""
+    ).format(rwlocks=names.rwlocks, table=names.table)
 
 
 def _force_release(names: Names, shape: TableShape) -> Statement:

@@ -66,11 +66,11 @@ _GONE_EXISTING = """(existing.last_heartbeat <= now() - make_interval(secs => %(
 
 _REPLY = """
 SELECT won.fresh, shown.instance_id, shown.heartbeat_age, won.acquired_at, won.token, won.lock_name,
-       {retry}, (SELECT count(*) FROM current)::int
+       {retry}, (SELECT count(*) FROM current)::int, shown.rw_mode
   FROM (VALUES (1)) AS one (x)
   LEFT JOIN won ON true
   LEFT JOIN LATERAL (
-    SELECT instance_id, heartbeat_age FROM current
+    SELECT instance_id, heartbeat_age, rw_mode FROM current
      WHERE won.lock_name IS NULL OR current.lock_name = won.lock_name
      ORDER BY rw_mode DESC, last_heartbeat LIMIT 1
   ) AS shown ON won.fresh IS NOT TRUE"""
@@ -111,7 +111,8 @@ def acquire_read(names: Names, *, history: bool = False) -> Statement:
 
     The reply is the semaphore's shape: the mutex's five columns, the row's
     ``lock_name``, whether to try again at once (another reader was opening
-    the gate), and how many rows R had in the snapshot.
+    the gate), and how many rows R had in the snapshot; then the mode of the
+    holder shown (whom a contender's alert names).
     """
     pieces = (
         _GATE,

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanContext
 
 from ._clock import now
-from ._events import LockEvents
+from ._events import LockEvents, kind_of
 from ._rules import AlertGate, rw_row_name, writer_claim_seconds
 from ._settings import Timing
 from .errors import LockAlreadyHeldError, LockNotHeldError
@@ -186,7 +186,7 @@ class LockState:
         self.permits = permits
         self.rw_mode = rw_mode
         """For a read/write lock's holder: the mode it holds, ``"read"`` or ``"write"`` (`_sql_rwlocks`)."""
-        self.kind = "lock" if permits is None else "semaphore" if rw_mode is None else "read/write lock"
+        self.kind = kind_of(permits is not None, rw_mode)
         self.names = names
         self.tracing = tracing
         self.lock_name = lock_name
@@ -478,7 +478,7 @@ class LockState:
         self.stray_row_possible = False
         self.instance_id = instance_id  # a read/write lock's row_name follows it
         self.events.instance_id = instance_id
-        self.alert_gate = AlertGate(self.timing.alert_threshold)
+        self.alert_gate = type(self.alert_gate)(self.timing.alert_threshold)  # a watcher's to alert, if it was
         self.cleanup_on_the_wire = threading.Lock()
 
 

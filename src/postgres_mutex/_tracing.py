@@ -26,6 +26,10 @@ AttributeValue = str | bool | int | float
 LOCK_NAME = "postgres_mutex.lock_name"
 INSTANCE_ID = "postgres_mutex.instance_id"
 OUTCOME = "postgres_mutex.outcome"
+MODE = "postgres_mutex.mode"
+"""A read/write lock's holder's mode, ``read`` or ``write``: its spans carry the lock's name, not its row's."""
+PERMIT = "postgres_mutex.permit"
+"""The permit a semaphore's acquire took, on its span."""
 
 # The global providers of opentelemetry-api alone: no SDK configured.
 _NO_SDK = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)

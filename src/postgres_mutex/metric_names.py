@@ -12,7 +12,8 @@ Labels stay bounded: ``lock_name`` everywhere, ``outcome`` on acquire
 durations (`ACQUIRE_OUTCOMES`), ``reason`` on reclaims (`RECLAIM_REASONS`),
 ``ended`` on election terms (`TERM_ENDINGS`),
 ``holder`` only on the watcher's info metric, ``permit`` (a semaphore's permit number,
-at most its N) on the watcher's per-holder gauges.
+at most its N) on the watcher's per-holder gauges, ``mode`` (``read`` or ``write`` for a
+read/write lock, empty otherwise) on those gauges, the waiters, alerts and reclaims.
 A process's random instance_id never labels a counter or a histogram.
 """
 
@@ -58,10 +59,14 @@ STALE_RECLAIMS = MetricName(
     "{reclaim}",
     "Locks taken over from a silent holder, by reason: stale (past stale_threshold) or disconnected "
     "(its session ended, past its reclaim_disconnected_after).",
-    ("lock_name", "reason"),
+    ("lock_name", "mode", "reason"),
 )
 ALERTS = MetricName(
-    "postgres_mutex.alerts", "counter", "{alert}", "Holders silent past alert_threshold, once per episode."
+    "postgres_mutex.alerts",
+    "counter",
+    "{alert}",
+    "Holders silent past alert_threshold, once per episode.",
+    ("lock_name", "mode"),
 )
 LOSSES = MetricName(
     "postgres_mutex.losses", "counter", "{loss}", "Locks a holder lost: its lease ran out or its row was gone."
@@ -102,13 +107,17 @@ WAITERS = MetricName(
     "postgres_mutex.waiters",
     "updowncounter",
     "{waiter}",
-    "Blocking acquires of this process waiting for a release of the lock (or of a permit of the semaphore).",
+    "Blocking acquires of this process waiting for a release of the lock (or of a permit of the semaphore, or "
+    "for the read/write lock in the mode they ask for).",
+    ("lock_name", "mode"),
 )
 
 # The stale-holder watcher's view of the table, computed with the server's clock.
 # Per holder: a mutex's one, or each permit's of a semaphore (``lock_name`` is then the
-# semaphore's name and ``permit`` its number; ``permit`` is empty for a mutex).
-PER_HOLDER = ("lock_name", "permit")
+# semaphore's name and ``permit`` its number; ``permit`` is empty for a mutex), or a read/write
+# lock's writer and its readers (``mode``; its readers as one, the one silent longest, so that
+# the series stay two per read/write lock however many read).
+PER_HOLDER = ("lock_name", "permit", "mode")
 HEARTBEAT_AGE = MetricName(
     "postgres_mutex.heartbeat.age",
     "gauge",
@@ -164,6 +173,19 @@ PERMITS_IN_USE = MetricName(
     "{permit}",
     "Permits of each semaphore held across the fleet, as the watcher read the table.",
 )
+RWLOCK_HOLDERS = MetricName(
+    "postgres_mutex.rwlock.holders",
+    "gauge",
+    "{holder}",
+    "Holders of each read/write lock across the fleet, by mode (readers, or 1 writer), as the watcher read the table.",
+    ("lock_name", "mode"),
+)
+RWLOCK_WRITER_WAITING = MetricName(
+    "postgres_mutex.rwlock.writer_waiting",
+    "gauge",
+    "",
+    "1 while a writer waits for the read/write lock, holding new readers back, as the watcher read the table.",
+)
 WATCHER_UP = MetricName(
     "postgres_mutex.watcher.up", "gauge", "", "1 if the watcher's last read of the lock table succeeded.", ()
 )
@@ -214,6 +236,9 @@ HEARTBEAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0)
 """Histogram buckets for acquire durations: an instant when free, up to the stale threshold and beyond."""
 
+RW_MODES = ("read", "write")
+"""Values of the ``mode`` label for a read/write lock; it is empty for a mutex or a semaphore."""
+
 ACQUIRE_OUTCOMES = ("acquired", "reclaimed", "contended", "timeout", "error")
 """Values of the ``outcome`` label of `ACQUIRE_DURATION`."""
 
@@ -251,6 +276,8 @@ ALL: tuple[MetricName, ...] = (
     ALERT_THRESHOLD,
     STALE_THRESHOLD,
     PERMITS_IN_USE,
+    RWLOCK_HOLDERS,
+    RWLOCK_WRITER_WAITING,
     WATCHER_UP,
     WATCHER_ERRORS,
     ELECTION_CANDIDATES,

@@ -20,7 +20,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from . import metric_names as names
-from ._exporter import ExporterHook, WatchedLock, permits_in_use
+from ._exporter import ExporterHook, WatchedLock, per_holder, permits_in_use, rwlock_holders, writers_waiting
 from ._version import __version__
 
 __all__ = ["OtelMetrics"]
@@ -75,6 +75,8 @@ class OtelMetrics(ExporterHook):
             (names.HOLDER_INFO, self._holders),
             (names.SESSION_ALIVE, self._sessions),
             (names.PERMITS_IN_USE, self._permits_in_use),
+            (names.RWLOCK_HOLDERS, self._rwlock_holders),
+            (names.RWLOCK_WRITER_WAITING, self._writers_waiting),
             (names.WATCHER_UP, self._watcher_up),
         ):
             meter.create_observable_gauge(
@@ -98,25 +100,34 @@ class OtelMetrics(ExporterHook):
     def _per_lock(self, read: _Read) -> _Callback:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             locks, _ = self.view.snapshot()
-            return [Observation(read(lock), lock.labels) for lock in locks]
+            return [Observation(read(lock), lock.labels) for lock in per_holder(locks)]
 
         return observe
 
     def _holders(self, options: CallbackOptions) -> Iterable[Observation]:
         locks, _ = self.view.snapshot()
-        return [Observation(1, {**lock.labels, "holder": lock.observation.holder}) for lock in locks]
+        return [Observation(1, {**lock.labels, "holder": lock.observation.holder}) for lock in per_holder(locks)]
 
     def _sessions(self, options: CallbackOptions) -> Iterable[Observation]:
         locks, _ = self.view.snapshot()
         return [
             Observation(int(lock.observation.session_alive), lock.labels)
-            for lock in locks
+            for lock in per_holder(locks)
             if lock.observation.session_alive is not None
         ]
 
     def _permits_in_use(self, options: CallbackOptions) -> Iterable[Observation]:
         locks, _ = self.view.snapshot()
         return [Observation(count, {"lock_name": name}) for name, count in permits_in_use(locks).items()]
+
+    def _rwlock_holders(self, options: CallbackOptions) -> Iterable[Observation]:
+        locks, _ = self.view.snapshot()
+        counts = rwlock_holders(locks)
+        return [Observation(count, {"lock_name": name, "mode": mode}) for (name, mode), count in counts.items()]
+
+    def _writers_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
+        locks, _ = self.view.snapshot()
+        return [Observation(waiting, {"lock_name": name}) for name, waiting in writers_waiting(locks).items()]
 
     def _watcher_up(self, options: CallbackOptions) -> Iterable[Observation]:
         _, up = self.view.snapshot()

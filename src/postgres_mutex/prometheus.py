@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("PrometheusMetrics needs prometheus-client: pip install 'postgres-mutex[prometheus]'") from exc
 
 from . import metric_names as names
-from ._exporter import ExporterHook, LockTableView, permits_in_use
+from ._exporter import ExporterHook, LockTableView, per_holder, permits_in_use, rwlock_holders, writers_waiting
 
 __all__ = ["PrometheusMetrics"]
 
@@ -119,8 +119,12 @@ class _WatchedLocksCollector(Collector):
         age, held, holder = family(names.HEARTBEAT_AGE), family(names.HELD_DURATION), family(names.HOLDER_INFO)
         alerting, reclaimable, session = family(names.ALERTING), family(names.RECLAIMABLE), family(names.SESSION_ALIVE)
         alert_threshold, stale_threshold = family(names.ALERT_THRESHOLD), family(names.STALE_THRESHOLD)
-        in_use = family(names.PERMITS_IN_USE)
-        for lock in locks:
+        in_use, rw_holders, rw_waiting = (
+            family(names.PERMITS_IN_USE),
+            family(names.RWLOCK_HOLDERS),
+            family(names.RWLOCK_WRITER_WAITING),
+        )
+        for lock in per_holder(locks):
             seen = lock.observation
             label = list(lock.labels.values())
             age.add_metric(label, seen.seconds_since_heartbeat)
@@ -134,6 +138,11 @@ class _WatchedLocksCollector(Collector):
             stale_threshold.add_metric(label, lock.stale_threshold)
         for semaphore, count in permits_in_use(locks).items():
             in_use.add_metric([semaphore], float(count))
-        yield from (age, held, holder, alerting, reclaimable, session, alert_threshold, stale_threshold, in_use)
+        for (rwlock, mode), count in rwlock_holders(locks).items():
+            rw_holders.add_metric([rwlock, mode], float(count))
+        for rwlock, waiting in writers_waiting(locks).items():
+            rw_waiting.add_metric([rwlock], float(waiting))
+        yield from (age, held, holder, alerting, reclaimable, session, alert_threshold, stale_threshold)
+        yield from (in_use, rw_holders, rw_waiting)
         if up is not None:
             yield GaugeMetricFamily(names.WATCHER_UP.prometheus, names.WATCHER_UP.description, value=float(up))

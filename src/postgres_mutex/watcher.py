@@ -16,7 +16,11 @@ server's clock (`LockTable.holders`) — and:
 
 Run it as a thread (`start` / `stop`) in sync code, as a task (`run`) in
 async code, or switch it on for one Mutex's own lock with ``Mutex(...,
-watch=True)``.
+watch=True)`` (for every holder of a Semaphore or an RWLock with theirs).
+
+A semaphore's or read/write lock's holders are rows of their own: each is
+judged on its own, and told under the name the program gave (with its permit,
+or its mode), never its row's.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class StaleWatcher:
     Give it a ``dsn``, a ``pool`` / ``async_pool``, or a ``client``; it reads
     through the process's shared client for that DSN or pool. ``lock_names``
     limits it to some locks (a list of names; default: every lock in the
-    table). Raises `TypeError` / `ValueError` naming the argument on bad input.
+    table); a semaphore's or read/write lock's name stands for every one of
+    its holders. Raises `TypeError` / `ValueError` naming the argument on bad input.
     """
 
     def __init__(
@@ -130,10 +135,10 @@ class StaleWatcher:
 
     def _saw(self, observations: list[LockObservation]) -> list[LockObservation]:
         for seen in observations:
-            # Judged per row (each permit's holder alone), reported under the name users gave:
-            # the semaphore's, not its permit row's.
+            # Judged per row (each permit's or reader's holder alone), reported under the name users gave:
+            # the semaphore's or read/write lock's, not its row's.
             if self._alerts.should_alert(seen.lock_name, seen.holder, seen.seconds_since_heartbeat):
-                self._events.alert(seen.semaphore or seen.lock_name, seen.holder, seen.seconds_since_heartbeat)
+                self._events.alert(seen)
         self._alerts.held_now({seen.lock_name for seen in observations})
         self._latest, self._healthy = observations, True
         self._events.observed(observations)

@@ -390,12 +390,12 @@ def test_watch_serves_metrics_that_show_a_lock_going_stale(
         except OSError:
             return ""
 
-    # A mutex's holder has no permit: its label is empty (absent, once Prometheus stores it).
-    series = f'postgres_mutex_reclaimable{{lock_name="{holder.lock_name}",permit=""}} 1.0'
+    # A mutex's holder has no permit nor mode: those labels are empty (absent, once Prometheus stores them).
+    series = f'postgres_mutex_reclaimable{{lock_name="{holder.lock_name}",mode="",permit=""}} 1.0'
     wait_until(lambda: series in scrape(), timeout=20)
     text = scrape()
-    assert f'postgres_mutex_alerting{{lock_name="{holder.lock_name}",permit=""}} 1.0' in text
-    holder_info = f'{{holder="{holder.instance_id}",lock_name="{holder.lock_name}",permit=""}}'
+    assert f'postgres_mutex_alerting{{lock_name="{holder.lock_name}",mode="",permit=""}} 1.0' in text
+    holder_info = f'{{holder="{holder.instance_id}",lock_name="{holder.lock_name}",mode="",permit=""}}'
     assert f"postgres_mutex_holder_info{holder_info} 1.0" in text
     assert "postgres_mutex_alerts_total" in text
     proc.send_signal(signal.SIGTERM)

@@ -7,6 +7,7 @@ compares what each exposes.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from postgres_mutex import (
     LockAcquisitionTimeout,
     LockNotHeldError,
     Mutex,
+    RWLock,
     Semaphore,
     metric_names,
 )
@@ -69,8 +71,13 @@ def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_
     # And a semaphore's holder, watched (its permit labelled), with a blocking acquire that waits for it.
     semaphore = Semaphore(dsn, f"{lock_name}-semaphore", permits=1, metrics=hook, **FAST)  # type: ignore[arg-type]
     waiter = Semaphore(dsn, f"{lock_name}-semaphore", permits=1, metrics=hook, **FAST)  # type: ignore[arg-type]
-    with doubter.acquire(), semaphore.acquire():
+    # And a read/write lock's reader, watched (its mode labelled), with a writer that waits for it.
+    reader = RWLock(dsn, f"{lock_name}-rw", metrics=hook, **FAST)  # type: ignore[arg-type]
+    writer = RWLock(dsn, f"{lock_name}-rw", metrics=hook, **FAST)  # type: ignore[arg-type]
+    with doubter.acquire(), semaphore.acquire(), reader.read():
         with pytest.raises(LockAcquisitionTimeout), waiter.acquire(blocking=True, timeout=0.3):
+            pass
+        with pytest.raises(LockAcquisitionTimeout), writer.write(blocking=True, timeout=0.3):
             pass
         watcher.check()
         freeze(doubter)
@@ -83,6 +90,8 @@ def run_workload(make_mutex: Callable[..., Mutex], dsn: str, hook: object, lock_
     watcher.close()
     semaphore.close()
     waiter.close()
+    reader.close()
+    writer.close()
     run_election(dsn, hook, f"{lock_name}-election")
 
 
@@ -127,18 +136,20 @@ def test_prometheus_metrics_count_every_event(
     assert value("postgres_mutex_releases_total") == 5, "the lost locks' releases deleted nothing"
     assert value("postgres_mutex_heartbeat_failures_total") >= 1
     assert value("postgres_mutex_contentions_total") >= 2
-    assert value("postgres_mutex_stale_reclaims_total", reason="stale") == 1
+    # A mutex has no mode: its label is empty (absent, once Prometheus stores it).
+    assert value("postgres_mutex_stale_reclaims_total", reason="stale", mode="") == 1
     assert value("postgres_mutex_doubts_total") == 1
-    assert value("postgres_mutex_alerts_total") == 1
+    assert value("postgres_mutex_alerts_total", mode="") == 1
     assert value("postgres_mutex_losses_total") == 2, "the frozen holder and the one whose row was deleted"
     assert value("postgres_mutex_heartbeat_duration_seconds_count") >= 1
     assert value("postgres_mutex_acquire_duration_seconds_count", outcome="reclaimed") == 1
     assert value("postgres_mutex_acquire_duration_seconds_count", outcome="contended") >= 1
     assert value("postgres_mutex_locks_held") == 0, "every hold ended: released or lost, counted once"
     # The watcher's view, at its last read (the holder was holding then); a mutex's holder has no permit.
-    assert value("postgres_mutex_heartbeat_age_seconds", permit="") < FAST["alert_threshold"]
-    assert value("postgres_mutex_threshold_stale_seconds", permit="") == FAST["stale_threshold"]
-    assert value("postgres_mutex_alerting", permit="") == 0
+    mutex_holder = {"permit": "", "mode": ""}
+    assert value("postgres_mutex_heartbeat_age_seconds", **mutex_holder) < FAST["alert_threshold"]
+    assert value("postgres_mutex_threshold_stale_seconds", **mutex_holder) == FAST["stale_threshold"]
+    assert value("postgres_mutex_alerting", **mutex_holder) == 0
     assert registry.get_sample_value("postgres_mutex_watcher_up") == 1, "the last read succeeded"
     assert registry.get_sample_value("postgres_mutex_watcher_errors_total") == 1
     holders = [
@@ -152,13 +163,23 @@ def test_prometheus_metrics_count_every_event(
     semaphore_name = f"{lock_name}-semaphore"
     assert registry.get_sample_value("postgres_mutex_semaphore_permits_in_use", {"lock_name": semaphore_name}) == 1
     permit_age = registry.get_sample_value(
-        "postgres_mutex_heartbeat_age_seconds", {"lock_name": semaphore_name, "permit": "0"}
+        "postgres_mutex_heartbeat_age_seconds", {"lock_name": semaphore_name, "permit": "0", "mode": ""}
     )
     assert permit_age is not None
     assert permit_age < FAST["alert_threshold"]
-    waiting = registry.get_sample_value("postgres_mutex_waiters", {"lock_name": semaphore_name})
+    waiting = registry.get_sample_value("postgres_mutex_waiters", {"lock_name": semaphore_name, "mode": ""})
     assert waiting == 0, "the waiter was counted while it waited, and no more once it gave up"
     assert value("postgres_mutex_locks_held") == 0
+    # The read/write lock: its reader under its name and mode; holders per mode; its writer waited, then gave up.
+    rw = {"lock_name": f"{lock_name}-rw"}
+    assert registry.get_sample_value("postgres_mutex_rwlock_holders", {**rw, "mode": "read"}) == 1
+    assert registry.get_sample_value("postgres_mutex_rwlock_holders", {**rw, "mode": "write"}) == 0
+    reader_age = registry.get_sample_value("postgres_mutex_heartbeat_age_seconds", {**rw, "permit": "", "mode": "read"})
+    assert reader_age is not None
+    assert reader_age < FAST["alert_threshold"]
+    assert registry.get_sample_value("postgres_mutex_waiters", {**rw, "mode": "write"}) == 0
+    # The watcher read the gate while the writer's claim (renewed as it waited) still held readers back.
+    assert registry.get_sample_value("postgres_mutex_rwlock_writer_waiting", rw) == 1
 
 
 def test_no_counter_or_histogram_carries_an_instance_id(
@@ -173,7 +194,7 @@ def test_no_counter_or_histogram_carries_an_instance_id(
         for sample in metric.samples
         for key in sample.labels
     }
-    assert labels <= {"lock_name", "outcome", "ended", "reason", "le"}
+    assert labels <= {"lock_name", "mode", "outcome", "ended", "reason", "le"}
 
 
 def test_otel_metrics_record_on_the_sdk(
@@ -281,3 +302,47 @@ def test_a_failed_release_no_longer_counts_as_held(
         proxy.silence()
     proxy.heal()
     assert registry.get_sample_value("postgres_mutex_locks_held", {"lock_name": lock_name}) == 0
+
+
+def test_a_read_write_locks_holders_are_told_by_its_name_and_mode(
+    dsn: str, lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = CollectorRegistry()
+    hook = PrometheusMetrics(registry)
+    made = [RWLock(dsn, lock_name, metrics=hook, **FAST) for _ in range(4)]  # type: ignore[arg-type]
+    quiet, busy, silent_writer, taker = made
+    watcher = _watcher(dsn, hook)
+    caplog.set_level(logging.INFO, logger="postgres_mutex")
+    try:
+        # Two readers, one of them silent: the watcher alerts on it by the lock's name and its mode, and shows
+        # the two readers as one holder, the one silent longest.
+        with quiet.read(), busy.read():
+            freeze(quiet._reader)
+            wait_until(lambda: any(seen.alerting for seen in watcher.check()), timeout=10)
+            reader = {"lock_name": lock_name, "permit": "", "mode": "read"}
+            assert registry.get_sample_value("postgres_mutex_alerting", reader) == 1
+            assert registry.get_sample_value("postgres_mutex_holder_info", {**reader, "holder": quiet.instance_id}) == 1
+            assert (
+                registry.get_sample_value("postgres_mutex_holder_info", {**reader, "holder": busy.instance_id}) is None
+            )
+            rw_holders = {"lock_name": lock_name, "mode": "read"}
+            assert registry.get_sample_value("postgres_mutex_rwlock_holders", rw_holders) == 2
+            assert registry.get_sample_value("postgres_mutex_rwlock_writer_waiting", {"lock_name": lock_name}) == 0
+            thaw(quiet._reader)
+            wait_until(lambda: quiet.held)
+        assert registry.get_sample_value("postgres_mutex_alerts_total", {"lock_name": lock_name, "mode": "read"}) == 1
+        # A silent writer: the writer waiting for it alerts, then takes its row over, both told with its mode.
+        with frozen_holder(silent_writer._writer), taker.write(blocking=True, timeout=10) as got:
+            assert got
+        writer = {"lock_name": lock_name, "mode": "write"}
+        assert registry.get_sample_value("postgres_mutex_alerts_total", writer) == 1
+        assert registry.get_sample_value("postgres_mutex_stale_reclaims_total", {**writer, "reason": "stale"}) == 1
+    finally:
+        watcher.close()
+        for rwlock in made:
+            rwlock.close()
+    said = [record.getMessage() for record in caplog.records]
+    assert "\x1f" not in "".join(said), "no line names a row"
+    assert any(f"read/write lock {lock_name!r} (read): holder {quiet.instance_id!r}" in line for line in said)
+    assert any(f"reclaimed read/write lock {lock_name!r} (write) from" in line for line in said)
+    assert any(f"lost read/write lock {lock_name!r} (write)" in line for line in said)

@@ -2,8 +2,10 @@
 
 A fleet process contends for one lock, waits to reclaim another from a holder
 the test kills, and holds a third whose heartbeats the test blocks until the
-lock is lost; a holder of a fourth lock is killed with nobody to take over; a
-watcher exports the table's state, and a second watcher target is down. A
+lock is lost; a holder of a fourth lock is killed with nobody to take over; it
+takes turns on a semaphore and on read/write locks, one of whose writers goes
+silent and is taken over; a watcher exports the table's state, and a second
+watcher target is down. A
 real Prometheus scrapes them all. Then every panel query of the committed
 dashboard and every alert rule expression is evaluated through Prometheus's
 HTTP API, and each must return data.

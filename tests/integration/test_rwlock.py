@@ -274,7 +274,9 @@ def test_a_fence_works_in_either_mode_and_refuses_a_writer_after_another_took_ov
         assert LockTable(dsn).force_release(f"{name}\x1fw") is not None
         with other.write(blocking=True, timeout=20) as taken:
             assert taken
-            with psycopg.connect(dsn) as conn, pytest.raises(LockNotHeldError, match="changed hands"):
+            # Told in the read/write lock's words, under its name, not its row's.
+            said = f"read/write lock {name!r} changed hands"
+            with psycopg.connect(dsn) as conn, pytest.raises(LockNotHeldError, match=said):
                 writer.fence(conn)
 
 

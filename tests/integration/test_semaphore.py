@@ -293,8 +293,6 @@ def test_names_that_leave_no_room_for_the_permit_number_are_refused(dsn: str) ->
         Semaphore(dsn, "ok", permits=0)
     with pytest.raises(ValueError, match="separator"):
         Semaphore(dsn, "a\x1fb", permits=2)
-    with pytest.raises(ValueError, match="watch"):
-        Semaphore(dsn, "ok", permits=2, watch=True)
     with pytest.raises(TypeError, match="needs a name"):
         Semaphore(dsn, permits=2)
 

@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex, SchemaError
-from tests.support.fixtures import frozen_holder, wait_until
+from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex, RWLock, SchemaError, Semaphore
+from tests.support.fixtures import FAST, frozen_holder, wait_until
 from tests.support.postgres_server import PostgresServer
 
 
@@ -75,6 +75,31 @@ def test_acquire_heartbeat_and_release_spans_carry_lock_and_database_attributes(
     assert manual, "a manual heartbeat nests under the caller"
     assert attr(manual[0], "postgres_mutex.outcome") == "renewed"
     assert manual[0].links[0].context.span_id == acquire.context.span_id, "heartbeats link to their hold's acquire"
+
+
+def test_a_semaphores_and_a_read_write_locks_spans_name_them_with_the_permit_and_the_mode(
+    dsn: str, lock_name: str, provider: TracerProvider, exporter: InMemorySpanExporter, schema: None
+) -> None:
+    semaphore = Semaphore(dsn, lock_name, permits=2, tracer_provider=provider, **FAST)  # type: ignore[arg-type]
+    rwlock = RWLock(dsn, f"{lock_name}-rw", tracer_provider=provider, **FAST)  # type: ignore[arg-type]
+    try:
+        with semaphore.acquire():
+            permit = semaphore.permit
+        with rwlock.read():
+            pass
+        with rwlock.write():
+            pass
+    finally:
+        semaphore.close()
+        rwlock.close()
+    taken, read, written = spans(exporter, "postgres_mutex.acquire")
+    assert (attr(taken, "postgres_mutex.lock_name"), attr(taken, "postgres_mutex.permit")) == (lock_name, permit)
+    assert attr(taken, "postgres_mutex.mode") is None
+    for span, mode in ((read, "read"), (written, "write")):
+        assert attr(span, "postgres_mutex.lock_name") == f"{lock_name}-rw", "the lock's name, not its row's"
+        assert attr(span, "postgres_mutex.mode") == mode
+    released = spans(exporter, "postgres_mutex.release")
+    assert [attr(span, "postgres_mutex.mode") for span in released] == [None, "read", "write"]
 
 
 def test_a_blocking_acquire_shows_every_attempt_and_its_wait(

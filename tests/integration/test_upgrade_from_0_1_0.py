@@ -843,7 +843,7 @@ def test_a_killed_holder_of_either_version_is_seen_alerted_on_and_reclaimed_by_t
         assert ALERT <= alert["seconds_since_heartbeat"] < STALE
         wait_until(lambda: any(observed.alerting for observed in watcher.check()), timeout=STALE)
         assert [call["holder"] for call in seen.named("alert")] == ["holder"], "the watcher alerted, once"
-        labels = {"lock_name": LOCK, "permit": ""}  # a mutex's holder: no permit
+        labels = {"lock_name": LOCK, "permit": "", "mode": ""}  # a mutex's holder: no permit, no mode
         assert registry.get_sample_value("postgres_mutex_holder_info", {**labels, "holder": "holder"}) == 1
         assert registry.get_sample_value("postgres_mutex_alerting", labels) == 1, "the dashboard shows it alerting"
 

@@ -12,10 +12,18 @@ from typing import Any
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from postgres_mutex import LockNotHeldError, Mutex
+from postgres_mutex import LockNotHeldError, Mutex, RWLock, Semaphore
 from postgres_mutex.watcher import StaleWatcher
 from tests.support.faultproxy import FaultProxy
-from tests.support.fixtures import FAST, RecordingMetrics, await_until, freeze, row_locked, wait_until
+from tests.support.fixtures import (
+    FAST,
+    RecordingMetrics,
+    await_until,
+    freeze,
+    frozen_holder,
+    row_locked,
+    wait_until,
+)
 
 INTERVAL = 0.1
 
@@ -209,6 +217,60 @@ async def test_an_async_mutex_that_only_watches_its_lock_is_alerted_without_acqu
         await watching.aclose()
     finally:
         await pool.close()
+
+
+def test_a_semaphore_watches_its_holders_each_told_by_its_name_and_permit(
+    dsn: str, lock_name: str, metrics: RecordingMetrics, caplog: pytest.LogCaptureFixture, schema: None
+) -> None:
+    watching = Semaphore(dsn, lock_name, permits=2, watch=True, metrics=metrics, **FAST)  # type: ignore[arg-type]
+    healthy, silent = (Semaphore(dsn, lock_name, permits=2, **FAST) for _ in range(2))  # type: ignore[arg-type]
+    watcher = watching.watcher
+    assert watcher is not None
+    try:
+        with healthy.acquire(), frozen_holder(silent):
+            permit = silent.permit
+            wait_until(lambda: metrics.named("alert"), timeout=10)
+            seen = {observed.permit for observed in watcher.observations}
+            assert seen == {healthy.permit, permit}, "every holder of the semaphore, each with its permit"
+            # Its own acquire takes the silent holder's permit over; the watcher has told of it already.
+            with watching.acquire(blocking=True, timeout=10) as got:
+                assert got
+            wait_until(lambda: not silent.held)
+        alerts = [(name, kwargs["holder"]) for method, name, kwargs in metrics.calls if method == "alert"]
+        assert alerts == [(lock_name, silent.instance_id)], "once, under the semaphore's name"
+        assert f"semaphore {lock_name!r} (permit {permit}): holder {silent.instance_id!r}" in caplog.text
+    finally:
+        for semaphore in (watching, healthy, silent):
+            semaphore.close()
+    assert watcher._thread is None, "close() stops the watcher"
+
+
+def test_a_read_write_lock_watches_its_holders_of_either_mode_with_one_watcher(
+    dsn: str, lock_name: str, metrics: RecordingMetrics, caplog: pytest.LogCaptureFixture, schema: None
+) -> None:
+    watching = RWLock(dsn, lock_name, watch=True, metrics=metrics, **FAST)  # type: ignore[arg-type]
+    silent = RWLock(dsn, lock_name, **FAST)  # type: ignore[arg-type]
+    watcher = watching.watcher
+    assert watcher is not None
+    try:
+        with frozen_holder(silent._writer):
+            wait_until(lambda: metrics.named("alert"), timeout=10)
+            assert [(seen.rwlock, seen.mode) for seen in watcher.observations] == [(lock_name, "write")]
+            wait_until(lambda: not silent.held)
+        alerts = [
+            (name, kwargs["holder"], kwargs["mode"]) for method, name, kwargs in metrics.calls if method == "alert"
+        ]
+        assert alerts == [(lock_name, silent.instance_id, "write")], "once, under the lock's name, with its mode"
+        assert f"read/write lock {lock_name!r} (write): holder {silent.instance_id!r}" in caplog.text
+        # Waiting for the silent writer, its own acquire leaves the telling to the watcher: still one alert.
+        with watching.write(blocking=True, timeout=10) as got:
+            assert got
+        assert len(metrics.named("alert")) == 1
+    finally:
+        watching.close()
+        silent.close()
+    assert watcher._thread is None, "close() stops the one watcher of both modes"
+    assert not any(t.name == "postgres-mutex-watcher" and t.is_alive() for t in threading.enumerate())
 
 
 def _watcher_of(mutex: Mutex) -> StaleWatcher | None:

@@ -142,7 +142,10 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
     PREFIX-doubted with reclaim_disconnected_after, in doubt now and then. One
     candidate campaigns in election PREFIX-elected, another in
     PREFIX-leaderless, whose lock a plain Mutex holds. Three instances take
-    turns on PREFIX-shared, a semaphore of 2.
+    turns on PREFIX-shared, a semaphore of 2. Two readers and a writer take
+    turns on read/write lock PREFIX-catalogue (the writer waiting, and readers
+    behind it); on PREFIX-rw-stale a writer goes silent, and another writer
+    waiting for it alerts, then takes it over.
     """
     from prometheus_client import CollectorRegistry, start_http_server
 
@@ -222,6 +225,43 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
                 time.sleep(0.3)
             time.sleep(0.05)
 
+    def read() -> None:
+        # Readers overlap; a writer waits for them, and new readers wait behind it.
+        from postgres_mutex import RWLock
+
+        rwlock = RWLock(dsn, f"{prefix}-catalogue", metrics=hook, **FAST)  # type: ignore[arg-type]
+        while True:
+            with rwlock.read(blocking=True, timeout=60):
+                time.sleep(0.4)
+            time.sleep(0.05)
+
+    def write() -> None:
+        from postgres_mutex import RWLock
+
+        rwlock = RWLock(dsn, f"{prefix}-catalogue", metrics=hook, **FAST)  # type: ignore[arg-type]
+        while True:
+            with rwlock.write(blocking=True, timeout=60):
+                time.sleep(0.1)
+            time.sleep(0.3)
+
+    def rw_stale() -> None:
+        # A writer goes silent; another, waiting for it, alerts and then takes its row over.
+        from postgres_mutex import RWLock
+
+        silent = RWLock(dsn, f"{prefix}-rw-stale", metrics=hook, **FAST)  # type: ignore[arg-type]
+        taker = RWLock(dsn, f"{prefix}-rw-stale", metrics=hook, **FAST)  # type: ignore[arg-type]
+        while True:
+            try:
+                with silent.write(blocking=True, timeout=60):
+                    hold = silent._writer._lock.hold
+                    assert hold is not None
+                    hold.paused = True
+                    with taker.write(blocking=True, timeout=60):
+                        time.sleep(0.2)
+            except MutexError:
+                pass  # the silent writer lost its hold: what this is for
+            time.sleep(1.0)
+
     def leaderless() -> None:
         # Candidates and no leader: something that is not a candidate holds the election's lock.
         from postgres_mutex import Election
@@ -242,6 +282,10 @@ def fleet(dsn: str, prefix: str, port: int) -> None:
         (share, ()),
         (share, ()),
         (share, ()),
+        (read, ()),
+        (read, ()),
+        (write, ()),
+        (rw_stale, ()),
     ):
         threading.Thread(target=target, args=args, daemon=True).start()
     print("ready", flush=True)

@@ -178,7 +178,7 @@ def test_redactor_masks_passwords_in_any_shape() -> None:
 
 def test_a_holders_row_says_what_it_holds_by_its_name() -> None:
     rows = [
-        (name, "holder", 1.0, 2.0, None, 7, None, None)
+        (name, "holder", 1.0, 2.0, None, 7, None, None, None)
         for name in ("job", "partner-api\x1f2", "catalogue\x1fr0123456789ab", "catalogue\x1fw")
     ]
     seen = observe(rows, alert_threshold=30.0, stale_threshold=600.0)

@@ -77,10 +77,11 @@ class _EventLine(MetricsHook):
         previous_holder: str,
         token: int | None = None,
         reason: str = "stale",
+        mode: str | None = None,
     ) -> None:
         self.emit("reclaimed", previous_holder=previous_holder, reason=reason)
 
-    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
+    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float, mode: str | None = None) -> None:
         self.emit("alert", holder=holder, seconds=seconds_since_heartbeat)
 
     def heartbeat_latency(self, lock_name: str, *, instance_id: str, seconds: float) -> None:
@@ -138,7 +139,7 @@ class _WatcherEvents(MetricsHook):
     def __init__(self, events: queue.Queue[dict[str, Any]]) -> None:
         self._events = events
 
-    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float) -> None:
+    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float, mode: str | None = None) -> None:
         self._events.put(
             {
                 "t": time.monotonic(),
