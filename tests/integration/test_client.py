@@ -1,4 +1,4 @@
-"""One client per process: many locks on two connections, one heartbeat statement, no thread per lock."""
+"""One client per process: many locks on two connections, one heartbeat round, no thread per lock."""
 
 from __future__ import annotations
 
