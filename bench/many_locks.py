@@ -12,8 +12,12 @@ connections. Measured:
 - threads: ``threading.active_count()`` inside the worker (and the OS's count);
 - heartbeat statements per interval: round trips the proxy saw in the window
   (nothing else runs then), divided by the window's length in heartbeat
-  intervals; with their duration, size and period (the median time from one
-  to the next). Cross-check, approximate: rows updated in the
+  intervals; with their duration and size. The library renews at most a
+  few hundred holds per statement, sent one after another: the statements
+  of one interval make a *round* (a statement sent within a tenth of an
+  interval of the previous one's answer belongs to its round), whose duration (from
+  the first statement sent to the last answered) and period (the median
+  time from one round's start to the next) are measured too. Cross-check, approximate: rows updated in the
   table over the window (``pg_stat_user_tables.n_tup_upd``; the server flushes
   these counters about once a second) per lock and interval;
 - idle CPU: the worker's CPU time (`time.process_time`: user + system, all threads) over the
@@ -25,7 +29,7 @@ connections. Measured:
 - then, no longer idle: a Mutex cycle on one more lock, in that process and
   through the proxy, again and again for a while: its p99.9 and max say how
   long the process's other lock operations wait when they arrive during the
-  heartbeat statement of N locks on the shared connection.
+  heartbeat of N locks on the shared connection.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def run(
         opened = len(proxy.connections)
     wall = end - start
     intervals = wall / HEARTBEAT
+    rounds = _rounds(trips)
     server_cpu = None
     if server_cpu0 is not None and server_cpu1 is not None:
         server_cpu = round((server_cpu1 - server_cpu0) / wall * 100, 2)
@@ -101,7 +106,13 @@ def run(
         "window_intervals": round(intervals, 3),
         "heartbeat_statements_per_interval": round(len(trips) / intervals, 3),
         "heartbeat_statement_ms": round(median([t.answered_at - t.sent_at for t in trips]) * 1e3, 3) if trips else None,
-        "heartbeat_period_s": _period(trips),
+        "heartbeat_statement_max_ms": round(max(t.answered_at - t.sent_at for t in trips) * 1e3, 3) if trips else None,
+        "heartbeat_rounds": len(rounds),
+        "heartbeat_statements_per_round": round(len(trips) / len(rounds), 2) if rounds else None,
+        "heartbeat_round_ms": round(median([r[-1].answered_at - r[0].sent_at for r in rounds]) * 1e3, 3)
+        if rounds
+        else None,
+        "heartbeat_period_s": _period([r[0] for r in rounds]),
         "heartbeat_statement_bytes": int(median([float(t.bytes_sent) for t in trips])) if trips else None,
         "rows_updated_per_lock_per_interval": round((updated1 - updated0) / locks / intervals, 3),
         "idle_cpu_percent": round(float(measured["cpu"]) / wall * 100, 2),
@@ -119,8 +130,20 @@ def run(
     }
 
 
+def _rounds(trips: list[RoundTrip]) -> list[list[RoundTrip]]:
+    """The heartbeat statements grouped by interval: one sent within a tenth of an interval of the last one's
+    answer belongs to its round (the next round begins most of an interval later)."""
+    rounds: list[list[RoundTrip]] = []
+    for trip in sorted(trips, key=lambda trip: trip.sent_at):
+        if rounds and trip.sent_at - rounds[-1][-1].answered_at < HEARTBEAT / 10:
+            rounds[-1].append(trip)
+        else:
+            rounds.append([trip])
+    return rounds
+
+
 def _period(trips: list[RoundTrip]) -> float | None:
-    """The median time from one heartbeat statement's sending to the next's."""
+    """The median time from one heartbeat round's first statement to the next's."""
     sent = sorted(trip.sent_at for trip in trips)
     gaps = [later - earlier for earlier, later in itertools.pairwise(sent)]
     return round(median(gaps), 3) if gaps else None

@@ -301,12 +301,19 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
                 f"{many['window_intervals']:g} intervals)",
             ],
             [
-                "heartbeat period (median time from one heartbeat statement to the next)",
+                "heartbeat period (median time from one round's first statement to the next's)",
                 "n/a" if many["heartbeat_period_s"] is None else f"{many['heartbeat_period_s']:.3f} s",
             ],
             [
-                "one heartbeat statement: round trip, size sent",
-                f"{_ms(many['heartbeat_statement_ms'])}, {many['heartbeat_statement_bytes'] / 1024:,.1f} KiB",
+                "one heartbeat round (every lock renewed once): statements, first sent to last answered",
+                "n/a"
+                if many["heartbeat_round_ms"] is None
+                else f"{many['heartbeat_statements_per_round']:g}, {_ms(many['heartbeat_round_ms'])}",
+            ],
+            [
+                "one heartbeat statement: round trip (median / max), size sent",
+                f"{_ms(many['heartbeat_statement_ms'])} / {_ms(many['heartbeat_statement_max_ms'])}, "
+                f"{many['heartbeat_statement_bytes'] / 1024:,.1f} KiB",
             ],
             [
                 "rows renewed per lock per interval (`n_tup_upd`, approximate: flushed about once a second)",
@@ -329,7 +336,8 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
                 "then a Mutex cycle of one more lock in that process (through the proxy): p50 / p99 / p99.9 / max",
                 f"{_ms(many['cycle_while_holding_p50_ms'])} / {_ms(many['cycle_while_holding_p99_ms'])} / "
                 f"{_ms(many['cycle_while_holding_p999_ms'])} / {_ms(many['cycle_while_holding_max_ms'])} "
-                f"({many['cycles_while_holding']:,} cycles; p50 "
+                f"({many['cycles_while_holding']:,} cycles; p99.9 "
+                f"{_x(many['cycle_while_holding_p999_ms'] / many['cycle_while_holding_p50_ms'])} its p50, p50 "
                 f"{_x(many['cycle_while_holding_p50_ms'] / latency['mutex_sync']['median_ms'])} the Mutex cycle "
                 "above)",
             ],

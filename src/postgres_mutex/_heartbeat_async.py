@@ -1,8 +1,11 @@
 """The heartbeat and clean-up worker of one engine: one worker for every hold it renews.
 
-It renews every hold the engine acquired, one statement per heartbeat group
-(the holds that share a table, an interval and what they report) per
-interval, and deletes the rows that unanswered statements may have left, as
+It renews every hold the engine acquired, once per interval for each
+heartbeat group (the holds that share a table, an interval and what they
+report): one statement per group, or one per batch of at most
+`heartbeat_flows.BATCH` holds for a larger group, so that no statement of the
+heartbeat keeps the connection from the process's other lock operations for
+long. It also deletes the rows that unanswered statements may have left, as
 soon as the database answers. It exists while there is something to renew
 or delete, and ends a while after. What it finds out goes to the session's
 event thread, never to a user callback directly: a slow callback never
@@ -131,6 +134,18 @@ class HeartbeatWorker:
             raise
 
     async def _beat(self, group: HeartbeatGroup) -> None:
+        """Renew the group's holds: one statement per batch of at most `heartbeat_flows.BATCH` holds.
+
+        The batches go one after another, each taking its own turn on the
+        connection, so the process's other statements get theirs in between.
+        A failed batch ends the round: it and the batches not yet sent are
+        reported failed and the whole group is tried again soon (renewing
+        the holds of the earlier batches again does no harm). A lost hold,
+        or one whose row another session holds locked, is told as soon as
+        its batch is answered; the holds renewed are told together once the
+        round is done, which keeps the event thread's work per interval the
+        same whatever the number of batches.
+        """
         with self._host.state_lock:
             holds = group.live()
             if not holds:
@@ -139,31 +154,48 @@ class HeartbeatWorker:
                 group.next_beat = now() + group.interval
                 return
         timeout = min(hold.lock.timing.operation_timeout for hold in holds)
+        batches = heartbeat_flows.batches(holds)
+        renewed: list[heartbeat_flows.Beat] = []
+        started_at: float | None = None
+        retry_at: float | None = None
         try:
-            statements = await self._engine.shape(holds[0].lock.names, timeout)
-            beat = await self._engine.run(heartbeat_flows.heartbeat(holds, statements, group.tracing, timeout))
-        except DatabaseError as exc:  # the inspection failed
-            beat = heartbeat_flows.Beat([], [], 0.0, exc)
-        if beat.error is not None:
-            error = beat.error
-            if flows.died_while_idle(error) and not group.quiet_retry:
-                # The server closed the connection while it was idle: not a
-                # failure of the holder's, and worth no alert. Again, at once.
-                logger.debug("%s; retrying at once on a new connection", error)
-                group.quiet_retry = True
-                group.next_beat = now()
-                return
-            group.quiet_retry = False
-            group.next_beat = now() + retry_pause(group.interval)
-            self._host.session.post(_failed(holds, error))
-            return
-        group.quiet_retry = False
-        # From when the statement was sent: the interval is kept whatever the statement took.
-        group.next_beat = beat.sent_at + group.interval
-        if beat.busy:
-            group.next_beat = min(group.next_beat, now() + retry_pause(group.interval))
-            self._host.session.post(_failed(beat.busy, None))
-        self._host.session.post(_renewed(beat))
+            for index, batch in enumerate(batches):
+                try:
+                    statements = await self._engine.shape(batch[0].lock.names, timeout)
+                    beat = await self._engine.run(heartbeat_flows.heartbeat(batch, statements, group.tracing, timeout))
+                except DatabaseError as exc:  # the inspection failed
+                    beat = heartbeat_flows.Beat([], [], 0.0, exc)
+                if beat.error is not None:
+                    error = beat.error
+                    if index == 0 and flows.died_while_idle(error) and not group.quiet_retry:
+                        # The server closed the connection while it was idle: not a
+                        # failure of the holder's, and worth no alert. Again, at once.
+                        logger.debug("%s; retrying at once on a new connection", error)
+                        group.quiet_retry = True
+                        group.next_beat = now()
+                        return
+                    group.quiet_retry = False
+                    group.next_beat = now() + retry_pause(group.interval)
+                    self._host.session.post(_failed([hold for rest in batches[index:] for hold in rest], error))
+                    return
+                group.quiet_retry = False
+                if started_at is None:
+                    started_at = beat.sent_at
+                if beat.busy:
+                    retry_at = now() + retry_pause(group.interval)
+                    self._host.session.post(_failed(beat.busy, None))
+                if beat.lost:
+                    self._host.session.post(_renewed([beat]))
+                else:
+                    renewed.append(beat)
+        finally:
+            if renewed:
+                self._host.session.post(_renewed(renewed))
+        # From when the first statement was sent: the interval is kept whatever the statements took.
+        assert started_at is not None
+        group.next_beat = started_at + group.interval
+        if retry_at is not None:
+            group.next_beat = min(group.next_beat, retry_at)
 
     async def _clean(self, cleanup: steps.Cleanup) -> None:
         lock = cleanup.lock
@@ -205,13 +237,16 @@ def _failed(holds: list[Hold], error: DatabaseError | None) -> Any:
     return report
 
 
-def _renewed(beat: heartbeat_flows.Beat) -> Any:
+def _renewed(beats: list[heartbeat_flows.Beat]) -> Any:
+    """Report what heartbeat statements did: renewed (with each statement's latency), confirmed, lost."""
+
     def report() -> None:
-        for hold in beat.renewed:
-            hold.lock.events.heartbeat_renewed(beat.latency)
-        for hold, seconds in beat.confirmed:
-            hold.lock.events.confirmed(seconds)
-        for hold, error in beat.lost:
-            hold.lock.events.lost(error)
+        for beat in beats:
+            for hold in beat.renewed:
+                hold.lock.events.heartbeat_renewed(beat.latency)
+            for hold, seconds in beat.confirmed:
+                hold.lock.events.confirmed(seconds)
+            for hold, error in beat.lost:
+                hold.lock.events.lost(error)
 
     return report

@@ -1,8 +1,9 @@
 """The heartbeat's flows: one statement renewing many holds, and a holder's own heartbeat now.
 
-A heartbeat statement carries every hold of one group; what it finds for
-each (renewed, lost, its row locked by another session) is reported through
-the holds' `LockEvents`, from the client's event thread. Nothing here does I/O.
+A heartbeat statement carries the holds of one group, at most `BATCH` of
+them (`batches`); what it finds for each (renewed, lost, its row locked by
+another session) is reported through the holds' `LockEvents`, from the
+client's event thread. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -23,6 +24,23 @@ from ._tracing import AttributeValue, Tracing, mark_error, set_outcome
 from .errors import DatabaseError, LockNotHeldError
 
 T = TypeVar("T")
+
+BATCH = 250
+"""The most holds one heartbeat statement renews.
+
+A group with more is renewed by several statements, sent one after another,
+each taking its own turn on the client's connection: a lock operation of the
+same process that arrives meanwhile waits for one statement of at most this
+many holds, never for the renewal of all of them (a statement of 10,000 holds
+takes a tenth of a second and more). Each statement still costs one round
+trip, so the bound is large enough that the round trips add little to the
+work of renewing the rows: about one statement per 250 locks held.
+"""
+
+
+def batches(holds: list[Hold]) -> list[list[Hold]]:
+    """``holds`` in the order given, split for heartbeat statements of at most `BATCH` holds each."""
+    return [holds[start : start + BATCH] for start in range(0, len(holds), BATCH)]
 
 
 # -- heartbeat -------------------------------------------------------------------
@@ -46,7 +64,7 @@ class Beat:
 
 
 def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeout: float) -> Flow[Beat]:
-    """Renew ``holds`` (one table, one engine) with one statement, each scoped to its hold.
+    """Renew ``holds`` (one table, one engine, at most `BATCH`) with one statement, each scoped to its hold.
 
     A hold whose row is gone (deleted or taken over) is lost; the others are
     renewed from the moment the statement was sent. A row another session

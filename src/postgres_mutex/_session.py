@@ -79,31 +79,40 @@ class Session:
         """Run ``report`` on the event thread: user callbacks, in order, off the heartbeat."""
         self._events.post(report)
 
-    def next_lease(self) -> float | None:
-        """When the next lease of a hold runs out, or something else is due about one (None: nothing is held)."""
-        with self.state_lock:
-            deadlines = [_next_due(hold) for hold in self._held()]
-        return min(deadlines) if deadlines else None
-
-    def expire(self) -> None:
+    def expire(self) -> float | None:
         """Declare lost every hold whose lease ran out, and tell doubts and leases running out; on the event
-        thread, on time."""
+        thread, on time. Returns when something is next due about a hold (None: nothing is held).
+
+        One pass over the holds, which looks closer only at those with something due: with
+        thousands of holds, this pass is most of the event thread's work.
+        """
         current = now()
         with self.state_lock:
             held = self._held()
+        due: float | None = None
         for hold in held:
-            lock = hold.lock
-            if hold.lease_deadline <= current:
-                error = lock.lose(hold, LEASE_EXPIRED, only_if_expired=True)
-                if error is not None:
-                    self.forget(hold)
-                    lock.events.lost(error)
-                continue
-            left = lock.tell_running_out(hold)
-            if left is not None:
-                lock.events.running_out(left)
-            if lock.tell_doubt(hold):
-                lock.events.in_doubt()
+            hold_due = _next_due(hold)
+            if hold_due <= current:
+                self._expire(hold, current)
+                if hold.status is not HoldStatus.HELD:
+                    continue
+                hold_due = _next_due(hold)
+            due = hold_due if due is None or hold_due < due else due
+        return due
+
+    def _expire(self, hold: Hold, current: float) -> None:
+        lock = hold.lock
+        if hold.lease_deadline <= current:
+            error = lock.lose(hold, LEASE_EXPIRED, only_if_expired=True)
+            if error is not None:
+                self.forget(hold)
+                lock.events.lost(error)
+            return
+        left = lock.tell_running_out(hold)
+        if left is not None:
+            lock.events.running_out(left)
+        if lock.tell_doubt(hold):
+            lock.events.in_doubt()
 
     def stop(self) -> None:
         """End the event thread once what was posted before has run."""
@@ -170,14 +179,28 @@ class _EventThread:
 
     def _run(self) -> None:
         idle_since: float | None = None
+        due: float | None = None
+        looked_at = 0.0
+        look = True
         while True:
             session = self._session()
             if session is None:
                 return
-            deadline = session.next_lease()
+            if look:
+                due, looked_at = session.expire(), now()
             del session
+            if due is not None or not self._queue.empty():
+                idle_since = None
+            else:
+                # Nothing held, nothing to tell: end after a while (locks come and go in bursts).
+                idle_since = idle_since if idle_since is not None else now()
+                if now() - idle_since >= _LINGER:
+                    with self._lock:
+                        if self._queue.empty():
+                            self._thread = None
+                            return
             try:
-                item = self._queue.get(timeout=MAX_SLICE if deadline is None else max(slice_until(deadline), 0.001))
+                item = self._queue.get(timeout=MAX_SLICE if due is None else max(slice_until(due), 0.001))
             except queue.Empty:
                 item = None
             if isinstance(item, _Stop):
@@ -187,22 +210,10 @@ class _EventThread:
                     item()
                 except Exception:
                     logger.exception("a postgres-mutex callback failed")
-            session = self._session()
-            if session is None:
-                return
-            session.expire()
-            holding = session.next_lease() is not None
-            del session
-            if holding or not self._queue.empty():
-                idle_since = None
-                continue
-            # Nothing held, nothing to tell: end after a while (locks come and go in bursts).
-            idle_since = idle_since if idle_since is not None else now()
-            if now() - idle_since >= _LINGER:
-                with self._lock:
-                    if self._queue.empty():
-                        self._thread = None
-                        return
+            # A report (a heartbeat round's, say) moves no hold's due time but later; a hold kept
+            # with an earlier one nudges (None). So the holds are looked at again only when
+            # nudged, when something is due, or a slice after the last look (holds kept since).
+            look = item is None or due is None or now() >= min(due, looked_at + MAX_SLICE)
 
 
 def _next_due(hold: Hold) -> float:

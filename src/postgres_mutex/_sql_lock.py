@@ -69,8 +69,8 @@ class Statements:
     they are what a lock cycle costs, and their parameters are single values
     matched against the table's unique key, so the plan the server keeps for
     any value is the one it would make for each. A heartbeat carries an array
-    of holds: planned for its length each time, since a kept plan guesses ten
-    rows, and for ten thousand locks would pick one that runs for minutes.
+    of holds (up to a few hundred): planned for its length each time, since a
+    kept plan guesses ten rows whatever the array holds.
     """
 
     def __init__(self, names: Names, shape: TableShape) -> None:
@@ -180,47 +180,58 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
     )
 
 
-# Every hold of one client that shares a heartbeat interval, renewed by one
-# statement, which answers for each: renewed, busy (its row is locked by
-# another session) or gone (deleted or taken over: lost). SKIP LOCKED keeps
-# one row locked by someone else from holding up the heartbeats of every other
-# lock of the process; a fence's FOR KEY SHARE does not conflict, so fenced
-# holds renew. Only last_heartbeat (and, for a holder that names its session,
-# session_key) changes, in no index: the UPDATE stays HOT, so heartbeats never
-# bloat an index.
+# Holds of one client that share a heartbeat interval (at most a batch of
+# them, `_heartbeat_flows.BATCH`), renewed by one statement, which answers for
+# each: renewed, busy (its row is locked by another session) or gone (deleted
+# or taken over: lost). SKIP LOCKED keeps one row locked by someone else from
+# holding up the heartbeats of every other lock of the process; a fence's FOR
+# KEY SHARE does not conflict, so fenced holds renew. Only last_heartbeat
+# (and, for a holder that names its session, session_key) changes, in no
+# index: the UPDATE can stay HOT, so heartbeats need not bloat an index.
+#
+# Its cost follows the holds it carries, not the table's size: their rows are
+# found through an index (``index_filter``: the token's, or the unique key's
+# lock_name), updated where they were locked (by ctid, a TID scan), and only a
+# hold that was not renewed is looked up once more, to tell busy from gone
+# (from the statement's snapshot: present there, but skipped, is busy).
 _HEARTBEAT = """WITH hold AS (
   SELECT * FROM {hold_keys}
 ){marker}, free AS (
   SELECT held.ctid, held.lock_name, held.instance_id, held.acquired_at, held.last_heartbeat AS previous
     FROM {table} AS held JOIN hold {join_keys}
-   WHERE held.locked = 1
+   WHERE held.locked = 1 AND {index_filter}
      FOR NO KEY UPDATE OF held{skip}
 ), renewed AS (
   UPDATE {table} AS held SET last_heartbeat = now(){session_renewal}
-    FROM free WHERE held.ctid = free.ctid
+   WHERE held.ctid = ANY(ARRAY(SELECT ctid FROM free))
   RETURNING held.*
-), present AS (
-  SELECT held.* FROM {table} AS held JOIN hold {join_keys} WHERE held.locked = 1
 ){alerted}
-SELECT {answer_keys}, renewed.lock_name IS NOT NULL, present.lock_name IS NOT NULL
+SELECT {answer_keys}, renewed.lock_name IS NOT NULL,
+       CASE WHEN renewed.lock_name IS NOT NULL THEN true
+            ELSE EXISTS (SELECT FROM {table} AS held WHERE held.locked = 1 AND {match}) END
   FROM hold
-  LEFT JOIN renewed {join_keys}
-  LEFT JOIN present {join_keys}"""
+  LEFT JOIN renewed {join_keys}"""
 
 # Each hold named by its lock, instance and stamp; or, where every hold has
-# one, by its token alone (a new one per acquisition), a few bytes each:
-# 10,000 locks in one statement.
+# one, by its token alone (a new one per acquisition), a few bytes each.
 _BY_HOLD = {
     "hold_keys": sql.SQL(
         "unnest(%(lock_names)s::text[], %(instance_ids)s::text[], %(acquired_ats)s::timestamptz[])"
         " AS hold (lock_name, instance_id, acquired_at)"
     ),
     "join_keys": sql.SQL("USING (lock_name, instance_id, acquired_at)"),
+    "index_filter": sql.SQL("held.lock_name = ANY(%(lock_names)s::text[])"),
+    "match": sql.SQL(
+        "held.lock_name = hold.lock_name AND held.instance_id = hold.instance_id"
+        " AND held.acquired_at = hold.acquired_at"
+    ),
     "answer_keys": sql.SQL("hold.lock_name, hold.instance_id, hold.acquired_at"),
 }
 _BY_TOKEN = {
     "hold_keys": sql.SQL("unnest(%(tokens)s::bigint[]) AS hold (token)"),
     "join_keys": sql.SQL("USING (token)"),
+    "index_filter": sql.SQL("held.token = ANY(%(tokens)s::bigint[])"),
+    "match": sql.SQL("held.token = hold.token"),
     "answer_keys": sql.SQL("hold.token"),
 }
 

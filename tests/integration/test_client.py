@@ -1,10 +1,12 @@
-"""One client per process: many locks on two connections, one heartbeat statement, no thread per lock."""
+"""One client per process: many locks on two connections, one heartbeat round, no thread per lock."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import math
 import re
 import threading
 import time
@@ -14,8 +16,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from postgres_mutex import LockTable, Mutex, MutexClient, MutexError
+from postgres_mutex._heartbeat_flows import BATCH
 from postgres_mutex._settings import Timing
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
@@ -31,7 +37,7 @@ def _connections(admin: psycopg.Connection[Any], application_name: str) -> int:
     return int(found[0])
 
 
-def test_many_locks_share_two_connections_one_heartbeat_statement_and_a_few_threads(
+def test_many_locks_share_two_connections_one_heartbeat_round_and_a_few_threads(
     pg: PostgresServer, admin: psycopg.Connection[Any], schema: None
 ) -> None:
     name = f"many-{uuid.uuid4().hex[:6]}"
@@ -56,7 +62,10 @@ def test_many_locks_share_two_connections_one_heartbeat_statement_and_a_few_thre
         window = 4 * interval
         time.sleep(window)
         statements = proxy.ready_for_query - before
-        assert 3 <= statements <= 5, f"{statements} round trips in {window:g}s: one heartbeat statement per interval"
+        per_round = math.ceil(len(holders) / BATCH)  # one statement per batch of holds
+        assert 3 * per_round <= statements <= 5 * per_round, (
+            f"{statements} round trips in {window:g}s: one heartbeat round of {per_round} statements per interval"
+        )
         assert all(holder.held for holder in holders)
         # As docs/concepts/client.md says: per client heartbeats, the listener and the event
         # thread; per process the watchdog, whichever client started it.
@@ -80,6 +89,42 @@ def test_many_locks_share_two_connections_one_heartbeat_statement_and_a_few_thre
             mutex.close()
         proxy.close()
     wait_until(lambda: _connections(admin, name) <= 1, timeout=15)  # the listener lingers a little
+
+
+def test_a_heartbeat_of_many_locks_goes_in_statements_of_a_bounded_size(
+    dsn: str, schema: None, admin: psycopg.Connection[Any]
+) -> None:
+    # Each heartbeat statement takes its turn on the connection the process's other lock
+    # operations share: none may carry so many holds that it keeps them waiting long.
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    name = f"batched-{uuid.uuid4().hex[:6]}"
+    count = 2 * BATCH + 1
+    with MutexClient(dsn) as client:
+        holders = [client.mutex(f"{name}-{n}", heartbeat_interval=0.2, tracer_provider=provider) for n in range(count)]
+        with contextlib.ExitStack() as stack:
+            assert all(stack.enter_context(holder.acquire()) for holder in holders)
+            taken = admin.execute("SELECT clock_timestamp()").fetchone()
+            assert taken is not None
+
+            def renewed_since_taken() -> bool:
+                found = admin.execute(
+                    "SELECT count(*) FROM mutex_lock WHERE lock_name LIKE %s AND last_heartbeat > %s",
+                    (f"{name}-%", taken[0]),
+                ).fetchone()
+                return found is not None and found[0] == count
+
+            wait_until(renewed_since_taken, timeout=15)
+            assert all(holder.held for holder in holders)
+    provider.shutdown()
+    carried = [
+        int(str(span.attributes["postgres_mutex.locks"]))
+        for span in exporter.get_finished_spans()
+        if span.name == "postgres_mutex.heartbeat" and span.attributes is not None
+    ]
+    assert sum(carried) >= count, f"every hold was renewed, by statements of {carried} holds"
+    assert max(carried) <= BATCH, f"heartbeat statements of {carried} holds: at most {BATCH} each"
 
 
 def _documented_threads() -> tuple[int, int]:

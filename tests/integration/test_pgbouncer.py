@@ -558,7 +558,7 @@ def test_one_client_holds_hundreds_of_locks_through_a_pool_of_two_server_connect
     pool_mode: Literal["transaction", "session"],
     figures: Figures,
 ) -> None:
-    """The many-locks client behind a small ``default_pool_size``: one heartbeat statement renews them all."""
+    """The many-locks client behind a small ``default_pool_size``: its heartbeat rounds renew them all."""
     count = 300
     events = Events()
     with PgBouncer(pg, pool_mode=pool_mode, default_pool_size=2) as bouncer, MutexClient(bouncer.dsn()) as client:
