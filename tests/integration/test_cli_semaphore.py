@@ -150,3 +150,36 @@ def test_release_of_a_permit_needs_force(dsn: str, name: str) -> None:
     negative = cli("release", name, "--permit", "-1", "--dsn", dsn, "--force")
     assert negative.returncode == 2
     assert "numbered from 0" in negative.stderr
+
+
+def test_permits_changes_n_for_the_fleet_and_needs_force_to_release_holders(
+    dsn: str, name: str, admin: psycopg.Connection[Any], semaphores: list[Semaphore]
+) -> None:
+    declared = cli("permits", name, "3", "--dsn", dsn)
+    assert declared.returncode == 0, declared.stderr
+    assert declared.stdout.strip() == f"semaphore {name!r} now allows 3 at once"
+    first, second = (Semaphore(dsn, name, permits=3, **FAST) for _ in range(2))  # type: ignore[arg-type]
+    semaphores += [first, second]
+    held = [first.acquire(), second.acquire()]
+    assert all(acquisition.__enter__() for acquisition in held)
+    above = sorted(p for p in (first.permit, second.permit) if p is not None and p >= 1)
+    assert above, "two holders of three permits: one holds permit 1 or 2"
+
+    refused = cli("permits", name, "1", "--dsn", dsn)
+    assert refused.returncode == 2
+    assert f"permits {', '.join(map(str, above))} are held" in refused.stderr
+    assert "--force" in refused.stderr
+    assert holders_of(admin, name) == 2
+
+    shrunk = cli("permits", name, "1", "--dsn", dsn, "--force")
+    assert shrunk.returncode == 0, shrunk.stderr
+    plural = "s" * (len(above) != 1)
+    assert shrunk.stdout.strip() == (
+        f"semaphore {name!r} now allows 1 at once (was 3); released {len(above)} holder{plural}"
+    )
+    assert holders_of(admin, name) == 2 - len(above)
+    # The released holders learn it at their next heartbeat.
+    wait_until(lambda: sum(s.held for s in (first, second)) == 2 - len(above), timeout=10)
+    bad = cli("permits", name, "0", "--dsn", dsn, "--force")
+    assert bad.returncode == 2
+    assert "must be 1 or more" in bad.stderr

@@ -1,4 +1,4 @@
-"""The operator's subcommands: ``status``, ``init``, ``migrate``, ``history``, ``release`` and ``watch``."""
+"""The operator's subcommands: ``status``, ``init``, ``migrate``, ``history``, ``release``, ``permits``, ``watch``."""
 
 from __future__ import annotations
 
@@ -211,6 +211,28 @@ def cmd_release(args: argparse.Namespace) -> int:
         f"released {what}, held by {removed.holder}{token} "
         f"(last heartbeat {duration(removed.seconds_since_heartbeat)} ago)"
     )
+    return 0
+
+
+def cmd_permits(args: argparse.Namespace) -> int:
+    table = _table(args)
+    if not args.force:
+        # An operator's check, not a guarantee (a permit may be taken meanwhile): the change itself
+        # releases whoever holds a permit at or above N when it runs.
+        above = sorted(
+            seen.permit
+            for seen in table.holders([args.name])
+            if seen.semaphore == args.name and seen.permit is not None and seen.permit >= args.permits
+        )
+        if above:
+            raise UsageError(
+                f"refusing to change semaphore {args.name!r} to {args.permits} permits without --force: "
+                f"permits {', '.join(map(str, above))} are held, and their holders would be released"
+            )
+    changed = table.set_permits(args.name, args.permits)
+    was = "" if changed.previous is None else f" (was {changed.previous})"
+    released = f"; released {changed.released} holder{'s' * (changed.released != 1)}" if changed.released else ""
+    print(f"semaphore {args.name!r} now allows {changed.permits} at once{was}{released}")
     return 0
 
 

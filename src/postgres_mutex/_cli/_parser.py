@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from .. import __version__
-from ._admin import cmd_history, cmd_init, cmd_migrate, cmd_release, cmd_status, cmd_watch, since
+from ._admin import cmd_history, cmd_init, cmd_migrate, cmd_permits, cmd_release, cmd_status, cmd_watch, since
 from ._common import (
     EXIT_BUSY,
     EXIT_LOST,
@@ -244,6 +244,22 @@ def parser() -> argparse.ArgumentParser:
     )
     release.add_argument("--force", action="store_true", help="required: confirms the holder is gone")
     release.set_defaults(handler=cmd_release)
+
+    permits = add(
+        "permits",
+        "Change how many holders a semaphore allows at once, for the whole fleet.",
+        "  postgres-mutex permits partner-api 5  # the partner raised the quota\n"
+        "  postgres-mutex permits partner-api 2 --force  # and releases the holders of permits 2 and up",
+        [connection],
+    )
+    permits.add_argument("name", help="the semaphore's name")
+    permits.add_argument("permits", type=positive_int, metavar="N", help="how many may hold it at once from now on")
+    permits.add_argument(
+        "--force",
+        action="store_true",
+        help="required when holders of permits N and up would be released (they learn it at their next heartbeat)",
+    )
+    permits.set_defaults(handler=cmd_permits)
 
     demo = add(
         "demo",
