@@ -23,7 +23,7 @@ import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, LockTable, MutexClient, RWLock, SchemaError
 from tests.support.exclusion import Section, Sections
-from tests.support.fixtures import FAST, ROOT, freeze, listens, read_line, wait_until
+from tests.support.fixtures import FAST, ROOT, closing_maker, freeze, listens, read_line, wait_until
 
 MakeRWLock = Callable[..., RWLock]
 
@@ -36,21 +36,8 @@ def name() -> str:
 @pytest.fixture
 def make_rwlock(dsn: str, name: str, schema: None) -> Iterator[MakeRWLock]:
     """RWLocks of ``name`` with fast thresholds, each closed after the test."""
-    made: list[RWLock] = []
-
-    def make(**kwargs: Any) -> RWLock:
-        kwargs.setdefault("dsn", dsn)
-        kwargs.setdefault("name", name)
-        for key, value in FAST.items():
-            kwargs.setdefault(key, value)
-        rwlock = RWLock(**kwargs)
-        made.append(rwlock)
-        return rwlock
-
-    yield make
-    for rwlock in made:
-        with contextlib.suppress(Exception):
-            rwlock.close()
+    with closing_maker(RWLock, dsn=dsn, name=name) as make:
+        yield make
 
 
 def test_readers_share_and_a_writer_waits_for_them(make_rwlock: MakeRWLock) -> None:

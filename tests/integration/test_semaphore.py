@@ -35,7 +35,7 @@ from postgres_mutex import (
 )
 from tests.support.exclusion import Sections, most_at_once
 from tests.support.faultproxy import FaultProxy
-from tests.support.fixtures import FAST, ROOT, RecordingMetrics, freeze, listens, read_line, wait_until
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, closing_maker, freeze, listens, read_line, wait_until
 
 MakeSemaphore = Callable[..., Semaphore]
 
@@ -47,23 +47,9 @@ def name() -> str:
 
 @pytest.fixture
 def make_semaphore(dsn: str, name: str, schema: None) -> Iterator[MakeSemaphore]:
-    """Semaphores of ``name`` with fast thresholds, each closed after the test."""
-    made: list[Semaphore] = []
-
-    def make(**kwargs: Any) -> Semaphore:
-        kwargs.setdefault("dsn", dsn)
-        kwargs.setdefault("name", name)
-        kwargs.setdefault("permits", 3)
-        for key, value in FAST.items():
-            kwargs.setdefault(key, value)
-        semaphore = Semaphore(**kwargs)
-        made.append(semaphore)
-        return semaphore
-
-    yield make
-    for semaphore in made:
-        with contextlib.suppress(Exception):
-            semaphore.close()
+    """Semaphores of ``name`` (3 permits) with fast thresholds, each closed after the test."""
+    with closing_maker(Semaphore, dsn=dsn, name=name, permits=3) as make:
+        yield make
 
 
 def permit_rows(admin: psycopg.Connection[Any], name: str) -> list[tuple[Any, ...]]:

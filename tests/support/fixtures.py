@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import IO, Any, NoReturn
+from typing import IO, Any, NoReturn, TypeVar
 
 import psycopg
 import pytest
@@ -212,6 +212,27 @@ def admin(dsn: str, schema: None) -> Iterator[psycopg.Connection[Any]]:
     """
     with psycopg.connect(dsn, autocommit=True) as conn:
         yield conn
+
+
+Made = TypeVar("Made")
+
+
+@contextlib.contextmanager
+def closing_maker(kind: Callable[..., Made], **defaults: Any) -> Iterator[Callable[..., Made]]:
+    """Makes ``kind(**kwargs)`` over ``defaults`` over the fast thresholds; closes all it made on leaving."""
+    made: list[Any] = []
+
+    def make(**kwargs: Any) -> Made:
+        thing = kind(**{**FAST, **defaults, **kwargs})
+        made.append(thing)
+        return thing
+
+    try:
+        yield make
+    finally:
+        for thing in made:
+            with contextlib.suppress(Exception):
+                thing.close()
 
 
 @pytest.fixture
