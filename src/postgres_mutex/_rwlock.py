@@ -19,6 +19,7 @@ from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._events import LostCallback
 from ._holder import Holder
+from ._own_watch import OwnLockWatch
 from ._settings import check_name, default_instance_id
 from ._sql import SEPARATOR
 from .client import BUILT_ON_IT, MutexClient
@@ -49,6 +50,28 @@ class _ModeHolder(Holder):
             # The RWLock chose it for both modes: a forked child chooses new ones, as a Mutex's does.
             self._explicit_id = False
             self._core.register(self._lock, explicit_id=False)
+
+    @property
+    def mode(self) -> str:
+        """``"read"`` or ``"write"``."""
+        assert self._rw_mode is not None  # set first thing by __init__
+        return self._rw_mode
+
+    def watch_with(self, other: _ModeHolder) -> None:
+        """Share ``other``'s watcher, if it has one (``watch=True``).
+
+        One watcher sees every holder of the lock, for either mode: it starts
+        with either, and alerts for both.
+        """
+        watching = other.own_watch
+        if watching is not None:
+            watching.leave_alerts_of(self._lock)
+            self._watch = watching
+
+    @property
+    def own_watch(self) -> OwnLockWatch | None:
+        """The watcher of this lock's holders that ``watch=True`` runs, if any."""
+        return self._watch
 
     def __repr__(self) -> str:
         return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
@@ -157,11 +180,7 @@ class RWLock:
         self._writer = _ModeHolder(
             "write", dsn, name, chosen_id=chosen_id, entering=lambda: self._entering(self._writer), **options
         )
-        watching = self._reader._watch
-        if watching is not None:
-            # One watcher sees every holder of the lock, for either mode: it starts with either, and alerts for both.
-            watching.leave_alerts_of(self._writer._lock)
-            self._writer._watch = watching
+        self._writer.watch_with(self._reader)
         self._last: _ModeHolder | None = None
         """The mode last asked for: whose fence says why it is not held, when neither is."""
 
@@ -195,7 +214,7 @@ class RWLock:
     def mode(self) -> str | None:
         """``"read"`` or ``"write"`` while held in that mode, None otherwise."""
         held = self._held()
-        return None if held is None else held._rw_mode
+        return None if held is None else held.mode
 
     @property
     def held(self) -> bool:
@@ -256,7 +275,7 @@ class RWLock:
             raise InvalidArgument(
                 "this RWLock holds {value!r} for {mode} already: leave that block first (or use another RWLock)",
                 value=self.name,
-                mode=other._rw_mode,
+                mode=other.mode,
             )
         self._last = mode
 
