@@ -446,6 +446,22 @@ class Holder:
 
     # -- the watcher of this Mutex's own lock ------------------------------------------
 
+    @property
+    def own_watch(self) -> OwnLockWatch | None:
+        """The watcher of this lock's holders that ``watch=True`` runs, if any."""
+        return self._watch
+
+    def watch_with(self, other: Holder) -> None:
+        """Share ``other``'s watcher, if it has one (``watch=True``): an RWLock's modes have one.
+
+        One watcher sees every holder of the lock, for either mode: it starts
+        with either, and alerts for both.
+        """
+        watching = other.own_watch
+        if watching is not None:
+            watching.leave_alerts_of(self._lock)
+            self._watch = watching
+
     def _start_watch(self) -> None:
         if self._watch is not None:
             self._watch.start_sync()

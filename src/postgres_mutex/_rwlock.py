@@ -19,7 +19,6 @@ from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._events import LostCallback
 from ._holder import Holder
-from ._own_watch import OwnLockWatch
 from ._settings import check_name, default_instance_id
 from ._sql import SEPARATOR
 from .client import BUILT_ON_IT, MutexClient
@@ -56,22 +55,6 @@ class _ModeHolder(Holder):
         """``"read"`` or ``"write"``."""
         assert self._rw_mode is not None  # set first thing by __init__
         return self._rw_mode
-
-    def watch_with(self, other: _ModeHolder) -> None:
-        """Share ``other``'s watcher, if it has one (``watch=True``).
-
-        One watcher sees every holder of the lock, for either mode: it starts
-        with either, and alerts for both.
-        """
-        watching = other.own_watch
-        if watching is not None:
-            watching.leave_alerts_of(self._lock)
-            self._watch = watching
-
-    @property
-    def own_watch(self) -> OwnLockWatch | None:
-        """The watcher of this lock's holders that ``watch=True`` runs, if any."""
-        return self._watch
 
     def __repr__(self) -> str:
         return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
