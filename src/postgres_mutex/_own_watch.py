@@ -50,7 +50,9 @@ class OwnLockWatch:
             lock_names=[lock.lock_name],
             alert_threshold=timing.alert_threshold,
             stale_threshold=timing.stale_threshold,
-            interval=min(5.0, timing.alert_threshold / 2),
+            # Its contenders leave the alerts of a semaphore's or read/write lock's holders to it: it looks
+            # at least twice between a holder's alert and its reclaim, so the alert comes first.
+            interval=min(5.0, timing.alert_threshold / 2, (timing.stale_threshold - timing.alert_threshold) / 2),
             metrics=metrics,
             _shared_gates=shared,
         )

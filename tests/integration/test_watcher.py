@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from postgres_mutex import LockNotHeldError, Mutex, RWLock, Semaphore
+from postgres_mutex import LockNotHeldError, LockTable, Mutex, RWLock, Semaphore
 from postgres_mutex.watcher import StaleWatcher
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import (
@@ -243,6 +243,33 @@ def test_a_semaphore_watches_its_holders_each_told_by_its_name_and_permit(
         for semaphore in (watching, healthy, silent):
             semaphore.close()
     assert watcher._thread is None, "close() stops the watcher"
+
+
+def test_a_semaphores_watcher_alerts_before_its_acquire_reclaims_however_close_the_thresholds(
+    dsn: str, lock_name: str, metrics: RecordingMetrics, schema: None
+) -> None:
+    """Its contenders leave the alerts to the watcher, which looks often enough to come first.
+
+    Looking every half alert threshold, from a holder's age of 0.7 s, it would look at 0.7, 1.95
+    and 3.2 s: past the reclaim at 2.8 s, with no look between the alert and it.
+    """
+    close = {**FAST, "alert_threshold": 2.5, "stale_threshold": 2.8}
+    silent = Semaphore(dsn, lock_name, permits=1, **close)  # type: ignore[arg-type]
+    watching: Semaphore | None = None
+    try:
+        with frozen_holder(silent):
+            table = LockTable(dsn)
+            wait_until(lambda: any(seen.seconds_since_heartbeat >= 0.7 for seen in table.holders([lock_name])))
+            watching = Semaphore(dsn, lock_name, permits=1, watch=True, metrics=metrics, **close)  # type: ignore[arg-type]
+            with watching.acquire(blocking=True, timeout=15) as got:
+                assert got
+            wait_until(lambda: not silent.held)
+        told = [method for method, _, _ in metrics.calls if method in ("alert", "stale_reclaimed")]
+        assert told == ["alert", "stale_reclaimed"], "the alert, then the reclaim"
+    finally:
+        if watching is not None:
+            watching.close()
+        silent.close()
 
 
 def test_a_read_write_lock_watches_its_holders_of_either_mode_with_one_watcher(
