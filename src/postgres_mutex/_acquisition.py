@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 
 from . import _flows as flows
 from . import _steps as steps
@@ -137,7 +138,8 @@ def fence(lock: LockState, conn: psycopg.Connection[Any]) -> int:
     cutter = Cutter(conn.fileno())
     ticket = cutter.arm(timeout)
     try:
-        cursor = conn.cursor()
+        # The caller's connection may read rows as dicts (row_factory=dict_row): this row is read by position.
+        cursor = conn.cursor(row_factory=tuple_row)
         cursor.execute(lock.names.fence, params, prepare=False)
         row = cursor.fetchone()
     except FAILURES as exc:

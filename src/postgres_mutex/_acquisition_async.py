@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 
 from . import _flows as flows
 from . import _steps as steps
@@ -135,7 +136,8 @@ async def fence_async(lock: LockState, conn: psycopg.AsyncConnection[Any]) -> in
     cutter = Cutter(conn.fileno())
     ticket = cutter.arm(timeout)
     try:
-        cursor = conn.cursor()
+        # The caller's connection may read rows as dicts (row_factory=dict_row): this row is read by position.
+        cursor = conn.cursor(row_factory=tuple_row)
         await cursor.execute(lock.names.fence, params, prepare=False)
         row = await cursor.fetchone()
     except FAILURES as exc:

@@ -119,6 +119,9 @@ def test_a_pool_whose_rows_are_dicts_serves_every_operation(dsn: str, make_mutex
             mutex.heartbeat()
             with other.acquire() as second:
                 assert not second
+            # So is the caller's own connection, fenced: the fence's row is read by position too.
+            with psycopg.connect(dsn, row_factory=dict_row) as conn, conn.transaction():
+                assert mutex.fence(conn) == mutex.token
         assert not mutex.held
 
 
