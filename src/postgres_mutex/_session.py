@@ -210,9 +210,11 @@ class _EventThread:
                     item()
                 except Exception:
                     logger.exception("a postgres-mutex callback failed")
-            # A report (a heartbeat round's, say) moves no hold's due time but later; a hold kept
-            # with an earlier one nudges (None). So the holds are looked at again only when
-            # nudged, when something is due, or a slice after the last look (holds kept since).
+            # A report (a heartbeat round's, say) moves holds' due times later, but for a hold it
+            # confirms after a doubt, whose next doubt is due again: that one is looked at within a
+            # slice (its lease, and so `held`, only moved later). A hold kept with an earlier due
+            # time nudges (None). So the holds are looked at again only when nudged, when something
+            # is due, or a slice after the last look.
             look = item is None or due is None or now() >= min(due, looked_at + MAX_SLICE)
 
 
