@@ -147,7 +147,9 @@ class HeartbeatWorker:
         same whatever the number of batches.
         """
         with self._host.state_lock:
-            holds = group.live()
+            # The holds whose leases end first go first: a round cut short by a failed batch, or
+            # slowed by a slow server, costs the holds with the most lease left.
+            holds = sorted(group.live(), key=lambda hold: hold.lease_deadline)
             if not holds:
                 if not group.holds:
                     self.groups.pop(group.key, None)
