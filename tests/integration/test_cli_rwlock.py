@@ -135,7 +135,7 @@ def test_a_writer_released_by_force_stops_its_command_and_exits_76(
     assert proc.wait(timeout=30) == 76
     assert proc.stdout.read() == "got SIGTERM\n", "stopped with SIGTERM first, as for a mutex"
     assert proc.stderr is not None
-    assert f"lost lock {name!r} while the command ran" in proc.stderr.read()
+    assert f"lost read/write lock {name!r} (write) while the command ran" in proc.stderr.read()
     assert rows(admin, name, "write") == 0
 
 

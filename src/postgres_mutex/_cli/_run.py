@@ -107,11 +107,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         except DatabaseError as exc:
             say(f"the lock's row could not be deleted ({exc})")
         if lost_it:
-            say(f"lost lock {args.lock!r} while the command ran; exiting {args.lost_exit_code}")
+            say(f"lost {_what(args)} while the command ran; exiting {args.lost_exit_code}")
             return int(args.lost_exit_code)
         return code
     finally:
         mutex.close()
+
+
+def _what(args: argparse.Namespace) -> str:
+    """What the runner holds, in the words of its flags: a lock, a semaphore's permit, a read/write lock's mode."""
+    if args.read or args.write:
+        return f"read/write lock {args.lock!r} ({'read' if args.read else 'write'})"
+    if args.permits is not None:
+        return f"a permit of semaphore {args.lock!r}"
+    return f"lock {args.lock!r}"
 
 
 def _busy(args: argparse.Namespace, holder: str | None, *, still: bool = False) -> str:
