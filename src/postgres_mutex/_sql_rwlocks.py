@@ -72,6 +72,7 @@ SELECT won.fresh, shown.instance_id, shown.heartbeat_age, won.acquired_at, won.t
   LEFT JOIN LATERAL (
     SELECT instance_id, heartbeat_age, rw_mode FROM current
      WHERE won.lock_name IS NULL OR current.lock_name = won.lock_name
+        OR current.lock_name IN (SELECT lock_name FROM {reclaimed})
      ORDER BY rw_mode DESC, last_heartbeat LIMIT 1
   ) AS shown ON won.fresh IS NOT TRUE"""
 
@@ -144,7 +145,7 @@ def acquire_read(names: Names, *, history: bool = False) -> Statement:
   ON CONFLICT DO NOTHING
   RETURNING fresh.lock_name, fresh.acquired_at, fresh.token
 ), won AS (
-  SELECT true AS fresh, * FROM inserted
+  SELECT NOT EXISTS (SELECT 1 FROM dropped) AS fresh, * FROM inserted
   UNION ALL SELECT false, * FROM mine
 )""",
     )
@@ -157,7 +158,7 @@ def acquire_read(names: Names, *, history: bool = False) -> Statement:
         "acquire",
         _format(names, pieces, first_mode=sql.Literal("read"))
         + _history(names, history, deleted="dropped")
-        + _format(names, (_REPLY,), retry=retry),
+        + _format(names, (_REPLY,), retry=retry, reclaimed=sql.SQL("dropped")),
         preparable=True,
         marks=True,
     )
@@ -225,7 +226,7 @@ def acquire_write(names: Names, *, history: bool = False) -> Statement:
   ON CONFLICT DO NOTHING
   RETURNING fresh.lock_name, fresh.acquired_at, fresh.token
 ), won AS (
-  SELECT true AS fresh, * FROM inserted
+  SELECT NOT EXISTS (SELECT 1 FROM cleared) AS fresh, * FROM inserted
   UNION ALL SELECT false, * FROM mine
   UNION ALL SELECT false, * FROM taken
 )""",
@@ -235,7 +236,7 @@ def acquire_write(names: Names, *, history: bool = False) -> Statement:
         "acquire",
         _format(names, pieces, first_mode=sql.Literal("write"))
         + _history(names, history, deleted="cleared")
-        + _format(names, (_REPLY,), retry=sql.SQL("NULL::int")),
+        + _format(names, (_REPLY,), retry=sql.SQL("NULL::int"), reclaimed=sql.SQL("cleared")),
         preparable=True,
         marks=True,
     )

@@ -23,7 +23,7 @@ import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, LockTable, MutexClient, RWLock, SchemaError
 from tests.support.exclusion import Section, Sections
-from tests.support.fixtures import FAST, ROOT, closing_maker, freeze, listens, read_line, wait_until
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, closing_maker, freeze, listens, read_line, wait_until
 
 MakeRWLock = Callable[..., RWLock]
 
@@ -350,10 +350,13 @@ def test_a_killed_writer_is_reclaimed_and_readers_proceed(
     dsn: str, name: str, rw_process: Callable[..., subprocess.Popen[str]], options: dict[str, Any], threshold: float
 ) -> None:
     writer = rw_process(name, "write", **options)
-    reader = RWLock(dsn, name, **options)
+    metrics = RecordingMetrics()
+    reader = RWLock(dsn, name, metrics=metrics, **options)
     try:
         with reader.read() as got:
             assert not got, "the writer holds"
+        writer_id = reader.last_holder
+        assert writer_id is not None
         writer.kill()
         died = time.monotonic()
         writer.wait(10)
@@ -361,6 +364,9 @@ def test_a_killed_writer_is_reclaimed_and_readers_proceed(
             took = time.monotonic() - died
             assert acquired
         assert took <= threshold + HAND_OFF, f"read {took:.2f}s after the writer died"
+        reclaims = metrics.named("stale_reclaimed")
+        assert len(reclaims) == 1, "the reader's acquire told of the writer it reclaimed"
+        assert (reclaims[0]["mode"], reclaims[0]["previous_holder"]) == ("read", writer_id)
     finally:
         reader.close()
 
@@ -369,7 +375,8 @@ def test_a_killed_reader_is_reclaimed_by_a_writer(
     dsn: str, name: str, rw_process: Callable[..., subprocess.Popen[str]]
 ) -> None:
     reader = rw_process(name, "read", **EARLY)
-    writer = RWLock(dsn, name, **EARLY)
+    metrics = RecordingMetrics()
+    writer = RWLock(dsn, name, metrics=metrics, **EARLY)
     try:
         reader.kill()
         died = time.monotonic()
@@ -378,6 +385,8 @@ def test_a_killed_reader_is_reclaimed_by_a_writer(
             took = time.monotonic() - died
             assert acquired
         assert took <= EARLY["reclaim_disconnected_after"] + HAND_OFF, f"wrote {took:.2f}s after the reader died"
+        reclaims = metrics.named("stale_reclaimed")
+        assert [(r["mode"], r["reason"]) for r in reclaims] == [("write", "disconnected")], "told of the reader"
     finally:
         writer.close()
 
