@@ -335,7 +335,7 @@ async def _statement(
 
 
 def _server_deadline(timeout: float) -> float:
-    """How long the server may run a statement whose client deadline is ``timeout``: always less."""
+    """How long the server may run a statement whose client deadline is ``timeout``: less, by a margin."""
     return timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))
 
 
