@@ -201,7 +201,15 @@ def holders(
         timeout,
         f"read of the lock table {names.table_name}",
     )
-    return observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
+    seen = observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
+    rwlocks = sorted({held.rwlock for held in seen if held.rwlock is not None})
+    if not rwlocks or statements.writers_waiting is None:
+        return seen
+    gates = yield Execute(
+        statements.writers_waiting, {"rwlocks": rwlocks}, timeout, f"read of the lock table {names.table_name}"
+    )
+    waiting = {str(row[0]) for row in gates.rows}
+    return [held if held.rwlock is None else replace(held, writer_waiting=held.rwlock in waiting) for held in seen]
 
 
 def read_history(

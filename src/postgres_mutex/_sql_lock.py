@@ -88,6 +88,7 @@ class Statements:
         self.cleanup = _release(names, shape, "clean-up", scope=_NOTHING, preparable=False)
         self.retoken = _retoken(names) if shape.tokens else None
         self.holders = _holders(names, shape)
+        self.writers_waiting: Statement | None = _writers_waiting(names) if shape.rwlocks else None
         self.force_release = _force_release(names, shape)
         self.history = read_history(names) if shape.history else None
         # Semaphores need the permit columns, and tokens and sessions, which every migration adds before them.
@@ -333,20 +334,24 @@ def _holders(names: Names, shape: TableShape) -> Statement:
             rwlocks=sql.SQL(" OR rwlock = ANY(%(lock_names)s::text[])") if shape.rwlocks else _NOTHING,
             token=_token_or_null(shape),
             sessions=sessions.read_by_holders() if shape.sessions else sessions.NOT_READ,
-            writer_waits=_writer_waits(names) if shape.rwlocks else sql.SQL("NULL::boolean AS writer_waits"),
+            # Read from the gates by a statement of its own (`writers_waiting`), sent only when read/write
+            # locks are held: a role that uses mutexes alone needs no grant on the gates' table.
+            writer_waits=sql.SQL("NULL::boolean AS writer_waits"),
         ),
         marks=shape.sessions,
     )
 
 
-def _writer_waits(names: Names) -> sql.Composable:
-    """For a read/write lock's row: whether a writer waits for its lock (`_sql_rwlocks`: its claim on the
-    gate is in the future), holding new readers back; NULL for any other row."""
-    return sql.SQL(
-        """CASE WHEN rwlock IS NOT NULL THEN (
-         SELECT gate.writer_waiting_until > now() FROM {rwlocks} AS gate WHERE gate.name = {table}.rwlock
-       ) IS TRUE END AS writer_waits"""
-    ).format(rwlocks=names.rwlocks, table=names.table)
+def _writers_waiting(names: Names) -> Statement:
+    """Of the read/write locks named, those a writer waits for (`_sql_rwlocks`: its claim on the gate is in
+    the future), holding new readers back."""
+    return statement(
+        names.table_name,
+        "read of the read/write locks' gates",
+        sql.SQL(
+            "SELECT name FROM {rwlocks} WHERE name = ANY(%(rwlocks)s::text[]) AND writer_waiting_until > now()"
+        ).format(rwlocks=names.rwlocks),
+    )
 
 
 def _force_release(names: Names, shape: TableShape) -> Statement:
