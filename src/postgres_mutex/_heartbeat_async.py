@@ -147,9 +147,10 @@ class HeartbeatWorker:
         same whatever the number of batches.
         """
         with self._host.state_lock:
-            # The holds whose leases end first go first: a round cut short by a failed batch, or
-            # slowed by a slow server, costs the holds with the most lease left.
-            holds = sorted(group.live(), key=lambda hold: hold.lease_deadline)
+            # In the order they were kept, the same each round: a batch that keeps failing (a round
+            # ends at a failed batch) costs the holds after it, not, moved to the front by its
+            # shorter lease, every hold of the group.
+            holds = group.live()
             if not holds:
                 if not group.holds:
                     self.groups.pop(group.key, None)
