@@ -3,15 +3,20 @@
 A waiter subscribes to its lock's channel and is told when a release is
 notified there, so it tries again at once rather than at its next poll.
 Each notification frees one hold (a mutex, or one permit of a semaphore), so
-it wakes one waiter of the process, the longest subscribed among those not
-yet woken: a release costs one attempt per process, not one per waiter (no
-thundering herd). A waiter that leaves without trying after its wake-up
-passes it on (`Listener.wake_one`). A notification with the payload
-`WAKE_ALL` (a change of a semaphore's N, which may free many permits at
-once) wakes every waiter, and so does a lost connection. The
-connection is opened for the first waiter and closed a while after the last
-one; through a transaction-mode pooler nothing it sends is prepared. While
-it is down, waiters poll; a listener that keeps failing is reported.
+it wakes one waiter, the longest subscribed among those not yet woken. The
+listener registers the process on each channel it LISTENs on, and a release
+names one registered process in its payload (`_sql_wake`): only that one
+wakes a waiter, so a release costs one attempt across the fleet, not one per
+waiter nor one per process (no thundering herd). A notification that names
+nobody (no process could register) wakes one waiter of each process. A
+waiter that leaves without trying after its wake-up passes it on
+(`Listener.wake_one`), to another process if none of this one's can use it.
+A notification with the payload `WAKE_ALL` (a change of a semaphore's N,
+which may free many permits at once) wakes every waiter, and so does a lost
+connection. The connection is opened for the first waiter and closed a while
+after the last one; through a transaction-mode pooler nothing it sends is
+prepared. While it is down, waiters poll; a listener that keeps failing is
+reported.
 """
 
 from __future__ import annotations
@@ -45,9 +50,9 @@ _LISTENER_LINGER = 10.0
 _LISTENER_FAILURES_REPORTED = 3
 _LISTENER_REPORT_EVERY = 60.0
 
-
-WAKE_ALL = "*"
-"""The payload of a notification that wakes every waiter of the channel rather than one."""
+# How long the listener still LISTENs on a channel once it unregistered there: a release
+# that chose this process just before then is still heard, and its wake-up passed on.
+_UNREGISTERED_LINGER = 2.0
 
 
 class Subscription:
@@ -78,6 +83,11 @@ class Listener:
         self._worker: AWorker | None = None
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._listening: set[str] = set()
+        # Channels unregistered but still LISTENed on, until when (`_UNREGISTERED_LINGER`).
+        self._lingering: dict[str, float] = {}
+        # Channels whose wake-up no waiter of this process could use: passed on by the worker.
+        self._passing: list[str] = []
+        self._backend_pid: int | None = None
         self._closed = False
 
     def subscribe(self, channel: str) -> Subscription:
@@ -100,18 +110,33 @@ class Listener:
 
     @property
     def listening(self) -> frozenset[str]:
-        """The channels the connection LISTENs on right now (UNLISTEN follows the last waiter shortly)."""
+        """The channels the connection LISTENs on and is registered on right now (both end shortly after the
+        last waiter leaves)."""
         return frozenset(self._listening)
 
     def wake_one(self, channel: str) -> None:
-        """Wake the longest waiting subscriber of ``channel`` not woken yet, if any: one hold was freed."""
+        """Wake the longest waiting subscriber of ``channel`` not woken yet: one hold was freed.
+
+        If no waiter of this process can use it, another process's may: the
+        wake-up is passed on, since a release told this process alone.
+        """
+        if not self._wake_here(channel):
+            with self._host.state_lock:
+                if not self._closed:
+                    self._passing.append(channel)
+            self._waker.wake()
+
+    def _wake_here(self, channel: str) -> bool:
+        """Wake the longest waiting subscriber of ``channel`` not woken yet, if any (True then)."""
         with self._host.state_lock:
             chosen = next((sub for sub in self._subscriptions.get(channel, ()) if not sub.woken), None)
             if chosen is not None:
                 # Marked under the lock: two releases heard at once must choose two different waiters.
                 chosen.woken = True
-        if chosen is not None:
-            chosen.released.set()
+        if chosen is None:
+            return False
+        chosen.released.set()
+        return True
 
     def take_wake(self, subscription: Subscription) -> bool:
         """An attempt is about to be sent: it uses the waiter's wake-up, if any (True then).
@@ -125,8 +150,13 @@ class Listener:
         return woken
 
     def _released(self, channel: str, payload: str) -> None:
-        if payload != WAKE_ALL:
-            self.wake_one(channel)
+        if payload == _sql.WAKE_EACH_PROCESS:
+            # Every process was told: one waiter here tries, and nothing is passed on.
+            self._wake_here(channel)
+            return
+        if payload != _sql.WAKE_ALL:
+            if payload == str(self._backend_pid):
+                self.wake_one(channel)
             return
         with self._host.state_lock:
             waiting = list(self._subscriptions.get(channel, ()))
@@ -145,7 +175,7 @@ class Listener:
             subscription.released.set()
 
     async def _run(self) -> None:
-        listening = self._listening
+        listening, lingering = self._listening, self._lingering
         cutter: Cutter | None = None
         failures = 0
         reported_at: float | None = None
@@ -154,7 +184,8 @@ class Listener:
             while not self._closed:
                 with self._host.state_lock:
                     wanted = set(self._subscriptions)
-                    if wanted or listening:
+                    passing, self._passing = self._passing, []
+                    if wanted or listening or lingering or passing:
                         idle_since = None
                     elif idle_since is None:
                         idle_since = now()
@@ -167,19 +198,31 @@ class Listener:
                         self._conn = await psycopg.AsyncConnection.connect(self._dsn, autocommit=True, **self._kwargs)
                         self._conn.add_notify_handler(lambda notify: self._released(notify.channel, notify.payload))
                         cutter = Cutter(self._conn.fileno())
+                        self._backend_pid = self._conn.info.backend_pid
                         listening.clear()
+                        lingering.clear()
                         if failures:
                             self._wake_everyone()
-                    conn = self._conn
+                    conn, pid = self._conn, self._conn.info.backend_pid
+                    for channel in passing:
+                        await self._execute(conn, cutter, _sql.pass_on(channel))
                     for channel in sorted(wanted - listening):
-                        await self._execute(conn, cutter, _sql.listen(channel))
+                        # Still LISTENed on if it lingers: registered again only.
+                        listened = lingering.pop(channel, None) is not None
+                        await self._execute(conn, cutter, _sql.register(channel, pid, listened=listened))
                         listening.add(channel)
                     for channel in sorted(listening - wanted):
-                        await self._execute(conn, cutter, _sql.unlisten(channel))
+                        await self._execute(conn, cutter, _sql.unregister(channel, pid))
                         listening.discard(channel)
+                        lingering[channel] = now() + _UNREGISTERED_LINGER
+                    for channel, until in sorted(lingering.items()):
+                        if until <= now():
+                            await self._execute(conn, cutter, _sql.unlisten(channel))
+                            del lingering[channel]
                     self._confirm(listening)
                     failures, reported_at = 0, None
-                    if await self._waker.wait_readable(conn.fileno(), MAX_SLICE):
+                    wait = min([MAX_SLICE, *(until - now() for until in lingering.values())])
+                    if await self._waker.wait_readable(conn.fileno(), max(wait, 0.0)):
                         self._drain(conn)
                 except FAILURES as exc:
                     failures += 1

@@ -14,6 +14,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
   that write the history, and its read;
 - `_sql_permits`: what semaphores add (their permits are rows of the lock table);
 - `_sql_rows`: what a row's name says it holds (a mutex, a permit, a read/write lock's mode);
+- `_sql_wake`: whom a release wakes (one registered process), and the listener's registration;
 - `_sql_schema`: creating, inspecting and migrating the tables.
 """
 
@@ -24,6 +25,7 @@ from ._sql_permits import SEPARATOR
 from ._sql_rows import RowOf, row_of
 from ._sql_schema import create_history, create_table, history_retention, inspect_table, migrate_steps
 from ._sql_statement import Statement, session_setup
+from ._sql_wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, unregister
 
 __all__ = [
     "CURRENT",
@@ -31,6 +33,8 @@ __all__ = [
     "HISTORY_ENDINGS",
     "LEGACY",
     "SEPARATOR",
+    "WAKE_ALL",
+    "WAKE_EACH_PROCESS",
     "Names",
     "RowOf",
     "Statement",
@@ -42,7 +46,10 @@ __all__ = [
     "inspect_table",
     "listen",
     "migrate_steps",
+    "pass_on",
+    "register",
     "row_of",
     "session_setup",
     "unlisten",
+    "unregister",
 ]

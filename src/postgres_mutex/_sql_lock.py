@@ -4,7 +4,8 @@ Each lock operation is a single statement, so it costs one round trip, and
 every time comparison uses the server's ``now()``: no client clock is ever
 consulted, so clock skew between instances cannot corrupt the lock. The
 release and the wake-up of waiters are one statement too: ``pg_notify`` on
-the lock's channel, which waiters LISTEN on (`listen`).
+the lock's channel, which waiters LISTEN on, naming the one process to wake
+(`_sql_wake`).
 
 Tables come in shapes: the README's five columns; the same plus a ``token``
 column (fencing tokens) fed by a sequence named after the table; and, for
@@ -27,6 +28,7 @@ from . import _sql_sessions as sessions
 from ._sql_history import acquire_history, heartbeat_alerts, hold_ended, read_history
 from ._sql_names import Names
 from ._sql_statement import Statement, render, statement
+from ._sql_wake import after_release
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,8 +286,8 @@ def _release(names: Names, shape: TableShape, what: str, *, scope: sql.Composabl
    WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
 ){ended}
-SELECT pg_notify(%(channel)s, '') FROM released"""
-        ).format(table=names.table, scope=scope, ended=_ended(names, shape)),
+SELECT pg_notify(%(channel)s, {payload}) FROM released"""
+        ).format(table=names.table, scope=scope, ended=_ended(names, shape), payload=after_release("released")),
         preparable=preparable,
     )
 
@@ -371,8 +373,13 @@ def _force_release(names: Names, shape: TableShape) -> Statement:
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat,
             EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {token} AS token
 ){ended}
-SELECT instance_id, heartbeat_age, token, pg_notify(%(channel)s, '')::text FROM released"""
-        ).format(table=names.table, token=_token_or_null(shape), ended=_ended(names, shape)),
+SELECT instance_id, heartbeat_age, token, pg_notify(%(channel)s, {payload})::text FROM released"""
+        ).format(
+            table=names.table,
+            token=_token_or_null(shape),
+            ended=_ended(names, shape),
+            payload=after_release("released"),
+        ),
     )
 
 

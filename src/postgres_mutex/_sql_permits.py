@@ -22,6 +22,7 @@ from . import _sql_sessions as sessions
 from ._sql_history import acquire_permit_history, hold_ended
 from ._sql_names import Names
 from ._sql_statement import Statement, statement
+from ._sql_wake import WAKE_ALL, after_release
 
 _NOTHING = sql.SQL("")
 
@@ -157,8 +158,10 @@ def cleanup_permit(names: Names, *, history: bool) -> Statement:
    WHERE locked = 1 AND semaphore = %(semaphore)s AND instance_id = %(instance_id)s
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
 ){ended}
-SELECT pg_notify(%(channel)s, '') FROM released"""
-        ).format(table=names.table, ended=hold_ended(names) if history else _NOTHING),
+SELECT pg_notify(%(channel)s, {payload}) FROM released"""
+        ).format(
+            table=names.table, ended=hold_ended(names) if history else _NOTHING, payload=after_release("released")
+        ),
     )
 
 
@@ -193,10 +196,11 @@ def set_permits(names: Names, *, history: bool) -> Statement:
   RETURNING permits
 )
 SELECT (SELECT permits FROM previous), (SELECT count(*) FROM released)::int,
-       (SELECT count(*) FROM changed)::int, pg_notify(%(channel)s, '*')::text"""
+       (SELECT count(*) FROM changed)::int, pg_notify(%(channel)s, {wake_all})::text"""
         ).format(
             table=names.table,
             semaphores=names.semaphores,
+            wake_all=sql.Literal(WAKE_ALL),
             ended=hold_ended(names) if history else _NOTHING,
         ),
     )

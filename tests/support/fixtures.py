@@ -154,11 +154,15 @@ def listens(mutex: Holder, *, engine: Any = None) -> bool:
 def process_listens(admin: psycopg.Connection[Any], lock_name: str, table: str = "mutex_lock") -> bool:
     """Another process's release listener has LISTENed on ``lock_name``'s channel, as pg_stat_activity shows.
 
-    The listener connection's last statement stays visible there while it idles.
+    The listener connection's last statement stays visible there while it idles: the LISTEN, followed by
+    the process's registration on the channel on a direct connection.
     """
-    query = "SELECT 1 FROM pg_stat_activity WHERE application_name LIKE 'postgres-mutex listener%%' AND query = %s"
+    query = (
+        "SELECT 1 FROM pg_stat_activity WHERE application_name LIKE 'postgres-mutex listener%%' "
+        "AND (query = %(listen)s OR starts_with(query, %(listen)s || ';'))"
+    )
     listen = f'LISTEN "{channel_of(lock_name, table)}"'
-    return admin.execute(query, (listen,)).fetchone() is not None
+    return admin.execute(query, {"listen": listen}).fetchone() is not None
 
 
 def listener_reconnected(caplog: pytest.LogCaptureFixture) -> bool:

@@ -50,6 +50,7 @@ CORE = {
     "_sql_schema",
     "_sql_sessions",
     "_sql_statement",
+    "_sql_wake",
     "_state",
     "_steps",
     "_tracing",
