@@ -85,7 +85,8 @@ def run(dsn: str, table: str, waiters: int, *, seconds: float, warmup: float) ->
     host = str(params.get("host") or "127.0.0.1")
     port = int(str(params.get("port") or 5432))
     threads = layout(waiters)
-    # A count bound besides the time: no participant cycles much more than its share of a window at full speed.
+    # A count bound besides the time, generous so as never to cut the window short: twice the cycles the
+    # whole window holds at full speed, shared by the processes rather than by the participants.
     cycles = int((warmup + seconds) / (HOLD + REST) * 2 / len(threads)) + 10
     with CountingProxy(host, port) as proxy:
         through = make_conninfo(dsn, host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
