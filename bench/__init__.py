@@ -3,11 +3,13 @@
 Run ``python -m bench`` from the repository root (``--quick`` for a run of
 under a minute, ``--dsn`` for your own server, ``--pgbouncer`` to add
 PgBouncer, ``--skip-peers`` or ``--only-peers`` for the other locks,
-``--only-rwlocks`` for the read/write locks alone);
+``--only-rwlocks`` for the read/write locks alone, ``--only-waiters`` for many
+waiters on one lock alone);
 docs/performance.md says what each section measures and shows a full run.
 
 Modules are named for what they measure: `latency` (one connection, from
-``SELECT 1`` to a Mutex cycle), `handoff`, `contention` (one lock, several
+``SELECT 1`` to a Mutex cycle), `handoff`, `waiters` (many waiters on one lock:
+statements and hand-off latency per release), `contention` (one lock, several
 processes), `rwlocks` (read/write locks beside the Mutex, and a writer
 behind a stream of readers), `ceiling` (distinct locks), `many_locks` (one process holding
 many), `pgbouncer`, `peers` (the locks a user would pick instead: `peer_locks`

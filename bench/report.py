@@ -19,6 +19,7 @@ SECTIONS = (
     "target",
     "history",
     "handoff",
+    "waiters",
     "contended",
     "rwlocks",
     "ceiling",
@@ -31,6 +32,11 @@ SECTIONS = (
 PEERS_TITLE = "The peers: other locks, measured beside this one"
 
 RWLOCKS_TITLE = "Read/write locks, beside the Mutex"
+
+WAITERS_TITLE = "Many waiters on one lock"
+
+WAITERS_TARGET = 1.5
+"""The issue's target: a hand-off's p50 with many waiters at most this many times the single waiter's."""
 
 TARGET = 1.3
 """The issue's target: a Mutex cycle at most this many times its two statements sent bare."""
@@ -110,9 +116,11 @@ def _peers(peers: dict[str, Any]) -> list[str]:
 
 
 def sections(results: dict[str, Any]) -> dict[str, list[str]]:
-    """Markdown lines per section name (only the meta and the peers after a run of the peers alone)."""
+    """Markdown lines per section name (after a run of one section alone: the meta, that section and the peers)."""
     out: dict[str, list[str]] = {"meta": _meta(results["meta"])}
     if "latency" not in results:
+        if "waiters" in results:
+            out["waiters"] = _waiters(results["waiters"])
         if "rwlocks" in results:
             out["rwlocks"] = _rwlocks(results["rwlocks"])
         out["peers"] = _peers(results["peers"])
@@ -230,6 +238,8 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
         ],
         rows,
     )
+
+    out["waiters"] = _waiters(results["waiters"])
 
     out["contended"] = _table(
         [
@@ -382,6 +392,55 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def _waiters(waiters: dict[str, Any]) -> list[str]:
+    """Per count of waiters: what a change of hands cost in statements, and how long it took."""
+    rows = []
+    for run in waiters["runs"]:
+        threads = run["threads"]
+        spread = f"{min(threads)}" if min(threads) == max(threads) else f"{min(threads)} to {max(threads)}"
+        per = run["statements_per_handoff"]
+        ratio = run["p50_to_single"]
+        rows.append(
+            [
+                str(run["waiters"]),
+                f"{run['processes']}, {spread}",
+                f"{run['handoffs']} ({run['taken_back']})",
+                "n/a" if per is None else f"**{per:.2f}**",
+                "n/a" if per is None else f"{run['contended_per_handoff']:.2f} / {run['other_per_handoff']:.2f}",
+                str(run["heartbeats"]),
+                _ms(run["p50_ms"]),
+                _ms(run["p99_ms"]),
+                _ms(run["max_ms"]),
+                "n/a" if ratio is None else f"{_x(ratio)}{'' if ratio <= WAITERS_TARGET else ': **not met**'}",
+                str(run["acquired_before_release"]),
+            ]
+        )
+    window = waiters["runs"][0]["window_s"]
+    return [
+        f"W waiters and one holder take one lock in turn (hold {waiters['hold_ms']:g} ms, release, rest "
+        f"{waiters['rest_ms']:g} ms, acquire again), {window:g} s per row after a warm-up; `poll_interval` "
+        f"{waiters['poll_interval_s']:g} s (the default), `heartbeat_interval` {waiters['heartbeat_interval_s']:g} s. "
+        "Statements are the round trips a proxy counted on every connection of every process.",
+        "",
+        *_table(
+            [
+                "waiters",
+                "processes, threads each",
+                "hand-offs (taken back by the releaser)",
+                "statements per hand-off",
+                "of which: attempts that found it held / listeners' own",
+                "heartbeats",
+                "p50",
+                "p99",
+                "max",
+                f"p50, ratio to one waiter (target ≤ {WAITERS_TARGET}x)",
+                "acquired before the release began",
+            ],
+            rows,
+        ),
+    ]
+
+
 def _rwlocks(rw: dict[str, Any]) -> list[str]:
     """The read/write locks' tables: each figure beside the Mutex's of the same run."""
     cycle = rw["cycle"]
@@ -487,6 +546,7 @@ def markdown(results: dict[str, Any], *, markers: bool) -> str:
         "target": "Target: the Mutex cycle against its own statements sent raw",
         "history": "The lock history's cost",
         "handoff": "Hand-off latency (release to the blocked waiter's acquire)",
+        "waiters": WAITERS_TITLE,
         "contended": "Contended throughput (one lock, one semaphore)",
         "rwlocks": RWLOCKS_TITLE,
         "ceiling": "Server ceiling (distinct locks)",

@@ -36,6 +36,7 @@ from . import (
     pgbouncer,
     report,
     rwlocks,
+    waiters,
 )
 from .latency import Sizes
 from .servers import HISTORY_TABLE, SWEEP_TABLE, bench_table
@@ -67,6 +68,9 @@ class Plan:
     pgbouncer: Sizes
     starvation_rounds: int
     starvation_hold: float
+    waiters: tuple[int, ...]
+    waiters_seconds: float
+    waiters_warmup: float
 
 
 FULL = Plan(
@@ -84,6 +88,9 @@ FULL = Plan(
     pgbouncer=Sizes(rounds=100, per_round=10, warmup=50),
     starvation_rounds=20,
     starvation_hold=0.5,
+    waiters=(1, 10, 100),
+    waiters_seconds=10.0,
+    waiters_warmup=2.0,
 )
 
 QUICK = Plan(
@@ -101,6 +108,9 @@ QUICK = Plan(
     pgbouncer=Sizes(rounds=6, per_round=6, warmup=10),
     starvation_rounds=3,
     starvation_hold=0.2,
+    waiters=(1, 4),
+    waiters_seconds=1.5,
+    waiters_warmup=0.5,
 )
 
 
@@ -144,6 +154,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"measure the read/write locks alone, beside a Mutex measured in the same run (a full run without "
         f"--out rewrites their section of {DOCS_FIGURES.relative_to(ROOT)} only)",
     )
+    which.add_argument(
+        "--only-waiters",
+        action="store_true",
+        help=f"measure many waiters on one lock alone (a full run without --out rewrites their section of "
+        f"{DOCS_FIGURES.relative_to(ROOT)} only)",
+    )
     return parser.parse_args(argv)
 
 
@@ -161,9 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         results["meta"] = _meta(args, target.version, target.settings)
         if args.only_rwlocks:
             results["rwlocks"] = _measure_rwlocks(plan, target.dsn, table, floor=None)
+        elif args.only_waiters:
+            results["waiters"] = _measure_waiters(plan, target.dsn, table)
         elif not args.only_peers:
             _measure_the_library(args, plan, target.dsn, table, target.throwaway, results)
-        if args.skip_peers or args.only_rwlocks:
+        if args.skip_peers or args.only_rwlocks or args.only_waiters:
             results["peers"] = {"skipped": "run without --skip-peers to measure them"}
         else:
             progress("the peers: postgres-mutex 0.1.0, PALs, redis-py, python-redis-lock, etcd")
@@ -177,12 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "bench.md").write_text(figures)
     written = [out / "bench.json", out / "bench.md"]
     if args.out is None and not args.quick:
-        if args.only_peers or args.only_rwlocks:
+        alone = _measured_alone(args)
+        if alone is not None:
             # The other sections stay as their own run measured them; this one says it is from another.
-            name, title = ("peers", report.PEERS_TITLE) if args.only_peers else ("rwlocks", report.RWLOCKS_TITLE)
-            alone = f"From a run of the {'peers' if args.only_peers else 'read/write locks'} alone, not the run "
-            alone += "described at the top of this file: "
-            body = [alone + report.sections(results)["meta"][0], "", *report.sections(results)[name]]
+            name, title, what = alone
+            said = f"From a run of {what} alone, not the run described at the top of this file: "
+            body = [said + report.sections(results)["meta"][0], "", *report.sections(results)[name]]
             peers_report.splice(DOCS_FIGURES, name, title, body)
         else:
             DOCS_FIGURES.write_text(figures)
@@ -190,6 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     print(report.markdown(results, markers=False))
     progress("wrote " + ", ".join(str(path) for path in written))
     return 0
+
+
+def _measured_alone(args: argparse.Namespace) -> tuple[str, str, str] | None:
+    """The section a run measured alone (``--only-...``): its name, title, and what it is in words; else None."""
+    if args.only_peers:
+        return "peers", report.PEERS_TITLE, "the peers"
+    if args.only_rwlocks:
+        return "rwlocks", report.RWLOCKS_TITLE, "the read/write locks"
+    if args.only_waiters:
+        return "waiters", report.WAITERS_TITLE, "many waiters on one lock"
+    return None
 
 
 def _measure_the_library(
@@ -211,6 +240,8 @@ def _measure_the_library(
 
     progress(f"hand-off, {plan.handoffs} times")
     results["handoff"] = handoff.run(dsn, table, plan.handoffs, max_seconds=60 + plan.handoffs * 0.2)
+
+    results["waiters"] = _measure_waiters(plan, dsn, table)
 
     progress(f"contended throughput, {plan.contended_processes} processes, {plan.contended_seconds:g} s")
     results["contended"] = contention.run(
@@ -268,6 +299,14 @@ def _measure_the_library(
         results["pgbouncer"] = {"skipped": "run with --pgbouncer to measure it"}
 
 
+def _measure_waiters(plan: Plan, dsn: str, table: str) -> dict[str, Any]:
+    progress(
+        f"many waiters on one lock: {', '.join(map(str, plan.waiters))} waiters, {plan.waiters_seconds:g} s each "
+        f"after {plan.waiters_warmup:g} s"
+    )
+    return waiters.run_all(dsn, table, plan.waiters, seconds=plan.waiters_seconds, warmup=plan.waiters_warmup)
+
+
 def _measure_rwlocks(
     plan: Plan, dsn: str, table: str, floor: float | None, mutex_contended: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -302,6 +341,7 @@ def _meta(args: argparse.Namespace, server_version: str, settings: str) -> dict[
     command += ["--skip-peers"] if args.skip_peers else []
     command += ["--only-peers"] if args.only_peers else []
     command += ["--only-rwlocks"] if args.only_rwlocks else []
+    command += ["--only-waiters"] if args.only_waiters else []
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),

@@ -23,6 +23,7 @@ MODES = {
     "many-locks": "bench.many_locks",
     "peer": "bench.peer_locks",
     "rwlocks": "bench.rwlocks",
+    "waiters": "bench.waiters",
 }
 """Each mode's module, imported alone: a peer worker may run under another release of the library,
 where the other modules' imports of this version's names would fail."""

@@ -1,7 +1,8 @@
 """The bench runner (``python -m bench``) keeps working: a quick run against the suite's server.
 
 Figures are not asserted here (they depend on the machine); behaviour is: the
-run finishes, its JSON has every section, no two holders ever overlapped, and
+run finishes, its JSON has every section, no two holders ever overlapped,
+many waiters on one lock are counted in statements per hand-off, and
 one process holding many locks used at most two server connections and one
 heartbeat round per interval, of one statement per batch of locks, as the
 shared client promises. PgBouncer is
@@ -142,3 +143,29 @@ def test_many_locks_share_two_connections_and_one_heartbeat(quick_run: tuple[dic
     assert many["heartbeat_statements_per_round"] <= math.ceil(many["locks"] / BATCH)
     # The library's threads do not grow with the locks held.
     assert many["threads"] <= 5, many["thread_names"]
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
+def test_many_waiters_on_one_lock_are_counted_in_statements_per_hand_off(
+    quick_run: tuple[dict[str, Any], str, Path],
+) -> None:
+    results, stdout, _ = quick_run
+    section = results["waiters"]
+    assert section["poll_interval_s"] > 0
+    runs = section["runs"]
+    assert [run["waiters"] for run in runs] == sorted(run["waiters"] for run in runs)
+    assert runs[0]["waiters"] == 1
+    for run in runs:
+        # One holder and the waiters, each a thread of its own, spread over the processes.
+        assert sum(run["threads"]) == run["waiters"] + 1
+        assert len(run["threads"]) == run["processes"]
+        assert run["handoffs"] > 0
+        assert run["acquired_before_release"] == 0
+        # Each change of hands costs at least the winning acquire and the release, counted by the proxy.
+        assert run["statements_per_handoff"] >= 2
+        assert run["contended_per_handoff"] >= 0
+        assert run["p50_ms"] > 0
+        assert run["p99_ms"] >= run["p50_ms"]
+        assert run["p50_to_single"] == pytest.approx(run["p50_ms"] / runs[0]["p50_ms"], rel=0.01)
+    assert runs[0]["p50_to_single"] == 1.0
+    assert "## Many waiters on one lock" in stdout
