@@ -47,42 +47,7 @@ FIXED = 16
 def test_round_trips_per_hand_off_do_not_grow_with_the_waiters(
     pg: PostgresServer, dsn: str, schema: None, waiters: int, permits: int | None
 ) -> None:
-    name = f"handoff-{uuid.uuid4().hex[:10]}"
-    proxy = FaultProxy(pg.host, pg.port)
-    counted_dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
-    direct = MutexClient(dsn)
-    try:
-        holders = [_make(direct, name, permits) for _ in range(permits or 1)]
-        for holder in holders:
-            assert holder.acquire().__enter__()
-        before = proxy.ready_for_query
-
-        async def wait_for_it(lock: Mutex | Semaphore) -> float:
-            async with lock.acquire_async(timeout=30.0) as got:
-                assert got
-                return time.monotonic()
-
-        async def scenario() -> tuple[list[float], float]:
-            async with MutexClient(counted_dsn) as counted:
-                return await hand_offs(counted)
-
-        async def hand_offs(counted: MutexClient) -> tuple[list[float], float]:
-            tasks = [asyncio.create_task(wait_for_it(_make(counted, name, permits))) for _ in range(waiters)]
-            # Every waiter has made its two attempts and sleeps: only a release wakes it now.
-            await asyncio.to_thread(wait_until, lambda: proxy.ready_for_query - before >= 2 * waiters + 1, timeout=30)
-            released_at = time.monotonic()
-            for holder in holders:
-                await asyncio.to_thread(holder.release)
-            return list(await asyncio.gather(*tasks)), released_at
-
-        acquired_at, released_at = asyncio.run(scenario())
-        round_trips = proxy.ready_for_query - before
-    finally:
-        direct.close()
-        proxy.close()
-
-    # Nobody slept until its poll (a minute away): each hand-off followed the release before it.
-    assert max(acquired_at) - released_at < 20.0, f"the last of {waiters} waiters acquired late"
+    round_trips = _hand_offs(pg, dsn, waiters, permits, clients=1)
     assert round_trips <= PER_WAITER * waiters + FIXED, (
         f"{round_trips} round trips for {waiters} hand-offs "
         f"({round_trips / waiters:.1f} each): a release woke more than one waiter"
@@ -100,6 +65,20 @@ PER_CLIENT = 12
 def test_a_release_wakes_one_waiter_of_the_fleet_not_one_per_process(
     pg: PostgresServer, dsn: str, schema: None, waiters: int, permits: int | None
 ) -> None:
+    round_trips = _hand_offs(pg, dsn, waiters, permits, clients=waiters)
+    assert round_trips <= PER_CLIENT * waiters + FIXED, (
+        f"{round_trips} round trips for {waiters} hand-offs among as many clients "
+        f"({round_trips / waiters:.1f} each): a release woke a waiter in more than one"
+    )
+
+
+def _hand_offs(pg: PostgresServer, dsn: str, waiters: int, permits: int | None, *, clients: int) -> int:
+    """The round trips ``waiters`` waiters on ``clients`` clients (through a counting proxy) make until each
+    had the lock once, after the holders (as many as the permits) release it.
+
+    Every waiter sleeps first (its two attempts made, its client's listener
+    registered): only releases wake them, not their polls, a minute away.
+    """
     name = f"handoff-{uuid.uuid4().hex[:10]}"
     proxy = FaultProxy(pg.host, pg.port)
     counted_dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
@@ -115,22 +94,23 @@ def test_a_release_wakes_one_waiter_of_the_fleet_not_one_per_process(
                 assert got
                 return time.monotonic()
 
+        def asleep() -> bool:
+            return _registered(dsn, name) == clients and proxy.ready_for_query - before >= 2 * waiters + clients
+
         async def scenario() -> tuple[list[float], float]:
-            clients = [MutexClient(counted_dsn) for _ in range(waiters)]
+            counted = [MutexClient(counted_dsn) for _ in range(clients)]
             try:
-                tasks = [asyncio.create_task(wait_for_it(_make(client, name, permits))) for client in clients]
-                # Each waiter has made its two attempts and its listener registered: only a release wakes it now.
-                await asyncio.to_thread(
-                    wait_until,
-                    lambda: _registered(dsn, name) == waiters and proxy.ready_for_query - before >= 3 * waiters,
-                    timeout=30,
-                )
+                tasks = [
+                    asyncio.create_task(wait_for_it(_make(counted[index % clients], name, permits)))
+                    for index in range(waiters)
+                ]
+                await asyncio.to_thread(wait_until, asleep, timeout=30)
                 released_at = time.monotonic()
                 for holder in holders:
                     await asyncio.to_thread(holder.release)
                 return list(await asyncio.gather(*tasks)), released_at
             finally:
-                for client in clients:
+                for client in counted:
                     await client.aclose()
 
         acquired_at, released_at = asyncio.run(scenario())
@@ -138,12 +118,9 @@ def test_a_release_wakes_one_waiter_of_the_fleet_not_one_per_process(
     finally:
         direct.close()
         proxy.close()
-
+    # Nobody slept until its poll: each hand-off followed the release before it.
     assert max(acquired_at) - released_at < 20.0, f"the last of {waiters} waiters acquired late"
-    assert round_trips <= PER_CLIENT * waiters + FIXED, (
-        f"{round_trips} round trips for {waiters} hand-offs among as many clients "
-        f"({round_trips / waiters:.1f} each): a release woke a waiter in more than one"
-    )
+    return round_trips
 
 
 def _registered(dsn: str, name: str) -> int:
