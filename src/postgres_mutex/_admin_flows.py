@@ -273,14 +273,17 @@ def force_release(
     channel = names.channel(lock_name)
     action = f"forced release of lock {lock_name!r}"
     if permit is not None:
+        channel = names.channel(lock_name, "semaphore")
         action = f"forced release of permit {permit} of semaphore {lock_name!r}"
         lock_name = f"{lock_name}{SEPARATOR}{permit}"
-    elif writer:
-        action = f"forced release of the writer of read/write lock {lock_name!r}"
-        lock_name = rw_row_name(lock_name, "", "write")
-    elif reader is not None:
-        action = f"forced release of reader {reader!r} of read/write lock {lock_name!r}"
-        lock_name = rw_row_name(lock_name, reader, "read")
+    elif writer or reader is not None:
+        channel = names.channel(lock_name, "read/write lock")
+        if writer:
+            action = f"forced release of the writer of read/write lock {lock_name!r}"
+            lock_name = rw_row_name(lock_name, "", "write")
+        else:
+            action = f"forced release of reader {reader!r} of read/write lock {lock_name!r}"
+            lock_name = rw_row_name(lock_name, reader or "", "read")
     deadline = now() + timeout
     while True:
         left = max(deadline - now(), _LEAST_TRY)
@@ -356,7 +359,7 @@ def set_permits(names: Names, semaphore: str, permits: int, timeout: float) -> F
                 {
                     "semaphore": semaphore,
                     "permits": permits,
-                    "channel": names.channel(semaphore),
+                    "channel": names.channel(semaphore, "semaphore"),
                     "ended_how": "force_released",
                     "alert_seconds": None,
                     "lock_timeout_ms": max(1, int(min(BRIEF_WAIT, left / 2) * 1000)),

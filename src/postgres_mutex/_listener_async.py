@@ -54,6 +54,11 @@ _LISTENER_REPORT_EVERY = 60.0
 # that chose this process just before then is still heard, and its wake-up passed on.
 _UNREGISTERED_LINGER = 2.0
 
+# The most channels a listener registers on at once: each registration holds two entries of
+# the server's shared lock table (64 per connection by default, for the whole server). A
+# process that waits on more locks at once LISTENs on the others without registering.
+MOST_REGISTERED = 32
+
 
 class Subscription:
     """One waiter's interest in one lock's releases."""
@@ -83,6 +88,8 @@ class Listener:
         self._worker: AWorker | None = None
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._listening: set[str] = set()
+        # The channels listened on where this process is registered (at most MOST_REGISTERED).
+        self._registered: set[str] = set()
         # Channels unregistered but still LISTENed on, until when (`_UNREGISTERED_LINGER`).
         self._lingering: dict[str, float] = {}
         # Channels whose wake-up no waiter of this process could use: passed on by the worker.
@@ -175,7 +182,7 @@ class Listener:
             subscription.released.set()
 
     async def _run(self) -> None:
-        listening, lingering = self._listening, self._lingering
+        listening, registered, lingering = self._listening, self._registered, self._lingering
         cutter: Cutter | None = None
         failures = 0
         reported_at: float | None = None
@@ -200,6 +207,7 @@ class Listener:
                         cutter = Cutter(self._conn.fileno())
                         self._backend_pid = self._conn.info.backend_pid
                         listening.clear()
+                        registered.clear()
                         lingering.clear()
                         if failures:
                             self._wake_everyone()
@@ -209,10 +217,16 @@ class Listener:
                     for channel in sorted(wanted - listening):
                         # Still LISTENed on if it lingers: registered again only.
                         listened = lingering.pop(channel, None) is not None
-                        await self._execute(conn, cutter, _sql.register(channel, pid, listened=listened))
+                        if len(registered) < MOST_REGISTERED:
+                            await self._execute(conn, cutter, _sql.register(channel, pid, listened=listened))
+                            registered.add(channel)
+                        elif not listened:
+                            await self._execute(conn, cutter, _sql.listen(channel))
                         listening.add(channel)
                     for channel in sorted(listening - wanted):
-                        await self._execute(conn, cutter, _sql.unregister(channel, pid))
+                        if channel in registered:
+                            await self._execute(conn, cutter, _sql.unregister(channel, pid))
+                            registered.discard(channel)
                         listening.discard(channel)
                         lingering[channel] = now() + _UNREGISTERED_LINGER
                     for channel, until in sorted(lingering.items()):
@@ -225,6 +239,9 @@ class Listener:
                     if await self._waker.wait_readable(conn.fileno(), max(wait, 0.0)):
                         self._drain(conn)
                 except FAILURES as exc:
+                    with self._host.state_lock:
+                        # Not sent, or perhaps not: sent again once connected (twice costs one attempt).
+                        self._passing[:0] = passing
                     failures += 1
                     reason = self._host.redactor.redact(str(exc))
                     persistent = failures >= _LISTENER_FAILURES_REPORTED and (

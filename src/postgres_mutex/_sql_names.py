@@ -132,11 +132,15 @@ SELECT (SELECT token FROM mine),
             ).format(table=self.table)
         )
 
-    def channel(self, lock_name: str) -> str:
+    def channel(self, lock_name: str, kind: str = "lock") -> str:
         """The NOTIFY channel for one lock of this table.
 
         One channel per lock, so waiters are woken only by their own lock; a
+        mutex, a semaphore and a read/write lock of one name (``kind``, in the
+        words of `_events.kind_of`) have one each, so a release that wakes one
+        waiter never wakes a waiter of another kind, who could not use it. A
         digest keeps it under the 63-byte identifier limit whatever the names.
         """
-        digest = hashlib.sha256(f"{self.table_name}\x00{lock_name}".encode()).hexdigest()
+        named = lock_name if kind == "lock" else f"{kind}\x00{lock_name}"
+        digest = hashlib.sha256(f"{self.table_name}\x00{named}".encode()).hexdigest()
         return f"postgres_mutex_{digest[:40]}"

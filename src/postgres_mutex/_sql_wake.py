@@ -11,12 +11,15 @@ finds nobody registered sends an empty payload, and every listener wakes one
 waiter of its own, as when a listener could not register.
 
 Advisory locks need no privilege and no table, end with their session (a
-crashed process leaves no registration behind), and are per database. A
-listener registers only on a direct connection (``pg_backend_pid()`` is the
-process id the connection was given): behind a pooler a session-level lock
-could outlive the client on a shared server session. The release's first
-question, whether ``(key, 0)`` is free, costs one lock-table probe and spares
-it ``pg_locks`` when nobody waits.
+process that exits or is killed leaves no registration behind), and are per
+database. A listener registers only on a direct connection (``pg_backend_pid()``
+is the process id the connection was given): behind a pooler a session-level
+lock could outlive the client on a shared server session. Each registration
+holds two entries of the server's shared lock table, so a listener registers
+on a bounded number of channels (`_listener_async.MOST_REGISTERED`) and
+LISTENs on the rest only. The release's first question, whether ``(key, 0)``
+is free, costs one lock-table probe and spares it ``pg_locks`` when nobody
+waits.
 
 A registered process woken when none of its waiters can use the wake-up (all
 left, or all already woken) passes it on (`pass_on`): the freed hold may be
@@ -93,7 +96,9 @@ def register(channel: str, backend_pid: int, *, listened: bool) -> str:
             "{listen}SELECT pg_advisory_lock_shared({key}, 0), pg_advisory_lock({key}, pg_backend_pid()) "
             "WHERE pg_backend_pid() = {pid}"
         ).format(
-            listen=sql.SQL("") if listened else sql.SQL("LISTEN {}; ").format(sql.Identifier(channel)),
+            # Committed before the locks are taken: a release that names this process once it
+            # is registered finds it listening (a LISTEN counts from its transaction's commit).
+            listen=sql.SQL("") if listened else sql.SQL("BEGIN; LISTEN {}; COMMIT; ").format(sql.Identifier(channel)),
             key=_KEY.format(channel=sql.Literal(channel)),
             pid=sql.Literal(backend_pid),
         )

@@ -193,7 +193,7 @@ class LockState:
         self.instance_id = instance_id
         self.timing = timing
         self.events = events
-        self.channel = names.channel(lock_name)
+        self.channel = names.channel(lock_name, self.kind)
         self.alert_gate = AlertGate(timing.alert_threshold)
         self._lock = state_lock
         self.phase = Phase.IDLE

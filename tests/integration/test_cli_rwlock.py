@@ -69,7 +69,7 @@ def test_run_read_runs_readers_together_and_run_write_waits_for_them_then_runs_a
     )  # fmt: skip
     workers.append(writer)
     # The writer waits, listening for a release; it never runs beside the readers.
-    wait_until(lambda: process_listens(admin, name), timeout=30)
+    wait_until(lambda: process_listens(admin, name, kind="read/write lock"), timeout=30)
     assert writer.poll() is None
     assert rows(admin, name, "write") == 0
     go.touch()

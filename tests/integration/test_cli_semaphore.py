@@ -65,7 +65,7 @@ def test_run_with_permits_runs_at_most_n_copies_and_the_rest_wait(
     workers.extend(runners)
     wait_until(lambda: holders_of(admin, name) == 2, timeout=30)
     # The other two wait, listening for a release; never a third copy meanwhile.
-    wait_until(lambda: process_listens(admin, name), timeout=30)
+    wait_until(lambda: process_listens(admin, name, kind="semaphore"), timeout=30)
     assert holders_of(admin, name) == 2
     assert sum(proc.poll() is not None for proc in runners) == 0
     go.touch()

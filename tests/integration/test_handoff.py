@@ -20,6 +20,8 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore
+from postgres_mutex._listener_async import MOST_REGISTERED
+from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import channel_of, process_listens, wait_until
 from tests.support.postgres_server import PostgresServer
@@ -94,8 +96,10 @@ def _hand_offs(pg: PostgresServer, dsn: str, waiters: int, permits: int | None, 
                 assert got
                 return time.monotonic()
 
+        channel = channel_of(name, kind="lock" if permits is None else "semaphore")
+
         def asleep() -> bool:
-            return _registered(dsn, name) == clients and proxy.ready_for_query - before >= 2 * waiters + clients
+            return _registered(dsn, channel) == clients and proxy.ready_for_query - before >= 2 * waiters + clients
 
         async def scenario() -> tuple[list[float], float]:
             counted = [MutexClient(counted_dsn) for _ in range(clients)]
@@ -123,9 +127,8 @@ def _hand_offs(pg: PostgresServer, dsn: str, waiters: int, permits: int | None, 
     return round_trips
 
 
-def _registered(dsn: str, name: str) -> int:
-    """How many listeners (of any process) are registered on the lock's channel."""
-    channel = channel_of(name, "mutex_lock")
+def _registered(dsn: str, channel: str) -> int:
+    """How many listeners (of any process) are registered on ``channel``."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted "
@@ -157,7 +160,7 @@ def test_a_change_of_the_number_of_permits_reaches_every_waiter(dsn: str, admin:
         async with MutexClient(dsn) as client:
             waiting = [client.semaphore(name, permits=1, **QUIET) for _ in range(3)]
             tasks = [asyncio.create_task(wait_for_it(semaphore)) for semaphore in waiting]
-            await asyncio.to_thread(wait_until, lambda: process_listens(admin, name), timeout=30)
+            await asyncio.to_thread(wait_until, lambda: process_listens(admin, name, kind="semaphore"), timeout=30)
             await asyncio.to_thread(table.set_permits, name, 4)
             return list(await asyncio.gather(*tasks))
 
@@ -187,13 +190,13 @@ def test_a_wake_up_no_waiter_of_the_process_can_use_is_passed_on(
     async def scenario(holder: Mutex) -> float:
         async with MutexClient(dsn) as leaving, MutexClient(dsn) as staying:
             left = asyncio.create_task(_try(leaving.mutex(name, **QUIET), timeout=2.0))
-            await asyncio.to_thread(wait_until, lambda: len(_registered_pids(dsn, name)) == 1, timeout=30)
-            (leaving_pid,) = _registered_pids(dsn, name)
+            await asyncio.to_thread(wait_until, lambda: len(_registered_pids(dsn, channel)) == 1, timeout=30)
+            (leaving_pid,) = _registered_pids(dsn, channel)
             stays = asyncio.create_task(_try(staying.mutex(name, **QUIET), timeout=30.0))
-            await asyncio.to_thread(wait_until, lambda: len(_registered_pids(dsn, name)) == 2, timeout=30)
+            await asyncio.to_thread(wait_until, lambda: len(_registered_pids(dsn, channel)) == 2, timeout=30)
             assert await left is None, "the leaving waiter timed out"
             # It unregistered, and still hears its channel for a moment.
-            await asyncio.to_thread(wait_until, lambda: leaving_pid not in _registered_pids(dsn, name), timeout=30)
+            await asyncio.to_thread(wait_until, lambda: leaving_pid not in _registered_pids(dsn, channel), timeout=30)
             admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (name,))
             told = time.monotonic()
             admin.execute("SELECT pg_notify(%s, %s)", (channel, str(leaving_pid)))
@@ -208,7 +211,7 @@ def test_a_wake_up_no_waiter_of_the_process_can_use_is_passed_on(
     assert waited < 20.0, "the wake-up was not passed on: the waiter slept until its poll"
 
 
-async def _try(mutex: Mutex, *, timeout: float) -> float | None:
+async def _try(mutex: Mutex | Semaphore, *, timeout: float) -> float | None:
     """When ``mutex`` was acquired (None: not within ``timeout``)."""
     try:
         async with mutex.acquire_async(timeout=timeout) as got:
@@ -218,12 +221,83 @@ async def _try(mutex: Mutex, *, timeout: float) -> float | None:
         return None
 
 
-def _registered_pids(dsn: str, name: str) -> set[int]:
-    """The backend pids of the listeners registered on the lock's channel."""
+def _registered_pids(dsn: str, channel: str) -> set[int]:
+    """The backend pids of the listeners registered on ``channel``."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
             "SELECT objid::int FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted "
             "AND objid <> 0 AND classid = (hashtext(%s) & 2147483647)::oid",
-            (channel_of(name),),
+            (channel,),
         ).fetchall()
     return {row[0] for row in rows}
+
+
+def test_a_mutex_and_a_semaphore_of_one_name_wake_only_their_own_waiters(dsn: str, schema: None) -> None:
+    """Waiters of a Mutex and of a Semaphore named alike register on channels of their own: the mutex's
+    release names a process waiting for the mutex, never one that waits for the (full) semaphore."""
+    name = f"handoff-{uuid.uuid4().hex[:10]}"
+
+    async def scenario(mutex: Mutex, full: Semaphore) -> float:
+        async with MutexClient(dsn) as for_permits, MutexClient(dsn) as for_mutex:
+            permit_waiters = [
+                asyncio.create_task(_try(for_permits.semaphore(name, permits=1, **QUIET), timeout=30.0))
+                for _ in range(3)
+            ]
+            mutex_waiter = asyncio.create_task(_try(for_mutex.mutex(name, **QUIET), timeout=30.0))
+            semaphore_channel, mutex_channel = channel_of(name, kind="semaphore"), channel_of(name)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: (
+                    len(_registered_pids(dsn, semaphore_channel)) == 1
+                    and len(_registered_pids(dsn, mutex_channel)) == 1
+                ),
+                timeout=30,
+            )
+            assert _registered_pids(dsn, semaphore_channel).isdisjoint(_registered_pids(dsn, mutex_channel))
+            released_at = time.monotonic()
+            await asyncio.to_thread(mutex.release)
+            acquired_at = await mutex_waiter
+            assert acquired_at is not None
+            await asyncio.to_thread(full.release)
+            assert all(await asyncio.gather(*permit_waiters)), "each permit waiter had the permit in turn"
+            return acquired_at - released_at
+
+    with MutexClient(dsn) as client:
+        mutex, full = client.mutex(name, **QUIET), client.semaphore(name, permits=1, **QUIET)
+        assert mutex.acquire().__enter__()
+        assert full.acquire().__enter__()
+        waited = asyncio.run(scenario(mutex, full))
+    assert waited < 20.0, "the mutex's release woke a semaphore's waiter: the mutex's slept until its poll"
+
+
+def test_a_process_waiting_on_many_locks_registers_on_a_bounded_number_and_hears_them_all(
+    dsn: str, schema: None
+) -> None:
+    """Each registration holds two entries of the server's shared lock table: a process waiting on more
+    locks than `MOST_REGISTERED` LISTENs on the rest without registering, and their releases still wake
+    it (nobody else registered there)."""
+    names = [f"handoff-{uuid.uuid4().hex[:10]}" for _ in range(MOST_REGISTERED + 8)]
+
+    async def scenario(held: list[Mutex]) -> list[float]:
+        async with MutexClient(dsn) as waiting:
+            tasks = [asyncio.create_task(_try(waiting.mutex(name, **QUIET), timeout=30.0)) for name in names]
+            listener = core_of(waiting).engine_async().listener
+            await asyncio.to_thread(wait_until, lambda: listener is not None and len(listener.listening) == len(names))
+            assert listener is not None
+            pids = {pid for name in names for pid in _registered_pids(dsn, channel_of(name))}
+            assert len(pids) == 1, "one listener"
+            registered = [name for name in names if _registered_pids(dsn, channel_of(name))]
+            assert len(registered) == MOST_REGISTERED
+            released_at = time.monotonic()
+            for mutex in held:
+                await asyncio.to_thread(mutex.release)
+            acquired = await asyncio.gather(*tasks)
+            assert all(at is not None for at in acquired)
+            return [at - released_at for at in acquired if at is not None]
+
+    with MutexClient(dsn) as client:
+        held = [client.mutex(name, **QUIET) for name in names]
+        for mutex in held:
+            assert mutex.acquire().__enter__()
+        waited = asyncio.run(scenario(held))
+    assert max(waited) < 20.0, "a release of a lock waited on without registering did not wake its waiter"

@@ -135,9 +135,10 @@ LISTENER_LOST = "the release listener lost its connection"
 """The library's DEBUG line when its listener's connection broke: every waiter is then woken to retry."""
 
 
-def channel_of(lock_name: str, table: str = "mutex_lock") -> str:
-    """The NOTIFY channel a release of ``lock_name`` is announced on."""
-    return Names(table).channel(lock_name)
+def channel_of(lock_name: str, table: str = "mutex_lock", kind: str = "lock") -> str:
+    """The NOTIFY channel a release of ``lock_name`` is announced on (``kind``: "semaphore",
+    "read/write lock" for those)."""
+    return Names(table).channel(lock_name, kind)
 
 
 def listens(mutex: Holder, *, engine: Any = None) -> bool:
@@ -148,20 +149,22 @@ def listens(mutex: Holder, *, engine: Any = None) -> bool:
     waiting for the release and will be woken by its notification.
     """
     listener = (engine or core_of(mutex.client).engine()).listener
-    return listener is not None and channel_of(mutex.lock_name, mutex.table) in listener.listening
+    return listener is not None and mutex._lock.channel in listener.listening
 
 
-def process_listens(admin: psycopg.Connection[Any], lock_name: str, table: str = "mutex_lock") -> bool:
+def process_listens(
+    admin: psycopg.Connection[Any], lock_name: str, table: str = "mutex_lock", kind: str = "lock"
+) -> bool:
     """Another process's release listener has LISTENed on ``lock_name``'s channel, as pg_stat_activity shows.
 
-    The listener connection's last statement stays visible there while it idles: the LISTEN, followed by
-    the process's registration on the channel on a direct connection.
+    The listener connection's last statement stays visible there while it idles: the LISTEN, alone or
+    with the process's registration on the channel.
     """
     query = (
         "SELECT 1 FROM pg_stat_activity WHERE application_name LIKE 'postgres-mutex listener%%' "
-        "AND (query = %(listen)s OR starts_with(query, %(listen)s || ';'))"
+        "AND (query = %(listen)s OR position(%(listen)s || ';' IN query) > 0)"
     )
-    listen = f'LISTEN "{channel_of(lock_name, table)}"'
+    listen = f'LISTEN "{channel_of(lock_name, table, kind)}"'
     return admin.execute(query, {"listen": listen}).fetchone() is not None
 
 
