@@ -442,8 +442,8 @@ def _table_load(load: dict[str, Any]) -> list[str]:
     server_cpu = load["server_cpu_percent"]
     rows += [
         [
-            "dead row versions (`n_dead_tup`): at the start / most / at the end",
-            f"{dead['start']:,} / {dead['most']:,} / {dead['end']:,}",
+            "dead row versions (`n_dead_tup`): at the start / least / most / at the end of the samples",
+            f"{dead['start']:,} / {dead['least']:,} / {dead['most']:,} / {dead['end']:,}",
         ],
         [
             "autovacuum runs in the window (`autovacuum_count`)",

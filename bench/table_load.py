@@ -102,7 +102,12 @@ def run(dsn: str, locks: int, *, window: float, every: float, local_server: bool
             kind: {"first_half": middle[kind] - first[kind], "last_half": last[kind] - middle[kind]}
             for kind in ("table_bytes", "index_bytes", "total_bytes")
         },
-        "dead_tuples": {"start": first["dead"], "most": max(s["dead"] for s in samples), "end": last["dead"]},
+        "dead_tuples": {
+            "start": first["dead"],
+            "least": min(s["dead"] for s in samples),
+            "most": max(s["dead"] for s in samples),
+            "end": last["dead"],
+        },
         "autovacuum_runs": last["autovacuum_count"] - first["autovacuum_count"],
         "last_autovacuum": last["last_autovacuum"],
         "still_held": measured["held"],
