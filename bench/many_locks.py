@@ -71,13 +71,13 @@ def run(
             worker.send(cmd="hold")
             held = worker.receive(60.0 + locks * 0.05)
             time.sleep(settle)
-            backends = _backends(admin, worker.pid)
-            server_cpu0 = _backend_cpu([pid for pid, _ in backends]) if local_server else None
+            server = backends(admin, worker.pid)
+            server_cpu0 = backend_cpu([pid for pid, _ in server]) if local_server else None
             updated0 = _rows_updated(admin, table)
             worker.send(cmd="measure", seconds=window)
             measured = worker.receive(window + 30.0)
             updated1 = _rows_updated(admin, table)
-            server_cpu1 = _backend_cpu([pid for pid, _ in backends]) if local_server else None
+            server_cpu1 = backend_cpu([pid for pid, _ in server]) if local_server else None
             worker.send(cmd="cycle", seconds=cycling)
             cycled = worker.receive(cycling + 30.0)
             worker.send(cmd="release")
@@ -96,8 +96,8 @@ def run(
         "heartbeat_interval_s": HEARTBEAT,
         "window_s": round(wall, 3),
         "acquire_all_s": held["acquire_s"],
-        "server_connections": len(backends),
-        "connection_names": sorted(name for _, name in backends),
+        "server_connections": len(server),
+        "connection_names": sorted(name for _, name in server),
         "connections_opened": opened,
         "threads": measured["threads"],
         "thread_names": measured["thread_names"],
@@ -149,7 +149,8 @@ def _period(trips: list[RoundTrip]) -> float | None:
     return round(median(gaps), 3) if gaps else None
 
 
-def _backends(admin: psycopg.Connection[Any], pid: int) -> list[tuple[int, str]]:
+def backends(admin: psycopg.Connection[Any], pid: int) -> list[tuple[int, str]]:
+    """The server backends of the worker process ``pid``: (backend pid, application_name)."""
     rows = admin.execute(
         "SELECT pid, application_name FROM pg_stat_activity WHERE application_name LIKE %s",
         (f"postgres-mutex %:{pid}",),
@@ -162,7 +163,7 @@ def _rows_updated(admin: psycopg.Connection[Any], table: str) -> int:
     return int(row[0]) if row else 0
 
 
-def _backend_cpu(pids: list[int]) -> float | None:
+def backend_cpu(pids: list[int]) -> float | None:
     """CPU seconds (user + system) the server processes have used, from /proc/PID/stat."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0.0
@@ -205,9 +206,12 @@ def _cycle_for(seconds: float, dsn: str, table: str, heartbeat: float) -> list[f
 
 
 def work(config: dict[str, Any], channel: Channel) -> None:
+    """Hold ``config["locks"]`` locks on command; ``config["thresholds"]`` (optional: ``alert_threshold`` and
+    ``stale_threshold``) are passed to every Mutex, for a heartbeat interval the defaults would not suit."""
     dsn, table, count, heartbeat = config["dsn"], config["table"], int(config["locks"]), float(config["heartbeat"])
+    thresholds: dict[str, Any] = {name: float(value) for name, value in config.get("thresholds", {}).items()}
     # A first lock taken and released: connections, threads and table shape exist before the baseline.
-    first = Mutex(dsn, "bench-many-first", table=table, heartbeat_interval=heartbeat)
+    first = Mutex(dsn, "bench-many-first", table=table, heartbeat_interval=heartbeat, **thresholds)
     with first.acquire() as acquired:
         assert acquired
     channel.send(ready=True)
@@ -221,7 +225,9 @@ def work(config: dict[str, Any], channel: Channel) -> None:
                 rss_before = _rss()
                 started = time.monotonic()
                 for index in range(count):
-                    mutex = Mutex(dsn, f"bench-many-{index:05d}", table=table, heartbeat_interval=heartbeat)
+                    mutex = Mutex(
+                        dsn, f"bench-many-{index:05d}", table=table, heartbeat_interval=heartbeat, **thresholds
+                    )
                     mutexes.append(mutex)
                     if not holding.enter_context(mutex.acquire()):
                         raise RuntimeError(f"{mutex.lock_name} was not acquired")

@@ -24,6 +24,7 @@ SECTIONS = (
     "rwlocks",
     "ceiling",
     "many_locks",
+    "table_load",
     "pgbouncer",
     "peers",
 )
@@ -34,6 +35,8 @@ PEERS_TITLE = "The peers: other locks, measured beside this one"
 RWLOCKS_TITLE = "Read/write locks, beside the Mutex"
 
 WAITERS_TITLE = "Many waiters on one lock"
+
+TABLE_LOAD_TITLE = "The table under long heartbeat load"
 
 WAITERS_TARGET = 1.5
 """The issue's target: a hand-off's p50 with many waiters at most this many times the single waiter's."""
@@ -123,6 +126,8 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
             out["waiters"] = _waiters(results["waiters"])
         if "rwlocks" in results:
             out["rwlocks"] = _rwlocks(results["rwlocks"])
+        if "table_load" in results:
+            out["table_load"] = _table_load(results["table_load"])
         out["peers"] = _peers(results["peers"])
         return out
 
@@ -354,6 +359,8 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
         ],
     )
 
+    out["table_load"] = _table_load(results["table_load"])
+
     bouncer = results["pgbouncer"]
     if "skipped" in bouncer:
         out["pgbouncer"] = [f"Not measured: {bouncer['skipped']}."]
@@ -390,6 +397,82 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _bytes(value: int) -> str:
+    return f"{value / 2**20:.2f} MiB" if abs(value) >= 2**20 else f"{value / 1024:,.0f} KiB"
+
+
+def _table_load(load: dict[str, Any]) -> list[str]:
+    """Renewals achieved against asked, their HOT share, and the table's and indexes' sizes over the window."""
+    sizes, growth = load["sizes"], load["growth"]
+    hot = load["hot_share"]
+    rows = [
+        [
+            "renewals asked (locks / interval)",
+            f"{load['asked_updates_per_s']:,} rows/s: every lock every {load['heartbeat_interval_s']:g} s",
+        ],
+        [
+            "renewals achieved (`n_tup_upd` over the window)",
+            f"**{load['updates_per_s']:,.0f} rows/s**: {load['rounds_per_s']:.2f} rounds/s, every lock every "
+            + ("n/a" if not load["rounds_per_s"] else f"{1 / load['rounds_per_s']:.2f} s")
+            + f" ({load['updates']:,} updates in {load['window_s']:g} s)",
+        ],
+        [
+            "HOT share of those updates (`n_tup_hot_upd` / `n_tup_upd`)",
+            "n/a" if hot is None else f"**{hot * 100:.2f} %** ({load['hot_updates']:,} HOT)",
+        ],
+    ]
+    for kind, label in (
+        ("table_bytes", "table (`pg_relation_size`)"),
+        ("index_bytes", "indexes (`pg_indexes_size`)"),
+        ("total_bytes", "total (`pg_total_relation_size`)"),
+    ):
+        size, grew = sizes[kind], growth[kind]
+        rows.append(
+            [
+                f"{label}: at the start / after {load['early_s']:g} s / at the end; growth over the first half "
+                "/ the last half",
+                f"{_bytes(size['start'])} / {_bytes(size['early'])} / {_bytes(size['end'])}; "
+                f"{_bytes(grew['first_half'])} / {_bytes(grew['last_half'])}"
+                + (": **stopped growing**" if grew["last_half"] <= 0 else ": **still growing**"),
+            ]
+        )
+    dead = load["dead_tuples"]
+    server_cpu = load["server_cpu_percent"]
+    rows += [
+        [
+            "dead row versions (`n_dead_tup`): at the start / least / most / at the end of the samples",
+            f"{dead['start']:,} / {dead['least']:,} / {dead['most']:,} / {dead['end']:,}",
+        ],
+        [
+            "autovacuum runs in the window (`autovacuum_count`)",
+            f"{load['autovacuum_runs']} (last: {load['last_autovacuum'] or 'never'})",
+        ],
+        ["still held at the end of the window", f"{load['still_held']:,}"],
+        [
+            "CPU of the process / of its server backends",
+            f"{load['client_cpu_percent']:.1f} % / "
+            + ("n/a (server not local)" if server_cpu is None else f"{server_cpu:.1f} %")
+            + " of one core",
+        ],
+        ["time to take them all, one by one", f"{load['acquire_all_s']:.1f} s"],
+    ]
+    settings = load["settings"]
+    options = ", ".join(f"`{option}`" for option in settings["reloptions"]) or "none"
+    return [
+        *_table(
+            [
+                "one process holding",
+                f"{load['locks']:,} locks, heartbeat {load['heartbeat_interval_s']:g} s, for {load['window_s']:g} s",
+            ],
+            rows,
+        ),
+        "",
+        "Autovacuum in effect: "
+        + ", ".join(f"`{name} = {settings[name]}`" for name in settings if name != "reloptions")
+        + f"; the table's reloptions: {options}.",
+    ]
 
 
 def _waiters(waiters: dict[str, Any]) -> list[str]:
@@ -551,6 +634,7 @@ def markdown(results: dict[str, Any], *, markers: bool) -> str:
         "rwlocks": RWLOCKS_TITLE,
         "ceiling": "Server ceiling (distinct locks)",
         "many_locks": "Many locks in one process",
+        "table_load": TABLE_LOAD_TITLE,
         "pgbouncer": "Through PgBouncer",
         "peers": PEERS_TITLE,
     }

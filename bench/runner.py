@@ -36,6 +36,7 @@ from . import (
     pgbouncer,
     report,
     rwlocks,
+    table_load,
     waiters,
 )
 from .latency import Sizes
@@ -71,6 +72,9 @@ class Plan:
     waiters: tuple[int, ...]
     waiters_seconds: float
     waiters_warmup: float
+    load_locks: int
+    load_window: float
+    load_every: float
 
 
 FULL = Plan(
@@ -91,6 +95,9 @@ FULL = Plan(
     waiters=(1, 10, 100),
     waiters_seconds=10.0,
     waiters_warmup=2.0,
+    load_locks=10_000,
+    load_window=180.0,
+    load_every=10.0,
 )
 
 QUICK = Plan(
@@ -111,6 +118,9 @@ QUICK = Plan(
     waiters=(1, 4),
     waiters_seconds=1.5,
     waiters_warmup=0.5,
+    load_locks=500,
+    load_window=6.0,
+    load_every=2.0,
 )
 
 
@@ -160,6 +170,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"measure many waiters on one lock alone (a full run without --out rewrites their section of "
         f"{DOCS_FIGURES.relative_to(ROOT)} only)",
     )
+    which.add_argument(
+        "--only-table-load",
+        action="store_true",
+        help=f"measure the table under long heartbeat load alone (a full run without --out rewrites its section "
+        f"of {DOCS_FIGURES.relative_to(ROOT)} only)",
+    )
     return parser.parse_args(argv)
 
 
@@ -179,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             results["rwlocks"] = _measure_rwlocks(plan, target.dsn, table, floor=None)
         elif args.only_waiters:
             results["waiters"] = _measure_waiters(plan, target.dsn, table)
+        elif args.only_table_load:
+            results["table_load"] = _measure_table_load(plan, target.dsn, target.throwaway)
         elif not args.only_peers:
             _measure_the_library(args, plan, target.dsn, table, target.throwaway, results)
-        if args.skip_peers or args.only_rwlocks or args.only_waiters:
+        if args.skip_peers or args.only_rwlocks or args.only_waiters or args.only_table_load:
             results["peers"] = {"skipped": "run without --skip-peers to measure them"}
         else:
             progress("the peers: postgres-mutex 0.1.0, PALs, redis-py, python-redis-lock, etcd")
@@ -218,6 +236,8 @@ def _measured_alone(args: argparse.Namespace) -> tuple[str, str, str] | None:
         return "rwlocks", report.RWLOCKS_TITLE, "the read/write locks"
     if args.only_waiters:
         return "waiters", report.WAITERS_TITLE, "many waiters on one lock"
+    if args.only_table_load:
+        return "table_load", report.TABLE_LOAD_TITLE, "the table under long heartbeat load"
     return None
 
 
@@ -285,6 +305,8 @@ def _measure_the_library(
         local_server=throwaway,
     )
 
+    results["table_load"] = _measure_table_load(plan, dsn, throwaway)
+
     if args.pgbouncer:
         progress("through PgBouncer (transaction mode) and direct")
         with start_pgbouncer(dsn, pool_size=pgbouncer.POOL_SIZE) as through:
@@ -305,6 +327,14 @@ def _measure_waiters(plan: Plan, dsn: str, table: str) -> dict[str, Any]:
         f"after {plan.waiters_warmup:g} s"
     )
     return waiters.run_all(dsn, table, plan.waiters, seconds=plan.waiters_seconds, warmup=plan.waiters_warmup)
+
+
+def _measure_table_load(plan: Plan, dsn: str, throwaway: bool) -> dict[str, Any]:
+    progress(
+        f"the table under long heartbeat load: {plan.load_locks} locks renewed every {table_load.HEARTBEAT:g} s "
+        f"for {plan.load_window:g} s, sampled every {plan.load_every:g} s"
+    )
+    return table_load.run(dsn, plan.load_locks, window=plan.load_window, every=plan.load_every, local_server=throwaway)
 
 
 def _measure_rwlocks(
@@ -342,6 +372,7 @@ def _meta(args: argparse.Namespace, server_version: str, settings: str) -> dict[
     command += ["--only-peers"] if args.only_peers else []
     command += ["--only-rwlocks"] if args.only_rwlocks else []
     command += ["--only-waiters"] if args.only_waiters else []
+    command += ["--only-table-load"] if args.only_table_load else []
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),

@@ -34,6 +34,9 @@ TABLE = "mutex_lock_bench"
 HISTORY_TABLE = "mutex_lock_bench_hist"
 """The same with a lock history (``mutex_lock_bench_hist_history``), for what the history costs."""
 
+LOAD_TABLE = "mutex_lock_bench_load"
+"""A table for the heartbeat load alone: its counters and sizes are that load's, nothing else touches it."""
+
 SWEEP_TABLE = "mutex_lock_bench_sweep"
 """Another with a history, for the acquires that remove expired rows: every acquire on a table
 looks for expired rows, so those removed must not lie in the way of the plain history cycle."""

@@ -2,10 +2,11 @@
 
 Figures are not asserted here (they depend on the machine); behaviour is: the
 run finishes, its JSON has every section, no two holders ever overlapped,
-many waiters on one lock are counted in statements per hand-off, and
+many waiters on one lock are counted in statements per hand-off,
 one process holding many locks used at most two server connections and one
 heartbeat round per interval, of one statement per batch of locks, as the
-shared client promises. PgBouncer is
+shared client promises, and the table under heartbeat load is sampled over a
+window on a table of its own, dropped at the end. PgBouncer is
 measured too where Debian's pgbouncer is installed (in CI it must be).
 """
 
@@ -169,3 +170,33 @@ def test_many_waiters_on_one_lock_are_counted_in_statements_per_hand_off(
         assert run["p50_to_single"] == pytest.approx(run["p50_ms"] / runs[0]["p50_ms"], rel=0.01)
     assert runs[0]["p50_to_single"] == 1.0
     assert "## Many waiters on one lock" in stdout
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
+def test_the_table_under_heartbeat_load_is_sampled_on_a_table_of_its_own(
+    quick_run: tuple[dict[str, Any], str, Path], dsn: str
+) -> None:
+    results, stdout, _ = quick_run
+    load = results["table_load"]
+    assert load["still_held"] == load["locks"], "no lock lost while renewed every 0.1 s"
+    assert load["updates"] > 0
+    assert 0 <= load["hot_updates"] <= load["updates"]
+    assert load["hot_share"] == pytest.approx(load["hot_updates"] / load["updates"], abs=1e-4)
+    assert load["rounds_per_s"] == pytest.approx(load["updates_per_s"] / load["locks"], rel=0.01)
+    samples = load["samples"]
+    assert len(samples) >= 3, "the start, the middle and the end at least"
+    assert [sample["t"] for sample in samples] == sorted(sample["t"] for sample in samples)
+    # Counters only grow; a sample's sizes are those of a table that exists.
+    assert [sample["upd"] for sample in samples] == sorted(sample["upd"] for sample in samples)
+    assert all(sample["table_bytes"] > 0 and sample["index_bytes"] > 0 for sample in samples)
+    for kind in ("table_bytes", "index_bytes", "total_bytes"):
+        grew = load["growth"][kind]
+        assert grew["first_half"] + grew["last_half"] == load["sizes"][kind]["end"] - load["sizes"][kind]["start"]
+    settings = load["settings"]
+    assert {"autovacuum", "autovacuum_naptime", "autovacuum_vacuum_threshold"} <= set(settings)
+    assert "fillfactor=50" in settings["reloptions"], "the table is made as LockTable.create makes it"
+    assert "## The table under long heartbeat load" in stdout
+    assert "Autovacuum in effect:" in stdout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        left = conn.execute("SELECT to_regclass('mutex_lock_bench_load')").fetchone()
+    assert left == (None,), "the bench drops its table"
