@@ -304,8 +304,8 @@ def _waiters_rows(waiters: dict[str, Any], results: dict[str, Any]) -> list[Targ
 
 
 LONG_HEARTBEAT_LOAD = Target(
-    # Its section is being written: give it its results key and a rows function, e.g.
-    # Target("long_load", LONG_HEARTBEAT_LOAD.target, _long_load_rows), and pass it to targets().
+    # Its section is being written elsewhere and its results key is not known here. When it lands, set key to
+    # that key and rows to one function (section, results) -> list[TargetRow]; sections() then shows its row.
     key=None,
     target="under long heartbeat load: the heartbeat's updates are HOT and the table's sizes stop growing",
     rows=lambda section, results: [],
