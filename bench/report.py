@@ -9,6 +9,8 @@ the results of the run being reported.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from . import peers_report
@@ -102,6 +104,254 @@ def target(latency: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+TARGETS_TITLE = "Targets: where the library stands against its own floor"
+
+NOT_MEASURED = "not measured in this run"
+"""What a target's row says when the run's results have no section to judge it by."""
+
+CYCLE_TO_FLOOR = {"sync": 1.15, "async": 1.3}
+"""The issue's targets: a Mutex cycle at most this many times the floor, a plain INSERT + DELETE of a lock row."""
+
+CEILING_PROCESSES = (1, 4)
+"""The ceiling's target is judged with each of these counts of processes, and only with a count measured."""
+
+CEILING_TO_INSERT_DELETE = 0.8
+"""The issue's target: Mutex cycles per second on distinct locks at least this share of plain INSERT + DELETE's."""
+
+CONTENDED_OF_IDEAL = 0.8
+"""The issue's target: one contended lock changes hands at least this share of the ideal 1 / (hold + floor)."""
+
+FAIR_SHARE_SPREAD = 2.0
+"""No process starved: each one's share of the cycles within this factor of the fair share, either way."""
+
+MANY_LOCKS = 10_000
+"""The many-locks targets hold for this many locks held: a run holding fewer does not judge them."""
+
+MANY_LOCKS_P999_TO_P50 = 3.0
+"""The issue's target: a cycle's p99.9 while the locks are held at most this many times its p50."""
+
+MANY_LOCKS_MAX_MS = 20.0
+"""The issue's target: a cycle's max while the locks are held under this, and the heartbeat's server time too."""
+
+WAITERS = (1, 10, 100)
+"""The waiters' targets are shown for these counts and judged on the largest one measured against the first."""
+
+WAITERS_STATEMENTS_GROWTH = 2.0
+"""Our reading of "a release costs a few statements, not one per waiter": statements per hand-off with the most
+waiters at most this many times the single waiter's (one statement per waiter would be a hundred times)."""
+
+
+@dataclass(frozen=True)
+class TargetRow:
+    """One row of the targets' table: ``met`` is None when this run did not measure it."""
+
+    target: str
+    measured: str
+    met: bool | None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target judged from one section of the results: ``rows`` is only called when ``key`` is in them.
+
+    Without the section (a run of another section alone, ``--skip-...``, or a section not written yet:
+    ``key`` None), the table has one row, ``target`` and "not measured in this run", so that no row ever
+    shows a figure from another run.
+    """
+
+    key: str | None
+    target: str
+    rows: Callable[[Any, dict[str, Any]], list[TargetRow]]
+    """(the section's results, a dict or a list, and the whole run's) to this target's rows."""
+
+
+def _verdict(met: bool | None) -> str:
+    return "n/a" if met is None else "met" if met else "**not met**"
+
+
+def _cycle_rows(latency: dict[str, Any], results: dict[str, Any]) -> list[TargetRow]:
+    floor = latency["insert_delete"]["median_ms"]
+    rows = []
+    for flavour, limit in CYCLE_TO_FLOOR.items():
+        cycle = latency[f"mutex_{flavour}"]["median_ms"]
+        ratio = cycle / floor
+        rows.append(
+            TargetRow(
+                f"{flavour} Mutex cycle (median) ≤ {limit}x the floor, a plain INSERT + DELETE of a lock row",
+                f"{_ms(cycle)} / {_ms(floor)} = {_x(ratio)}",
+                ratio <= limit,
+            )
+        )
+    return rows
+
+
+def _ceiling_rows(ceiling: list[dict[str, Any]], results: dict[str, Any]) -> list[TargetRow]:
+    runs = {run["processes"]: run for run in ceiling}
+    rows = []
+    for processes in CEILING_PROCESSES:
+        target = (
+            f"server ceiling on distinct locks, {_processes(processes)}: Mutex cycles/s ≥ "
+            f"{CEILING_TO_INSERT_DELETE:.0%} of plain INSERT + DELETE's"
+        )
+        run = runs.get(processes)
+        if run is None:
+            # Another count's figures are shown for what they are, and judge nothing.
+            instead = "; ".join(f"with {_processes(n)} instead: {_ceiling_share(runs[n])}" for n in sorted(runs))
+            rows.append(TargetRow(target, NOT_MEASURED + (f" ({instead})" if instead else ""), None))
+            continue
+        mutex, floor = run["mutex"]["per_s"], run["insert_delete"]["per_s"]
+        rows.append(TargetRow(target, _ceiling_share(run), floor > 0 and mutex / floor >= CEILING_TO_INSERT_DELETE))
+    return rows
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _ceiling_share(run: dict[str, Any]) -> str:
+    mutex, floor = run["mutex"]["per_s"], run["insert_delete"]["per_s"]
+    return f"{_number(mutex)} / {_number(floor)} /s = " + (f"{mutex / floor:.0%}" if floor else "n/a")
+
+
+def _contended_rows(contended: dict[str, Any], results: dict[str, Any]) -> list[TargetRow]:
+    processes = contended["processes"]
+    fair = 1 / processes
+    low, high = contended["share_min"], contended["share_max"]
+    fed = low is not None and high is not None and low >= fair / FAIR_SHARE_SPREAD and high <= fair * FAIR_SHARE_SPREAD
+    shares = "no cycles" if low is None or high is None else f"{low:.0%} to {high:.0%}"
+    return [
+        TargetRow(
+            f"contended throughput, one lock, {_processes(processes)}: ≥ {CONTENDED_OF_IDEAL:.0%} of the ideal "
+            "1 / (hold + floor)",
+            f"{_number(contended['cycles_per_s'])} / {_number(contended['ideal_per_s'])} cycles/s = "
+            f"{contended['of_ideal']:.0%} (hold {contended['hold_ms']:g} ms, floor {_ms(contended['floor_ms'])})",
+            contended["of_ideal"] >= CONTENDED_OF_IDEAL,
+        ),
+        TargetRow(
+            f"no process starved: each one's share within {FAIR_SHARE_SPREAD:g}x of the fair share",
+            f"shares {shares}, fair {fair:.0%} (within {fair / FAIR_SHARE_SPREAD:.0%} to "
+            f"{min(fair * FAIR_SHARE_SPREAD, 1):.0%})",
+            fed,
+        ),
+    ]
+
+
+def _many_locks_rows(many: dict[str, Any], results: dict[str, Any]) -> list[TargetRow]:
+    p50, p999, top = (
+        many["cycle_while_holding_p50_ms"],
+        many["cycle_while_holding_p999_ms"],
+        many["cycle_while_holding_max_ms"],
+    )
+    cpu = many["server_cpu_percent"]
+    # The process does nothing but hold its locks in the window, so its backends' CPU is the heartbeat's.
+    server_ms = None if cpu is None else cpu / 100 * many["heartbeat_interval_s"] * 1e3
+    # Fewer locks than the target's (a quick run) would judge the target on a lighter load than it names.
+    judged = many["locks"] >= MANY_LOCKS
+    held = f"{many['locks']:,} locks held" + ("" if judged else f", not {MANY_LOCKS:,}: {NOT_MEASURED}")
+    return [
+        TargetRow(
+            f"holding {MANY_LOCKS:,} locks: a concurrent cycle's p99.9 ≤ {MANY_LOCKS_P999_TO_P50:g}x its p50",
+            f"{_ms(p999)} / {_ms(p50)} = {_x(p999 / p50)} ({held})",
+            p999 / p50 <= MANY_LOCKS_P999_TO_P50 if judged else None,
+        ),
+        TargetRow(
+            f"holding {MANY_LOCKS:,} locks: a concurrent cycle's max < {MANY_LOCKS_MAX_MS:g} ms",
+            f"{_ms(top)} ({held})",
+            top < MANY_LOCKS_MAX_MS if judged else None,
+        ),
+        TargetRow(
+            f"holding {MANY_LOCKS:,} locks: their heartbeat < {MANY_LOCKS_MAX_MS:g} ms of server time per interval "
+            "(server CPU of the process's backends per heartbeat interval)",
+            f"{NOT_MEASURED} (server not local)"
+            if server_ms is None
+            else f"{_ms(server_ms)} per {many['heartbeat_interval_s']:g} s ({cpu:.2f} % of one core; {held})",
+            None if server_ms is None or not judged else server_ms < MANY_LOCKS_MAX_MS,
+        ),
+    ]
+
+
+def _statements(run: dict[str, Any] | None) -> str:
+    if run is None:
+        return NOT_MEASURED
+    per = run["statements_per_handoff"]
+    return "n/a" if per is None else f"{per:.2f}"
+
+
+def _waiters_rows(waiters: dict[str, Any], results: dict[str, Any]) -> list[TargetRow]:
+    runs = {run["waiters"]: run for run in waiters["runs"]}
+    single, most = runs.get(WAITERS[0]), runs.get(WAITERS[-1])
+    per = ", ".join(f"{n}: {_statements(runs.get(n))}" for n in sorted(set(WAITERS) | set(runs)))
+    rows = []
+    first = (single or {}).get("statements_per_handoff")
+    last = (most or {}).get("statements_per_handoff")
+    growth = None if first is None or last is None or not first else last / first
+    rows.append(
+        TargetRow(
+            f"{WAITERS[-1]} waiters on one lock: a release costs a few statements, not one per waiter (statements per "
+            f"hand-off with {WAITERS[-1]} waiters ≤ {WAITERS_STATEMENTS_GROWTH:g}x with {WAITERS[0]})",
+            f"by waiters, {per}" + ("" if growth is None else f"; {WAITERS[-1]} to {WAITERS[0]}: {_x(growth)}"),
+            None if growth is None else growth <= WAITERS_STATEMENTS_GROWTH,
+        )
+    )
+    ratio = (most or {}).get("p50_to_single")
+    rows.append(
+        TargetRow(
+            f"{WAITERS[-1]} waiters on one lock: hand-off p50 ≤ {WAITERS_TARGET}x the single waiter's",
+            NOT_MEASURED
+            if most is None or single is None or ratio is None
+            else f"{_ms(most['p50_ms'])} / {_ms(single['p50_ms'])} = {_x(ratio)}",
+            None if ratio is None or single is None else ratio <= WAITERS_TARGET,
+        )
+    )
+    return rows
+
+
+LONG_HEARTBEAT_LOAD = Target(
+    # Its section is being written elsewhere and its results key is not known here. When it lands, set key to
+    # that key and rows to one function (section, results) -> list[TargetRow]; sections() then shows its row.
+    key=None,
+    target="under long heartbeat load: the heartbeat's updates are HOT and the table's sizes stop growing",
+    rows=lambda section, results: [],
+)
+"""The long heartbeat load's row, a place held until its section exists: always "not measured in this run"."""
+
+TARGETS = (
+    Target("latency", "Mutex cycle, sync and async, against the floor", _cycle_rows),
+    Target("ceiling", "server ceiling on distinct locks against plain INSERT + DELETE", _ceiling_rows),
+    Target("contended", "contended throughput on one lock, and no process starved", _contended_rows),
+    Target("many_locks", f"holding {MANY_LOCKS:,} locks: cycles beside them, and their heartbeat", _many_locks_rows),
+    Target("waiters", f"{WAITERS[-1]} waiters on one lock: statements and hand-off", _waiters_rows),
+)
+"""The issue's targets, in the table's order; the long heartbeat load's comes last."""
+
+
+def targets(results: dict[str, Any], *, long_load: Target = LONG_HEARTBEAT_LOAD) -> list[str]:
+    """The targets' table: every figure from ``results`` alone, a row per target met, not met, or not measured.
+
+    ``long_load`` is the long heartbeat load's target; by default a placeholder whose row says it was not
+    measured. A section of results that is absent, or says it was skipped, gives its target's row
+    "not measured in this run": a run of one section alone judges only that one.
+    """
+    rows: list[TargetRow] = []
+    for goal in (*TARGETS, long_load):
+        section = results.get(goal.key) if goal.key is not None else None
+        if section is None or (isinstance(section, dict) and "skipped" in section):
+            rows.append(TargetRow(goal.target, NOT_MEASURED, None))
+        else:
+            rows += goal.rows(section, results)
+    met = sum(1 for row in rows if row.met)
+    judged = sum(1 for row in rows if row.met is not None)
+    return [
+        f"Each target is a ratio or a bound the library set itself, judged on the figures of the run above alone: "
+        f"{met} of {judged} met, {len(rows) - judged} not measured in this run.",
+        "",
+        *_table(
+            ["target", "measured in this run", "met / **not met**"],
+            [[row.target, row.measured, _verdict(row.met)] for row in rows],
+        ),
+    ]
+
+
 def _meta(meta: dict[str, Any]) -> list[str]:
     return [
         f"Measured {meta['date']} on {meta['cpu']} ({meta['cpus']} CPUs), {meta['os']}; Python {meta['python']}, "
@@ -120,7 +370,8 @@ def _peers(peers: dict[str, Any]) -> list[str]:
 
 def sections(results: dict[str, Any]) -> dict[str, list[str]]:
     """Markdown lines per section name (after a run of one section alone: the meta, that section and the peers)."""
-    out: dict[str, list[str]] = {"meta": _meta(results["meta"])}
+    # The targets come first: they are what a reader asks of the run before any detail.
+    out: dict[str, list[str]] = {"meta": _meta(results["meta"]), "targets": targets(results)}
     if "latency" not in results:
         if "waiters" in results:
             out["waiters"] = _waiters(results["waiters"])
@@ -625,6 +876,7 @@ def _rwlocks(rw: dict[str, Any]) -> list[str]:
 def markdown(results: dict[str, Any], *, markers: bool) -> str:
     titles = {
         "meta": None,
+        "targets": TARGETS_TITLE,
         "latency": "Latency, one client",
         "target": "Target: the Mutex cycle against its own statements sent raw",
         "history": "The lock history's cost",

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from bench.report import LATENCY_LABELS, SECTIONS
+from bench.report import LATENCY_LABELS, SECTIONS, TARGETS_TITLE
 from postgres_mutex._heartbeat_flows import BATCH
 from tests.support.fixtures import ROOT
 
@@ -59,6 +59,10 @@ def test_a_quick_run_reports_every_section(quick_run: tuple[dict[str, Any], str,
     for section in SECTIONS:
         assert f"<!-- --8<-- [start:{section}] -->" in markdown
     assert "## Many locks in one process" in stdout
+    # The targets table is not a section of the JSON: the report derives it from the others, first after the meta.
+    assert markdown.index("[end:meta]") < markdown.index("<!-- --8<-- [start:targets] -->")
+    assert markdown.index("[end:targets]") < markdown.index("[start:latency]")
+    assert f"## {TARGETS_TITLE}" in stdout
     if shutil.which("pgbouncer") is not None:
         assert "skipped" not in results["pgbouncer"]
         assert results["pgbouncer"]["pgbouncer"]["mutex_sync"]["n"] > 0
