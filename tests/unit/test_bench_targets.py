@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench import report
-from bench.report import NOT_MEASURED, TARGETS_TITLE, Target, TargetRow, sections, targets
+from bench.report import NOT_MEASURED, TARGETS_TITLE, sections, targets
 
 
 def verdicts(results: dict[str, Any], **kwargs: Any) -> dict[str, tuple[str, str]]:
@@ -232,14 +232,31 @@ def test_many_waiters_are_judged_on_statements_that_do_not_grow_and_on_the_hand_
     assert row(quick, "100 waiters on one lock: hand-off p50") == (NOT_MEASURED, "n/a")
 
 
-def test_the_long_heartbeat_load_row_is_held_until_its_section_and_one_function_fill_it() -> None:
-    results = {"long_load": {"hot_share": 1.0}}
-    assert row(results, "under long heartbeat load") == (NOT_MEASURED, "n/a")
+def table_load(*, hot: float | None = 1.0, table: int = 0, index: int = 0, locks: int = 10_000) -> dict[str, Any]:
+    return {
+        "locks": locks,
+        "window_s": 180.0,
+        "hot_share": hot,
+        "growth": {
+            "table_bytes": {"first_half": 8192, "last_half": table},
+            "index_bytes": {"first_half": 0, "last_half": index},
+            "total_bytes": {"first_half": 8192, "last_half": table + index},
+        },
+    }
 
-    def long_load(section: dict[str, Any], results: dict[str, Any]) -> list[TargetRow]:
-        share = section["hot_share"]
-        return [TargetRow(report.LONG_HEARTBEAT_LOAD.target, f"{share:.0%} HOT", share >= 0.99)]
 
-    hooked = Target("long_load", report.LONG_HEARTBEAT_LOAD.target, long_load)
-    assert row(results, "under long heartbeat load", long_load=hooked) == ("100% HOT", "met")
-    assert row({}, "under long heartbeat load", long_load=hooked) == (NOT_MEASURED, "n/a")
+def test_the_long_heartbeat_load_is_judged_on_hot_updates_and_sizes_that_stop_growing() -> None:
+    met = {"table_load": table_load(hot=0.99)}
+    assert row(met, "under long heartbeat load (10,000 locks): ≥ 99%")[1] == "met"
+    assert row(met, "under long heartbeat load (10,000 locks): the table's")[1] == "met"
+
+    missed = {"table_load": table_load(hot=0.989, index=8192)}
+    assert row(missed, "under long heartbeat load (10,000 locks): ≥ 99%")[1] == "**not met**"
+    assert row(missed, "under long heartbeat load (10,000 locks): the table's")[1] == "**not met**"
+
+    fewer = {"table_load": table_load(locks=500)}
+    for starts in ("under long heartbeat load (10,000 locks): ≥ 99%", "under long heartbeat load (10,000 locks): the"):
+        measured, verdict = row(fewer, starts)
+        assert verdict == "n/a"
+        assert NOT_MEASURED in measured
+    assert row({}, "under long heartbeat load") == (NOT_MEASURED, "n/a")
