@@ -129,7 +129,11 @@ class Engine:
             return self._send(op)
         # A clean-up of any row carrying our id must never cross an acquire of
         # the same Mutex: the acquire waits for it, and a superseded one is dropped.
-        acquire_lock(op.stray_row.lock.cleanup_on_the_wire)
+        # At exit, another may never come back (the caller that sent it ended
+        # mid-statement): it is waited for within the exit's budget only, then left.
+        budget = None if self.deadline is None else max(self.deadline - now(), 0.0)
+        if not acquire_lock(op.stray_row.lock.cleanup_on_the_wire, budget):
+            raise steps.CleanupSuperseded
         try:
             if op.stray_row.superseded:
                 raise steps.CleanupSuperseded
