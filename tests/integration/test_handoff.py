@@ -99,7 +99,8 @@ def _hand_offs(pg: PostgresServer, dsn: str, waiters: int, permits: int | None, 
         channel = channel_of(name, kind="lock" if permits is None else "semaphore")
 
         def asleep() -> bool:
-            return _registered(dsn, channel) == clients and proxy.ready_for_query - before >= 2 * waiters + clients
+            slept = proxy.ready_for_query - before >= 2 * waiters + clients
+            return slept and len(_registered_pids(dsn, channel)) == clients
 
         async def scenario() -> tuple[list[float], float]:
             counted = [MutexClient(counted_dsn) for _ in range(clients)]
@@ -125,17 +126,6 @@ def _hand_offs(pg: PostgresServer, dsn: str, waiters: int, permits: int | None, 
     # Nobody slept until its poll: each hand-off followed the release before it.
     assert max(acquired_at) - released_at < 20.0, f"the last of {waiters} waiters acquired late"
     return round_trips
-
-
-def _registered(dsn: str, channel: str) -> int:
-    """How many listeners (of any process) are registered on ``channel``."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted "
-            "AND objid <> 0 AND classid = (hashtext(%s) & 2147483647)::oid",
-            (channel,),
-        ).fetchone()
-    return 0 if row is None else int(row[0])
 
 
 def _make(client: MutexClient, name: str, permits: int | None) -> Mutex | Semaphore:
