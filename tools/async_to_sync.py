@@ -51,6 +51,7 @@ RENAMES = {
     "AWorker": "Worker",
     "AWaker": "Waker",
     "asleep": "sleep",
+    "aacquire_lock": "acquire_lock",
     "auncancellable": "uncancellable",
     "ato_the_end": "to_the_end",
     "asynccontextmanager": "contextmanager",

@@ -35,6 +35,7 @@ from . import _steps as steps
 from ._acompat import (
     Event,
     Gate,
+    acquire_lock,
     sleep,
     uncancellable,
 )
@@ -52,7 +53,6 @@ from .errors import SchemaError, phrase
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
 
-    from ._cleanup_turn import CleanupTurn
     from ._host import EngineHost
 
 logger = logging.getLogger("postgres_mutex")
@@ -77,9 +77,6 @@ _SESSION_TIMEOUT_FLOOR = 0.5
 # The least a statement gets once the exit's budget is nearly spent: enough for
 # a release on a database that answers, too little to hold the exit up.
 _LAST_STATEMENT = 0.05
-
-# How often a wait for a clean-up's turn looks again: turns are rare and last one statement.
-_TURN_POLL = 0.01
 
 
 class Engine:
@@ -135,16 +132,14 @@ class Engine:
         # At exit, another may never come back (the caller that sent it ended
         # mid-statement): it is waited for within the exit's budget only, then left.
         budget = None if self.deadline is None else max(self.deadline - now(), 0.0)
-        turn = op.stray_row.lock.cleanup_turn
-        token = _take_turn(turn, op.timeout, budget)
-        if token is None:
+        if not acquire_lock(op.stray_row.lock.cleanup_on_the_wire, budget):
             raise steps.CleanupSuperseded
         try:
             if op.stray_row.superseded:
                 raise steps.CleanupSuperseded
             return self._send(op)
         finally:
-            turn.give_back(token)
+            op.stray_row.lock.cleanup_on_the_wire.release()
 
     def _send(self, op: steps.Execute) -> steps.Result:
         source = self._source
@@ -338,17 +333,6 @@ def _statement(
     return _result(cursor, sent_at)
 
 
-def _take_turn(turn: CleanupTurn, seconds: float, wait: float | None) -> object | None:
-    """``turn``, for a statement of ``seconds``, once free; None if ``wait`` (None: its holder's deadline)
-    runs out first."""
-    deadline = None if wait is None else now() + wait
-    while (token := turn.take(seconds)) is None:
-        if deadline is not None and now() >= deadline:
-            return None
-        sleep(_TURN_POLL)
-    return token
-
-
 def _server_deadline(timeout: float) -> float:
     """How long the server may run a statement whose client deadline is ``timeout``: less, by a margin."""
     return timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))
@@ -412,8 +396,10 @@ class _Steps:
             statements = None if op.fresh else engine.host.shapes.get(op.names.table_name)
             return _WAITS if statements is None else statements
         if isinstance(op, steps.AwaitCleanup):
-            # A clean-up of this Mutex's row is being sent: wait.
-            return None if op.lock.cleanup_turn.free else _WAITS
+            if not op.lock.cleanup_on_the_wire.acquire(blocking=False):
+                return _WAITS  # a clean-up of this Mutex's row is being sent
+            op.lock.cleanup_on_the_wire.release()
+            return None
         if isinstance(op, steps.Keep):
             engine.keep(op.hold)
             return None
@@ -453,9 +439,8 @@ class _Steps:
             sleep(op.seconds)
             return not engine.closed
         if isinstance(op, steps.AwaitCleanup):
-            # Not past the clean-up's deadline: a turn ends by then (`CleanupTurn`).
-            while not op.lock.cleanup_turn.free:
-                sleep(_TURN_POLL)
+            acquire_lock(op.lock.cleanup_on_the_wire)
+            op.lock.cleanup_on_the_wire.release()
             return None
         if isinstance(op, steps.Listen):
             listener = engine.listener

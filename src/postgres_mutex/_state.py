@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.trace import SpanContext
 
-from ._cleanup_turn import CleanupTurn
 from ._clock import now
 from ._events import LockEvents, kind_of
 from ._rules import AlertGate, rw_row_name, writer_claim_seconds
@@ -207,8 +206,8 @@ class LockState:
         """Until then an unanswered acquire of ours may still be running on the server, and land."""
         self.generation = 0
         """Bumped by every acquire: a stray row's clean-up begun earlier is superseded."""
-        self.cleanup_turn = CleanupTurn()
-        """Taken while a stray row's clean-up is on the wire: an acquire waits for it, so they never cross."""
+        self.cleanup_on_the_wire = threading.Lock()
+        """Held while a stray row's clean-up is on the wire: an acquire waits for it, so they never cross."""
 
     # -- queries ---------------------------------------------------------------
 
@@ -323,7 +322,8 @@ class LockState:
             self.stray_row_possible = possible_before
 
     def attempt_contended(self, holder: str | None) -> None:
-        """The statement ran and the row is ``holder``'s: nothing of ours is in it, unless a lost attempt lands."""
+        """The statement ran and the row is ``holder``'s: nothing of ours is in the table, unless an
+        unanswered attempt lands later."""
         with self._lock:
             self.stray_row_possible = now() < self.stray_row_may_land_until
             self.last_holder = holder
@@ -479,7 +479,7 @@ class LockState:
         self.instance_id = instance_id  # a read/write lock's row_name follows it
         self.events.instance_id = instance_id
         self.alert_gate = type(self.alert_gate)(self.timing.alert_threshold)  # a watcher's to alert, if it was
-        self.cleanup_turn = CleanupTurn()
+        self.cleanup_on_the_wire = threading.Lock()
 
 
 class HeartbeatGroup:

@@ -17,7 +17,6 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "postgres_mutex"
 CORE = {
     "_acompat",
     "_admin_flows",
-    "_cleanup_turn",
     "_clock",
     "_connections",
     "_core",
