@@ -119,10 +119,12 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
 
     def start(self, scheduler: Any, alias: str) -> None:
         """Create the ledger table if needed, then start as APScheduler's thread pool does."""
-        # Schedulers starting together race to create it: the losers' UniqueViolation means it exists.
+        # Schedulers starting together race to create it: the losers' UniqueViolation, or
+        # DuplicateObject (the table's row type), or DuplicateTable, means it exists.
+        exists = (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable)
         with (
             psycopg.connect(self._dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT) as conn,
-            contextlib.suppress(psycopg.errors.UniqueViolation),
+            contextlib.suppress(*exists),
         ):
             conn.execute(
                 sql.SQL(
