@@ -161,7 +161,9 @@ class Gate:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._busy = False
-        self._waiting: dict[bool, collections.deque[threading.Lock]] = {
+        self._holder: object = None
+        """Whose turn it is: a turn interrupted before its block began gives it back by this."""
+        self._waiting: dict[bool, collections.deque[tuple[threading.Lock, object]]] = {
             True: collections.deque(),
             False: collections.deque(),
         }
@@ -170,32 +172,40 @@ class Gate:
         """The connection, for the ``with`` block this is entered by."""
         return _Turn(self, urgent)
 
-    def _enter(self, urgent: bool) -> None:
+    def _enter(self, urgent: bool, who: object) -> None:
         with self._lock:
             if not self._busy:
                 self._busy = True
+                self._holder = who
                 return
             turn = threading.Lock()
             turn.acquire()
-            self._waiting[urgent].append(turn)
-        try:
-            turn.acquire()  # released by _leave when it is this thread's turn
-        except BaseException:
-            with self._lock:
-                queue = self._waiting[urgent]
-                if turn in queue:
-                    queue.remove(turn)
-                    raise
-            self._leave()  # let in, then interrupted: pass the turn on
-            raise
+            self._waiting[urgent].append((turn, who))
+        turn.acquire()  # released by _leave when it is this thread's turn
+
+    def _give_back(self, who: object) -> None:
+        """``who`` was interrupted: out of the queue if it waits there, else its turn passes on if it had it."""
+        with self._lock:
+            for queue in self._waiting.values():
+                for waiting in queue:
+                    if waiting[1] is who:
+                        queue.remove(waiting)
+                        return
+            if self._holder is who:
+                self._pass_on()
 
     def _leave(self) -> None:
         with self._lock:
-            for queue in (self._waiting[True], self._waiting[False]):
-                if queue:
-                    queue.popleft().release()  # the gate stays busy: it is theirs now
-                    return
-            self._busy = False
+            self._pass_on()
+
+    def _pass_on(self) -> None:
+        for queue in (self._waiting[True], self._waiting[False]):
+            if queue:
+                turn, self._holder = queue.popleft()
+                turn.release()  # the gate stays busy: it is theirs now
+                return
+        self._busy = False
+        self._holder = None
 
 
 class _ATurn:
@@ -225,7 +235,13 @@ class _Turn:
         self._urgent = urgent
 
     def __enter__(self) -> None:
-        self._gate._enter(self._urgent)
+        try:
+            self._gate._enter(self._urgent, self)
+        except BaseException:
+            # Let in, then interrupted before the block began (a signal handler's exception):
+            # the block's exit will not run, so the turn is passed on here.
+            self._gate._give_back(self)
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
         self._gate._leave()

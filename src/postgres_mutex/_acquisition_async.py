@@ -61,22 +61,33 @@ class AsyncAcquisition:
         self._stop = stop
         self._entered = False
         self._hold: Hold | None = None
+        self._acquirer = object()
+        """Names this acquire to the lock's state, which ends it for nobody else."""
 
     async def __aenter__(self) -> bool:
         if self._entered:
             raise MutexError("this acquisition was entered already: call acquire() again for another one")
         self._entered = True
         engine = self._engine()
+        lock = self._lock
         flow = flows.acquire(
-            self._lock,
-            self._lock.tracing,
+            lock,
+            lock.tracing,
             blocking=self._blocking,
             timeout=self._timeout,
             owner=current_owner(),
+            acquirer=self._acquirer,
             stop=self._stop,
         )
-        self._hold = await engine.run(flow)
-        return self._hold is not None
+        try:
+            self._hold = await engine.run(flow)
+            return self._hold is not None
+        except BaseException:
+            # Raised before the block got the hold, wherever it landed (a signal handler's
+            # exception after the flow returned, say): the block will never release it.
+            self._hold = None
+            await engine.run(flows.abandon(lock, self._acquirer))
+            raise
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         hold = self._hold

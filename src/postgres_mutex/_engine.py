@@ -35,7 +35,6 @@ from . import _steps as steps
 from ._acompat import (
     Event,
     Gate,
-    acquire_lock,
     sleep,
     uncancellable,
 )
@@ -48,7 +47,7 @@ from ._sources import OwnConnection, PooledConnection, interrupt
 from ._sql import Names, Statements
 from ._state import HeartbeatGroup, Hold
 from ._watchdog import Cutter
-from .errors import SchemaError, phrase
+from .errors import DatabaseError, SchemaError, phrase
 
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
@@ -101,45 +100,60 @@ class Engine:
     # -- running flows -----------------------------------------------------------
 
     def run(self, flow: steps.Flow[T]) -> T:
-        """Drive ``flow`` to its end, performing each step it asks for."""
+        """Drive ``flow`` to its end, performing each step it asks for.
+
+        Whatever is raised while the flow waits for a step, the step's own
+        failure or an exception a signal handler raised anywhere in this loop,
+        is handed to the flow, which decides: the flow is never left suspended
+        with a step's result it did not see (a lock won, say).
+        """
         steps = _Steps(self)
         reply: Any = None
         error: BaseException | None = None
         try:
             while True:
                 try:
-                    op = flow.send(reply) if error is None else flow.throw(error)
-                except StopIteration as done:
+                    while True:
+                        if error is None:
+                            op = flow.send(reply)
+                        else:
+                            thrown, error = error, None
+                            op = flow.throw(thrown)
+                        reply = None
+                        reply = steps.perform_now(op)
+                        if reply is _WAITS:
+                            reply = steps.perform(op)
+                except StopIteration as done:  # only the flow raises it: it returned
                     return done.value  # type: ignore[no-any-return]
-                reply, error = None, None
-                try:
-                    reply = steps.perform_now(op)
-                    if reply is _WAITS:
-                        reply = steps.perform(op)
-                except BaseException as exc:  # handed to the flow, which decides
-                    error = exc
+                except BaseException as exc:
+                    if flow.gi_frame is None:  # type: ignore[attr-defined]
+                        raise  # the flow ended with it
+                    error = exc  # handed to the flow, which decides
         finally:
             steps.finish()
+            if flow.gi_frame is not None:  # type: ignore[attr-defined]
+                # Left waiting for a step (an exception landed as the loop turned): it ends
+                # without more steps; whoever called this undoes what it began (`abandon`).
+                flow.close()
 
     def execute(self, op: steps.Execute) -> steps.Result:
         if self.deadline is not None:
             # At exit: no statement may outlast the exit's budget.
             op = dataclasses.replace(op, timeout=max(min(op.timeout, self.deadline - now()), _LAST_STATEMENT))
-        if op.stray_row is None:
+        cleanup = op.stray_row
+        if cleanup is None:
             return self._send(op)
-        # A clean-up of any row carrying our id must never cross an acquire of
-        # the same Mutex: the acquire waits for it, and a superseded one is dropped.
-        # At exit, another may never come back (the caller that sent it ended
-        # mid-statement): it is waited for within the exit's budget only, then left.
-        budget = None if self.deadline is None else max(self.deadline - now(), 0.0)
-        if not acquire_lock(op.stray_row.lock.cleanup_on_the_wire, budget):
-            raise steps.CleanupSuperseded
+        # A clean-up of any row carrying our id must never cross an acquire of the same
+        # Mutex: it takes its turn as it is sent (`_send`), and gives it back once answered.
+        # Cut off, it keeps the turn until it can no longer land.
         try:
-            if op.stray_row.superseded:
-                raise steps.CleanupSuperseded
-            return self._send(op)
-        finally:
-            op.stray_row.lock.cleanup_on_the_wire.release()
+            result = self._send(op)
+        except DatabaseError as exc:
+            if not exc.outcome_unknown:
+                cleanup.lock.give_back_cleanup_turn(op)
+            raise
+        cleanup.lock.give_back_cleanup_turn(op)
+        return result
 
     def _send(self, op: steps.Execute) -> steps.Result:
         source = self._source
@@ -151,9 +165,12 @@ class Engine:
         try:
             asked_at = now()
             with self._gate.turn(op.urgent), source.connection(op.timeout, asked_at) as (conn, cutter):
+                cleanup = op.stray_row
+                if cleanup is not None and not cleanup.lock.take_cleanup_turn(cleanup.generation, op, op.timeout):
+                    raise steps.CleanupSuperseded  # an acquire began while it waited for the connection
                 sent = True
-                ticket = cutter.arm(op.timeout)
                 try:
+                    cutter.arm(op.timeout)
                     return uncancellable(
                         _statement(conn, op, source.session, source.cursor),
                         functools.partial(interrupt, conn, cutter, op.timeout),
@@ -177,7 +194,8 @@ class Engine:
                     interrupt(conn, cutter, op.timeout)
                     raise
                 finally:
-                    cutter.disarm(ticket)
+                    # Whatever was armed, even if an exception landed before its ticket was kept.
+                    cutter.disarm_all()
         except FAILURES as exc:
             error = classify_failure(
                 exc,
@@ -395,11 +413,6 @@ class _Steps:
         if isinstance(op, steps.Shape):
             statements = None if op.fresh else engine.host.shapes.get(op.names.table_name)
             return _WAITS if statements is None else statements
-        if isinstance(op, steps.AwaitCleanup):
-            if not op.lock.cleanup_on_the_wire.acquire(blocking=False):
-                return _WAITS  # a clean-up of this Mutex's row is being sent
-            op.lock.cleanup_on_the_wire.release()
-            return None
         if isinstance(op, steps.Keep):
             engine.keep(op.hold)
             return None
@@ -438,10 +451,6 @@ class _Steps:
         if isinstance(op, steps.Pause):
             sleep(op.seconds)
             return not engine.closed
-        if isinstance(op, steps.AwaitCleanup):
-            acquire_lock(op.lock.cleanup_on_the_wire)
-            op.lock.cleanup_on_the_wire.release()
-            return None
         if isinstance(op, steps.Listen):
             listener = engine.listener
             if listener is None:

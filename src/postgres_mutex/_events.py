@@ -290,6 +290,14 @@ class LockEvents:
         if was_held:
             self.hook.release_failed(self.lock_name, instance_id=self.instance_id, error=error)
 
+    def abandoned(self) -> None:
+        """A hold was won by an acquire interrupted before it returned: it ended there, its row goes."""
+        logger.info(
+            "%s: the acquire that won it was interrupted before it returned; its row is deleted in the background",
+            self.what,
+        )
+        self.hook.released(self.lock_name, instance_id=self.instance_id)
+
     def row_removed(self) -> None:
         logger.info("%s: removed the row an unanswered statement may have left", self.what)
 

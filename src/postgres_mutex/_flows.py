@@ -30,7 +30,6 @@ from ._rules import (
 from ._sql import Statement, Statements
 from ._state import LEASE_EXPIRED, NOT_HELD, Hold, HoldStatus, LockState
 from ._steps import (
-    AwaitCleanup,
     Cleanup,
     Execute,
     Flow,
@@ -57,6 +56,7 @@ T = TypeVar("T")
 # A statement capped by an acquire's remaining time still gets this long, so
 # that a nearly spent timeout ends in a real attempt rather than a cut-off one.
 _MIN_STATEMENT_TIMEOUT = 0.1
+_CLEANUP_LOOK = 0.01  # seconds between looks at a clean-up on the wire (rare: after an interrupted statement)
 _LOST_RACE_PAUSE = 0.05  # seconds at most before a read/write lock's next attempt after a race lost
 
 # At most so many of a semaphore's attempts are sent again at once (`PermitReply.retry_at_once`).
@@ -70,9 +70,10 @@ def acquire(
     blocking: bool,
     timeout: float | None,
     owner: object,
+    acquirer: object,
     stop: StopSignal | None = None,
 ) -> Flow[Hold | None]:
-    """Try to take the lock: once, or until ``timeout`` if ``blocking``.
+    """Try to take the lock: once, or until ``timeout`` if ``blocking``; ``acquirer`` names this acquire.
 
     Returns the hold when acquired, None when non-blocking and held
     elsewhere, or when ``stop`` was set before an attempt won the lock (the
@@ -81,17 +82,22 @@ def acquire(
     `DatabaseError` for failures it cannot wait out. A non-blocking acquire
     returns within one ``operation_timeout`` (plus a connect). Whatever way it
     ends without the lock (cancellation included), a stray row an unanswered
-    attempt may have left is handed to the background to delete.
+    attempt may have left is handed to the background to delete. An
+    exception raised into it (a signal handler's) after it won the lock ends
+    that hold too: the caller gets the hold only by the flow's return, and
+    the acquirer's `abandon` undoes whatever ends it sooner.
 
     The whole acquire is one span, each attempt an event on it.
     """
-    generation = lock.begin_acquire()
+    generation = lock.begin_acquire(acquirer)
     extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
     if timeout is not None:
         extra["postgres_mutex.timeout"] = timeout
     outcome = "cancelled"
     with tracing.span("postgres_mutex.acquire", span_attributes(lock, **extra)) as span:
-        attempts = _Attempts(lock, span, blocking=blocking, timeout=timeout, generation=generation, stop=stop)
+        attempts = _Attempts(
+            lock, span, blocking=blocking, timeout=timeout, generation=generation, acquirer=acquirer, stop=stop
+        )
         try:
             hold = yield from attempts.until_done(owner)
             result = attempts.result
@@ -135,6 +141,7 @@ class _Attempts:
         blocking: bool,
         timeout: float | None,
         generation: int,
+        acquirer: object,
         stop: StopSignal | None,
     ) -> None:
         self.lock = lock
@@ -142,6 +149,7 @@ class _Attempts:
         self.blocking = blocking
         self.timeout = timeout
         self.generation = generation
+        self.acquirer = acquirer
         self.stop = stop
         self.started = now()
         self.deadline = None if timeout is None else self.started + timeout
@@ -158,13 +166,14 @@ class _Attempts:
     def until_done(self, owner: object) -> Flow[Hold | None]:
         lock = self.lock
         listening = False
+        closing = False
         try:
-            yield AwaitCleanup(lock)
+            yield from self._after_cleanup_on_the_wire()
             while True:
                 if self.stop is not None and self.stop.is_set():
                     self.stopped = True
                     yield from self._leave_nothing_behind()
-                    lock.abort_acquire()
+                    lock.abort_acquire(self.acquirer)
                     return None
                 statement_timeout = self._statement_timeout()
                 possible_before = lock.attempt_sent()
@@ -197,7 +206,7 @@ class _Attempts:
                         lock.attempt_refused(possible_before)
                     if (yield from self._after_failure(exc)):
                         continue
-                    lock.abort_acquire()
+                    lock.abort_acquire(self.acquirer)
                     return None
                 except BaseException:
                     # Interrupted mid-statement (cancelled, a signal's exception): it may still land.
@@ -240,7 +249,7 @@ class _Attempts:
                 lock.events.contended(self.span, result, alert=alert)
                 if not self.blocking:
                     yield from self._leave_nothing_behind()  # an earlier attempt's, if it went unanswered
-                    lock.abort_acquire()
+                    lock.abort_acquire(self.acquirer)
                     return None
                 if _passed(self.deadline):
                     raise LockAcquisitionTimeout(
@@ -256,15 +265,51 @@ class _Attempts:
                         # Listening now: try again at once, lest a release before the LISTEN be missed.
                         continue
                 yield WaitForRelease(_until(self.deadline, lock.timing.poll_interval), self.stop)
+        except GeneratorExit:
+            # Closed, its engine gone (an exception landed between two steps): it takes no more
+            # steps. Whoever ran it undoes the acquire (`abandon`), steps and all.
+            closing = True
+            raise
         except BaseException:
-            # Timeout, error or interruption: leave nothing behind, in the background.
-            yield from self._leave_nothing_behind()
-            lock.abort_acquire()
+            # Timeout, error or interruption, wherever it landed (a signal's exception after the
+            # lock was won included): leave nothing behind, in the background.
+            yield from abandon(lock, self.acquirer)
             raise
         finally:
             if listening:
                 lock.events.stopped_waiting()
-                yield StopListening()
+                if not closing:
+                    yield StopListening()
+
+    def _after_cleanup_on_the_wire(self) -> Flow[None]:
+        """Wait while a clean-up of a row of ours is on the wire: sent after it, the acquire could be undone by it.
+
+        Bounded by its landing deadline (`LockState.take_cleanup_turn`) and by this acquire's own.
+        """
+        lock = self.lock
+        while (until := lock.cleanup_on_the_wire_until()) is not None:
+            if self.budget is not None and now() >= self.budget:
+                what = (
+                    f"the clean-up of a row instance {lock.instance_id!r} left (an interrupted statement's) "
+                    "was still running on the server"
+                )
+                if self.blocking:
+                    raise LockAcquisitionTimeout(
+                        f"{lock.kind} {lock.lock_name!r} not acquired within {self._waited():g}s: {what}",
+                        self.timeout,
+                        lock_name=lock.lock_name,
+                        holder=None,
+                    )
+                raise OperationTimeout(
+                    f"{lock.describe('acquire')} did not begin within operation_timeout "
+                    f"({lock.timing.operation_timeout:g}s): {what}",
+                    transient=True,
+                    outcome_unknown=False,
+                )
+            pause = until - now()
+            if self.budget is not None:
+                pause = min(pause, self.budget - now())
+            yield Pause(max(0.0, min(pause, _CLEANUP_LOOK)))
 
     def _statement_timeout(self) -> float:
         timeout = self.lock.timing.operation_timeout
@@ -332,6 +377,24 @@ class _Attempts:
         return True
 
 
+def abandon(lock: LockState, acquirer: object) -> Flow[None]:
+    """End ``acquirer``'s acquire, which its caller will never learn the result of: nothing of it stays.
+
+    A hold it won is no longer renewed; its row, like any an unanswered
+    attempt may leave, is deleted in the background (a later acquire of the
+    same lock takes it back first, if it comes sooner).
+    """
+    undone = lock.abandon_acquire(acquirer)
+    if undone is None:
+        return  # ended already (or never began: another acquire's)
+    generation, hold, stray = undone
+    if hold is not None:
+        yield Forget(hold)
+        lock.events.abandoned()
+    if stray:
+        yield Schedule(stray_row_cleanup(lock, generation))
+
+
 def _retry_at_once(exc: DatabaseError) -> bool:
     """A failure that says nothing about the moment: a connection found dead on use, a serialization failure."""
     return died_while_idle(exc) or exc.sqlstate == SERIALIZATION_FAILURE
@@ -380,15 +443,19 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
     lost (its row, if it may still be ours, is deleted in the background:
     nothing is sent in the caller's time for a lock known to be lost). Raises
     `DatabaseError` if the row could not be deleted: it is then deleted in
-    the background as soon as the database answers.
+    the background as soon as the database answers. An exception raised into
+    it (a signal handler's), wherever it lands, leaves the row to the
+    background likewise.
     """
-    hold = lock.begin_release(caller)
-    if hold is None:
-        if lock.stray_row_possible:
-            yield Schedule(stray_row_cleanup(lock, lock.generation))
-        raise lock.not_held_error(NOT_HELD)
-    yield Forget(hold)
+    releaser = object()
+    settled = False  # the row's fate is known: deleted, gone, or handed to the background
+    closing = False
     try:
+        hold = lock.begin_release(caller, releaser)
+        if hold is None:
+            settled = True
+            raise lock.not_held_error(NOT_HELD)
+        yield Forget(hold)
         with tracing.span("postgres_mutex.release", span_attributes(lock)) as span:
             if hold.status is HoldStatus.HELD:
                 # Its lease ran out before anyone noticed: that is a loss, reported once.
@@ -400,15 +467,15 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
                 if hold.reason == LEASE_EXPIRED:
                     # Nobody may have reclaimed it yet: the row may still be ours.
                     yield Schedule(_scoped_cleanup(lock, hold, ended_how="lost"))
+                settled = True
                 raise hold.error()
             timeout = lock.timing.operation_timeout
             try:
                 result = yield from _execute_in_shape(lock, lambda statements: statements.release, timeout, "release")
-            except BaseException as exc:
-                # Failed, cut off or interrupted: the row may remain. Delete it later.
+            except DatabaseError as exc:
+                # Failed or cut off: the row may remain. Delete it later.
                 yield Schedule(_scoped_cleanup(lock, hold))
-                if not isinstance(exc, DatabaseError):
-                    raise
+                settled = True
                 error = DatabaseError(
                     f"{exc}; the lock row is deleted in the background as soon as the database answers "
                     f"(else another instance may reclaim it after stale_threshold, {lock.timing.stale_threshold:g}s)",
@@ -418,6 +485,7 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
                 )
                 lock.events.release_failed(error, was_held=True)
                 raise error from exc
+            settled = True
             deleted = result.rowcount > 0
             lock.events.released(span, deleted=deleted)
             if not deleted:
@@ -426,9 +494,19 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
                 yield Tell(lock, gone)
                 raise gone
             return True
+    except GeneratorExit:
+        closing = True  # its engine is gone: no more steps (the row goes at stale_threshold)
+        raise
     finally:
-        lock.end_release()
-        if lock.stray_row_possible or now() < lock.stray_row_may_land_until:
+        # Whichever way it ended, and wherever an exception landed: the hold it began to release.
+        begun = lock.end_release(releaser)
+        if closing:
+            pass
+        elif begun is not None and not settled:
+            # Interrupted before the row's fate was known: it may remain. Delete it later.
+            yield Forget(begun)
+            yield Schedule(_scoped_cleanup(lock, begun))
+        if not closing and (lock.stray_row_possible or now() < lock.stray_row_may_land_until):
             # An unanswered acquire of ours may still land: sweep after it no longer can.
             yield Schedule(stray_row_cleanup(lock, lock.generation))
 

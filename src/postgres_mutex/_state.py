@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 LEASE_EXPIRED = "its lease ran out: no heartbeat succeeded for stale_threshold - heartbeat_interval"
 ROW_GONE = "its row was deleted or taken over by another instance"
 RELEASED_ELSEWHERE = "release() was called from another thread or task while the block holding it ran"
+INTERRUPTED = "the acquire that won it was interrupted before it returned: its row is deleted in the background"
 NOT_HELD = "this Mutex does not hold the lock"
 IN_DOUBT = (
     "its hold is in doubt: no heartbeat succeeded for reclaim_disconnected_after - heartbeat_interval, and another "
@@ -90,6 +91,7 @@ class Hold:
         "acquired_at",
         "doubt_deadline",
         "doubt_told",
+        "generation",
         "group",
         "lease_deadline",
         "lock",
@@ -139,6 +141,8 @@ class Hold:
         """The heartbeat group of the engine that renews it."""
         self.paused = False
         """Heartbeats skip it, as they would a frozen process's: how tests freeze a holder in-process."""
+        self.generation = lock.generation
+        """The acquire that won it (`LockState.generation`)."""
 
     @property
     def trusted_until(self) -> float:
@@ -206,8 +210,14 @@ class LockState:
         """Until then an unanswered acquire of ours may still be running on the server, and land."""
         self.generation = 0
         """Bumped by every acquire: a stray row's clean-up begun earlier is superseded."""
-        self.cleanup_on_the_wire = threading.Lock()
-        """Held while a stray row's clean-up is on the wire: an acquire waits for it, so they never cross."""
+        self.acquirer: object = None
+        """Who began the current (or last) acquire: only it ends that acquire (`abort_acquire`, `abandon_acquire`)."""
+        self.releaser: object = None
+        """Who began the release under way: only it ends it (`end_release`)."""
+        self._cleanup_sender: object = None
+        """The stray row's clean-up on the wire, if any: an acquire waits for it, so the two never cross."""
+        self._cleanup_until = 0.0
+        """When that clean-up can no longer land, whether or not its sender is still there to say so."""
 
     # -- queries ---------------------------------------------------------------
 
@@ -281,8 +291,13 @@ class LockState:
 
     # -- transitions (each under the client's state lock) ---------------------
 
-    def begin_acquire(self) -> int:
-        """Start an acquire; returns its generation, superseding earlier clean-ups. Raises `LockAlreadyHeldError`."""
+    def begin_acquire(self, acquirer: object) -> int:
+        """Start an acquire for ``acquirer``; returns its generation, superseding earlier clean-ups.
+
+        Raises `LockAlreadyHeldError`. ``acquirer`` names the acquire, whatever
+        becomes of the returned value: an exception can land before the caller
+        stores it, and the caller still ends its own acquire, and only its own.
+        """
         with self._lock:
             if self.phase is not Phase.IDLE and self.rw_mode is not None:
                 raise LockAlreadyHeldError(
@@ -301,6 +316,7 @@ class LockState:
                 )
             self.phase = Phase.ACQUIRING
             self.generation += 1
+            self.acquirer = acquirer
             return self.generation
 
     def attempt_sent(self) -> bool:
@@ -334,10 +350,35 @@ class LockState:
             if generation == self.generation:
                 self.stray_row_possible = False
 
-    def abort_acquire(self) -> None:
+    def abort_acquire(self, acquirer: object) -> None:
+        """``acquirer``'s acquire ended without the lock (a later acquire's is left alone)."""
         with self._lock:
-            if self.phase is Phase.ACQUIRING:
+            if self.phase is Phase.ACQUIRING and self.acquirer is acquirer:
                 self.phase = Phase.IDLE
+
+    def abandon_acquire(self, acquirer: object) -> tuple[int, Hold | None, bool] | None:
+        """``acquirer``'s acquire ended by an exception before its caller got the hold: undo it.
+
+        Whatever the acquire had reached (a statement sent, a hold won, renewed
+        or not), nothing of it stays: the phase is idle again, and a hold it
+        won is ended (no heartbeat renews it), its row now a stray row for the
+        background to delete. Returns the acquire's generation, the hold it
+        ended (for the caller to stop renewing) and whether a stray row may be
+        in the table; None for an acquire that already ended, or another's
+        (so it is safe to call twice).
+        """
+        with self._lock:
+            if self.acquirer is not acquirer or self.phase not in (Phase.ACQUIRING, Phase.HOLDING):
+                return None
+            hold = self.hold
+            if hold is None or hold.generation != self.generation or hold.status is not HoldStatus.HELD:
+                hold = None
+            else:
+                hold.status = HoldStatus.ENDED
+                hold.reason = INTERRUPTED
+                self.stray_row_possible = True
+            self.phase = Phase.IDLE
+            return self.generation, hold, self.stray_row_possible
 
     def won(
         self,
@@ -440,17 +481,19 @@ class LockState:
                 return hold
         return self.require_held()
 
-    def begin_release(self, caller: object) -> Hold | None:
+    def begin_release(self, caller: object, releaser: object) -> Hold | None:
         """Stop holding: the hold is no longer renewed. Returns it (None if there was none).
 
         A release from another thread or task than the one that acquired is
         recorded on the hold, so the block holding it learns it ran unlocked.
+        ``releaser`` names the release, for `end_release`.
         """
         with self._lock:
             hold = self.hold
             if self.phase is not Phase.HOLDING or hold is None:
                 return None
             self.phase = Phase.RELEASING
+            self.releaser = releaser
             # A hold whose lease ran out stays HELD: the release reports it lost, once.
             if hold.status is HoldStatus.HELD and now() < hold.lease_deadline:
                 hold.status = HoldStatus.ENDED
@@ -464,11 +507,55 @@ class LockState:
             hold.reason = ROW_GONE
         return hold.error()
 
-    def end_release(self) -> None:
-        """The release is over. The hold stays readable (`require_held` says how it ended) until the next acquire."""
+    def end_release(self, releaser: object) -> Hold | None:
+        """``releaser``'s release is over; returns the hold it began to release (None if it began none).
+
+        The hold stays readable (`require_held` says how it ended) until the next acquire.
+        """
         with self._lock:
-            if self.phase is Phase.RELEASING:
-                self.phase = Phase.IDLE
+            if self.phase is not Phase.RELEASING or self.releaser is not releaser:
+                return None
+            self.phase = Phase.IDLE
+            self.releaser = None
+            return self.hold
+
+    # -- a stray row's clean-up on the wire: its turn ----------------------------------
+
+    def take_cleanup_turn(self, generation: int, sender: object, seconds: float) -> bool:
+        """A stray row's clean-up of ``generation`` goes on the wire now, bounded by ``seconds``: may it?
+
+        Only if no acquire began since (it takes any row of ours back itself).
+        Taken at the moment of sending, after any wait for the connection, so
+        an acquire that begins later waits for this statement and no other.
+        The turn ends when `give_back_cleanup_turn` says the reply came, or by
+        itself once the statement can no longer land (twice its deadline: the
+        client cuts it at one, the server's statement_timeout ends it before):
+        a sender that vanished (an event loop that ended mid-statement, an
+        exception raised before it could give the turn back) holds no acquire
+        up for longer, and no thread lock is held across the statement.
+        """
+        with self._lock:
+            if generation != self.generation:
+                return False
+            self._cleanup_sender = sender
+            self._cleanup_until = now() + 2 * seconds
+            return True
+
+    def give_back_cleanup_turn(self, sender: object) -> None:
+        """``sender``'s clean-up was answered: it can no longer cross an acquire."""
+        with self._lock:
+            if self._cleanup_sender is sender:
+                self._cleanup_sender = None
+
+    def cleanup_on_the_wire_until(self) -> float | None:
+        """Until when a stray row's clean-up may still land (an acquire must not be sent before); None: none may."""
+        with self._lock:
+            if self._cleanup_sender is None:
+                return None
+            if now() >= self._cleanup_until:
+                self._cleanup_sender = None
+                return None
+            return self._cleanup_until
 
     def reset_after_fork(self, instance_id: str, state_lock: StateLock) -> None:
         """In a forked child: nothing inherited is held by this process."""
@@ -479,7 +566,7 @@ class LockState:
         self.instance_id = instance_id  # a read/write lock's row_name follows it
         self.events.instance_id = instance_id
         self.alert_gate = type(self.alert_gate)(self.timing.alert_threshold)  # a watcher's to alert, if it was
-        self.cleanup_on_the_wire = threading.Lock()
+        self._cleanup_sender = None
 
 
 class HeartbeatGroup:

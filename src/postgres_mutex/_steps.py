@@ -39,8 +39,8 @@ class Execute:
     urgent: bool = False
     stray_row: Cleanup | None = None
     """For the clean-up of a stray row (any row carrying our id): the engine
-    keeps the lock's ``cleanup_on_the_wire`` while it runs, and does not send
-    it (raising `CleanupSuperseded`) if an acquire began since."""
+    takes the lock's clean-up turn as it sends it (`LockState.take_cleanup_turn`),
+    and does not send it (raising `CleanupSuperseded`) if an acquire began since."""
 
 
 class CleanupSuperseded(Exception):
@@ -144,13 +144,6 @@ class StopListening:
 
 
 @dataclass(frozen=True, slots=True)
-class AwaitCleanup:
-    """Wait until no clean-up of rows carrying ``lock``'s id is on the wire (it would cross the acquire)."""
-
-    lock: LockState
-
-
-@dataclass(frozen=True, slots=True)
 class Keep:
     """Renew ``hold`` with the engine's heartbeats from now on."""
 
@@ -209,5 +202,5 @@ class Schedule:
     cleanup: Cleanup
 
 
-Op = Execute | Pause | Shape | AwaitCleanup | Listen | WaitForRelease | StopListening | Keep | Forget | Tell | Schedule
+Op = Execute | Pause | Shape | Listen | WaitForRelease | StopListening | Keep | Forget | Tell | Schedule
 Flow = Generator[Op, Any, T]

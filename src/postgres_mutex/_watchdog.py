@@ -68,6 +68,11 @@ class Cutter:
             if self._armed == ticket:
                 self._armed += 1
 
+    def disarm_all(self) -> None:
+        """Disarm whatever is armed: for the one statement at a time its connection runs."""
+        with self._lock:
+            self._armed += 1
+
     def due(self, ticket: int) -> None:
         """Called by the watchdog: cut the socket if this ticket is still armed."""
         with self._lock:

@@ -265,14 +265,15 @@ def test_objects_seldom_reach_into_each_others_private_state() -> None:
     assert len(reaches) <= MOST_PRIVATE_REACHES, "\n".join(reaches)
 
 
-def test_no_hand_written_module_is_over_500_lines() -> None:
-    # One job per module: past this, a module is doing several.
+def test_no_hand_written_module_is_over_800_lines() -> None:
+    # A module's size is set by its one concept, not by a cap met by splitting it; past this
+    # many lines, it is likely doing several jobs.
     sizes = {
         str(path.relative_to(SRC)): len(path.read_text().splitlines())
         for path in SRC.rglob("*.py")
         if "do not edit" not in path.read_text()[:600].lower()
     }
-    assert {name: lines for name, lines in sizes.items() if lines > 500} == {}
+    assert {name: lines for name, lines in sizes.items() if lines > 800} == {}
 
 
 INTEGRATIONS = SRC / "integrations"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,13 +29,13 @@ from postgres_mutex._settings import Timing
 from postgres_mutex._sql import CURRENT, Names, Statements
 from postgres_mutex._state import LEASE_EXPIRED, ROW_GONE, Hold, HoldStatus, LockState, Phase
 from postgres_mutex._steps import (
-    AwaitCleanup,
     Cleanup,
     Execute,
     Flow,
     Forget,
     Keep,
     Listen,
+    Pause,
     Result,
     Schedule,
     Shape,
@@ -43,7 +44,8 @@ from postgres_mutex._steps import (
     WaitForRelease,
 )
 from postgres_mutex._tracing import Tracing
-from postgres_mutex.errors import DatabaseError, OperationTimeout, SchemaError
+from postgres_mutex.errors import DatabaseError, LockAcquisitionTimeout, OperationTimeout, SchemaError
+from tests.support.fixtures import wait_until
 
 TIMING = Timing.validate(
     heartbeat_interval=0.1, alert_threshold=0.6, stale_threshold=1.5, poll_interval=0.05, operation_timeout=2.0
@@ -53,6 +55,8 @@ NAMES = Names("mutex_lock")
 STATEMENTS = Statements(NAMES, CURRENT)
 TRACING = Tracing(None, {})
 ME = object()
+ACQUIRER = object()
+"""Names the acquire under test to the lock's state."""
 
 
 def lock(name: str = "job", instance_id: str = "me", timing: Timing = TIMING) -> LockState:
@@ -80,7 +84,7 @@ def step(flow: Flow[Any], reply: Any = None) -> Any:
 
 
 def until_execute(flow: Flow[Any], first: Any = None) -> Execute:
-    """Answer the preliminary steps (AwaitCleanup, Shape) the way an engine would, up to the first statement."""
+    """Answer the preliminary steps (Shape) the way an engine would, up to the first statement."""
     op = step(flow, first)
     while not isinstance(op, Execute):
         op = step(flow, STATEMENTS if isinstance(op, Shape) else None)
@@ -96,7 +100,7 @@ def contended_row(holder: str = "other") -> Result:
 
 
 def held(state: LockState, token: int = 7) -> Hold:
-    state.begin_acquire()
+    state.begin_acquire(ACQUIRER)
     return state.won(acquired_at=STAMP, token=token, sent_at=now(), owner=ME, span_context=None)
 
 
@@ -109,7 +113,7 @@ def test_an_acquire_interrupted_mid_statement_hands_its_possible_row_to_the_back
     interruption: BaseException,
 ) -> None:
     state = lock()
-    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER)
     attempt = until_execute(flow)
     assert attempt.statement is STATEMENTS.acquire
     scheduled = flow.throw(interruption)
@@ -124,7 +128,7 @@ def test_an_acquire_interrupted_mid_statement_hands_its_possible_row_to_the_back
 
 def test_an_unanswered_acquire_hands_its_possible_row_to_the_background() -> None:
     state = lock()
-    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER)
     until_execute(flow)
     unanswered = OperationTimeout("no reply", transient=True, outcome_unknown=True)
     assert isinstance(flow.throw(unanswered), Schedule)
@@ -142,7 +146,7 @@ def test_a_non_blocking_acquire_that_ends_busy_after_an_unanswered_try_leaves_no
     then: Result | SchemaError, busy: str
 ) -> None:
     state = lock()
-    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER)
     until_execute(flow)
     # The first try finds its connection dead after sending (it may have landed), the prompt retry
     # finds the lock busy: the first try's row, if it lands, must still be deleted.
@@ -160,7 +164,7 @@ def test_a_non_blocking_acquire_that_ends_busy_after_an_unanswered_try_leaves_no
 
 def test_a_refused_acquire_leaves_nothing_to_clean() -> None:
     state = lock()
-    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER)
     until_execute(flow)
 
     with pytest.raises(SchemaError):
@@ -170,7 +174,7 @@ def test_a_refused_acquire_leaves_nothing_to_clean() -> None:
 
 def test_an_acquire_the_table_changed_under_inspects_it_again_once_then_reports() -> None:
     state = lock()
-    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER)
     until_execute(flow)
     again = flow.throw(SchemaError("no table", sqlstate="42P01"))
     assert isinstance(again, Shape)
@@ -184,7 +188,7 @@ def test_an_acquire_the_table_changed_under_inspects_it_again_once_then_reports(
 
 def test_a_blocking_acquire_listens_tries_again_at_once_then_stops_listening() -> None:
     state = lock()
-    flow = acquire_flow(state, TRACING, blocking=True, timeout=10, owner=ME)
+    flow = acquire_flow(state, TRACING, blocking=True, timeout=10, owner=ME, acquirer=ACQUIRER)
     until_execute(flow)
     listen = step(flow, contended_row())
     assert isinstance(listen, Listen)
@@ -208,8 +212,40 @@ def test_a_blocking_acquire_listens_tries_again_at_once_then_stops_listening() -
 
 def test_an_acquire_waits_for_a_clean_up_on_the_wire_before_sending() -> None:
     state = lock()
-    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME)
-    assert isinstance(step(flow), AwaitCleanup), "a clean-up of rows carrying our id must not cross the acquire"
+    assert state.take_cleanup_turn(state.generation, "a clean-up", 0.2)
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER)
+    assert isinstance(step(flow), Pause), "a clean-up of rows carrying our id must not cross the acquire"
+    state.give_back_cleanup_turn("a clean-up")
+    assert isinstance(step(flow), Shape), "once it was answered, the acquire goes on"
+
+
+def test_a_clean_up_whose_sender_vanished_holds_an_acquire_up_only_until_it_can_no_longer_land() -> None:
+    state = lock()
+    assert state.take_cleanup_turn(state.generation, "a clean-up never answered", 0.05)
+    assert state.cleanup_on_the_wire_until() is not None
+    wait_until(lambda: state.cleanup_on_the_wire_until() is None, timeout=2.0)
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER)
+    assert isinstance(step(flow), Shape), "twice its deadline after it was sent, it can no longer land"
+
+
+def test_an_acquire_waits_for_a_clean_up_on_the_wire_no_longer_than_its_own_timeout() -> None:
+    state = lock()
+    assert state.take_cleanup_turn(state.generation, "a clean-up never answered", 60.0)
+    flow = acquire_flow(state, TRACING, blocking=True, timeout=0.05, owner=ME, acquirer=ACQUIRER)
+    with pytest.raises(LockAcquisitionTimeout, match="clean-up"):
+        for _ in range(1000):
+            pause = step(flow)
+            assert isinstance(pause, Pause)
+            time.sleep(pause.seconds)  # as the engine performs the step
+    assert state.phase is Phase.IDLE
+
+
+def test_a_clean_up_is_refused_its_turn_once_an_acquire_began() -> None:
+    state = lock()
+    generation = state.generation
+    state.begin_acquire(ACQUIRER)
+    assert not state.take_cleanup_turn(generation, "a clean-up begun before the acquire", 1.0)
+    assert state.cleanup_on_the_wire_until() is None
 
 
 def test_a_release_interrupted_mid_statement_leaves_the_mutex_idle_and_the_row_to_the_background() -> None:
@@ -220,6 +256,8 @@ def test_a_release_interrupted_mid_statement_leaves_the_mutex_idle_and_the_row_t
     delete = until_execute(flow)
     assert delete.params["acquired_at"] == STAMP, "the DELETE is scoped to this hold"
     scheduled = flow.throw(KeyboardInterrupt())
+    if isinstance(scheduled, Forget):
+        scheduled = step(flow)  # heartbeats stopped, once more: harmless
     assert isinstance(scheduled, Schedule)
     assert scheduled.cleanup.acquired_at == STAMP
     with pytest.raises(KeyboardInterrupt):
@@ -302,7 +340,7 @@ def test_a_row_locked_by_another_session_is_waited_for_briefly_then_busy_not_los
 
 def test_a_hold_acquired_before_the_table_had_tokens_is_renewed_by_its_stamp() -> None:
     state = lock()
-    state.begin_acquire()
+    state.begin_acquire(ACQUIRER)
     hold = state.won(acquired_at=STAMP, token=None, sent_at=now(), owner=ME, span_context=None)
     flow = heartbeat([hold], STATEMENTS, TRACING, 1.0)
     beat = step(flow)
@@ -335,7 +373,7 @@ def stray() -> LockState:
 
 def test_a_clean_up_superseded_by_an_acquire_is_dropped(stray: LockState) -> None:
     cleanup = Cleanup(stray, acquired_at=None, generation=stray.generation, conclusive_from=now(), give_up_at=now() + 9)
-    stray.begin_acquire()  # an acquire began: it takes any row of ours back itself
+    stray.begin_acquire(ACQUIRER)  # an acquire began: it takes any row of ours back itself
     with pytest.raises(StopIteration) as done:
         step(clean_up(cleanup))
     assert done.value.value is True
@@ -379,7 +417,7 @@ def test_a_hold_is_in_doubt_one_interval_before_it_may_be_reclaimed_and_a_heartb
 ) -> None:
     clock = Clock(monkeypatch)
     state = lock(timing=NAMING)
-    state.begin_acquire()
+    state.begin_acquire(ACQUIRER)
     hold = state.won(acquired_at=STAMP, token=1, sent_at=clock.t, owner=ME, span_context=None)
     clock.t += 8.9
     assert hold.held
@@ -410,7 +448,7 @@ def test_a_hold_is_in_doubt_one_interval_before_it_may_be_reclaimed_and_a_heartb
 def test_a_hold_that_names_no_session_is_never_in_doubt(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock(monkeypatch)
     state = lock(timing=dataclasses.replace(NAMING, reclaim_disconnected_after=None))
-    state.begin_acquire()
+    state.begin_acquire(ACQUIRER)
     hold = state.won(acquired_at=STAMP, token=1, sent_at=clock.t, owner=ME, span_context=None)
     clock.t += 500.0
     assert hold.held

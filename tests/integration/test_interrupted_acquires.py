@@ -1,0 +1,236 @@
+"""An exception raised into an acquire, wherever it lands, leaves either a hold the block owns or nothing.
+
+A job runner's time limit (Celery's soft time limit, RQ, a ``signal.alarm`` wrapper) or Ctrl-C
+raises from a signal handler between any two lines of the library. The caller then either got
+the hold (its ``with`` block's exit releases it) or nothing is left: no hold in memory, no row
+heartbeated, the object usable at once, and the row, if any, deleted by the background.
+
+Two ways in, for every kind of holder: an exception raised in turn at each point of an acquire
+where CPython could run a signal handler (a trace function raises it there: every window,
+deterministically), and a real signal handler raising at random moments, hundreds of times,
+as a job runner does.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import psycopg
+import pytest
+
+import postgres_mutex
+from postgres_mutex import Mutex, RWLock, Semaphore
+from postgres_mutex._acquisition import Acquisition
+from tests.support.timing import FAST
+
+LIBRARY = str(Path(postgres_mutex.__file__).parent)
+
+# Short statement deadlines: a row an unanswered attempt may leave is deleted within a second.
+OPTIONS: dict[str, Any] = {**FAST, "operation_timeout": 0.5}
+
+
+class JobTimeout(Exception):
+    """What a job runner raises from its signal handler: a plain exception, which code may catch by mistake."""
+
+
+@dataclass
+class Subject:
+    """One kind of holder, and how to ask it for the lock."""
+
+    kind: str
+    holder: Any
+    acquire: Callable[[], Acquisition]
+    rows_like: str
+
+    @property
+    def held(self) -> bool:
+        return bool(self.holder.held)
+
+
+@pytest.fixture(params=["mutex", "semaphore", "read", "write"])
+def subject(request: pytest.FixtureRequest, dsn: str, lock_name: str, schema: None) -> Iterator[Subject]:
+    kind: str = request.param
+    made: Any
+    if kind == "mutex":
+        made = Mutex(dsn=dsn, lock_name=lock_name, **OPTIONS)
+        yield Subject(kind, made, lambda: made.acquire(blocking=True, timeout=5), lock_name)
+    elif kind == "semaphore":
+        made = Semaphore(dsn, lock_name, permits=2, **OPTIONS)
+        yield Subject(kind, made, lambda: made.acquire(blocking=True, timeout=5), lock_name + "%")
+    else:
+        made = RWLock(dsn, lock_name, **OPTIONS)
+        pick = made.read if kind == "read" else made.write
+        yield Subject(kind, made, lambda: pick(blocking=True, timeout=5), lock_name + "%")
+    made.close()
+
+
+def _rows(admin: psycopg.Connection[Any], subject: Subject) -> int:
+    found = admin.execute(
+        "SELECT count(*) FROM mutex_lock WHERE lock_name LIKE %s AND instance_id = %s",
+        (subject.rows_like, subject.holder.instance_id),
+    ).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+@dataclass
+class Tally:
+    """What the tries saw, reported whatever the outcome."""
+
+    kind: str
+    tries: int = 0
+    interrupted: int = 0
+    entered: int = 0
+    offsets: list[float] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        spread = f", offsets {min(self.offsets) * 1000:.2f}-{max(self.offsets) * 1000:.2f} ms" if self.offsets else ""
+        return (
+            f"{self.kind}: {self.tries} tries, {self.interrupted} interrupted before the block, "
+            f"{self.entered} entered the block{spread}"
+        )
+
+
+def _one_try(subject: Subject, admin: psycopg.Connection[Any], tally: Tally, said: Callable[[], str] | str) -> None:
+    """Acquire with an exception on its way; check the caller got the hold, or that nothing is left.
+
+    ``said`` tells where the exception was raised (a function: once it was).
+    """
+    tally.tries += 1
+    where = "before the block"
+    try:
+        with subject.acquire() as acquired:
+            _stop_raising()
+            where = said if isinstance(said, str) else said()
+            tally.entered += 1
+            assert acquired, f"{where}: the block runs holding the lock"
+            assert subject.held, f"{where}: the block runs holding the lock"
+    except (JobTimeout, KeyboardInterrupt):
+        _stop_raising()
+        tally.interrupted += 1
+    _stop_raising()
+    where = said if isinstance(said, str) else said()
+    assert not subject.held, f"{where}: no hold is left in memory ({tally})"
+    # Nothing stays heartbeated: the row, if the acquire wrote one, is deleted by the background.
+    deadline = time.monotonic() + 5.0
+    while _rows(admin, subject) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not _rows(admin, subject), f"{where}: the background deleted the row ({tally})"
+    # And the object is usable at once: no "already holds or is acquiring".
+    with subject.acquire() as acquired:
+        assert acquired, f"{where}: the lock is free again"
+
+
+def _stop_raising() -> None:
+    sys.settrace(None)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _told(raiser: _RaiseAtCheck, point: str) -> str:
+    return f"{point}: {raiser.where or 'not reached'}"
+
+
+class _RaiseAtCheck:
+    """A trace function that raises at the ``at``-th point where a signal handler could run in library code.
+
+    CPython runs a signal handler where the interpreter checks for pending work: as a function
+    starts or a generator resumes, after a call returns (a lock taken, a reply read), at a
+    loop's back edge. The trace raises at each of those in the library's frames of this thread,
+    the ``at``-th time it meets one.
+    """
+
+    def __init__(self, at: int, error: type[BaseException]) -> None:
+        self.at = at
+        self.error = error
+        self.seen = 0
+        self.where = ""
+        self._last: dict[int, str] = {}
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> Any:
+        if not frame.f_code.co_filename.startswith(LIBRARY):
+            return None
+        frame.f_trace_opcodes = True
+        self._check(frame)  # a function starting, or a generator resuming
+        return self._opcode
+
+    def _opcode(self, frame: FrameType, event: str, arg: object) -> Any:
+        if event == "opcode":
+            op = dis.opname[frame.f_code.co_code[frame.f_lasti]]
+            after = self._last.get(id(frame), "")
+            self._last[id(frame)] = op
+            if after.startswith("CALL") or op == "JUMP_BACKWARD":
+                self._check(frame)
+        return self._opcode
+
+    def _check(self, frame: FrameType) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+            raise self.error(f"raised at {self.where}")
+
+
+def test_an_exception_raised_wherever_a_signal_handler_could_run_leaves_a_hold_or_nothing(
+    subject: Subject, admin: psycopg.Connection[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # How many such points an uncontended acquire passes here, its connection already open.
+    with subject.acquire():
+        pass
+    counter = _RaiseAtCheck(at=0, error=JobTimeout)
+    sys.settrace(counter)
+    try:
+        acquisition = subject.acquire()
+        acquisition.__enter__()
+    finally:
+        sys.settrace(None)
+    acquisition.__exit__(None, None, None)
+    points = counter.seen
+    assert points > 50, "the count saw the library run"
+    tally = Tally(subject.kind)
+    # At every point, in turn; a KeyboardInterrupt at every third, as Ctrl-C raises it.
+    for at in range(1, points + 1):
+        error: type[BaseException] = KeyboardInterrupt if at % 3 == 0 else JobTimeout
+        raiser = _RaiseAtCheck(at, error)
+        sys.settrace(raiser)
+        _one_try(subject, admin, tally, functools.partial(_told, raiser, f"raised at point {at} of {points}"))
+    with capsys.disabled():
+        print(f"\n{tally} (an exception at each of {points} points)")
+    assert tally.interrupted >= points // 2, f"the exceptions reached the acquire: {tally}"
+
+
+def test_a_signal_handlers_exception_at_random_moments_leaves_a_hold_or_nothing(
+    subject: Subject, admin: psycopg.Connection[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As a job runner's time limit does it: SIGALRM, its handler raising, 0.2 to 8 ms into the acquire.
+    tries = 200
+    seed = random.randrange(2**32)
+    draw = random.Random(seed)
+    tally = Tally(subject.kind)
+
+    def job_timeout(signum: int, frame: FrameType | None) -> None:
+        raise JobTimeout("the job ran too long") if draw.random() < 0.7 else KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, job_timeout)
+    started = time.monotonic()
+    try:
+        for attempt in range(tries):
+            offset = draw.uniform(0.0002, 0.008)
+            tally.offsets.append(offset)
+            signal.setitimer(signal.ITIMER_REAL, offset)
+            said = f"try {attempt + 1}, seed {seed}, signal at {offset * 1000:.2f} ms"
+            _one_try(subject, admin, tally, said)
+    finally:
+        _stop_raising()
+        signal.signal(signal.SIGALRM, previous)
+    with capsys.disabled():
+        print(f"\n{tally}, seed {seed}, {time.monotonic() - started:.1f}s")
+    assert tally.interrupted >= tries // 4, f"the signals reached the acquires: {tally}"
