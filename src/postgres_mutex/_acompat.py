@@ -121,8 +121,8 @@ class AGate:
             False: collections.deque(),
         }
 
-    def turn(self, urgent: bool) -> _ATurn:
-        """The connection, for the ``async with`` block this is entered by."""
+    def turn(self, urgent: bool, seconds: float) -> _ATurn:
+        """The connection, for the ``async with`` block this is entered by (a statement of ``seconds`` at most)."""
         return _ATurn(self, urgent)
 
     async def _wait(self, urgent: bool) -> None:
@@ -156,34 +156,57 @@ class Gate:
     First come, first served: a thread that gives the connection back and asks
     again at once (an acquire polling) queues behind those already waiting
     (the release of the lock it polls for, say).
+
+    A turn whose holder never gave it back is taken back: an exception a
+    signal handler raised just as the holder's block ended can skip the
+    giving back, and nothing else would. Its holder can no longer be using
+    the connection when it asks for another turn (a thread runs one
+    statement at a time), nor once its statement's bound has passed (the
+    watchdog cuts a statement at its deadline, a connect and a cancel
+    request are bounded): a waiter looks again every `_LOOK_AGAIN` seconds.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._busy = False
         self._holder: object = None
-        """Whose turn it is: a turn interrupted before its block began gives it back by this."""
-        self._waiting: dict[bool, collections.deque[tuple[threading.Lock, object]]] = {
+        self._holder_thread = 0
+        self._holder_until = 0.0
+        self._waiting: dict[bool, collections.deque[tuple[threading.Lock, _Turn, int]]] = {
             True: collections.deque(),
             False: collections.deque(),
         }
 
-    def turn(self, urgent: bool) -> _Turn:
-        """The connection, for the ``with`` block this is entered by."""
-        return _Turn(self, urgent)
+    def turn(self, urgent: bool, seconds: float) -> _Turn:
+        """The connection, for the ``with`` block this is entered by (a statement of ``seconds`` at most)."""
+        return _Turn(self, urgent, seconds)
 
-    def _enter(self, urgent: bool, who: object) -> None:
+    def _enter(self, who: _Turn) -> None:
+        me = threading.get_ident()
         with self._lock:
-            if not self._busy:
-                self._busy = True
-                self._holder = who
+            if not self._busy or self._left_behind(me):
+                self._give(who, me)
                 return
             turn = threading.Lock()
             turn.acquire()
-            self._waiting[urgent].append((turn, who))
-        turn.acquire()  # released by _leave when it is this thread's turn
+            self._waiting[who.urgent].append((turn, who, me))
+        # Released by _pass_on when it is this thread's turn.
+        while not turn.acquire(timeout=_LOOK_AGAIN):
+            with self._lock:
+                if self._left_behind(me):
+                    self._pass_on()
 
-    def _give_back(self, who: object) -> None:
+    def _left_behind(self, asking: int) -> bool:
+        """Whether the turn's holder can no longer be using the connection, though it never gave the turn back."""
+        return self._holder_thread == asking or now() > self._holder_until
+
+    def _give(self, who: _Turn, thread: int) -> None:
+        self._busy = True
+        self._holder = who
+        self._holder_thread = thread
+        self._holder_until = now() + who.seconds + _HELD_BEYOND_STATEMENT
+
+    def _give_back(self, who: _Turn) -> None:
         """``who`` was interrupted: out of the queue if it waits there, else its turn passes on if it had it."""
         with self._lock:
             for queue in self._waiting.values():
@@ -194,18 +217,28 @@ class Gate:
             if self._holder is who:
                 self._pass_on()
 
-    def _leave(self) -> None:
+    def _leave(self, who: _Turn) -> None:
         with self._lock:
-            self._pass_on()
+            if self._holder is who:  # else it was taken back, and passed on already
+                self._pass_on()
 
     def _pass_on(self) -> None:
         for queue in (self._waiting[True], self._waiting[False]):
             if queue:
-                turn, self._holder = queue.popleft()
+                turn, who, thread = queue.popleft()
+                self._give(who, thread)
                 turn.release()  # the gate stays busy: it is theirs now
                 return
         self._busy = False
         self._holder = None
+        self._holder_thread = 0
+
+
+# How often a thread waiting for the connection looks whether its holder left without giving it
+# back, and how long past its statement's deadline a holder may keep it (a connect's floor of
+# two seconds, a cancel request's second).
+_LOOK_AGAIN = 0.05
+_HELD_BEYOND_STATEMENT = 3.0
 
 
 class _ATurn:
@@ -228,15 +261,16 @@ class _ATurn:
 
 
 class _Turn:
-    __slots__ = ("_gate", "_urgent")
+    __slots__ = ("_gate", "seconds", "urgent")
 
-    def __init__(self, gate: Gate, urgent: bool) -> None:
+    def __init__(self, gate: Gate, urgent: bool, seconds: float) -> None:
         self._gate = gate
-        self._urgent = urgent
+        self.urgent = urgent
+        self.seconds = seconds
 
     def __enter__(self) -> None:
         try:
-            self._gate._enter(self._urgent, self)
+            self._gate._enter(self)
         except BaseException:
             # Let in, then interrupted before the block began (a signal handler's exception):
             # the block's exit will not run, so the turn is passed on here.
@@ -244,7 +278,7 @@ class _Turn:
             raise
 
     def __exit__(self, *exc_info: object) -> None:
-        self._gate._leave()
+        self._gate._leave(self)
 
 
 # -- background workers ----------------------------------------------------------------

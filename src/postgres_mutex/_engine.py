@@ -164,7 +164,10 @@ class Engine:
         lost = True
         try:
             asked_at = now()
-            with self._gate.turn(op.urgent), source.connection(op.timeout, asked_at) as (conn, cutter):
+            with (
+                self._gate.turn(op.urgent, op.timeout),
+                source.connection(op.timeout, asked_at) as (conn, cutter),
+            ):
                 cleanup = op.stray_row
                 if cleanup is not None and not cleanup.lock.take_cleanup_turn(cleanup.generation, op, op.timeout):
                     raise steps.CleanupSuperseded  # an acquire began while it waited for the connection

@@ -169,7 +169,10 @@ class AsyncEngine:
         lost = True
         try:
             asked_at = now()
-            async with self._gate.turn(op.urgent), source.connection(op.timeout, asked_at) as (conn, cutter):
+            async with (
+                self._gate.turn(op.urgent, op.timeout),
+                source.connection(op.timeout, asked_at) as (conn, cutter),
+            ):
                 cleanup = op.stray_row
                 if cleanup is not None and not cleanup.lock.take_cleanup_turn(cleanup.generation, op, op.timeout):
                     raise steps.CleanupSuperseded  # an acquire began while it waited for the connection

@@ -18,11 +18,13 @@ each time.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import math
 import os
+import queue
 import socket
 import struct
 import threading
@@ -107,26 +109,37 @@ class Cutter:
 
 
 class _Watchdog:
-    """One thread, one heap of (due time, cutter, ticket); cuts each that is still armed when due."""
+    """One thread, one heap of (due time, cutter, ticket); cuts each that is still armed when due.
+
+    Pushed to from the callers' threads, where a signal handler's exception may land at any
+    moment: only primitives written in C are held there (a `threading.Lock` in a ``with``
+    statement, a `queue.SimpleQueue`), whose release no exception can skip. (A
+    `threading.Condition`'s is Python code: an exception landing at its start left it held,
+    and every later statement waited on it for good.)
+    """
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Cutter, int]] = []
         self._counter = itertools.count()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._sleeping_until = math.inf
         """When the thread wakes by itself next (infinity: it is not asleep on a deadline)."""
 
     def push(self, at: float, cutter: Cutter, ticket: int) -> None:
-        with self._cond:
+        with self._lock:
             self._drop_disarmed()
             heapq.heappush(self._heap, (at, next(self._counter), cutter, ticket))
             if self._thread is None:
                 # None at interpreter exit if it was never started: then only the
                 # connect timeout and the server's statement_timeout bound this one.
                 self._thread = start_thread(self._run, "postgres-mutex-watchdog")
-            elif at < self._sleeping_until:
-                self._cond.notify()
+                return
+            if at >= self._sleeping_until:
+                return
+            self._sleeping_until = at  # one wake-up per earlier deadline is enough
+        self._wake.put(None)
 
     def _drop_disarmed(self) -> None:
         # Statements mostly end long before their deadline: the heap's top is
@@ -137,21 +150,18 @@ class _Watchdog:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 self._drop_disarmed()
-                if not self._heap:
-                    self._sleeping_until = math.inf
-                    self._cond.wait()
-                    continue
-                at, _, cutter, ticket = self._heap[0]
-                if now() < at:
-                    self._sleeping_until = at
-                    self._cond.wait(slice_until(at))
-                    self._sleeping_until = math.inf
-                    continue
-                heapq.heappop(self._heap)
+                due = self._heap[0] if self._heap else None
+                self._sleeping_until = math.inf if due is None else due[0]
+                if due is not None and now() >= due[0]:
+                    heapq.heappop(self._heap)
+            if due is None or now() < due[0]:
+                with contextlib.suppress(queue.Empty):
+                    self._wake.get(timeout=None if due is None else slice_until(due[0]))
+                continue
             try:
-                cutter.due(ticket)
+                due[2].due(due[3])
             except Exception:  # never let one deadline stop the others from firing
                 logger.exception("postgres-mutex watchdog could not cut off an operation")
 

@@ -92,6 +92,8 @@ class Tally:
     interrupted: int = 0
     entered: int = 0
     offsets: list[float] = field(default_factory=list)
+    took: float = 0.008
+    """How long the last acquire that entered its block took."""
 
     def __str__(self) -> str:
         spread = f", offsets {min(self.offsets) * 1000:.2f}-{max(self.offsets) * 1000:.2f} ms" if self.offsets else ""
@@ -108,9 +110,11 @@ def _one_try(subject: Subject, admin: psycopg.Connection[Any], tally: Tally, sai
     """
     tally.tries += 1
     where = "before the block"
+    began = time.monotonic()
     try:
         with subject.acquire() as acquired:
             _stop_raising()
+            tally.took = time.monotonic() - began
             where = said if isinstance(said, str) else said()
             tally.entered += 1
             assert acquired, f"{where}: the block runs holding the lock"
@@ -121,8 +125,9 @@ def _one_try(subject: Subject, admin: psycopg.Connection[Any], tally: Tally, sai
     _stop_raising()
     where = said if isinstance(said, str) else said()
     assert not subject.held, f"{where}: no hold is left in memory ({tally})"
-    # Nothing stays heartbeated: the row, if the acquire wrote one, is deleted by the background.
-    deadline = time.monotonic() + 5.0
+    # Nothing stays heartbeated: the row, if the acquire wrote one, is deleted by the background
+    # (within seconds even where the exception skipped giving the connection back: see `Gate`).
+    deadline = time.monotonic() + 10.0
     while _rows(admin, subject) and time.monotonic() < deadline:
         time.sleep(0.005)
     assert not _rows(admin, subject), f"{where}: the background deleted the row ({tally})"
@@ -131,9 +136,30 @@ def _one_try(subject: Subject, admin: psycopg.Connection[Any], tally: Tally, sai
         assert acquired, f"{where}: the lock is free again"
 
 
+_ALARM = {"armed": False}
+"""Whether the signal handler raises: a signal delivered just after the acquire ended must not."""
+
+
 def _stop_raising() -> None:
+    _ALARM["armed"] = False
     sys.settrace(None)
     signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+@pytest.fixture(autouse=True)
+def _lost_in_finalizers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """An exception a signal handler raises while a finalizer runs is lost there ("Exception ignored"):
+    Python's doing, not the library's. Only such losses are tolerated; anything else still fails."""
+    lost: list[str] = []
+    others: list[str] = []
+
+    def hook(unraisable: Any) -> None:
+        where = f"{unraisable.exc_type.__name__} in {unraisable.object!r}"
+        (lost if unraisable.exc_type in (JobTimeout, KeyboardInterrupt) else others).append(where)
+
+    monkeypatch.setattr(sys, "unraisablehook", hook)
+    yield lost
+    assert others == [], "nothing but the signal's own exception may be lost in a finalizer"
 
 
 def _told(raiser: _RaiseAtCheck, point: str) -> str:
@@ -210,23 +236,27 @@ def test_an_exception_raised_wherever_a_signal_handler_could_run_leaves_a_hold_o
 def test_a_signal_handlers_exception_at_random_moments_leaves_a_hold_or_nothing(
     subject: Subject, admin: psycopg.Connection[Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # As a job runner's time limit does it: SIGALRM, its handler raising, 0.2 to 8 ms into the acquire.
-    tries = 200
+    # As a job runner's time limit does it: SIGALRM, its handler raising at a random moment of the
+    # acquire (from 0.05 ms to a little past how long the last acquire took: a fresh connection's
+    # takes milliseconds, a warm one's a fraction of one), hundreds of times.
+    tries = 300
     seed = random.randrange(2**32)
     draw = random.Random(seed)
     tally = Tally(subject.kind)
 
     def job_timeout(signum: int, frame: FrameType | None) -> None:
-        raise JobTimeout("the job ran too long") if draw.random() < 0.7 else KeyboardInterrupt
+        if _ALARM["armed"]:
+            raise JobTimeout("the job ran too long") if draw.random() < 0.7 else KeyboardInterrupt
 
     previous = signal.signal(signal.SIGALRM, job_timeout)
     started = time.monotonic()
     try:
         for attempt in range(tries):
-            offset = draw.uniform(0.0002, 0.008)
+            offset = draw.uniform(0.00005, 1.2 * tally.took)
             tally.offsets.append(offset)
-            signal.setitimer(signal.ITIMER_REAL, offset)
             said = f"try {attempt + 1}, seed {seed}, signal at {offset * 1000:.2f} ms"
+            _ALARM["armed"] = True
+            signal.setitimer(signal.ITIMER_REAL, offset)
             _one_try(subject, admin, tally, said)
     finally:
         _stop_raising()
