@@ -216,3 +216,81 @@ def test_a_process_whose_asyncio_run_ended_during_an_acquire_exits_within_its_bu
             child.kill()
             child.wait()
     assert exited_in < 10.0, f"exit took {exited_in:.1f}s"
+
+
+_ACQUIRE_AFTER_A_LOOP_ENDED_MID_CLEANUP = """
+import asyncio, sys, time
+import psycopg
+from postgres_mutex import LockAcquisitionTimeout, Mutex
+
+dsn, name = sys.argv[1], sys.argv[2]
+setup = psycopg.connect(dsn, autocommit=True)
+setup.execute(  # a row carrying this Mutex's id, as a crashed run of the same instance would leave
+    "INSERT INTO mutex_lock (lock_name, instance_id, last_heartbeat, acquired_at) VALUES (%s, 'me', now(), now())",
+    (name,),
+)
+blocker = psycopg.connect(dsn)
+blocker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (name,))  # the row stays locked
+watch = psycopg.connect(dsn, autocommit=True)
+mutex = Mutex(
+    dsn, name, instance_id="me", operation_timeout=1.0, heartbeat_interval=5.0, alert_threshold=20.0,
+    stale_threshold=60.0, poll_interval=0.05,
+)
+
+
+def waiting_on_the_row():
+    return watch.execute(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE wait_event_type = 'Lock' AND application_name LIKE 'postgres-mutex %%'"
+    ).fetchone()[0]
+
+
+async def first():
+    # The acquire waits behind the row lock; cut off, it leaves a clean-up of its row, which waits there too.
+    try:
+        async with asyncio.timeout(0.3):
+            async with mutex.acquire_async():
+                raise SystemExit("must not run")
+    except TimeoutError:
+        pass
+    deadline = time.monotonic() + 10
+    while not waiting_on_the_row():  # the clean-up is on the wire
+        assert time.monotonic() < deadline, "the clean-up never went out"
+        await asyncio.sleep(0.01)
+
+
+async def second():
+    began = time.monotonic()
+    try:
+        async with mutex.acquire_async(timeout=0.5):
+            raise SystemExit("must not run: the row is still locked")
+    except LockAcquisitionTimeout:
+        print(f"timed out after {time.monotonic() - began:.2f}s", flush=True)
+
+
+asyncio.run(first())  # ends with the clean-up mid-statement
+asyncio.run(second())
+blocker.rollback()
+"""
+
+
+def test_an_acquire_after_an_event_loop_ended_mid_clean_up_waits_no_longer_than_its_timeout(
+    dsn: str, lock_name: str, schema: None
+) -> None:
+    """A clean-up cut off when its event loop ended never gives its turn back: a later acquire of the same
+    Mutex waits for it only until it can no longer land, and never past its own timeout."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ACQUIRE_AFTER_A_LOOP_ENDED_MID_CLEANUP, dsn, lock_name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        pytest.fail(f"the second acquire never returned: {err[-2000:]}")
+    said = out.strip()
+    assert said.startswith("timed out after "), err[-2000:]
+    assert float(said.removeprefix("timed out after ").removesuffix("s")) < 3.0
