@@ -62,28 +62,34 @@ def _sessions(admin: psycopg.Connection[Any], application_name: str) -> set[tupl
     }
 
 
-@pytest.mark.parametrize("flavour", ["sync", "async"])
 def test_a_holder_keeps_one_server_session_over_its_heartbeats(
-    pg: PostgresServer, admin: psycopg.Connection[Any], schema: None, workers: list[subprocess.Popen[str]], flavour: str
+    pg: PostgresServer, admin: psycopg.Connection[Any], schema: None, workers: list[subprocess.Popen[str]]
 ) -> None:
-    """Idle between two heartbeats, the holder's connection is checked before each: it stays the same one."""
-    name = f"fds-{uuid.uuid4().hex[:10]}"
-    beats = 5
-    proc = _start(
-        workers, "hold", flavour, pg.dsn(application_name=name), name, str(beats * HOLDER["heartbeat_interval"])
-    )
-    assert _line(proc, timeout=30) == "held"
-    seen: set[tuple[int, Any]] = set()
+    """Idle between two heartbeats, the holder's connection is checked before each: it stays the same one.
+
+    A sync holder and an async one, at once: each in a process of its own, with a name of its own.
+    """
+    beats = 4
+    holders = {}
+    for flavour in ("sync", "async"):
+        name = f"fds-{flavour}-{uuid.uuid4().hex[:10]}"
+        seconds = str(beats * HOLDER["heartbeat_interval"])
+        holders[name] = _start(workers, "hold", flavour, pg.dsn(application_name=name), name, seconds)
+    for proc in holders.values():
+        assert _line(proc, timeout=30) == "held"
+    seen: dict[str, set[tuple[int, Any]]] = {name: set() for name in holders}
     deadline = time.monotonic() + beats * HOLDER["heartbeat_interval"] + 20
-    # Every session the holder has, sampled far more often than it heartbeats.
-    while proc.poll() is None and time.monotonic() < deadline:
-        seen |= _sessions(admin, name)
+    # Every session each holder has, sampled far more often than it heartbeats.
+    while any(proc.poll() is None for proc in holders.values()) and time.monotonic() < deadline:
+        for name in holders:
+            seen[name] |= _sessions(admin, name)
         time.sleep(0.05)
-    out, err = proc.communicate(timeout=10)
-    done = out.split()
-    assert proc.returncode == 0, err[-3000:]
-    assert done == ["done", "True"], (out, err[-3000:])
-    assert len(seen) == 1, f"{len(seen)} server sessions over {beats} heartbeats: it reconnected"
+    for proc in holders.values():
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0, err[-3000:]
+        assert out.split() == ["done", "True"], (out, err[-3000:])
+    sessions = {name: len(found) for name, found in seen.items()}
+    assert set(sessions.values()) == {1}, f"server sessions over {beats} heartbeats: {sessions}"
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])
