@@ -13,7 +13,7 @@ import asyncio
 import collections
 import contextlib
 import os
-import select
+import selectors
 import sys
 import threading
 import time
@@ -446,6 +446,19 @@ def to_the_end(work: T) -> T:
 # -- the listener's wait: a socket, or a wake-up ----------------------------------------
 
 
+def ready_to_read(fds: tuple[int, ...], timeout: float) -> set[int]:
+    """Which of ``fds`` are readable (or closed by their peer) within ``timeout`` seconds.
+
+    poll() where there is one, never select(): a process with many sockets open (a web server's)
+    hands the library descriptors above 1,023, which select() refuses; epoll costs a descriptor.
+    """
+    selector: selectors.BaseSelector = getattr(selectors, "PollSelector", selectors.DefaultSelector)()
+    with selector:
+        for fd in fds:
+            selector.register(fd, selectors.EVENT_READ)
+        return {key.fd for key, _ in selector.select(max(timeout, 0.0))}
+
+
 class AWaker:
     """Wakes the listener task from any thread."""
 
@@ -478,7 +491,7 @@ class AWaker:
 
 
 class Waker:
-    """Wakes the listener thread from any thread: a pipe it selects on with its socket."""
+    """Wakes the listener thread from any thread: a pipe it waits on with its socket."""
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
@@ -490,7 +503,7 @@ class Waker:
             os.write(self._write, b"\0")
 
     def wait_readable(self, fd: int, timeout: float) -> bool:
-        ready, _, _ = select.select([fd, self._read], [], [], timeout)
+        ready = ready_to_read((fd, self._read), timeout)
         if self._read in ready:
             with contextlib.suppress(OSError):
                 os.read(self._read, 4096)

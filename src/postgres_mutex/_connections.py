@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import select
 from typing import Any
 
 import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
+from ._acompat import ready_to_read
 from ._secrets import Redactor
 from .errors import InvalidArgument
 
@@ -76,10 +76,10 @@ def closed_while_idle(conn: psycopg.BaseConnection[Any]) -> bool:
     if conn.closed or conn.broken:
         return True
     try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        spoke = ready_to_read((conn.fileno(),), 0)
     except (OSError, ValueError):
         return True
-    if not readable:
+    if not spoke:
         return False
     pgconn = conn.pgconn
     try:

@@ -229,8 +229,10 @@ class ClientCore:
     def close(self) -> None:
         """Release every lock held, stop the threads, close the connections (never a pool)."""
         for lock in self._held_locks():
-            with contextlib.suppress(Exception):
+            try:
                 self._release_for_close(lock)
+            except Exception as exc:  # closing goes on: the client's other locks, its threads
+                _release_failed_on_close(lock, exc)
         with self.state_lock:
             self.closed = True
             engine, self._engine = self._engine, None
@@ -245,8 +247,10 @@ class ClientCore:
     async def aclose(self) -> None:
         """`close`, from async code: releases through the running loop's engine and closes it."""
         for lock in self._held_locks():
-            with contextlib.suppress(Exception):
+            try:
                 await self.engine_async().run(flows.release(lock, lock.tracing, caller=None))
+            except Exception as exc:
+                _release_failed_on_close(lock, exc)
         loop = asyncio.get_running_loop()
         async_engine = self._async_engines.pop(loop, None)
         if async_engine is not None:
@@ -339,6 +343,18 @@ class ClientCore:
         for lock in list(self._locks):
             explicit = lock in self._explicit_ids
             lock.reset_after_fork(lock.instance_id if explicit else default_instance_id(), self.state_lock)
+
+
+def _release_failed_on_close(lock: LockState, exc: Exception) -> None:
+    """Say which lock a client's close could not release, and why (the library's error says what becomes of
+    the row); a defect, not a `MutexError`, with its traceback."""
+    logger.warning(
+        "releasing lock %r on close failed: %s: %s",
+        lock.lock_name,
+        type(exc).__name__,
+        exc,
+        exc_info=not isinstance(exc, MutexError),
+    )
 
 
 class WrongFlavour(MutexError, ValueError):

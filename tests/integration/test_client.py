@@ -25,7 +25,7 @@ from postgres_mutex._heartbeat_flows import BATCH
 from postgres_mutex._settings import Timing
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
-from tests.support.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, wait_until
+from tests.support.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, row_locked, wait_until
 from tests.support.postgres_server import PostgresServer
 
 
@@ -432,3 +432,35 @@ def test_the_generated_sync_engine_is_up_to_date() -> None:
         [sys.executable, "tools/async_to_sync.py", "--check"], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def _failed_on_close(caplog: pytest.LogCaptureFixture, lock_name: str) -> list[str]:
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno == logging.WARNING
+        and "on close failed" in record.getMessage()
+        and repr(lock_name) in record.getMessage()
+    ]
+
+
+def test_a_release_that_fails_as_the_client_closes_is_logged_naming_the_lock(
+    dsn: str, schema: None, lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = MutexClient(dsn)
+    mutex = client.mutex(lock_name, **{**FAST, "operation_timeout": 0.5})
+    assert mutex.acquire().__enter__()
+    with row_locked(dsn, lock_name):  # the release's DELETE waits past its deadline
+        client.close()
+    assert len(_failed_on_close(caplog, lock_name)) == 1, "close() said nothing of the release it could not make"
+
+
+async def test_a_release_that_fails_as_the_client_closes_is_logged_naming_the_lock_async(
+    dsn: str, schema: None, lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = MutexClient(dsn)
+    mutex = client.mutex(lock_name, **{**FAST, "operation_timeout": 0.5})
+    assert await mutex.acquire_async().__aenter__()
+    with row_locked(dsn, lock_name):
+        await client.aclose()
+    assert len(_failed_on_close(caplog, lock_name)) == 1, "aclose() said nothing of the release it could not make"

@@ -614,6 +614,52 @@ def test_a_lead_that_ignores_the_loss_is_reported_past_the_grace_period(
     provider.shutdown()
 
 
+class _StuckOnOverrun(RecordingMetrics):
+    """A metrics hook whose report of a grace overrun hangs, as a call to a backend that does not answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.unstuck = threading.Event()
+
+    def election_grace_overrun(self, *args: Any, **kwargs: Any) -> None:
+        self.entered.set()
+        self.unstuck.wait(30)
+
+
+def test_a_stuck_metrics_hook_does_not_keep_the_lock_once_lead_returned(
+    make_election: Make,
+    candidates: list[Candidate],
+    admin: psycopg.Connection[Any],
+    lock_name: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The term's end is reported by a thread of its own; once lead returns, the release waits for it within
+    operation_timeout, not for as long as a hook hangs."""
+    hook = _StuckOnOverrun()
+    let_go = threading.Event()
+    slow = Candidate(make_election(grace_period=0.2, metrics=hook), lead=lambda leadership: let_go.wait(30))
+    candidates.append(slow.start())
+    try:
+        wait_until(slow.leading)
+        slow.election.stop()
+        assert hook.entered.wait(10), "the grace period's overrun was never reported"
+        let_go.set()
+        returned = time.monotonic()
+        bound = FAST["operation_timeout"]
+        wait_until(lambda: token_in_table(admin, lock_name) is None, timeout=bound + 3)
+        released = time.monotonic() - returned
+        assert released < bound + 3, f"released {released:.2f}s after lead returned"
+        slow.thread.join(10)
+        assert not slow.thread.is_alive(), "run() did not return after stop()"
+        assert any(
+            record.levelno == logging.WARNING and "reporting the end of the term" in record.getMessage()
+            for record in caplog.records
+        )
+    finally:
+        hook.unstuck.set()
+
+
 # -- failing leads ---------------------------------------------------------------------------------
 
 

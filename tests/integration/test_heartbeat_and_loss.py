@@ -15,7 +15,15 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
-from tests.support.fixtures import FAST, RecordingMetrics, role_with_setting, row_locked, wait_until
+from postgres_mutex import _heartbeat_flows as heartbeat_flows
+from tests.support.fixtures import (
+    FAST,
+    RecordingMetrics,
+    await_until,
+    role_with_setting,
+    row_locked,
+    wait_until,
+)
 from tests.support.postgres_server import PostgresServer
 
 Row = Callable[..., tuple[Any, ...] | None]
@@ -261,3 +269,68 @@ async def test_async_holder_learns_of_a_deleted_row(
             with pytest.raises(LockNotHeldError):
                 await holder.heartbeat_async()
     assert len(errors) == 1
+
+
+class _FailingRounds:
+    """Stands for a defect in the heartbeat: its first ``times`` rounds raise what no statement raises."""
+
+    def __init__(self, times: int) -> None:
+        self.real = heartbeat_flows.heartbeat
+        self.times = times
+        self.failed_at: list[float] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(self.failed_at) < self.times:
+            self.failed_at.append(time.monotonic())
+            raise RuntimeError("a defect in the heartbeat")
+        return self.real(*args, **kwargs)
+
+    def kept_fresh(self, holder: Mutex, row: Row) -> bool:
+        """Whether the hold is still held and its row fresh, until a lease after the first failure (then True)."""
+        found = row()
+        assert holder.held, "the hold expired after a failed heartbeat round"
+        assert found is not None
+        assert found[1] < FAST["stale_threshold"] / 2, f"the heartbeats stopped: the last one {found[1]:.2f}s ago"
+        return time.monotonic() > self.failed_at[0] + FAST["stale_threshold"] + 2 * FAST["heartbeat_interval"]
+
+
+def _said_once(caplog: pytest.LogCaptureFixture) -> None:
+    said = [
+        record
+        for record in caplog.records
+        if record.levelno == logging.ERROR and "heartbeat worker" in record.getMessage()
+    ]
+    assert len(said) == 1, [record.getMessage() for record in said]
+    assert said[0].exc_info is not None
+    assert "a defect in the heartbeat" in str(said[0].exc_info[1])
+
+
+def test_a_defect_in_a_heartbeat_round_is_logged_once_and_the_holds_stay_held(
+    make_mutex: Callable[..., Mutex], row: Row, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected exception in one round (not the database's answer) ends neither the worker nor the holds."""
+    failing = _FailingRounds(3)
+    holder, contender = make_mutex(), make_mutex()
+    with holder.acquire() as got:
+        assert got
+        monkeypatch.setattr(heartbeat_flows, "heartbeat", failing)
+        wait_until(lambda: failing.failed_at, timeout=5)
+        wait_until(lambda: failing.kept_fresh(holder, row), timeout=10, interval=0.05)
+        assert len(failing.failed_at) == failing.times
+        with contender.acquire() as taken:
+            assert not taken
+    _said_once(caplog)
+
+
+async def test_a_defect_in_an_async_heartbeat_round_is_logged_once_and_the_holds_stay_held(
+    amake_mutex: Callable[..., Mutex], row: Row, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    failing = _FailingRounds(3)
+    holder = amake_mutex()
+    async with holder.acquire_async(blocking=False) as got:
+        assert got
+        monkeypatch.setattr(heartbeat_flows, "heartbeat", failing)
+        await await_until(lambda: failing.failed_at, timeout=5)
+        await await_until(lambda: failing.kept_fresh(holder, row), timeout=10, interval=0.05)
+        assert len(failing.failed_at) == failing.times
+    _said_once(caplog)
