@@ -162,7 +162,8 @@ class LockEvents:
                 previous_holder=result.holder,
                 token=result.token,
                 reason=reason,
-                **mode_keyword(self.rw_mode),  # a read/write lock's row is taken over only by a holder of its mode
+                # The mode of the hold taken over, as the reply names it: a writer takes over dead readers.
+                **mode_keyword(None if self.rw_mode is None else result.holder_mode or self.rw_mode),
             )
         elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
             logger.warning(
