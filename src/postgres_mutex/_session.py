@@ -79,6 +79,10 @@ class Session:
         """Run ``report`` on the event thread: user callbacks, in order, off the heartbeat."""
         self._events.post(report)
 
+    def post_from_finalizer(self, report: Callable[[], object]) -> None:
+        """`post` from a finalizer, which may run in any thread at any moment: it never waits on a lock."""
+        self._events.post_from_finalizer(report)
+
     def expire(self) -> float | None:
         """Declare lost every hold whose lease ran out, and tell doubts and leases running out; on the event
         thread, on time. Returns when something is next due about a hold (None: nothing is held).
@@ -143,6 +147,15 @@ class _EventThread:
     def post(self, report: Callable[[], object]) -> None:
         self._queue.put(report)
         self._ensure()
+
+    def post_from_finalizer(self, report: Callable[[], object]) -> None:
+        # The queue's put is safe there; the thread lock may be held by this very thread (a collection
+        # inside `_ensure`), so it is waited on only briefly: whoever holds it then starts the thread,
+        # or ends it only once the queue is empty.
+        self._queue.put(report)
+        if self._lock.acquire(timeout=_FINALIZER_WAIT):
+            self._lock.release()
+            self.ensure()
 
     def nudge(self) -> None:
         self._queue.put(None)
@@ -227,6 +240,9 @@ def _next_due(hold: Hold) -> float:
         due.append(hold.running_out_at())
     return min(due)
 
+
+_FINALIZER_WAIT = 0.1
+"""How long a finalizer waits for the event thread's lock, which its own thread may hold."""
 
 _LINGER = 10.0
 """How long the event thread stays once nothing is held (holds come and go in bursts)."""
