@@ -125,6 +125,11 @@ class AGate:
         """The connection, for the ``async with`` block this is entered by."""
         return _ATurn(self, urgent)
 
+    def try_enter(self) -> bool:
+        """Take the connection only if nobody has it or waits for it; give it back with `leave`."""
+        taken, self._busy = not self._busy, True
+        return taken
+
     async def _wait(self, urgent: bool) -> None:
         """Wait for the busy connection to be handed over."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -134,13 +139,13 @@ class AGate:
             await waiter
         except BaseException:
             if waiter.done() and not waiter.cancelled():
-                self._leave()  # let in, then cancelled: pass the turn on
+                self.leave()  # let in, then cancelled: pass the turn on
             else:
                 with contextlib.suppress(ValueError):
                     queue.remove(waiter)
             raise
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         for queue in (self._waiting[True], self._waiting[False]):
             while queue:
                 waiter = queue.popleft()
@@ -170,6 +175,12 @@ class Gate:
         """The connection, for the ``with`` block this is entered by."""
         return _Turn(self, urgent)
 
+    def try_enter(self) -> bool:
+        """Take the connection only if nobody has it or waits for it; give it back with `leave`."""
+        with self._lock:
+            taken, self._busy = not self._busy, True
+            return taken
+
     def _enter(self, urgent: bool) -> None:
         with self._lock:
             if not self._busy:
@@ -179,17 +190,17 @@ class Gate:
             turn.acquire()
             self._waiting[urgent].append(turn)
         try:
-            turn.acquire()  # released by _leave when it is this thread's turn
+            turn.acquire()  # released by leave when it is this thread's turn
         except BaseException:
             with self._lock:
                 queue = self._waiting[urgent]
                 if turn in queue:
                     queue.remove(turn)
                     raise
-            self._leave()  # let in, then interrupted: pass the turn on
+            self.leave()  # let in, then interrupted: pass the turn on
             raise
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         with self._lock:
             for queue in (self._waiting[True], self._waiting[False]):
                 if queue:
@@ -214,7 +225,7 @@ class _ATurn:
             gate._busy = True  # one loop: nothing runs between the check and this
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._gate._leave()
+        self._gate.leave()
 
 
 class _Turn:
@@ -228,7 +239,7 @@ class _Turn:
         self._gate._enter(self._urgent)
 
     def __exit__(self, *exc_info: object) -> None:
-        self._gate._leave()
+        self._gate.leave()
 
 
 # -- background workers ----------------------------------------------------------------

@@ -136,8 +136,9 @@ class ClientCore:
 
     def _collected(self) -> None:
         # A finalizer runs wherever the collector did, in this client's own code under its lock perhaps:
-        # it only posts the detach to the event thread.
-        self.session.post_from_finalizer(self.detach)
+        # it only posts the detach to the event thread (none for a closed client: nothing left to idle).
+        if not self.closed:
+            self.session.post_from_finalizer(self.detach)
 
     def detach(self) -> None:
         """A Mutex closed: the last one out of a shared client closes its sync connections."""

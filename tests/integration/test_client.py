@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from postgres_mutex import LockTable, Mutex, MutexClient, MutexError, RWLock, Semaphore
 from postgres_mutex._heartbeat_flows import BATCH
 from postgres_mutex._settings import Timing
+from postgres_mutex._sources import OwnConnection
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, wait_until
@@ -293,6 +294,25 @@ def test_a_lock_made_for_one_block_and_never_closed_lets_the_shared_client_idle(
     finally:
         if collecting:
             gc.enable()
+
+
+def test_a_shared_client_going_idle_never_closes_its_connection_under_a_statement(
+    pg: PostgresServer, schema: None, lock_name: str
+) -> None:
+    # The last Mutex lets go of the client (here, closed) just as another starts a statement on its
+    # connection: the client is not idle then, and the connection is not closed under the statement.
+    last = Mutex(pg.dsn(application_name=f"busy-{uuid.uuid4().hex[:6]}"), lock_name, **FAST)  # type: ignore[arg-type]
+    with last.acquire() as acquired:
+        assert acquired
+    engine = core_of(last.client).engine()
+    source = engine._source
+    assert isinstance(source, OwnConnection)
+    with engine._gate.turn(False):  # a statement has the connection
+        last.close()
+        assert source._conn is not None, "closed under the statement"
+    last = Mutex(last.dsn, lock_name, **FAST)  # type: ignore[arg-type]
+    last.close()  # nothing uses the connection now: the client idles
+    assert source._conn is None
 
 
 def test_a_client_is_a_context_manager(dsn: str, schema: None, lock_name: str) -> None:
