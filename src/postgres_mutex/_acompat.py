@@ -125,6 +125,11 @@ class AGate:
         """The connection, for the ``async with`` block this is entered by."""
         return _ATurn(self, urgent)
 
+    def try_enter(self) -> bool:
+        """Take the connection only if nobody has it or waits for it; give it back with `leave`."""
+        taken, self._busy = not self._busy, True
+        return taken
+
     async def _wait(self, urgent: bool) -> None:
         """Wait for the busy connection to be handed over."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -134,13 +139,13 @@ class AGate:
             await waiter
         except BaseException:
             if waiter.done() and not waiter.cancelled():
-                self._leave()  # let in, then cancelled: pass the turn on
+                self.leave()  # let in, then cancelled: pass the turn on
             else:
                 with contextlib.suppress(ValueError):
                     queue.remove(waiter)
             raise
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         for queue in (self._waiting[True], self._waiting[False]):
             while queue:
                 waiter = queue.popleft()
@@ -172,6 +177,14 @@ class Gate:
         """The connection, for the ``with`` block this is entered by."""
         return _Turn(self, urgent)
 
+    def try_enter(self) -> bool:
+        """Take the connection only if nobody has it or waits for it; give it back with `leave`."""
+        with self._lock:
+            taken, self._busy = not self._busy, True
+            if taken:
+                self._holder = None  # no turn of this gate's: nothing to give back on an interruption
+            return taken
+
     def _enter(self, urgent: bool, who: object) -> None:
         with self._lock:
             if not self._busy:
@@ -181,7 +194,7 @@ class Gate:
             turn = threading.Lock()
             turn.acquire()
             self._waiting[urgent].append((turn, who))
-        turn.acquire()  # released by _leave when it is this thread's turn
+        turn.acquire()  # released by leave when it is this thread's turn
 
     def _give_back(self, who: object) -> None:
         """``who`` was interrupted: out of the queue if it waits there, else its turn passes on if it had it."""
@@ -194,7 +207,7 @@ class Gate:
             if self._holder is who:
                 self._pass_on()
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         with self._lock:
             self._pass_on()
 
@@ -224,7 +237,7 @@ class _ATurn:
             gate._busy = True  # one loop: nothing runs between the check and this
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._gate._leave()
+        self._gate.leave()
 
 
 class _Turn:
@@ -244,7 +257,7 @@ class _Turn:
             raise
 
     def __exit__(self, *exc_info: object) -> None:
-        self._gate._leave()
+        self._gate.leave()
 
 
 # -- background workers ----------------------------------------------------------------

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -261,7 +262,10 @@ class Campaign:
             )
 
     def _watch_term(self, term: Term) -> None:
-        term.wake.wait()
+        # Woken by the term's end, or at its lease's end to end it by the clock: an async lead is cancelled
+        # then, not when the client's event thread gets round to reporting the loss.
+        while not term.wake.wait(None if (due := term.settle()) == math.inf else max(0.0, due - now())):
+            pass
         ending, reason = term.ending, term.reason
         if ending is None or reason is None:
             return  # lead returned on its own

@@ -126,6 +126,20 @@ class ClientCore:
         with self.state_lock:
             self._attached += 1
 
+    def attach_while(self, user: object) -> weakref.finalize[[], object]:
+        """`attach` for as long as ``user`` lives (what a Mutex and its acquisitions share): the attachment's
+        ``detach()`` (then `detach`) lets go of it at close, and the collection of ``user`` does by itself."""
+        self.attach()
+        attachment = weakref.finalize(user, self._collected)
+        attachment.atexit = False  # the exit releases what is held; nothing is left to idle then
+        return attachment
+
+    def _collected(self) -> None:
+        # A finalizer runs wherever the collector did, in this client's own code under its lock perhaps:
+        # it only posts the detach to the event thread (none for a closed client: nothing left to idle).
+        if not self.closed:
+            self.session.post_from_finalizer(self.detach)
+
     def detach(self) -> None:
         """A Mutex closed: the last one out of a shared client closes its sync connections."""
         with self.state_lock:

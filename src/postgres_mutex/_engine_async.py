@@ -296,8 +296,16 @@ class AsyncEngine:
         await self._source.close()
 
     def close_connections(self) -> None:
-        """Nothing is held or waited on: close the statement connection (the next statement opens one)."""
-        self._source.abandon()
+        """Nothing is held or waited on: close the statement connection (the next statement opens one).
+
+        Not while a statement uses it or waits for it (a Mutex made meanwhile, say): the client is
+        not idle then, and a connection is never closed under a statement.
+        """
+        if self._gate.try_enter():
+            try:
+                self._source.abandon()
+            finally:
+                self._gate.leave()
 
     def abandon(self) -> None:
         """Close the connections without waiting on anything: nothing will run this engine again."""

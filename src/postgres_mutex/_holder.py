@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
@@ -115,8 +116,9 @@ class Holder:
         self._engine_for = functools.partial(core.engine_for, self._lock)
         self._engine_async_for = functools.partial(core.engine_async_for, self._lock)
         core.register(self._lock, explicit_id=instance_id is not None)
-        core.attach()
-        self._attached = True
+        # Attached until close(), or until nothing refers to this Mutex nor to an acquisition of it (each
+        # refers to these two): a Mutex made for one block and never closed lets its shared client idle.
+        self._attachments = (core.attach_while(self._engine_for), core.attach_while(self._engine_async_for))
         self._options: dict[str, Any] = {
             "table": table,
             "heartbeat_interval": heartbeat_interval,
@@ -130,13 +132,14 @@ class Holder:
             "reclaim_disconnected_after": reclaim_disconnected_after,
         }
         self._explicit_id = instance_id is not None
+        # What it makes refers back to it weakly: no cycle keeps a Mutex nobody uses alive until a collection.
         self._siblings = Siblings(self, self._new_sibling)
         self._candidacy = Candidacy(
             self._lock,
             self._engine_for,
             self._engine_async_for,
-            before=self._start_watch,
-            before_async=self._start_watch_async,
+            before=_weakly(self._start_watch),
+            before_async=_weakly(self._start_watch_async),
         )
         self._watch: OwnLockWatch | None = OwnLockWatch(client, table, self._lock, metrics) if watch else None
         if self._watch is not None:
@@ -440,9 +443,9 @@ class Holder:
         await self.aclose()
 
     def _detach(self) -> None:
-        if self._attached:
-            self._attached = False
-            self._core.detach()
+        for attachment in self._attachments:
+            if attachment.detach() is not None:  # not let go of already
+                self._core.detach()
 
     # -- the watcher of this Mutex's own lock ------------------------------------------
 
@@ -469,3 +472,15 @@ class Holder:
     def _start_watch_async(self) -> None:
         if self._watch is not None:
             self._watch.start_async()
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method``, called only while its object lives: what refers to it keeps it alive no longer."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call

@@ -147,6 +147,12 @@ def check_seconds(
     return seconds
 
 
+def at_least(value: float, bound: float) -> bool:
+    """``value >= bound``, where a value the docs allow stays allowed: ``0.6`` is three times ``0.2``, though
+    ``3 * 0.2`` is ``0.6000000000000001`` in binary floating point."""
+    return value >= bound or math.isclose(value, bound, rel_tol=1e-9)
+
+
 def _invalid(argument: str, problem: str, /, **values: object) -> InvalidArgument:
     """A bad value of ``argument``: the message names it as a term, said in each interface's words."""
     return InvalidArgument("{" + argument + "} " + problem, **values)
@@ -220,7 +226,7 @@ class Timing:
                 heartbeat=heartbeat,
                 alert=alert,
             )
-        if stale - heartbeat < 2 * heartbeat:
+        if not at_least(stale, 3 * heartbeat):
             raise InvalidArgument(
                 "{stale_threshold} ({stale:g}s) must be at least three times {heartbeat_interval} "
                 "({heartbeat:g}s): the holder's lease ({stale_threshold} - {heartbeat_interval}) "
@@ -236,13 +242,14 @@ class Timing:
             if operation_timeout is None
             else check_operation_timeout(operation_timeout)
         )
-        if reclaim is not None and reclaim - 2 * heartbeat < timeout:
+        if reclaim is not None and not at_least(reclaim, 2 * heartbeat + timeout):
             raise InvalidArgument(
-                "{reclaim_disconnected_after} ({reclaim:g}s) leaves no room for a heartbeat: a holder whose heartbeat "
-                "failed must try again within it, so it must be at least two {heartbeat_interval}s plus "
-                "{operation_timeout} ({least:g}s)",
+                "{reclaim_disconnected_after} ({reclaim:g}s) must be at least two {heartbeat_interval}s plus "
+                "{operation_timeout} (2 x {heartbeat:g}s + {timeout:g}s): a holder whose heartbeat failed must be "
+                "able to try again within it",
                 reclaim=reclaim,
-                least=2 * heartbeat + timeout,
+                heartbeat=heartbeat,
+                timeout=timeout,
             )
         return cls(heartbeat, alert, stale, poll, timeout, reclaim)
 
@@ -273,7 +280,7 @@ def _check_reclaim(value: object, heartbeat: float, stale: float) -> float:
             reclaim=reclaim,
             stale=stale,
         )
-    if reclaim < 3 * heartbeat:
+    if not at_least(reclaim, 3 * heartbeat):
         raise InvalidArgument(
             "{reclaim_disconnected_after} ({reclaim:g}s) must be at least three times {heartbeat_interval} "
             "({heartbeat:g}s): a holder must be able to miss a heartbeat, retry it, and still hear of a doubt "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -85,18 +86,22 @@ class Siblings:
     """
 
     def __init__(self, mutex: Holder, make: Callable[[str], Holder]) -> None:
-        self._mutex = mutex
-        self._make = make
+        # The Mutex keeps its siblings; they refer to it weakly, so that it is let go of once unused.
+        self._mutex = weakref.ref(mutex)
+        self._make = weakref.WeakMethod(make)
         self._made: dict[str, Holder] = {}
 
     def get(self, lock_name: str | None) -> Holder:
         """The Mutex for ``lock_name``: the Mutex itself for its own name (or None)."""
-        if lock_name is None or lock_name == self._mutex.lock_name:
-            return self._mutex
+        mutex, make = self._mutex(), self._make()
+        assert mutex is not None  # called through the Mutex: both are alive
+        assert make is not None
+        if lock_name is None or lock_name == mutex.lock_name:
+            return mutex
         check_name(lock_name, "lock_name")
         sibling = self._made.get(lock_name)
         if sibling is None:
-            sibling = self._made[lock_name] = self._make(lock_name)
+            sibling = self._made[lock_name] = make(lock_name)
         return sibling
 
     def close(self) -> None:

@@ -16,10 +16,12 @@ import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
 from postgres_mutex import _heartbeat_flows as heartbeat_flows
+from postgres_mutex._clock import now
 from tests.support.fixtures import (
     FAST,
     RecordingMetrics,
     await_until,
+    freeze,
     role_with_setting,
     row_locked,
     wait_until,
@@ -202,6 +204,48 @@ def test_the_lease_runs_out_before_anyone_may_reclaim_the_row(
     assert heartbeat_age_at_loss[0] < FAST["stale_threshold"], "the holder knew before the row became reclaimable"
     assert len(metrics.named("heartbeat_failed")) >= 2, "failed heartbeats were retried and counted"
     wait_until(lambda: row() is None)  # leaving the block still removes the row, in the background
+
+
+class SlowHandler(logging.Handler):
+    """A log handler that takes ``seconds`` over each loss's line (a remote log service, slow to answer)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(logging.ERROR)
+        self.seconds = seconds
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("lost "):
+            time.sleep(self.seconds)
+
+
+def test_on_lost_comes_when_the_lease_runs_out_not_after_the_losses_log_lines(
+    make_mutex: Callable[..., Mutex], lock_name: str
+) -> None:
+    # Two holds renewed by one heartbeat statement run out together (as thousands do in a partition);
+    # each loss's line goes through a slow handler. Each holder's notice depends on the clock alone,
+    # not on the I/O of its own log line nor of the other loss's.
+    told: dict[str, float] = {}
+
+    def recorder(name: str) -> Callable[[LockNotHeldError], object]:
+        return lambda error: told.setdefault(name, now())
+
+    holders = [make_mutex(lock_name=f"{lock_name}-{n}", on_lost=recorder(f"{lock_name}-{n}")) for n in range(2)]
+    handler = SlowHandler(0.5)
+    library_log = logging.getLogger("postgres_mutex")
+    with ExitStack() as stack:
+        for holder in holders:
+            stack.enter_context(pytest.raises(LockNotHeldError))
+            assert stack.enter_context(holder.acquire())
+        hold_of = [holder._lock.hold for holder in holders]
+        wait_until(lambda: len({hold.lease_deadline for hold in hold_of if hold}) == 1)  # one heartbeat renewed both
+        for holder in holders:
+            freeze(holder)
+        deadline = max(hold.lease_deadline for hold in hold_of if hold)
+        library_log.addHandler(handler)
+        stack.callback(library_log.removeHandler, handler)
+        wait_until(lambda: len(told) == 2, timeout=FAST["stale_threshold"] + 5)
+    late = {name: round(at - deadline, 3) for name, at in told.items()}
+    assert all(seconds < 0.25 for seconds in late.values()), f"on_lost came this late after the lease: {late}"
 
 
 def test_heartbeats_recover_from_a_stall_shorter_than_the_lease(

@@ -101,6 +101,44 @@ def test_a_value_quoted_in_an_error_is_text_never_a_term() -> None:
     assert "'{instance_id}\\ud800'" in caught.value.phrase.render({"instance_id": "--instance-id"})
 
 
+ON_THE_BOUND = {"heartbeat_interval": 0.2, "alert_threshold": 0.4}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"stale_threshold": 0.6},
+        {"stale_threshold": 3.0, "reclaim_disconnected_after": 0.6},
+        {"stale_threshold": 3.0, "reclaim_disconnected_after": 0.7, "operation_timeout": 0.3},
+    ],
+    ids=["stale_threshold 3 x heartbeat_interval", "reclaim_disconnected_after 3 x", "reclaim 2 x heartbeat + timeout"],
+)
+def test_a_value_exactly_on_its_documented_bound_is_allowed(kwargs: dict[str, float]) -> None:
+    # 3 * 0.2 is 0.6000000000000001 in floating point: the docs' bound is the one typed, not its rounding.
+    Mutex(DSN, "job", **ON_THE_BOUND, **kwargs).close()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"stale_threshold": 0.59}, "stale_threshold (0.59s) must be at least three times heartbeat_interval (0.2s)"),
+        (
+            {"stale_threshold": 3.0, "reclaim_disconnected_after": 0.59},
+            "reclaim_disconnected_after (0.59s) must be at least three times heartbeat_interval (0.2s)",
+        ),
+        (
+            {"stale_threshold": 3.0, "reclaim_disconnected_after": 0.69, "operation_timeout": 0.3},
+            "reclaim_disconnected_after (0.69s) must be at least two heartbeat_intervals plus operation_timeout "
+            "(2 x 0.2s + 0.3s)",
+        ),
+    ],
+)
+def test_a_value_under_its_bound_is_refused_saying_the_bound_as_documented(kwargs: dict[str, float], said: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        Mutex(DSN, "job", **ON_THE_BOUND, **kwargs)  # type: ignore[arg-type]
+    assert str(caught.value).startswith(said)
+
+
 @pytest.mark.parametrize(
     ("argument", "value", "minimum"),
     [("heartbeat_interval", 1e-9, "0.05"), ("heartbeat_interval", 0.049, "0.05"), ("poll_interval", 1e-6, "0.01")],
