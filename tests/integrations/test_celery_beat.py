@@ -109,6 +109,8 @@ def test_three_beats_one_sends_and_no_run_is_sent_twice_across_hand_overs(
     runs: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for message in messages:
         assert message["args"] == [message["postgres_mutex_entry"][-1]]
+        # The app's own before_task_publish handler runs before the integration's code is imported.
+        assert message["seen_before_publish"] == message["postgres_mutex_run"], "a publish handler missed the run"
         runs[message["postgres_mutex_entry"]].append((message["postgres_mutex_run"], message["postgres_mutex_token"]))
     assert set(runs) == {"tick-a", "tick-b"}
     for entry, sent in runs.items():
