@@ -84,7 +84,11 @@ def configure(app: Celery, folder: Path, dsn: str, redis_url: str | None = None)
         postgres_mutex_task_options=TASK_OPTIONS,
         postgres_mutex_beat_dsn=dsn,
         postgres_mutex_beat_lock=os.environ.get("CELERY_TEST_BEAT_LOCK", "celery-beat"),
-        postgres_mutex_beat_options={**BEAT_OPTIONS, "instance_id": os.environ.get("CELERY_TEST_BEAT_ID") or None},
+        postgres_mutex_beat_options={
+            **BEAT_OPTIONS,
+            "instance_id": os.environ.get("CELERY_TEST_BEAT_ID") or None,
+            **({"table": os.environ["CELERY_TEST_BEAT_TABLE"]} if "CELERY_TEST_BEAT_TABLE" in os.environ else {}),
+        },
     )
     if redis_url:
         # A busy worker (one slot each) holds no message it cannot run: an idle worker takes each one at once.

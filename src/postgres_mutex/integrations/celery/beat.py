@@ -72,8 +72,8 @@ class LeaderSchedulerMixin:
       `BEAT_DEFAULTS` (``heartbeat_interval``, ``reclaim_disconnected_after``...).
 
     The lock table must exist (``postgres-mutex init``). A beat that cannot
-    campaign (the table missing, a privilege lacking) stops with the error,
-    rather than stand by forever.
+    campaign (the table missing, a privilege lacking) logs the error once, at
+    ERROR, and exits with status 1, rather than stand by forever.
     """
 
     app: Any
@@ -164,7 +164,11 @@ class LeaderSchedulerMixin:
         """Send what is due while leading; otherwise send nothing and look again after ``poll_interval``."""
         self._start_campaign()
         if self._campaign_error is not None:
-            raise MutexError(f"beat cannot campaign for {self._beat_name!r}: {self._campaign_error}")
+            # One line at ERROR, the level an operator alerts on; then beat closes and exits (see close).
+            # An exception would reach Celery, which logs it at CRITICAL with a traceback and prints it
+            # again, line by line, at WARNING.
+            logger.error("beat cannot campaign for %r, and stops: %s", self._beat_name, self._campaign_error)
+            raise SystemExit(1)
         leadership = self._leadership
         standby = float(self._options()["poll_interval"])
         if leadership is None or not leadership.held:
@@ -205,12 +209,18 @@ class LeaderSchedulerMixin:
             entry.options = options
 
     def close(self) -> None:
-        """Resign (a standby takes over at once), then close the scheduler as the stock one does."""
+        """Resign (a standby takes over at once), then close the scheduler as the stock one does.
+
+        A beat that could not campaign then exits with status 1: Celery's
+        beat ends a ``SystemExit`` raised in a tick quietly, with status 0.
+        """
         if not self._closed:
             self._closed = True
             self._stop_campaign()
             self._drop_connection()
         super().close()  # type: ignore[misc]
+        if self._campaign_error is not None:
+            raise SystemExit(1)
 
     # -- the runs, in PostgreSQL ---------------------------------------------------------
 
