@@ -153,7 +153,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     The app's ``postgres_mutex_dsn`` names the database of the lock table.
     Inside the body, ``self.singleton_mutex`` (or `current_mutex`) is the
     held `Mutex`: fence the task's own writes with it. A lock lost while the
-    body runs fails the task with `LockNotHeldError` when the body ends.
+    body runs fails the task with `LockNotHeldError` when the body ends. A
+    retry (``self.retry``, ``autoretry_for``) is sent once the body has ended
+    and the lock is released: it never runs beside its attempt, nor finds
+    that attempt's lock held.
     """
 
     abstract = True
