@@ -109,6 +109,8 @@ def test_three_beats_one_sends_and_no_run_is_sent_twice_across_hand_overs(
     runs: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for message in messages:
         assert message["args"] == [message["postgres_mutex_entry"][-1]]
+        # The app's own before_task_publish handler runs before the integration's code is imported.
+        assert message["seen_before_publish"] == message["postgres_mutex_run"], "a publish handler missed the run"
         runs[message["postgres_mutex_entry"]].append((message["postgres_mutex_run"], message["postgres_mutex_token"]))
     assert set(runs) == {"tick-a", "tick-b"}
     for entry, sent in runs.items():
@@ -119,3 +121,32 @@ def test_three_beats_one_sends_and_no_run_is_sent_twice_across_hand_overs(
         # A beat killed between recording a run and sending it loses that one run, never more.
         missing = set(range(numbers[0], numbers[-1] + 1)) - set(numbers)
         assert len(missing) <= 1, f"{entry}: runs {sorted(missing)} were never sent"
+
+
+def test_a_beat_that_cannot_campaign_says_so_once_at_error_level_and_stops(
+    dsn: str, schema: None, tmp_path: Path
+) -> None:
+    log = tmp_path / "beat.log"
+    beat = start_celery(
+        tmp_path,
+        dsn,
+        "beat",
+        "-S",
+        "postgres_mutex.integrations.celery:LeaderScheduler",
+        "-s",
+        str(tmp_path / "schedule"),
+        "--loglevel",
+        "INFO",
+        log=log,
+        CELERY_TEST_BEAT_LOCK=f"beat-{uuid.uuid4().hex[:8]}",
+        CELERY_TEST_BEAT_TABLE="no_such_lock_table",
+    )
+    with running([beat], [log]):
+        assert beat.wait(60) == 1
+    logged = log.read_text()
+    errors = [line for line in logged.splitlines() if "ERROR/" in line]
+    assert len(errors) == 1, logged
+    assert "beat cannot campaign" in errors[0], logged
+    assert "no_such_lock_table does not exist" in errors[0], logged
+    for noise in ("Traceback", "CRITICAL/", "WARNING/"):
+        assert noise not in logged, logged

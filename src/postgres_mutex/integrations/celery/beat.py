@@ -20,7 +20,6 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from celery import signals
 from celery.beat import PersistentScheduler, Scheduler
 from celery.utils.time import maybe_make_aware
 from psycopg import sql
@@ -50,20 +49,11 @@ RUN_HEADERS = ("postgres_mutex_entry", "postgres_mutex_run", "postgres_mutex_tok
 
 The run number counts the entry's runs across every beat that led, so
 ``(entry, run)`` names one run: a consumer may use it to drop a duplicate.
+They are in the message as it is built: Celery's ``before_task_publish``
+handlers find them in ``headers``, whichever was connected first.
 """
 
-_sending = threading.local()
 _JOIN_TIMEOUT = 15.0
-
-
-def _tag_run(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    """Add the run being sent (if a leading beat is sending one, in this thread) to the message's headers."""
-    run = getattr(_sending, "run", None)
-    if run is not None and headers is not None:
-        headers.update(zip(RUN_HEADERS, run, strict=True))
-
-
-signals.before_task_publish.connect(_tag_run, weak=False, dispatch_uid="postgres_mutex.beat.run_headers")
 
 
 class LeaderSchedulerMixin:
@@ -82,8 +72,8 @@ class LeaderSchedulerMixin:
       `BEAT_DEFAULTS` (``heartbeat_interval``, ``reclaim_disconnected_after``...).
 
     The lock table must exist (``postgres-mutex init``). A beat that cannot
-    campaign (the table missing, a privilege lacking) stops with the error,
-    rather than stand by forever.
+    campaign (the table missing, a privilege lacking) logs the error once, at
+    ERROR, and exits with status 1, rather than stand by forever.
     """
 
     app: Any
@@ -174,7 +164,11 @@ class LeaderSchedulerMixin:
         """Send what is due while leading; otherwise send nothing and look again after ``poll_interval``."""
         self._start_campaign()
         if self._campaign_error is not None:
-            raise MutexError(f"beat cannot campaign for {self._beat_name!r}: {self._campaign_error}")
+            # One line at ERROR, the level an operator alerts on; then beat closes and exits (see close).
+            # An exception would reach Celery, which logs it at CRITICAL with a traceback and prints it
+            # again, line by line, at WARNING.
+            logger.error("beat cannot campaign for %r, and stops: %s", self._beat_name, self._campaign_error)
+            raise SystemExit(1)
         leadership = self._leadership
         standby = float(self._options()["poll_interval"])
         if leadership is None or not leadership.held:
@@ -203,19 +197,30 @@ class LeaderSchedulerMixin:
                 "beat did not send %r: it no longer leads %r, or could not record the run", entry.name, self._beat_name
             )
             return
-        _sending.run = cleared
+        # In the entry's options, the headers are in the message from the start: every
+        # before_task_publish handler sees them, whichever was connected first. Only for this
+        # send: the entry's own options, which a scheduler may save, stay as they were.
+        options = entry.options
+        run = dict(zip(RUN_HEADERS, cleared, strict=True))
+        entry.options = {**options, "headers": {**(options.get("headers") or {}), **run}}
         try:
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
         finally:
-            _sending.run = None
+            entry.options = options
 
     def close(self) -> None:
-        """Resign (a standby takes over at once), then close the scheduler as the stock one does."""
+        """Resign (a standby takes over at once), then close the scheduler as the stock one does.
+
+        A beat that could not campaign then exits with status 1: Celery's
+        beat ends a ``SystemExit`` raised in a tick quietly, with status 0.
+        """
         if not self._closed:
             self._closed = True
             self._stop_campaign()
             self._drop_connection()
         super().close()  # type: ignore[misc]
+        if self._campaign_error is not None:
+            raise SystemExit(1)
 
     # -- the runs, in PostgreSQL ---------------------------------------------------------
 
