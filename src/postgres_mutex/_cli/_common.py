@@ -35,6 +35,8 @@ CLI_WORDS: Mapping[str, str] = {
     "LockTable.migrate()": "'postgres-mutex migrate'",
     "LockTable.migrate(history=True)": "'postgres-mutex migrate --history'",
     "history=True": "--history",
+    "LockTable.create(celery_beat=True)": "'postgres-mutex init --celery-beat'",
+    "LockTable.create(apscheduler=True)": "'postgres-mutex init --apscheduler'",
     "history_retention": "--history-retention",
     "pass blocking=True": "pass --wait",
     "timeout": "--timeout",
