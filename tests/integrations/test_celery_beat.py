@@ -12,6 +12,7 @@ not leading, shows in the files.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 import uuid
@@ -22,6 +23,9 @@ from typing import Any
 from tests.support.fixtures import required_module
 
 required_module("celery", "the Celery integration's tests run real celery beat processes: pip install -e '.[celery]'")
+
+import psycopg  # noqa: E402
+from psycopg.conninfo import conninfo_to_dict  # noqa: E402
 
 from postgres_mutex import Election, MutexClient  # noqa: E402
 from tests.integrations.celery_app import BEAT_OPTIONS  # noqa: E402
@@ -119,3 +123,51 @@ def test_three_beats_one_sends_and_no_run_is_sent_twice_across_hand_overs(
         # A beat killed between recording a run and sending it loses that one run, never more.
         missing = set(range(numbers[0], numbers[-1] + 1)) - set(numbers)
         assert len(missing) <= 1, f"{entry}: runs {sorted(missing)} were never sent"
+
+
+def start_beat(tmp_path: Path, dsn: str, lock: str, name: str) -> tuple[Any, Path]:
+    log = tmp_path / f"{name}.log"
+    beat = start_celery(
+        tmp_path,
+        dsn,
+        "beat",
+        "-S",
+        "postgres_mutex.integrations.celery:LeaderScheduler",
+        "-s",
+        str(tmp_path / f"{name}-schedule"),
+        "--loglevel",
+        "INFO",
+        log=log,
+        CELERY_TEST_BEAT_LOCK=lock,
+        CELERY_TEST_BEAT_ID=name,
+    )
+    return beat, log
+
+
+def test_a_beat_needs_only_the_documented_grants_and_one_lacking_a_grant_says_so_and_hands_over(
+    dml_role: str, admin: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    # dml_role: the README's grants exactly, on tables the owner made with 'postgres-mutex init
+    # --celery-beat'; no CREATE on the schema.
+    role = conninfo_to_dict(dml_role)["user"]
+    lock = f"beat-{uuid.uuid4().hex[:8]}"
+    broker = tmp_path / "broker"
+    observer = Election(dml_role, lock, instance_id="observer", **BEAT_OPTIONS)
+
+    admin.execute(f"REVOKE ALL ON celery_beat_state FROM {role}")
+    lacking, lacking_log = start_beat(tmp_path, dml_role, lock, "lacking")
+    with running([lacking], [lacking_log]), observer:
+        assert lacking.wait(30) != 0, "a beat that may not use its table stops"
+        assert observer.leader() is None, "it resigned as it stopped: a standby may lead at once"
+        log = lacking_log.read_text()
+        said = re.findall(r"ERROR.*beat cannot lead.*", log)
+        assert len(said) == 1, log
+        assert f"GRANT SELECT, INSERT, UPDATE, DELETE ON celery_beat_state TO {role}" in said[0]
+        assert "postgres-mutex init --celery-beat" in said[0]
+        assert sent_messages(broker) == []
+
+    admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON celery_beat_state TO {role}")
+    granted, granted_log = start_beat(tmp_path, dml_role, lock, "granted")
+    with running([granted], [granted_log]):
+        wait_for(lambda: len(sent_messages(broker)) >= 2, timeout=30, what="the beat with the grants sent")
+        assert "ERROR" not in granted_log.read_text()

@@ -28,7 +28,9 @@ from apscheduler.executors.base import run_job
 from apscheduler.executors.pool import ThreadPoolExecutor
 from psycopg import sql
 
-from postgres_mutex import Mutex, MutexError
+from postgres_mutex import Mutex, MutexClient, MutexError, SchemaError
+
+from . import in_setup_words
 
 __all__ = ["FleetExecutor", "JobRunningElsewhere", "Policy", "fire_time"]
 
@@ -37,6 +39,8 @@ log = logging.getLogger("postgres_mutex.integrations.apscheduler")
 Policy = Literal["skip", "wait", "raise"]
 _POLICIES = ("skip", "wait", "raise")
 _CONNECT_TIMEOUT = 10  # seconds: the ledger's connections fail rather than hang on a silent network
+LEDGER_GRANTS = ("SELECT", "INSERT", "UPDATE")
+"""What the scheduler's role needs on the ledger, as the README's Permissions section grants it."""
 
 _fire_time: contextvars.ContextVar[datetime | None] = contextvars.ContextVar("postgres_mutex_fire_time", default=None)
 
@@ -86,8 +90,11 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
     differ from process to process). Once per fire time holds while jobs run
     shorter than their interval; a fire time whose process dies while it
     runs is not run again (at most once). The ledger table (``ledger``,
-    default ``mutex_apscheduler_runs``, one row per job) is created when the
-    scheduler starts; the lock table must exist (``postgres-mutex init``).
+    default ``mutex_apscheduler_runs``, one row per job) is made with the
+    lock table by ``postgres-mutex init --apscheduler`` (or, if missing, by a
+    scheduler whose role may create it, as it starts). A scheduler whose
+    role may not use it (or may not make it) does not start:
+    ``scheduler.start()`` raises `SchemaError` saying what to run or grant.
     """
 
     def __init__(
@@ -110,6 +117,7 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
         self._policy: Policy = on_contention
         self._wait_timeout = wait_timeout
         self._prefix = lock_prefix
+        self._ledger_name = ledger
         self._ledger = sql.Identifier(*ledger.split("."))
         self._options = options
         self._idle: dict[str, list[Mutex]] = {}
@@ -118,19 +126,30 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
     # -- the scheduler's side -----------------------------------------------------
 
     def start(self, scheduler: Any, alias: str) -> None:
-        """Create the ledger table if needed, then start as APScheduler's thread pool does."""
-        # Schedulers starting together race to create it: the losers' UniqueViolation, or
-        # DuplicateObject (the table's row type), or DuplicateTable, means it exists.
-        exists = (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable)
-        with (
-            psycopg.connect(self._dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT) as conn,
-            contextlib.suppress(*exists),
-        ):
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} (job_id TEXT PRIMARY KEY, fire_time TIMESTAMPTZ NOT NULL,"
-                    " token BIGINT, instance_id TEXT, ran_at TIMESTAMPTZ NOT NULL DEFAULT now())"
-                ).format(self._ledger)
+        """Check the ledger (made if missing, when the role may), then start as APScheduler's thread pool does.
+
+        Raises `SchemaError` if the ledger is missing and the role may not
+        create it, or if the role lacks a privilege the ledger needs.
+        """
+        try:
+            with MutexClient(self._dsn) as client:
+                client.table(str(self._options.get("table", "mutex_lock"))).create(apscheduler=self._ledger_name)
+        except SchemaError as exc:
+            raise SchemaError(f"FleetExecutor cannot start: {in_setup_words(exc)}", sqlstate=exc.sqlstate) from None
+        with psycopg.connect(self._dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT) as conn:
+            ledger = sql.Literal(self._ledger.as_string(conn))
+            asked = sql.SQL(", ").join(
+                sql.SQL("has_table_privilege({}, {})").format(ledger, sql.Literal(grant)) for grant in LEDGER_GRANTS
+            )
+            granted = conn.execute(sql.SQL("SELECT {}").format(asked)).fetchone()
+            role = conn.info.user
+        lacking = [grant for grant, held in zip(LEDGER_GRANTS, granted or (), strict=True) if not held]
+        if lacking:
+            raise SchemaError(
+                f"FleetExecutor cannot start: the role {role} may not use the ledger {self._ledger_name} "
+                f"(it lacks {', '.join(lacking)}): GRANT {', '.join(LEDGER_GRANTS)} ON {self._ledger_name} "
+                f"TO {role} (the ledger is made by 'postgres-mutex init --apscheduler')",
+                sqlstate="42501",
             )
         super().start(scheduler, alias)
 
@@ -172,7 +191,8 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
         events: list[JobExecutionEvent] = []
         with self._mutex(job.id) as mutex:
             try:
-                acquisition = mutex.acquire(blocking=self._policy == "wait", timeout=self._wait_timeout)
+                blocking = self._policy == "wait"
+                acquisition = mutex.acquire(blocking=blocking, timeout=self._wait_timeout if blocking else None)
                 with acquisition as acquired:
                     if not acquired:
                         if self._policy == "raise":
