@@ -57,16 +57,24 @@ def project(pg: PostgresServer) -> Iterator[Project]:
         conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
-def test_the_system_check_reports_a_missing_lock_table_until_init_creates_it(project: Project) -> None:
+def test_migrate_makes_the_lock_table_and_its_history_and_the_check_reports_one_gone_since(project: Project) -> None:
+    project.env["MUTEX_HISTORY"] = "1"  # POSTGRES_MUTEX["HISTORY"]
+    assert project.run("check", "--database", "default").returncode == 0, "migrate is yet to make it"
+    migrated = project.run("migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    assert project.run("postgres_mutex", "history").returncode == 0, "the history was made too"
+    present = project.run("check", "--database", "default")
+    assert (present.returncode, present.stderr) == (0, "")
+
+    with psycopg.connect(project.dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE mutex_lock CASCADE")
     missing = project.run("check", "--database", "default")
     assert missing.returncode == 1
     assert "postgres_mutex.E001" in missing.stderr
     assert "the lock table 'mutex_lock' does not exist in database 'default'" in missing.stderr
     assert "python manage.py postgres_mutex init" in missing.stderr
-
     assert project.run("postgres_mutex", "init").returncode == 0
-    present = project.run("check", "--database", "default")
-    assert (present.returncode, present.stderr) == (0, "")
+    assert project.run("check", "--database", "default").returncode == 0
 
 
 def test_a_decorated_command_runs_once_at_a_time_and_status_shows_it(project: Project, tmp_path: Path) -> None:
