@@ -12,6 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from postgres_mutex import Mutex
 from postgres_mutex.integrations.django import once
 from tests.support.fixtures import read_line
 from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer
@@ -137,3 +138,51 @@ def test_once_refuses_a_coroutine_function_whose_lock_would_end_before_it_runs()
 
     with pytest.raises(TypeError, match=r"@once runs functions, not coroutine functions: .*digest is async"):
         once()(digest)
+
+
+ONCE_WAITING_TWICE = """
+import threading, time
+from postgres_mutex.integrations.django import once
+
+@once("django:waited", on_contention="wait", wait_timeout=0.8)
+def first():
+    pass
+
+@once("django:waited", on_contention="wait", wait_timeout=1.5)
+def second():
+    pass
+
+def call(job):
+    start = time.monotonic()
+    try:
+        job()
+    except Exception as exc:
+        print(job.__name__, type(exc).__name__, round(time.monotonic() - start, 3))
+
+# The first call takes this process's turn at the lock and waits 0.8 s for the fleet's;
+# the second waits for the turn meanwhile, then for the fleet's lock.
+holder = threading.Thread(target=call, args=(first,))
+holder.start()
+time.sleep(0.1)
+call(second)
+holder.join()
+"""
+
+
+def test_once_waits_wait_timeout_in_all_not_once_for_its_process_and_again_for_the_fleet(project: Project) -> None:
+    assert project.run("postgres_mutex", "init").returncode == 0
+    elsewhere = Mutex(project.dsn, "django:waited")
+    with elsewhere.acquire() as held:
+        assert held
+        # Two calls in one process: the second waits for the first's turn, then for the lock held here.
+        ran = project.run("shell", "-c", ONCE_WAITING_TWICE)
+    elsewhere.close()
+    assert ran.returncode == 0, ran.stderr
+    said = dict(
+        (line.split()[0], line.split()[1:])
+        for line in ran.stdout.splitlines()
+        if line.split()[:1] in (["first"], ["second"])
+    )
+    assert said["first"][0] == "LockAcquisitionTimeout", ran.stdout
+    assert said["second"][0] == "LockAcquisitionTimeout", ran.stdout
+    assert 1.3 < float(said["second"][1]) < 1.5 + 0.4, f"wait_timeout=1.5, waited {said['second'][1]}s"
