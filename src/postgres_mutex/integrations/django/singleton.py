@@ -15,6 +15,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from postgres_mutex import MutexError
 
+from .. import in_setup_words
 from .settings import mutex
 
 __all__ = ["AlreadyRunning", "once"]
@@ -26,6 +27,11 @@ R = TypeVar("R")
 Policy = Literal["skip", "wait", "raise"]
 _POLICIES = ("skip", "wait", "raise")
 _MAX_NAME = 64
+_COMMAND_WORDS = {
+    "call create_schema()": "run 'python manage.py migrate'",
+    "create_schema()": "'python manage.py migrate'",
+}
+"""How a command's user makes the lock table: the app's migration."""
 
 
 class AlreadyRunning(MutexError):
@@ -92,7 +98,7 @@ def once(
             except MutexError as exc:
                 if command is None:
                     raise
-                raise CommandError(str(exc)) from exc
+                raise CommandError(in_setup_words(exc, _COMMAND_WORDS)) from exc
 
         return run_once
 
