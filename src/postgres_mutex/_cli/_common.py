@@ -38,6 +38,8 @@ CLI_WORDS: Mapping[str, str] = {
     "LockTable.create(celery_beat=True)": "'postgres-mutex init --celery-beat'",
     "LockTable.create(apscheduler=True)": "'postgres-mutex init --apscheduler'",
     "history_retention": "--history-retention",
+    "celery_beat": "--celery-beat",
+    "apscheduler": "--apscheduler",
     "pass blocking=True": "pass --wait",
     "timeout": "--timeout",
     "dsn": "--dsn (or POSTGRES_MUTEX_DSN)",
