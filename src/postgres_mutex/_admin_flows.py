@@ -95,6 +95,54 @@ def create_table(
     return shape.tokens
 
 
+def create_integration_tables(tables: dict[str, str], timeout: float) -> Flow[None]:
+    """Each framework integration's table (``{integration: table name}``) unless it exists; safe to race.
+
+    Existence is asked first: ``CREATE TABLE IF NOT EXISTS`` needs CREATE on
+    the schema even when the table is there, and a role without it must be
+    able to run this where the tables were made.
+    """
+    for integration, table in tables.items():
+        inspection = f"inspection of table {table}"
+        for attempt in range(1, 4):
+            reply = yield Execute(_sql.integration_table_exists(table), {}, timeout, inspection)
+            if reply.row is not None and reply.row[0]:
+                break
+            try:
+                yield Execute(_sql.create_integration_table(integration, table), {}, timeout, f"creation of {table}")
+                break
+            except DatabaseError as exc:
+                if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
+                    continue
+                if exc.sqlstate == PRIVILEGE:
+                    raise SchemaError(
+                        phrase(
+                            "creation of table {table} failed: the role may not create it ({detail}). Create it "
+                            "once as a privileged role with {" + _CREATE_TERMS[integration] + "}, then grant the "
+                            "role that uses it {grants} on it (see the README's Permissions section)",
+                            table=table,
+                            detail=_server_words(exc),
+                            grants=_sql.GRANTS[integration],
+                        ),
+                        sqlstate=exc.sqlstate,
+                    ) from exc
+                raise
+
+
+def with_integration_tables(flow: Flow[T], tables: dict[str, str], timeout: float) -> Flow[T]:
+    """``flow`` (the lock table's creation or migration), then the integrations' ``tables``."""
+    result = yield from flow
+    yield from create_integration_tables(tables, timeout)
+    return result
+
+
+_CREATE_TERMS = {
+    "celery_beat": "LockTable.create(celery_beat=True)",
+    "apscheduler": "LockTable.create(apscheduler=True)",
+}
+"""The terms naming the call that makes each integration's table (the command line names its flag)."""
+
+
 DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
 """How long the history keeps a hold once it ended, unless told otherwise: 30 days."""
 

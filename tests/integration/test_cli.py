@@ -336,6 +336,24 @@ def test_init_creates_the_table_once(dsn: str, admin: psycopg.Connection[Any]) -
     admin.execute(f'DROP TABLE "{table}"')
 
 
+def test_init_makes_the_integrations_tables_it_is_asked_for_and_names_the_flag_it_lacks(
+    dsn: str, admin: psycopg.Connection[Any], dml_role: str
+) -> None:
+    beat, ledger = f"beat_{time.monotonic_ns()}", f"ledger_{time.monotonic_ns()}"
+    made = cli("init", "--dsn", dsn, "--celery-beat", beat, "--apscheduler", ledger)
+    assert made.returncode == 0, made.stderr
+    assert f"the Celery beat table {beat} is ready" in made.stdout
+    assert admin.execute("SELECT to_regclass(%s), to_regclass(%s)", (beat, ledger)).fetchone() == (beat, ledger)
+    # A role without CREATE: init passes where the tables exist, and names the flag where one is missing.
+    assert cli("init", "--dsn", dml_role, "--celery-beat", beat, "--apscheduler", ledger).returncode == 0
+    refused = cli("init", "--dsn", dml_role, "--apscheduler", f"{ledger}_missing")
+    assert refused.returncode == 69
+    assert "may not create it" in refused.stderr
+    assert "'postgres-mutex init --apscheduler'" in refused.stderr
+    assert "LockTable.create" not in refused.stderr
+    admin.execute(f'DROP TABLE "{beat}", "{ledger}"')
+
+
 def test_release_force_removes_a_dead_holders_row_and_names_it(
     make_mutex: Callable[..., Mutex], dsn: str, holder_id: Holder
 ) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -12,7 +12,6 @@ import pytest
 from psycopg import sql
 
 from postgres_mutex import LockTable, Mutex, MutexClient, RWLock, SchemaError
-from tests.support.doc_examples import ROOT, expand
 from tests.support.fixtures import FAST, frozen_holder
 from tests.support.postgres_server import PASSWORD, PostgresServer
 
@@ -218,25 +217,6 @@ def test_create_schema_in_a_missing_schema_is_a_clear_error(make_mutex: Callable
     mutex = make_mutex(table="no_such_schema.mutex_lock")
     with pytest.raises(SchemaError, match="schema does not exist"):
         mutex.create_schema()
-
-
-@pytest.fixture
-def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
-    """A login role granted only what the README's Permissions section grants, as it says it."""
-    role = f"mutex_app_{uuid.uuid4().hex[:8]}"
-    problems: list[str] = []
-    section = [line for line, _ in expand("README.md:permissions", ROOT, problems)]
-    grants = [line.replace("app_role", role) for line in section if line.startswith("GRANT ")]
-    assert problems == []
-    assert grants, "the README's Permissions section shows its GRANTs"
-    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
-    # PostgreSQL 14 and older let everyone create tables in public: not here.
-    admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
-    for grant in grants:
-        admin.execute(grant)
-    yield pg.dsn(user=role, password=PASSWORD)
-    admin.execute(f"DROP OWNED BY {role}")
-    admin.execute(f"DROP ROLE {role}")
 
 
 def test_a_role_with_only_dml_privileges_can_do_everything_but_create(

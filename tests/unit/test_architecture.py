@@ -42,6 +42,7 @@ CORE = {
     "_shared",
     "_sql",
     "_sql_history",
+    "_sql_integrations",
     "_sql_lock",
     "_sql_names",
     "_sql_permits",

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from postgres_mutex import Election, LockAcquisitionTimeout, LockNotHeldError, Mutex
+from postgres_mutex import Election, LockAcquisitionTimeout, LockNotHeldError, LockTable, Mutex
 from postgres_mutex.errors import InvalidArgument
 from postgres_mutex.watcher import StaleWatcher
 from tests.support.fixtures import ROOT
@@ -315,3 +315,13 @@ def test_errors_cross_process_boundaries_as_they_are(error: Exception) -> None:
         assert type(again) is type(error)
         assert str(again) == str(error)
         assert vars(again) == vars(error)
+
+
+@pytest.mark.parametrize("argument", ["celery_beat", "apscheduler"])
+@pytest.mark.parametrize("value", [5, "not a table!", "a.b.c"])
+def test_an_integrations_table_that_is_no_name_is_refused_naming_its_argument(
+    dsn: str, argument: str, value: object
+) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        LockTable(dsn).create(**{argument: value})  # type: ignore[arg-type]
+    assert caught.value.arguments == (argument,)

@@ -98,22 +98,37 @@ def _history_retention(args: argparse.Namespace) -> float | None:
     return args.history_retention  # type: ignore[no-any-return]
 
 
+def _integrations(args: argparse.Namespace) -> dict[str, bool | str]:
+    return {"celery_beat": args.celery_beat, "apscheduler": args.apscheduler}
+
+
+def _integrations_ready(args: argparse.Namespace) -> None:
+    for flag, value, default in (
+        ("Celery beat", args.celery_beat, "celery_beat_state"),
+        ("APScheduler", args.apscheduler, "mutex_apscheduler_runs"),
+    ):
+        if value is not False:
+            print(f"the {flag} table {default if value is True else value} is ready")
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     table = _table(args)
-    tokens = table.create(history=args.history, history_retention=_history_retention(args))
+    tokens = table.create(history=args.history, history_retention=_history_retention(args), **_integrations(args))
     print(
         f"table {table.name} is ready"
         + (" with its history" if args.history else "")
         + ("" if tokens else " (without fencing tokens: run 'postgres-mutex migrate')")
     )
+    _integrations_ready(args)
     return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     table = _table(args)
-    changed = table.migrate(history=args.history, history_retention=_history_retention(args))
+    changed = table.migrate(history=args.history, history_retention=_history_retention(args), **_integrations(args))
     what = "fencing tokens and a history" if args.history else "fencing tokens"
     print(f"table {table.name} {'now has' if changed else 'already had'} {what}")
+    _integrations_ready(args)
     return 0
 
 

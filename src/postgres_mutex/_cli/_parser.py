@@ -185,11 +185,31 @@ def parser() -> argparse.ArgumentParser:
         help="with --history: seconds a hold stays in the history after it ended (default 30 days)",
     )
 
+    integration_options = Parser(add_help=False)
+    group = integration_options.add_argument_group("the integrations' tables (made only if missing)")
+    group.add_argument(
+        "--celery-beat",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="TABLE",
+        help="also the Celery beat's table (default celery_beat_state)",
+    )
+    group.add_argument(
+        "--apscheduler",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="TABLE",
+        help="also APScheduler's ledger (default mutex_apscheduler_runs)",
+    )
+
     init = add(
         "init",
-        "Create the lock table if it does not exist.",
-        "  postgres-mutex init\n  postgres-mutex init --history --history-retention 604800",
-        [connection, history_options],
+        "Create the lock table (and the tables the integrations asked for) if it does not exist.",
+        "  postgres-mutex init\n  postgres-mutex init --history --history-retention 604800\n"
+        "  postgres-mutex init --celery-beat --apscheduler",
+        [connection, history_options, integration_options],
     )
     init.set_defaults(handler=cmd_init)
 
@@ -197,7 +217,7 @@ def parser() -> argparse.ArgumentParser:
         "migrate",
         "Add fencing tokens (and, with --history, a history) to a lock table; online, idempotent, as its owner.",
         "  postgres-mutex migrate\n  postgres-mutex migrate --table ops.mutex_lock\n  postgres-mutex migrate --history",
-        [connection, history_options],
+        [connection, history_options, integration_options],
     )
     migrate.set_defaults(handler=cmd_migrate)
 
