@@ -112,7 +112,11 @@ def parser() -> argparse.ArgumentParser:
         "while it waits (--wait), new readers wait behind it",
     )
     run.add_argument("--wait", action="store_true", help="wait for the lock instead of giving up at once")
-    run.add_argument("--timeout", type=seconds("--timeout"), help="with --wait: give up after this many seconds")
+    run.add_argument(
+        "--timeout",
+        type=seconds("--timeout"),
+        help="wait up to this many seconds for the lock, then give up (implies --wait)",
+    )
     run.add_argument(
         "--conflict-exit-code",
         type=exit_code,

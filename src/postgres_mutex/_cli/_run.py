@@ -42,8 +42,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     mode = "read" if args.read else "write" if args.write else None
     if mode is not None and args.permits is not None:
         raise UsageError(f"--{mode} makes --lock a read/write lock, --permits a semaphore: pass one of them, not both")
-    if args.timeout is not None and not args.wait and not args.restart:
-        raise UsageError("--timeout applies only to a wait: pass --wait, or drop --timeout")
+    if args.timeout is not None and not args.restart:
+        args.wait = True  # a timeout says how long to wait: given alone, it asks for the wait (as flock -w does)
     # A lost lock is declared one heartbeat interval before anyone may reclaim
     # it: the command must be gone (SIGKILL included) within that interval.
     kill_after = args.heartbeat_interval / 2 if args.kill_after is None else args.kill_after

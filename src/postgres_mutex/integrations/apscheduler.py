@@ -172,7 +172,9 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
         events: list[JobExecutionEvent] = []
         with self._mutex(job.id) as mutex:
             try:
-                acquisition = mutex.acquire(blocking=self._policy == "wait", timeout=self._wait_timeout)
+                acquisition = mutex.acquire(
+                    blocking=self._policy == "wait", timeout=self._wait_timeout if self._policy == "wait" else None
+                )
                 with acquisition as acquired:
                     if not acquired:
                         if self._policy == "raise":
