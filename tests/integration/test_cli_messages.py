@@ -1,0 +1,96 @@
+"""What the command line says to a person: typos, closed pipes, waits, and the command line's own words."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import psycopg
+import pytest
+
+from postgres_mutex import Mutex
+from tests.support.fixtures import ROOT
+
+# The default lock table exists whichever of these tests runs first, or alone.
+pytestmark = pytest.mark.usefixtures("schema")
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "postgres_mutex", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+# -- a typo in a lock's name ----------------------------------------------------------
+
+
+def test_status_of_a_misspelt_lock_says_no_such_lock_is_held_and_names_the_close_ones(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str
+) -> None:
+    holder = make_mutex(lock_name=f"{lock_name}-nightly-report")
+    typo = f"{lock_name}-nightly-reprot"
+    with holder.acquire():
+        result = cli("status", "--dsn", dsn, "--lock", typo)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        f"no lock named {typo!r} is held in table mutex_lock; held with a similar name: {holder.lock_name!r}\n"
+    )
+
+
+def test_release_of_a_misspelt_lock_says_no_such_lock_is_held_and_names_the_close_ones(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str
+) -> None:
+    holder = make_mutex(lock_name=f"{lock_name}-nightly-report")
+    typo = f"{lock_name}-nightly-reprot"
+    with holder.acquire():
+        result = cli("release", typo, "--dsn", dsn, "--force")
+        assert holder.held, "nothing released"
+    assert result.returncode == 1
+    assert result.stdout == (
+        f"no lock named {typo!r} is held in table mutex_lock: nothing to release; "
+        f"held with a similar name: {holder.lock_name!r}\n"
+    )
+
+
+# -- a reader that stops reading ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def history_table(dsn: str, schema: None) -> Iterator[str]:
+    """A lock table with a history, and one hold recorded in it."""
+    table = f"pipes_{time.monotonic_ns()}"
+    assert cli("init", "--dsn", dsn, "--table", table, "--history").returncode == 0
+    held = cli("run", "--dsn", dsn, "--table", table, "--lock", "recorded", "--", "true")
+    assert held.returncode == 0, held.stderr
+    yield table
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f'DROP TABLE "{table}", "{table}_history"')
+
+
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["history"], ["history", "--json"], ["--help"]])
+def test_a_closed_pipe_ends_the_command_quietly_as_it_ends_a_unix_tool(
+    dsn: str, history_table: str, args: list[str]
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "postgres_mutex", *args, "--dsn", dsn, "--table", history_table],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the command writes a line (| head, once it had enough)
+    stderr = proc.stderr.read()
+    code = proc.wait(timeout=60)
+    assert stderr == "", "no traceback, no message: the reader asked for no more"
+    assert code == (0 if args == ["--help"] else 141), "as SIGPIPE ends a Unix tool (128 + 13)"
