@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pty
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psycopg
 import pytest
 
 from postgres_mutex import Mutex
-from tests.support.fixtures import ROOT
+from tests.support.fixtures import ROOT, process_listens, wait_until
 
 # The default lock table exists whichever of these tests runs first, or alone.
 pytestmark = pytest.mark.usefixtures("schema")
@@ -94,3 +97,72 @@ def test_a_closed_pipe_ends_the_command_quietly_as_it_ends_a_unix_tool(
     code = proc.wait(timeout=60)
     assert stderr == "", "no traceback, no message: the reader asked for no more"
     assert code == (0 if args == ["--help"] else 141), "as SIGPIPE ends a Unix tool (128 + 13)"
+
+
+# -- what a wait tells a person ---------------------------------------------------------
+
+
+def _wait_behind(
+    holder: Mutex, dsn: str, admin: psycopg.Connection[Any], *flags: str, terminal: bool = False
+) -> tuple[int, str]:
+    """``run --wait`` started while ``holder`` holds the lock, which it releases once the runner waits; its
+    stderr a pipe, or a terminal's."""
+    acquisition = holder.acquire()
+    assert acquisition.__enter__()
+    main, tty = pty.openpty() if terminal else (-1, subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "postgres_mutex", "run", *flags, "--dsn", dsn, "--lock", holder.lock_name, "--", "true"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=tty,
+        text=True,
+    )
+    try:
+        wait_until(lambda: process_listens(admin, holder.lock_name), timeout=30)
+    finally:
+        acquisition.__exit__(None, None, None)
+    if not terminal:
+        _, stderr = proc.communicate(timeout=30)
+        return proc.returncode, stderr
+    os.close(tty)
+    code = proc.wait(timeout=30)
+    said = b""
+    with contextlib.suppress(OSError):  # EIO: the terminal's other end is closed, all of it read
+        while chunk := os.read(main, 4096):
+            said += chunk
+    os.close(main)
+    return code, said.decode().replace("\r\n", "\n")
+
+
+def test_run_v_says_that_it_waits_for_whom_and_what_it_runs(
+    make_mutex: Callable[..., Mutex], dsn: str, admin: psycopg.Connection[Any]
+) -> None:
+    holder = make_mutex()
+    code, stderr = _wait_behind(holder, dsn, admin, "-v", "--wait", "--timeout", "30")
+    assert code == 0, stderr
+    said = [line for line in stderr.splitlines() if "INFO" not in line]
+    assert said[0] == (
+        f"postgres-mutex: lock {holder.lock_name!r} is held by {holder.instance_id}; waiting up to 30s for it"
+    )
+    assert said[1].startswith(f"postgres-mutex: holding lock {holder.lock_name!r} (token ")
+    assert said[1].endswith("): running true")
+    assert said[2].startswith("postgres-mutex: the command exited with status 0 after ")
+    assert said[2].endswith(f"; released lock {holder.lock_name!r}")
+
+
+def test_a_wait_with_stderr_to_a_log_says_nothing_unless_asked(
+    make_mutex: Callable[..., Mutex], dsn: str, admin: psycopg.Connection[Any]
+) -> None:
+    code, stderr = _wait_behind(make_mutex(), dsn, admin, "--wait")
+    assert (code, stderr) == (0, "")
+
+
+def test_a_wait_at_a_terminal_says_that_it_waits_and_for_whom(
+    make_mutex: Callable[..., Mutex], dsn: str, admin: psycopg.Connection[Any]
+) -> None:
+    holder = make_mutex()
+    code, stderr = _wait_behind(holder, dsn, admin, "--wait", terminal=True)
+    assert (code, stderr) == (
+        0,
+        f"postgres-mutex: lock {holder.lock_name!r} is held by {holder.instance_id}; waiting for it\n",
+    )
