@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -320,6 +321,9 @@ def classify_failure(
     diag = getattr(exc, "diag", None)
     primary = getattr(diag, "message_primary", None) if diag is not None else None
     detail = redact(" ".join(str(primary or exc).split()) or type(exc).__name__)
+    if "failed to resolve host None" in detail and os.environ.get("PGHOST"):
+        # psycopg names a host it was given by PGHOST, not by the DSN, as None.
+        detail = detail.replace("host None", f"host {os.environ['PGHOST']!r} (from PGHOST)", 1)
     sqlstate = getattr(exc, "sqlstate", None) if isinstance(exc, psycopg.Error) else None
     # The server answered with an error and the connection survived: the
     # statement was rolled back, so its outcome is known.

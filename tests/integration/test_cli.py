@@ -437,6 +437,10 @@ def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg
     assert result.returncode == 0, result.stdout + result.stderr
     assert _story(result.stdout) == STORY
     assert "its database session had ended" in result.stdout
+    shown = sum(line.split(maxsplit=2)[-1].startswith("ALERT:") for line in result.stdout.splitlines() if line)
+    counted = re.search(r"^  alerts (\d+), one per silent holder as the timeline shows them", result.stdout, re.M)
+    assert counted is not None, result.stdout
+    assert int(counted.group(1)) == shown, "the summary counts the alerts the timeline shows"
     leftovers = admin.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE 'postgres_mutex_demo_%'").fetchall()
     assert leftovers == []
 

@@ -8,6 +8,7 @@ import pty
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 
 from postgres_mutex import Mutex
 from tests.support.fixtures import ROOT, process_listens, wait_until
+from tests.support.postgres_server import PASSWORD, PostgresServer
 
 # The default lock table exists whichever of these tests runs first, or alone.
 pytestmark = pytest.mark.usefixtures("schema")
@@ -166,3 +168,43 @@ def test_a_wait_at_a_terminal_says_that_it_waits_and_for_whom(
         0,
         f"postgres-mutex: lock {holder.lock_name!r} is held by {holder.instance_id}; waiting for it\n",
     )
+
+
+# -- the command line's own words ------------------------------------------------------
+
+
+@pytest.fixture
+def role_without_create(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
+    """A login role that may create nothing (PostgreSQL 14 and older let everyone create tables in public)."""
+    role = f"mutex_newcomer_{uuid.uuid4().hex[:8]}"
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
+    admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    yield pg.dsn(user=role, password=PASSWORD)
+    admin.execute(f"DROP OWNED BY {role}")
+    admin.execute(f"DROP ROLE {role}")
+
+
+def test_init_as_a_role_that_may_not_create_speaks_the_command_lines_words(role_without_create: str) -> None:
+    result = cli("init", "--dsn", role_without_create, "--table", "app_locks")
+    assert result.returncode == 69
+    assert result.stderr.startswith(
+        "postgres-mutex: error: creation of table app_locks failed: the role may not create it"
+    ), result.stderr
+    assert result.stderr.endswith("and skip 'postgres-mutex init'\n")
+    assert "create_schema" not in result.stderr
+
+
+def test_the_demo_as_a_role_that_may_not_create_says_what_the_demo_needs(role_without_create: str) -> None:
+    result = cli("demo", "--dsn", role_without_create, "--workers", "2")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "the demo creates a table of its own" in result.stderr
+    assert "or without --dsn (it then starts a throwaway PostgreSQL)" in result.stderr
+    assert "postgres-mutex init" not in result.stderr, "advice for init, which the demo does not run"
+
+
+def test_status_help_says_what_each_threshold_is_for() -> None:
+    result = cli("status", "--help")
+    assert result.returncode == 0
+    flattened = " ".join(result.stdout.split())
+    assert "--alert-threshold ALERT_THRESHOLD a holder silent this many seconds shows as 'alerting'" in flattened
+    assert "--stale-threshold STALE_THRESHOLD a holder silent this many seconds shows as 'reclaimable'" in flattened
