@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from . import _flows as flows
 from . import _steps as steps
 from ._clock import now
-from ._connections import check_connection_args, connect_defaults
+from ._connections import check_connection_args, connect_defaults, dsn_or_environment
 from ._engine import Engine
 from ._engine_async import AsyncEngine
 from ._host import EngineHost, Shapes
@@ -61,7 +61,7 @@ class ClientCore:
         operation_timeout: float,
     ) -> None:
         self.redactor = check_connection_args(dsn, pool, async_pool)
-        self.dsn = dsn
+        self.dsn = dsn_or_environment(dsn, pool, async_pool)
         self.pool = pool
         self.async_pool = async_pool
         self.operation_timeout = operation_timeout

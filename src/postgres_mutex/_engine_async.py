@@ -224,7 +224,7 @@ class AsyncEngine:
         """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""
         statements = None if fresh else self.host.shapes.get(names.table_name)
         if statements is None:
-            op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
+            op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (await self.execute(op)).row
             assert row is not None
             exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks = row

@@ -262,14 +262,16 @@ class Holder:
 
     # -- acquire and release ----------------------------------------------------------
 
-    def acquire(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+    def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
         """Hold the lock for the ``with`` block; yields whether it was acquired.
 
-        Non-blocking (the default) tries once and yields False if another
-        instance holds the lock. Blocking waits, woken at once by the holder's
-        release, polling every ``poll_interval`` otherwise, and raises
-        `LockAcquisitionTimeout` after ``timeout`` seconds (None: no limit),
-        so the block never runs unlocked.
+        With neither argument it tries once and yields False if another
+        instance holds the lock. With ``blocking=True`` or a ``timeout`` it
+        waits, woken at once by the holder's release, polling every
+        ``poll_interval`` otherwise, and raises `LockAcquisitionTimeout` after
+        ``timeout`` seconds (None: no limit), so the block never runs
+        unlocked. ``blocking=False`` with a ``timeout`` raises `ValueError`,
+        as ``threading.Lock.acquire`` does.
 
         Leaving the block releases the lock, whether it ends normally, by an
         exception or by KeyboardInterrupt. If the lock was lost meanwhile, a
@@ -277,13 +279,13 @@ class Holder:
         if this Mutex already holds the lock, `DatabaseError` if PostgreSQL
         cannot be used.
         """
-        timeout = check_wait(blocking, timeout)
+        blocking, timeout = check_wait(blocking, timeout)
         self._start_watch()
         return Acquisition(self._engine_for, self._lock, blocking=blocking, timeout=timeout)
 
     def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
         """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
-        timeout = check_wait(blocking, timeout)
+        blocking, timeout = check_wait(blocking, timeout)
         self._start_watch_async()
         return AsyncAcquisition(self._engine_async_for, self._lock, blocking=blocking, timeout=timeout)
 
@@ -370,14 +372,14 @@ class Holder:
 
     @overload
     def singleton(
-        self, lock_name: str | None = None, *, blocking: bool = False, timeout: float | None = None
+        self, lock_name: str | None = None, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
 
     def singleton(
         self,
         lock_name: str | Callable[P, R] | None = None,
         *,
-        blocking: bool = False,
+        blocking: bool | None = None,
         timeout: float | None = None,
     ) -> Any:
         """Decorate a function to run only while holding the lock.
@@ -385,7 +387,8 @@ class Holder:
         ``lock_name`` defaults to this Mutex's; another name gets a Mutex on
         the same client with the same settings. When the lock is held
         elsewhere (or by another call in this process) the function does not
-        run and the call returns None. Blocking with a ``timeout`` raises
+        run and the call returns None. ``blocking`` and ``timeout`` are
+        `acquire`'s: given a ``timeout``, a call waits up to it and raises
         `LockAcquisitionTimeout` instead. Also usable bare: ``@mutex.singleton``.
         """
         return singleton_decorator(self._siblings, lock_name, blocking=blocking, timeout=timeout)

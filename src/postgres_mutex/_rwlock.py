@@ -91,7 +91,7 @@ class _ModeHolder(Holder):
     def __repr__(self) -> str:
         return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
 
-    def acquire(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+    def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
         """`Holder.acquire`, once its `RWLock` has said this mode may be asked for (see `RWLock.read`)."""
         self._modes.entering(self.mode)
         return super().acquire(blocking=blocking, timeout=timeout)
@@ -261,11 +261,11 @@ class RWLock:
 
     # -- acquire ---------------------------------------------------------------------
 
-    def read(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+    def read(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
         """Hold the lock for reading for the ``with`` block; yields whether it was acquired (see `Mutex.acquire`)."""
         return self._reader.acquire(blocking=blocking, timeout=timeout)
 
-    def write(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+    def write(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
         """Hold the lock alone, for writing, for the ``with`` block; yields whether it was acquired."""
         return self._writer.acquire(blocking=blocking, timeout=timeout)
 
@@ -284,11 +284,11 @@ class RWLock:
 
     @overload
     def read_singleton(
-        self, *, blocking: bool = False, timeout: float | None = None
+        self, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
 
     def read_singleton(
-        self, func: Callable[..., Any] | None = None, *, blocking: bool = False, timeout: float | None = None
+        self, func: Callable[..., Any] | None = None, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Any:
         """Decorate a function to run only while holding the lock for reading (see `Mutex.singleton`).
 
@@ -313,11 +313,11 @@ class RWLock:
 
     @overload
     def write_singleton(
-        self, *, blocking: bool = False, timeout: float | None = None
+        self, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
 
     def write_singleton(
-        self, func: Callable[..., Any] | None = None, *, blocking: bool = False, timeout: float | None = None
+        self, func: Callable[..., Any] | None = None, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Any:
         """Decorate a function to run only while holding the lock alone, for writing (see `read_singleton`).
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import secrets
 import socket
-import warnings
 from dataclasses import dataclass
 
 from ._sql import SEPARATOR
@@ -317,21 +316,25 @@ BRIEF_WAIT = 0.25
 forced release in each of its tries: brief, so the client's other statements are not held up."""
 
 
-def check_wait(blocking: object, timeout: object) -> float | None:
-    """An acquire's ``blocking`` and ``timeout``, checked: the timeout to wait (None: no limit, or no wait)."""
-    if not isinstance(blocking, bool):
+def check_wait(blocking: object, timeout: object) -> tuple[bool, float | None]:
+    """An acquire's ``blocking`` and ``timeout``, checked: whether to wait, and for how long (None: no limit).
+
+    ``blocking=None`` (the synchronous default) waits only when a ``timeout`` is
+    given: ``acquire(timeout=5)`` means "wait up to 5 s", as it reads. A
+    non-blocking call given a timeout is refused, as ``threading.Lock.acquire``
+    refuses it: the caller asked for two things that cannot both hold.
+    """
+    if blocking is not None and not isinstance(blocking, bool):
         raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
     if timeout is None:
-        return None
-    if not blocking:
-        # 0.1.0 ignored it: programs written for it pass one to non-blocking tries.
-        warnings.warn(
-            "timeout has no effect on a non-blocking acquire: pass blocking=True to wait, or drop timeout",
-            DeprecationWarning,
-            stacklevel=3,
+        return bool(blocking), None
+    if blocking is False:
+        raise InvalidArgument(
+            "can't specify a timeout for a non-blocking acquire (timeout={value!r}): "
+            "drop blocking=False to wait up to the timeout, or drop the timeout to try once",
+            value=timeout,
         )
-        return None
     if isinstance(timeout, int | float) and not isinstance(timeout, bool) and -math.inf < timeout < 0:
         # A deadline already past (timeout=deadline - now()): one attempt, as in 0.1.0.
-        return float(timeout)
-    return check_seconds(timeout, "timeout", allow_zero=True)
+        return True, float(timeout)
+    return True, check_seconds(timeout, "timeout", allow_zero=True)

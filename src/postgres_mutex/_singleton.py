@@ -114,12 +114,13 @@ class Siblings:
 
 
 def singleton_decorator(
-    siblings: Siblings, lock_name: str | Callable[..., Any] | None, *, blocking: bool, timeout: float | None
+    siblings: Siblings, lock_name: str | Callable[..., Any] | None, *, blocking: bool | None, timeout: float | None
 ) -> Any:
     """What `Mutex.singleton` returns for its arguments: a decorator or, used bare, the decorated function."""
     if callable(lock_name):
         return singleton_decorator(siblings, None, blocking=False, timeout=None)(lock_name)
-    return only_while_held(siblings.get(lock_name), blocking=blocking, timeout=check_wait(blocking, timeout))
+    blocking, timeout = check_wait(blocking, timeout)
+    return only_while_held(siblings.get(lock_name), blocking=blocking, timeout=timeout)
 
 
 def singleton_decorator_async(
@@ -128,4 +129,5 @@ def singleton_decorator_async(
     """What `Mutex.singleton_async` returns for its arguments, as `singleton` for coroutine functions."""
     if callable(lock_name):
         return singleton_decorator_async(siblings, None, blocking=True, timeout=None)(lock_name)
-    return only_while_held_async(siblings.get(lock_name), blocking=blocking, timeout=check_wait(blocking, timeout))
+    blocking, timeout = check_wait(blocking, timeout)
+    return only_while_held_async(siblings.get(lock_name), blocking=blocking, timeout=timeout)

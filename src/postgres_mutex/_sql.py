@@ -33,7 +33,14 @@ from ._sql_lock import CURRENT, CURRENT_WITH_HISTORY, LEGACY, Statements, TableS
 from ._sql_names import Names
 from ._sql_permits import SEPARATOR
 from ._sql_rows import RowOf, row_of
-from ._sql_schema import create_history, create_table, history_retention, inspect_table, migrate_steps
+from ._sql_schema import (
+    create_history,
+    create_table,
+    history_retention,
+    inspect_table,
+    migrate_steps,
+    pages_have_room,
+)
 from ._sql_statement import Statement, session_setup
 from ._sql_wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, unregister
 
@@ -62,6 +69,7 @@ __all__ = [
     "integration_table_exists",
     "listen",
     "migrate_steps",
+    "pages_have_room",
     "pass_on",
     "register",
     "row_of",

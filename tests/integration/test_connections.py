@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import Mutex
+from postgres_mutex import LockTable, Mutex
 from tests.support.fixtures import wait_until
 from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer
 
@@ -48,6 +48,19 @@ def test_a_partial_dsn_is_completed_from_pg_environment_variables(
         monkeypatch.setenv("PGPASSWORD", pg.password)
     _works(Mutex("", lock_name))
     _works(Mutex("sslmode=disable", lock_name))
+
+
+def test_no_dsn_and_no_pool_connects_as_the_pg_environment_says(
+    pg: PostgresServer, lock_name: str, clean_pg_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PGHOST", pg.host)
+    monkeypatch.setenv("PGPORT", str(pg.port))
+    monkeypatch.setenv("PGUSER", pg.user)
+    monkeypatch.setenv("PGDATABASE", pg.dbname)
+    if pg.password:
+        monkeypatch.setenv("PGPASSWORD", pg.password)
+    _works(Mutex(lock_name=lock_name))
+    assert isinstance(LockTable().holders(), list), "a LockTable reads the same environment"
 
 
 @pytest.fixture

@@ -49,6 +49,8 @@ def test_readers_share_and_a_writer_waits_for_them(make_rwlock: MakeRWLock) -> N
             assert reader.mode == "read"
         with writer.write() as got:
             assert not got, "no writer while readers hold"
+        with pytest.raises(LockAcquisitionTimeout), writer.write(timeout=0.3):
+            pass  # a timeout alone waits, as blocking=True does
     with writer.write() as got:
         assert got
         assert writer.mode == "write"

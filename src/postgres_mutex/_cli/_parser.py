@@ -112,7 +112,11 @@ def parser() -> argparse.ArgumentParser:
         "while it waits (--wait), new readers wait behind it",
     )
     run.add_argument("--wait", action="store_true", help="wait for the lock instead of giving up at once")
-    run.add_argument("--timeout", type=seconds("--timeout"), help="with --wait: give up after this many seconds")
+    run.add_argument(
+        "--timeout",
+        type=seconds("--timeout"),
+        help="wait up to this many seconds for the lock, then give up (implies --wait)",
+    )
     run.add_argument(
         "--conflict-exit-code",
         type=exit_code,
@@ -159,8 +163,19 @@ def parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--lock", action="append", help="only this lock, semaphore or read/write lock (repeatable)")
-    status.add_argument("--alert-threshold", type=seconds("--alert-threshold"), default=30.0)
-    status.add_argument("--stale-threshold", type=seconds("--stale-threshold"), default=600.0)
+    status.add_argument(
+        "--alert-threshold",
+        type=seconds("--alert-threshold"),
+        default=30.0,
+        help="a holder silent this many seconds shows as 'alerting' (default 30; use your Mutexes' alert_threshold)",
+    )
+    status.add_argument(
+        "--stale-threshold",
+        type=seconds("--stale-threshold"),
+        default=600.0,
+        help="a holder silent this many seconds shows as 'reclaimable' (default 600; use your Mutexes' "
+        "stale_threshold)",
+    )
     status.set_defaults(handler=cmd_status)
 
     watch = add(
@@ -172,8 +187,18 @@ def parser() -> argparse.ArgumentParser:
     watch.add_argument("--listen", default="127.0.0.1:9464", help="HOST:PORT for /metrics (default 127.0.0.1:9464)")
     watch.add_argument("--interval", type=seconds("--interval"), default=5.0, help="seconds between reads")
     watch.add_argument("--lock", action="append", help="only this lock (repeatable)")
-    watch.add_argument("--alert-threshold", type=seconds("--alert-threshold"), default=30.0)
-    watch.add_argument("--stale-threshold", type=seconds("--stale-threshold"), default=600.0)
+    watch.add_argument(
+        "--alert-threshold",
+        type=seconds("--alert-threshold"),
+        default=30.0,
+        help="alert on a holder silent this many seconds (default 30; use your Mutexes' alert_threshold)",
+    )
+    watch.add_argument(
+        "--stale-threshold",
+        type=seconds("--stale-threshold"),
+        default=600.0,
+        help="a holder silent this many seconds counts as reclaimable (default 600; use your Mutexes' stale_threshold)",
+    )
     watch.set_defaults(handler=cmd_watch)
 
     history_options = Parser(add_help=False)
