@@ -312,7 +312,60 @@ def bench_chart() -> Svg:
     return svg
 
 
+DEMO_RUN = {
+    "worker-2": [("holds", 3.46, 4.24), ("crash", 4.24, 4.24)],
+    "worker-3": [("waits", 3.50, 6.54), ("alert", 5.52, 5.52), ("holds", 6.54, 7.31), ("frozen", 7.31, 12.35)],
+    "worker-1": [("waits", 3.52, 12.35), ("alert", 8.57, 8.57), ("holds", 12.35, 13.2)],
+}
+"""One run of ``postgres-mutex demo`` (seconds since it started), as its timeline printed them."""
+
+
+def demo_timeline() -> Svg:
+    """What ``postgres-mutex demo`` shows: a crash reclaimed in seconds, a freeze alerted and kept."""
+    svg = Svg(820, 306, "The demo's timeline: a crashed holder reclaimed in seconds, a frozen one alerted and kept")
+    svg.text(
+        410,
+        28,
+        "postgres-mutex demo: three workers, one lock, a crash and a freeze",
+        size=15,
+        anchor="middle",
+        bold=True,
+    )
+    first, last, left, right = 3.0, 13.2, 110, 800
+
+    def x(seconds: float) -> float:
+        return left + (right - left) * (seconds - first) / (last - first)
+
+    for index, (worker, events) in enumerate(DEMO_RUN.items()):
+        y = 70 + 55 * index
+        svg.text(16, y + 4, worker, size=13, bold=True)
+        for kind, start, end in events:
+            if kind == "holds":
+                svg.bar(x(start), x(end), y, HELD)
+            elif kind == "frozen":
+                svg.bar(x(start), x(end), y, SILENT)
+                svg.text(x(start) + 6, y - 12, "frozen 5 s: keeps its session, and its lock", size=12, color=MUTED)
+            elif kind == "waits":
+                svg.bar(x(start), x(end), y, WAITING, dashed=True)
+            elif kind == "crash":
+                svg.cross(x(start) + 8, y, ALERT)
+                svg.text(x(start) + 22, y + 4, "killed (SIGKILL) mid-job", size=12, color=MUTED)
+            elif kind == "alert":
+                svg.flag(x(start), y - 16, ALERT)
+    svg.text(x(6.54), 70 + 55 + 22, "reclaimed 2.3 s after the crash: its session had ended", size=12)
+    svg.text(x(8.57) + 12, 70 + 110 - 12, "alert after 1.5 s of silence", size=12)
+    svg.text(x(12.35) - 6, 70 + 110 + 24, "the resumed holder finishes and hands over", size=12, anchor="end")
+    axis = 250
+    svg.line(left - 10, axis, right, axis, color=INK)
+    for second in range(4, 14, 2):
+        svg.line(x(second), axis - 5, x(second), axis + 5, color=INK)
+        svg.text(x(second), axis + 20, f"{second} s", size=12, anchor="middle")
+    legend(svg, 110, 292, [(HELD, "holds", False), (SILENT, "frozen", False), (WAITING, "waits", True)])
+    return svg
+
+
 PICTURES_DRAWN = {
+    "demo-timeline.svg": demo_timeline,
     "lock-life.svg": lock_life,
     "crashed-or-frozen.svg": crashed_or_frozen,
     "hand-off.svg": hand_off,
