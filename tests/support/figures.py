@@ -98,13 +98,13 @@ def report_directory() -> Path:
     return Path(os.environ.get("CHAOS_REPORT_DIR") or ROOT / "chaos" / "report")
 
 
-def docs_copy_directory(*, refresh: bool | None = None) -> Path:
-    """Where a whole run's copy for the docs goes: the committed ``docs/figures/`` only when asked to refresh.
+def docs_copy_directory() -> Path:
+    """Where a whole run's copy for the docs goes: the committed ``docs/figures/`` under ``--refresh-figures``.
 
     Otherwise ``figures/`` under the report directory, which git ignores, so a test run leaves the
-    checkout as it found it. ``refresh`` defaults to this session's ``--refresh-figures``.
+    checkout as it found it.
     """
-    if _refresh if refresh is None else refresh:
+    if _refresh:
         return DOCS_FIGURES
     return report_directory() / "figures"
 
