@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import uuid
 from collections.abc import Callable, Iterator
@@ -135,3 +136,18 @@ def test_an_unreachable_server_is_a_clear_error_and_not_retried_forever(lock_nam
     with pytest.raises(DatabaseError, match="could not connect") as caught, mutex.acquire(blocking=True):
         pytest.fail("must not run")
     assert not caught.value.transient, "a Mutex that never connected does not wait for a server that may not exist"
+
+
+def test_the_runbooks_query_finds_the_holders_connections(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any]
+) -> None:
+    """On-call follows exporters/README.md's runbook from the alert's holder to its sessions."""
+    runbook = (Path(__file__).resolve().parents[2] / "exporters" / "README.md").read_text(encoding="utf-8")
+    found = re.search(r"`(SELECT [^`]*FROM pg_stat_activity[^`]*)`", runbook.replace("\n", " "))
+    assert found, "the runbook shows how to find a holder's sessions in pg_stat_activity"
+    mutex = make_mutex()
+    host = socket.gethostname()
+    with mutex.acquire():
+        rows = admin.execute(found[1].replace("<hostname>", host)).fetchall()
+    names = [row[1] for row in rows]
+    assert f"postgres-mutex {host}:{os.getpid()}" in names, f"the holder's own process is among {names}"
