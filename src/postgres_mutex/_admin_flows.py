@@ -103,13 +103,15 @@ def create_integration_tables(tables: dict[str, str], timeout: float) -> Flow[No
     able to run this where the tables were made.
     """
     for integration, table in tables.items():
-        inspection = f"inspection of table {table}"
+        lookup = f"lookup of table {table}"
         for attempt in range(1, 4):
-            reply = yield Execute(_sql.integration_table_exists(table), {}, timeout, inspection)
+            reply = yield Execute(_sql.integration_table_exists(table), {}, timeout, lookup)
             if reply.row is not None and reply.row[0]:
                 break
             try:
-                yield Execute(_sql.create_integration_table(integration, table), {}, timeout, f"creation of {table}")
+                yield Execute(
+                    _sql.create_integration_table(integration, table), {}, timeout, f"creation of table {table}"
+                )
                 break
             except DatabaseError as exc:
                 if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
