@@ -35,8 +35,9 @@ def report(
 ) -> Iterator[Report]:
     """Measured figures, written to $CHAOS_REPORT_DIR (default chaos/report) when the session ends.
 
-    A session that ran every scenario, with no test failed, also rewrites
-    docs/figures/chaos-report.md: the table the docs' failure-modes page includes.
+    A session that ran every scenario, with no test failed, also writes the table the docs'
+    failure-modes page includes: to chaos/report/figures/ (ignored by git), and to the committed
+    docs/figures/chaos-report.md under ``pytest --refresh-figures``.
     """
     collected = Report(Path(os.environ.get("CHAOS_REPORT_DIR") or Path(__file__).parent / "report"))
     yield collected

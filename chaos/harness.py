@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from postgres_mutex import MetricsHook
+from tests.support.figures import docs_copy_directory
 
 HEARTBEAT, ALERT, STALE = 0.2, 1.0, 3.0
 LEASE = STALE - HEARTBEAT
@@ -63,8 +64,8 @@ ON_DEMAND = ("16. nemesis, long", "18. nemesis, semaphore of 3, long")
 MEASURED_BY_FIXTURE = ("overlaps", "rows_left")
 """Figures the `chaos` fixture measures for every scenario, after it ends: the table's own columns."""
 
-DOCS_FIGURE = Path(__file__).resolve().parent.parent / "docs" / "figures" / "chaos-report.md"
-"""The copy docs/failure-modes.md includes: committed, and rewritten by every whole run of the suite."""
+DOCS_FIGURE_NAME = "chaos-report.md"
+"""The copy docs/failure-modes.md includes, in docs/figures/: committed, rewritten by ``pytest --refresh-figures``."""
 
 TIMING: dict[str, float] = {
     "heartbeat_interval": HEARTBEAT,
@@ -200,8 +201,12 @@ class Report:
             all(key in self.scenarios.get(scenario, {}) for key in MEASURED_BY_FIXTURE) for scenario in SCENARIOS
         )
 
-    def write(self, toxiproxy: str, postgres: int, *, docs_copy: bool) -> None:
-        """Write this session's figures; with ``docs_copy``, the docs' copy too if every scenario ran."""
+    def write(self, toxiproxy: str, postgres: int, *, docs_copy: bool, docs: Path | None = None) -> None:
+        """Write this session's figures; with ``docs_copy``, the docs' copy too if every scenario ran.
+
+        The docs' copy goes to ``docs`` (default: `docs_copy_directory`, the committed one only under
+        ``pytest --refresh-figures``).
+        """
         self.directory.mkdir(parents=True, exist_ok=True)
         payload = {
             "timing": {"heartbeat_interval": HEARTBEAT, "alert_threshold": ALERT, "stale_threshold": STALE},
@@ -214,7 +219,9 @@ class Report:
         (self.directory / "chaos-report.md").write_text(table)
         # A partial run (-k, one file) would leave the docs with half a table: only a whole one replaces it.
         if docs_copy and self.complete():
-            DOCS_FIGURE.write_text(table)
+            docs = docs or docs_copy_directory()
+            docs.mkdir(parents=True, exist_ok=True)
+            (docs / DOCS_FIGURE_NAME).write_text(table)
 
     def markdown(self, toxiproxy: str, postgres: int) -> str:
         lines = [

@@ -36,6 +36,7 @@ from chaos.conftest import Chaos
 from chaos.harness import HEARTBEAT, LEASE, STALE, TIMING, Net, Report
 from chaos.nemesis import (
     BANDS,
+    NOTICE_ALLOWANCE,
     QUIET_END,
     QUIET_START,
     RESTART_SPACING,
@@ -145,6 +146,7 @@ class Run:
                     "applied": [asdict(a) for a in nemesis.applied],
                     "verdict": {**verdict.figures(), "overlaps": [str(pair) for pair in verdict.overlaps]},
                     "late_losses": verdict.late_losses,
+                    "losses_within_allowance": verdict.losses_within_allowance,
                     "notices": verdict.notices,
                     "orphaned_rows": verdict.orphaned_rows,
                 },
@@ -413,6 +415,22 @@ def test_the_checker_finds_a_loss_told_after_the_takeover_unless_the_holder_was_
     assert len(verdict_of(held, taken, late).late_losses) == 1
     frozen = Applied(Fault(1.0, "freeze", 0, 2.0), "a", start=1.0, end=3.3)
     assert verdict_of(held, taken, late, applied=[frozen]).late_losses == [], "told as it resumed"
+
+
+def test_the_checker_allows_a_loss_told_just_after_the_takeover_and_says_so() -> None:
+    # A starved machine may run the holder's notice a moment late; the verdict states the bound it holds.
+    held = section("a", "x", 0.0, 2.95, held=False, believed=2.7)
+    taken = section("b", "x", 3.0, 4.0)
+    reclaim = {"ev": "reclaimed", "who": "b", "lock": "x", "at": 2.99, "previous": "a"}
+    just_after = {"ev": "lost", "who": "a", "lock": "x", "at": 3.0 + NOTICE_ALLOWANCE * 0.5, "reason": "lease"}
+    allowed = verdict_of(held, taken, reclaim, just_after)
+    assert allowed.late_losses == []
+    assert len(allowed.losses_within_allowance) == 1
+    assert "section ended -0.050s from the takeover" in allowed.losses_within_allowance[0]
+    assert allowed.figures()["notice_bound"] == f"on_lost at most {NOTICE_ALLOWANCE:g}s after the takeover"
+    assert allowed.figures()["losses_told_after_takeover_within_bound"] == 1
+    past = {**just_after, "at": 3.0 + NOTICE_ALLOWANCE * 1.5}
+    assert len(verdict_of(held, taken, reclaim, past).late_losses) == 1
 
 
 def test_the_checker_takes_a_doubt_no_heartbeat_confirmed_as_the_holders_notice() -> None:

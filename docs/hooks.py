@@ -1,9 +1,13 @@
 """MkDocs hooks for the documentation site (mkdocs.yml ``hooks:``); nothing here is a page.
 
-- ``--8<-- "README.md:SECTION"`` includes a section of the README (between
-  ``<!-- --8<-- [start:SECTION] -->`` and ``<!-- --8<-- [end:SECTION] -->``) with
-  its links into ``docs/`` made relative to the including page, so the README and
-  the site share one text. Other files are included by pymdownx.snippets as usual.
+- A page shows a section of the README (between ``<!-- --8<-- [start:SECTION] -->``
+  and ``<!-- --8<-- [end:SECTION] -->``) as a copy between ``<!-- README.md:SECTION -->``
+  and ``<!-- end of README.md:SECTION -->``, with its links into ``docs/`` made
+  relative to the page: readable as Markdown (on GitHub, in an editor), and replaced
+  by the README's current text at build time, so the README and the site share one
+  text. ``python docs/hooks.py`` rewrites the copies after the README changed
+  (tests/unit/test_readme_copies.py fails until then). ``--8<-- "README.md:SECTION"``
+  still includes a section unseen; other files are included by pymdownx.snippets.
 - ``<!-- cli-help: SUBCOMMAND -->`` becomes the output of ``postgres-mutex
   SUBCOMMAND --help`` (empty SUBCOMMAND: the top-level help), so the command-line
   reference is the parser's own text.
@@ -40,6 +44,11 @@ PUBLIC_MODULES = (
 """Modules whose public names the API reference must cover: ``__all__``, else every public name defined there."""
 
 _README_INCLUDE = re.compile(r'^(?P<indent>[ \t]*)--8<--[ \t]+"README\.md:(?P<section>[\w-]+)"[ \t]*$', re.MULTILINE)
+_README_COPY = re.compile(
+    r"^(?P<indent>[ \t]*)<!-- README\.md:(?P<section>[\w-]+) -->\n(?:.*?\n)??"
+    r"(?P=indent)<!-- end of README\.md:(?P=section) -->[ \t]*$",
+    re.MULTILINE | re.DOTALL,
+)
 _SECTION = re.compile(r"--8<--\s+\[(?P<edge>start|end):(?P<name>[\w-]+)\]")
 _LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
 _CLI_HELP = re.compile(r"^<!--[ \t]*cli-help:[ \t]*(?P<command>[\w-]*)[ \t]*-->[ \t]*$", re.MULTILINE)
@@ -47,8 +56,21 @@ _CLI_HELP = re.compile(r"^<!--[ \t]*cli-help:[ \t]*(?P<command>[\w-]*)[ \t]*-->[
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     page_dir = posixpath.dirname("docs/" + page.file.src_uri)
+    markdown = _README_COPY.sub(lambda found: _readme_section(found["section"], page_dir, found["indent"]), markdown)
     markdown = _README_INCLUDE.sub(lambda found: _readme_section(found["section"], page_dir, found["indent"]), markdown)
     return _CLI_HELP.sub(lambda found: _cli_help(found["command"]), markdown)
+
+
+def refresh_readme_copies(markdown: str, page: str) -> str:
+    """``markdown`` (of ``page``, a path such as ``docs/index.md``) with its README copies as the README has them."""
+    page_dir = posixpath.dirname(page)
+
+    def copy(found: re.Match[str]) -> str:
+        indent, section = found["indent"], found["section"]
+        body = _readme_section(section, page_dir, indent)
+        return f"{indent}<!-- README.md:{section} -->\n{body}\n{indent}<!-- end of README.md:{section} -->"
+
+    return _README_COPY.sub(copy, markdown)
 
 
 def _readme_section(name: str, page_dir: str, indent: str) -> str:
@@ -127,3 +149,13 @@ def on_post_build(config: Any) -> None:
     ]
     if missing:
         log.warning("the API reference (docs/reference/) lacks public names: %s", ", ".join(missing))
+
+
+if __name__ == "__main__":
+    # Rewrite every page's copies of README sections after the README changed.
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        refreshed = refresh_readme_copies(text, path.relative_to(ROOT).as_posix())
+        if refreshed != text:
+            path.write_text(refreshed, encoding="utf-8")
+            print(f"rewrote the README copies in {path.relative_to(ROOT)}")

@@ -13,7 +13,7 @@ import asyncio
 import collections
 import contextlib
 import os
-import select
+import selectors
 import sys
 import threading
 import time
@@ -125,6 +125,11 @@ class AGate:
         """The connection, for the ``async with`` block this is entered by (a statement of ``seconds`` at most)."""
         return _ATurn(self, urgent)
 
+    def try_enter(self) -> bool:
+        """Take the connection only if nobody has it or waits for it; give it back with `leave`."""
+        taken, self._busy = not self._busy, True
+        return taken
+
     async def _wait(self, urgent: bool) -> None:
         """Wait for the busy connection to be handed over."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -134,13 +139,13 @@ class AGate:
             await waiter
         except BaseException:
             if waiter.done() and not waiter.cancelled():
-                self._leave()  # let in, then cancelled: pass the turn on
+                self.leave()  # let in, then cancelled: pass the turn on
             else:
                 with contextlib.suppress(ValueError):
                     queue.remove(waiter)
             raise
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         for queue in (self._waiting[True], self._waiting[False]):
             while queue:
                 waiter = queue.popleft()
@@ -172,6 +177,8 @@ class Gate:
         self._holder: object = None
         self._holder_thread = 0
         self._holder_until = 0.0
+        self._instant = _Turn(self, urgent=False, seconds=0.0)
+        """`try_enter`'s turn: an instant's, with no statement."""
         self._waiting: dict[bool, collections.deque[tuple[threading.Lock, _Turn, int]]] = {
             True: collections.deque(),
             False: collections.deque(),
@@ -180,6 +187,18 @@ class Gate:
     def turn(self, urgent: bool, seconds: float) -> _Turn:
         """The connection, for the ``with`` block this is entered by (a statement of ``seconds`` at most)."""
         return _Turn(self, urgent, seconds)
+
+    def try_enter(self) -> bool:
+        """Take the connection only if nobody has it or waits for it, for an instant; give it back with `leave`."""
+        with self._lock:
+            if self._busy and now() <= self._holder_until:
+                return False
+            self._give(self._instant, threading.get_ident())
+            return True
+
+    def leave(self) -> None:
+        """Give back what `try_enter` took."""
+        self._leave(self._instant)
 
     def _enter(self, who: _Turn) -> None:
         me = threading.get_ident()
@@ -257,7 +276,7 @@ class _ATurn:
             gate._busy = True  # one loop: nothing runs between the check and this
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._gate._leave()
+        self._gate.leave()
 
 
 class _Turn:
@@ -480,6 +499,19 @@ def to_the_end(work: T) -> T:
 # -- the listener's wait: a socket, or a wake-up ----------------------------------------
 
 
+def ready_to_read(fds: tuple[int, ...], timeout: float) -> set[int]:
+    """Which of ``fds`` are readable (or closed by their peer) within ``timeout`` seconds.
+
+    poll() where there is one, never select(): a process with many sockets open (a web server's)
+    hands the library descriptors above 1,023, which select() refuses; epoll costs a descriptor.
+    """
+    selector: selectors.BaseSelector = getattr(selectors, "PollSelector", selectors.DefaultSelector)()
+    with selector:
+        for fd in fds:
+            selector.register(fd, selectors.EVENT_READ)
+        return {key.fd for key, _ in selector.select(max(timeout, 0.0))}
+
+
 class AWaker:
     """Wakes the listener task from any thread."""
 
@@ -512,7 +544,7 @@ class AWaker:
 
 
 class Waker:
-    """Wakes the listener thread from any thread: a pipe it selects on with its socket."""
+    """Wakes the listener thread from any thread: a pipe it waits on with its socket."""
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
@@ -524,7 +556,7 @@ class Waker:
             os.write(self._write, b"\0")
 
     def wait_readable(self, fd: int, timeout: float) -> bool:
-        ready, _, _ = select.select([fd, self._read], [], [], timeout)
+        ready = ready_to_read((fd, self._read), timeout)
         if self._read in ready:
             with contextlib.suppress(OSError):
                 os.read(self._read, 4096)

@@ -57,7 +57,7 @@ def create_table(
     token column. A table that already exists is left as it is (see `migrate`
     to add tokens, or the history, to one).
     """
-    action = f"create_schema of table {names.table_name}"
+    action = f"creation of table {names.table_name}"
     for attempt in range(1, 4):
         exists, shape = yield from inspect(names, timeout)
         if exists:
@@ -95,6 +95,56 @@ def create_table(
     return shape.tokens
 
 
+def create_integration_tables(tables: dict[str, str], timeout: float) -> Flow[None]:
+    """Each framework integration's table (``{integration: table name}``) unless it exists; safe to race.
+
+    Existence is asked first: ``CREATE TABLE IF NOT EXISTS`` needs CREATE on
+    the schema even when the table is there, and a role without it must be
+    able to run this where the tables were made.
+    """
+    for integration, table in tables.items():
+        lookup = f"lookup of table {table}"
+        for attempt in range(1, 4):
+            reply = yield Execute(_sql.integration_table_exists(table), {}, timeout, lookup)
+            if reply.row is not None and reply.row[0]:
+                break
+            try:
+                yield Execute(
+                    _sql.create_integration_table(integration, table), {}, timeout, f"creation of table {table}"
+                )
+                break
+            except DatabaseError as exc:
+                if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
+                    continue
+                if exc.sqlstate == PRIVILEGE:
+                    raise SchemaError(
+                        phrase(
+                            "creation of table {table} failed: the role may not create it ({detail}). Create it "
+                            "once as a privileged role with {" + _CREATE_TERMS[integration] + "}, then grant the "
+                            "role that uses it {grants} on it (see the README's Permissions section)",
+                            table=table,
+                            detail=_server_words(exc),
+                            grants=_sql.GRANTS[integration],
+                        ),
+                        sqlstate=exc.sqlstate,
+                    ) from exc
+                raise
+
+
+def with_integration_tables(flow: Flow[T], tables: dict[str, str], timeout: float) -> Flow[T]:
+    """``flow`` (the lock table's creation or migration), then the integrations' ``tables``."""
+    result = yield from flow
+    yield from create_integration_tables(tables, timeout)
+    return result
+
+
+_CREATE_TERMS = {
+    "celery_beat": "LockTable.create(celery_beat=True)",
+    "apscheduler": "LockTable.create(apscheduler=True)",
+}
+"""The terms naming the call that makes each integration's table (the command line names its flag)."""
+
+
 DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
 """How long the history keeps a hold once it ended, unless told otherwise: 30 days."""
 
@@ -117,7 +167,7 @@ def create_history(names: Names, timeout: float, retention: float | None, *, exi
 
 def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
     """Whether the table exists, and its shape: a token column, a history, the session columns, semaphores."""
-    reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
+    reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
     assert reply.row is not None
     exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks = reply.row
     return bool(exists), TableShape(
@@ -149,6 +199,12 @@ def migrate(
                 table=names.table_name,
             )
         )
+    if shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks:
+        history_asked = history and (not shape.history or history_retention is not None)
+        room = yield Execute(_sql.pages_have_room(names), {}, timeout, f"lookup of table {names.table_name}")
+        if not history_asked and room.row is not None and room.row[0]:
+            # Nothing to do: found by reading the catalog, which any role may, not by changes only the owner may make.
+            return False
     give_up_at = now() + max(timeout, 30.0)
     for step in _sql.migrate_steps(names):
         yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)

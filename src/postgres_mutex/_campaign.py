@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
     from ._events import ElectionEvents
     from ._mutex import Mutex
     from ._term import TermPolicy
+
+logger = logging.getLogger("postgres_mutex")
 
 TERM_SPAN = "postgres_mutex.election.term"
 
@@ -134,7 +138,7 @@ class Campaign:
                     term.end("stopped", "lead is async")
             told = term.ending
             term.finish()
-            watch.join()
+            self._join_watch(watch)
             self._release(acquisition, term)
             pause = self._conclude(term, told, error)
             if misuse is not None:
@@ -205,7 +209,7 @@ class Campaign:
             return pause
 
     async def _hand_over_async(self, watch: threading.Thread, acquisition: AsyncAcquisition, term: Term) -> None:
-        await asyncio.to_thread(watch.join)  # it has only to finish reporting: a moment
+        await asyncio.to_thread(self._join_watch, watch)
         await self._release_async(acquisition, term)
 
     async def _release_async(self, acquisition: AsyncAcquisition, term: Term | None) -> None:
@@ -240,8 +244,28 @@ class Campaign:
         watch.start()
         return watch
 
+    def _join_watch(self, watch: threading.Thread) -> None:
+        """Wait for the term's watch, ``lead`` having returned: within ``operation_timeout``, then release anyway.
+
+        It has only to finish reporting the term's end (a log line, a metrics
+        hook, a span event): a moment, unless a handler or a hook is stuck,
+        which must not keep the lock from the next candidate.
+        """
+        bound = self._candidacy.lock.timing.operation_timeout
+        watch.join(bound)
+        if watch.is_alive():
+            logger.warning(
+                "election %r: reporting the end of the term (a log handler, a metrics hook) still runs %.3gs "
+                "(operation_timeout) after lead returned; releasing the lock without waiting for it",
+                self._mutex.lock_name,
+                bound,
+            )
+
     def _watch_term(self, term: Term) -> None:
-        term.wake.wait()
+        # Woken by the term's end, or at its lease's end to end it by the clock: an async lead is cancelled
+        # then, not when the client's event thread gets round to reporting the loss.
+        while not term.wake.wait(None if (due := term.settle()) == math.inf else max(0.0, due - now())):
+            pass
         ending, reason = term.ending, term.reason
         if ending is None or reason is None:
             return  # lead returned on its own

@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import select
 from typing import Any
 
 import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
+from ._acompat import ready_to_read
 from ._secrets import Redactor
 from .errors import InvalidArgument
 
@@ -76,10 +76,10 @@ def closed_while_idle(conn: psycopg.BaseConnection[Any]) -> bool:
     if conn.closed or conn.broken:
         return True
     try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        spoke = ready_to_read((conn.fileno(),), 0)
     except (OSError, ValueError):
         return True
-    if not readable:
+    if not spoke:
         return False
     pgconn = conn.pgconn
     try:
@@ -143,14 +143,36 @@ def describe_dsn(dsn: str) -> str:
     return f"{host}:{port}/{dbname}"
 
 
+SERVER_VARIABLES = ("PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER", "PGSERVICE")
+"""libpq's variables that say which server (or database on it) to reach: one set means the environment is
+configured for PostgreSQL, as psql and the command line use it."""
+
+
+def dsn_or_environment(dsn: str | None, pool: object, async_pool: object) -> str | None:
+    """The DSN to use: as given, or, with no dsn and no pool, the environment's (``""``), as libpq and psql do.
+
+    libpq fills an empty conninfo from the ``PG*`` variables and its defaults, and
+    with none set its default is a local socket. Without any of `SERVER_VARIABLES`
+    a forgotten ``dsn`` is far more likely than a deliberate local socket, so it is
+    refused at construction, in words that say how to ask for either.
+    """
+    if dsn is not None or pool is not None or async_pool is not None:
+        return dsn
+    if any(os.environ.get(name) for name in SERVER_VARIABLES):
+        return ""
+    raise ValueError(
+        "Mutex needs a connection source: pass dsn, or pool and/or async_pool, or set PGHOST (or another of "
+        f"{', '.join(SERVER_VARIABLES)}) for libpq to read; dsn='' connects with libpq's defaults (a local socket)"
+    )
+
+
 def check_connection_args(dsn: object, pool: object, async_pool: object) -> Redactor:
     """Validate how to reach PostgreSQL (exactly one way); returns what masks the DSN's password."""
     if dsn is not None and not isinstance(dsn, str):
         raise TypeError(f"dsn must be a str, not {type(dsn).__name__}")
     if dsn is not None and (pool is not None or async_pool is not None):
         raise ValueError("pass either dsn or pool/async_pool, not both: with a pool, the library opens no connection")
-    if dsn is None and pool is None and async_pool is None:
-        raise ValueError("Mutex needs a connection source: pass dsn, or pool and/or async_pool")
+    dsn = dsn_or_environment(dsn if isinstance(dsn, str) else None, pool, async_pool)
     redactor = Redactor(dsn)
     if dsn is not None:
         detail = None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from . import _flows as flows
 from . import _steps as steps
 from ._clock import now
-from ._connections import check_connection_args, connect_defaults
+from ._connections import check_connection_args, connect_defaults, dsn_or_environment
 from ._engine import Engine
 from ._engine_async import AsyncEngine
 from ._host import EngineHost, Shapes
@@ -61,7 +61,7 @@ class ClientCore:
         operation_timeout: float,
     ) -> None:
         self.redactor = check_connection_args(dsn, pool, async_pool)
-        self.dsn = dsn
+        self.dsn = dsn_or_environment(dsn, pool, async_pool)
         self.pool = pool
         self.async_pool = async_pool
         self.operation_timeout = operation_timeout
@@ -125,6 +125,20 @@ class ClientCore:
         """A Mutex began to use this client."""
         with self.state_lock:
             self._attached += 1
+
+    def attach_while(self, user: object) -> weakref.finalize[[], object]:
+        """`attach` for as long as ``user`` lives (what a Mutex and its acquisitions share): the attachment's
+        ``detach()`` (then `detach`) lets go of it at close, and the collection of ``user`` does by itself."""
+        self.attach()
+        attachment = weakref.finalize(user, self._collected)
+        attachment.atexit = False  # the exit releases what is held; nothing is left to idle then
+        return attachment
+
+    def _collected(self) -> None:
+        # A finalizer runs wherever the collector did, in this client's own code under its lock perhaps:
+        # it only posts the detach to the event thread (none for a closed client: nothing left to idle).
+        if not self.closed:
+            self.session.post_from_finalizer(self.detach)
 
     def detach(self) -> None:
         """A Mutex closed: the last one out of a shared client closes its sync connections."""
@@ -229,8 +243,10 @@ class ClientCore:
     def close(self) -> None:
         """Release every lock held, stop the threads, close the connections (never a pool)."""
         for lock in self._held_locks():
-            with contextlib.suppress(Exception):
+            try:
                 self._release_for_close(lock)
+            except Exception as exc:  # closing goes on: the client's other locks, its threads
+                _release_failed_on_close(lock, exc)
         with self.state_lock:
             self.closed = True
             engine, self._engine = self._engine, None
@@ -245,8 +261,10 @@ class ClientCore:
     async def aclose(self) -> None:
         """`close`, from async code: releases through the running loop's engine and closes it."""
         for lock in self._held_locks():
-            with contextlib.suppress(Exception):
+            try:
                 await self.engine_async().run(flows.release(lock, lock.tracing, caller=None))
+            except Exception as exc:
+                _release_failed_on_close(lock, exc)
         loop = asyncio.get_running_loop()
         async_engine = self._async_engines.pop(loop, None)
         if async_engine is not None:
@@ -339,6 +357,18 @@ class ClientCore:
         for lock in list(self._locks):
             explicit = lock in self._explicit_ids
             lock.reset_after_fork(lock.instance_id if explicit else default_instance_id(), self.state_lock)
+
+
+def _release_failed_on_close(lock: LockState, exc: Exception) -> None:
+    """Say which lock a client's close could not release, and why (the library's error says what becomes of
+    the row); a defect, not a `MutexError`, with its traceback."""
+    logger.warning(
+        "releasing lock %r on close failed: %s: %s",
+        lock.lock_name,
+        type(exc).__name__,
+        exc,
+        exc_info=not isinstance(exc, MutexError),
+    )
 
 
 class WrongFlavour(MutexError, ValueError):

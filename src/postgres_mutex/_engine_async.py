@@ -227,7 +227,7 @@ class AsyncEngine:
         """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""
         statements = None if fresh else self.host.shapes.get(names.table_name)
         if statements is None:
-            op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"inspection of table {names.table_name}")
+            op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (await self.execute(op)).row
             assert row is not None
             exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks = row
@@ -299,8 +299,16 @@ class AsyncEngine:
         await self._source.close()
 
     def close_connections(self) -> None:
-        """Nothing is held or waited on: close the statement connection (the next statement opens one)."""
-        self._source.abandon()
+        """Nothing is held or waited on: close the statement connection (the next statement opens one).
+
+        Not while a statement uses it or waits for it (a Mutex made meanwhile, say): the client is
+        not idle then, and a connection is never closed under a statement.
+        """
+        if self._gate.try_enter():
+            try:
+                self._source.abandon()
+            finally:
+                self._gate.leave()
 
     def abandon(self) -> None:
         """Close the connections without waiting on anything: nothing will run this engine again."""

@@ -162,7 +162,8 @@ class LockEvents:
                 previous_holder=result.holder,
                 token=result.token,
                 reason=reason,
-                **mode_keyword(self.rw_mode),  # a read/write lock's row is taken over only by a holder of its mode
+                # The mode of the hold taken over, as the reply names it: a writer takes over dead readers.
+                **mode_keyword(None if self.rw_mode is None else result.holder_mode or self.rw_mode),
             )
         elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
             logger.warning(
@@ -241,7 +242,13 @@ class LockEvents:
         self.hook.lease_running_out(self.lock_name, instance_id=self.instance_id, seconds_left=seconds_left)
 
     def in_doubt(self) -> None:
-        """The hold turned in doubt (see `_state`): not held until a heartbeat confirms it, or finds it lost."""
+        """The hold turned in doubt (see `_state`): not held until a heartbeat confirms it, or finds it lost.
+
+        Told first, then logged: the notice never waits on a log handler.
+        """
+        if self.on_doubt is not None:
+            self.on_doubt()
+        self.hook.hold_in_doubt(self.lock_name, instance_id=self.instance_id)
         logger.warning(
             "%s (instance_id %r): %s",
             self.what,
@@ -249,9 +256,6 @@ class LockEvents:
             "hold in doubt: not held until a "
             "heartbeat confirms it (another instance may reclaim it if this process's database session ended)",
         )
-        self.hook.hold_in_doubt(self.lock_name, instance_id=self.instance_id)
-        if self.on_doubt is not None:
-            self.on_doubt()
 
     def confirmed(self, seconds: float) -> None:
         """A heartbeat found the row of a hold in doubt still this holder's: held again."""
@@ -264,14 +268,22 @@ class LockEvents:
         self.hook.hold_confirmed(self.lock_name, instance_id=self.instance_id, seconds_in_doubt=seconds)
 
     def lost(self, error: LockNotHeldError) -> None:
-        """Called once per loss, from the client's event thread (never from the heartbeat)."""
-        logger.error("lost %s (instance_id %r): %s", self.what, self.instance_id, error.reason)
-        self.hook.lost(self.lock_name, instance_id=self.instance_id, reason=error.reason)
+        """Called once per loss, from the client's event thread (never from the heartbeat): told, then recorded."""
+        self.tell_lost(error)
+        self.record_lost(error)
+
+    def tell_lost(self, error: LockNotHeldError) -> None:
+        """``on_lost``: the holder's notice, before the loss is logged or counted (it waits on neither)."""
         if self.on_lost is not None:
             try:
                 self.on_lost(error)
             except Exception:
                 logger.warning("on_lost callback for %s raised; ignoring it", self.what, exc_info=True)
+
+    def record_lost(self, error: LockNotHeldError) -> None:
+        """The hook's ``lost`` call and the ERROR line."""
+        self.hook.lost(self.lock_name, instance_id=self.instance_id, reason=error.reason)
+        logger.error("lost %s (instance_id %r): %s", self.what, self.instance_id, error.reason)
 
     # -- releasing -------------------------------------------------------------
 

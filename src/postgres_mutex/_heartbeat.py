@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from . import _flows as flows
@@ -38,6 +39,10 @@ logger = logging.getLogger("postgres_mutex")
 # and a worker started per acquire would cost more than the lock.
 _WORKER_LINGER = 10.0
 
+# The distinct unexpected failures a worker logs with their traceback: past that, a worker
+# failing in ever new ways says so at DEBUG only (each is a defect; the first ones show it).
+_DEFECTS_LOGGED = 20
+
 
 class HeartbeatWorker:
     """Renews an engine's holds and deletes the rows it may have left; see the module's docstring."""
@@ -49,6 +54,8 @@ class HeartbeatWorker:
         self._cleanups: list[steps.Cleanup] = []
         self._wake = Event()
         self._worker: Worker | None = None
+        self._defects: set[tuple[str, str, str]] = set()
+        """The unexpected failures logged already: each is logged once, with its traceback."""
 
     def keep(self, hold: Hold) -> None:
         """Renew ``hold`` from now on, with the other holds of its table and interval."""
@@ -110,10 +117,24 @@ class HeartbeatWorker:
                     cleanups = list(self._cleanups)
                 for group in groups:
                     if group.next_beat <= now():
-                        self._beat(group)
+                        try:
+                            self._beat(group)
+                        except Exception as exc:
+                            # A defect, not the database's answer: the next heartbeat may
+                            # well succeed, and ending here would let every hold expire.
+                            self._defect("renewing the holds", exc)
+                            group.next_beat = now() + retry_pause(group.interval)
                 for cleanup in cleanups:
                     if cleanup.due <= now():
-                        self._clean(cleanup)
+                        try:
+                            self._clean(cleanup)
+                        except Exception as exc:
+                            self._defect(f"deleting a row lock {cleanup.lock.lock_name!r} may have left", exc)
+                            with self._host.state_lock:
+                                cleanup.due = now() + cleanup.lock.timing.poll_interval
+                                if now() >= cleanup.give_up_at:
+                                    with contextlib.suppress(ValueError):
+                                        self._cleanups.remove(cleanup)
                 wake_at = min(
                     [group.next_beat for group in self.groups.values()]
                     + [cleanup.due for cleanup in self._cleanups]
@@ -128,8 +149,9 @@ class HeartbeatWorker:
                 self._worker = None
             raise
         except BaseException:
-            # Never die silently: the leases of the holds then run out, and
-            # the client's event thread declares them lost on time.
+            # What ends the worker itself (a failure of one round is caught above). Never
+            # silently: the leases of the holds then run out, and the event thread declares
+            # them lost on time.
             logger.exception("postgres-mutex heartbeat worker failed")
             with self._host.state_lock:
                 self._worker = None
@@ -220,6 +242,21 @@ class HeartbeatWorker:
                     self._cleanups.remove(cleanup)
             else:
                 cleanup.due = max(retry_at, now())
+
+    def _defect(self, doing: str, exc: Exception) -> None:
+        """Say an unexpected failure loudly (an ERROR with its traceback), once per distinct failure."""
+        where = "".join(f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(exc.__traceback__)[-1:])
+        key = (type(exc).__qualname__, str(exc), where)
+        if key in self._defects or len(self._defects) >= _DEFECTS_LOGGED:
+            logger.debug("postgres-mutex heartbeat worker: %s failed again: %r", doing, exc)
+            return
+        self._defects.add(key)
+        logger.error(
+            "postgres-mutex heartbeat worker: %s failed unexpectedly; it goes on, trying again at the next "
+            "heartbeat (this error is logged once)",
+            doing,
+            exc_info=exc,
+        )
 
     def stop(self) -> None:
         """The engine closed: let the worker end (within a statement deadline) and take nothing more."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
@@ -115,8 +116,9 @@ class Holder:
         self._engine_for = functools.partial(core.engine_for, self._lock)
         self._engine_async_for = functools.partial(core.engine_async_for, self._lock)
         core.register(self._lock, explicit_id=instance_id is not None)
-        core.attach()
-        self._attached = True
+        # Attached until close(), or until nothing refers to this Mutex nor to an acquisition of it (each
+        # refers to these two): a Mutex made for one block and never closed lets its shared client idle.
+        self._attachments = (core.attach_while(self._engine_for), core.attach_while(self._engine_async_for))
         self._options: dict[str, Any] = {
             "table": table,
             "heartbeat_interval": heartbeat_interval,
@@ -130,13 +132,14 @@ class Holder:
             "reclaim_disconnected_after": reclaim_disconnected_after,
         }
         self._explicit_id = instance_id is not None
+        # What it makes refers back to it weakly: no cycle keeps a Mutex nobody uses alive until a collection.
         self._siblings = Siblings(self, self._new_sibling)
         self._candidacy = Candidacy(
             self._lock,
             self._engine_for,
             self._engine_async_for,
-            before=self._start_watch,
-            before_async=self._start_watch_async,
+            before=_weakly(self._start_watch),
+            before_async=_weakly(self._start_watch_async),
         )
         self._watch: OwnLockWatch | None = OwnLockWatch(client, table, self._lock, metrics) if watch else None
         if self._watch is not None:
@@ -259,14 +262,16 @@ class Holder:
 
     # -- acquire and release ----------------------------------------------------------
 
-    def acquire(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+    def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
         """Hold the lock for the ``with`` block; yields whether it was acquired.
 
-        Non-blocking (the default) tries once and yields False if another
-        instance holds the lock. Blocking waits, woken at once by the holder's
-        release, polling every ``poll_interval`` otherwise, and raises
-        `LockAcquisitionTimeout` after ``timeout`` seconds (None: no limit),
-        so the block never runs unlocked.
+        With neither argument it tries once and yields False if another
+        instance holds the lock. With ``blocking=True`` or a ``timeout`` it
+        waits, woken at once by the holder's release, polling every
+        ``poll_interval`` otherwise, and raises `LockAcquisitionTimeout` after
+        ``timeout`` seconds (None: no limit), so the block never runs
+        unlocked. ``blocking=False`` with a ``timeout`` raises `ValueError`,
+        as ``threading.Lock.acquire`` does.
 
         Leaving the block releases the lock, whether it ends normally, by an
         exception or by KeyboardInterrupt. If the lock was lost meanwhile, a
@@ -274,13 +279,13 @@ class Holder:
         if this Mutex already holds the lock, `DatabaseError` if PostgreSQL
         cannot be used.
         """
-        timeout = check_wait(blocking, timeout)
+        blocking, timeout = check_wait(blocking, timeout)
         self._start_watch()
         return Acquisition(self._engine_for, self._lock, blocking=blocking, timeout=timeout)
 
     def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
         """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
-        timeout = check_wait(blocking, timeout)
+        blocking, timeout = check_wait(blocking, timeout)
         self._start_watch_async()
         return AsyncAcquisition(self._engine_async_for, self._lock, blocking=blocking, timeout=timeout)
 
@@ -367,14 +372,14 @@ class Holder:
 
     @overload
     def singleton(
-        self, lock_name: str | None = None, *, blocking: bool = False, timeout: float | None = None
+        self, lock_name: str | None = None, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
 
     def singleton(
         self,
         lock_name: str | Callable[P, R] | None = None,
         *,
-        blocking: bool = False,
+        blocking: bool | None = None,
         timeout: float | None = None,
     ) -> Any:
         """Decorate a function to run only while holding the lock.
@@ -382,7 +387,8 @@ class Holder:
         ``lock_name`` defaults to this Mutex's; another name gets a Mutex on
         the same client with the same settings. When the lock is held
         elsewhere (or by another call in this process) the function does not
-        run and the call returns None. Blocking with a ``timeout`` raises
+        run and the call returns None. ``blocking`` and ``timeout`` are
+        `acquire`'s: given a ``timeout``, a call waits up to it and raises
         `LockAcquisitionTimeout` instead. Also usable bare: ``@mutex.singleton``.
         """
         return singleton_decorator(self._siblings, lock_name, blocking=blocking, timeout=timeout)
@@ -440,9 +446,9 @@ class Holder:
         await self.aclose()
 
     def _detach(self) -> None:
-        if self._attached:
-            self._attached = False
-            self._core.detach()
+        for attachment in self._attachments:
+            if attachment.detach() is not None:  # not let go of already
+                self._core.detach()
 
     # -- the watcher of this Mutex's own lock ------------------------------------------
 
@@ -469,3 +475,15 @@ class Holder:
     def _start_watch_async(self) -> None:
         if self._watch is not None:
             self._watch.start_async()
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method``, called only while its object lives: what refers to it keeps it alive no longer."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call

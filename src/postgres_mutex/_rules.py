@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -319,6 +321,9 @@ def classify_failure(
     diag = getattr(exc, "diag", None)
     primary = getattr(diag, "message_primary", None) if diag is not None else None
     detail = redact(" ".join(str(primary or exc).split()) or type(exc).__name__)
+    if "failed to resolve host None" in detail and os.environ.get("PGHOST"):
+        # psycopg names a host it was given by PGHOST, not by the DSN, as None.
+        detail = detail.replace("host None", f"host {os.environ['PGHOST']!r} (from PGHOST)", 1)
     sqlstate = getattr(exc, "sqlstate", None) if isinstance(exc, psycopg.Error) else None
     # The server answered with an error and the connection survived: the
     # statement was rolled back, so its outcome is known.
@@ -362,11 +367,7 @@ def classify_failure(
             sqlstate=sqlstate,
         )
     elif sqlstate == PRIVILEGE:
-        error = SchemaError(
-            f"{action} failed: the role may not use the lock table {table} ({detail}); grant SELECT, INSERT, "
-            "UPDATE, DELETE on it (and USAGE on its token sequence, if it has one) as the README shows",
-            sqlstate=sqlstate,
-        )
+        error = SchemaError(f"{action} failed: {_privilege_needed(table, detail)}", sqlstate=sqlstate)
     elif not sent and sqlstate is None:
         error = DatabaseError(
             f"{action} failed: could not connect to PostgreSQL ({detail})",
@@ -380,6 +381,38 @@ def classify_failure(
             f"{action} failed: {detail}", transient=transient, outcome_unknown=unknown, sqlstate=sqlstate
         )
     return error
+
+
+_REFUSED = re.compile(r"permission denied for (table|sequence|schema) (\S+)")
+_GRANTS = {
+    "_history": "SELECT, INSERT, UPDATE, DELETE",
+    "_semaphores": "SELECT, INSERT (and UPDATE, to change a semaphore's permits)",
+    "_rwlocks": "SELECT, INSERT, UPDATE",
+}
+"""The privileges the README grants on each of the lock table's companions, by their suffix."""
+
+
+def _privilege_needed(table: str, detail: str) -> str:
+    """What the server refused, by the name it gave (the lock table, a companion, the sequence, the schema), and the
+    grant that the README's Permissions section gives on it."""
+    refused = _REFUSED.search(detail)
+    schema, _, base = table.rpartition(".")
+    if refused is not None:
+        kind, name = refused.group(1), refused.group(2).strip('"')
+        if kind == "schema":
+            return f"the role may not use schema {name} ({detail}); grant USAGE on schema {name}"
+        qualified = f"{schema}.{name}" if schema else name
+        if kind == "sequence":
+            return f"the role may not use sequence {qualified} ({detail}); grant USAGE on it, as the README shows"
+        suffix = name[len(base) :] if name.startswith(base) else None
+        if suffix:  # a companion of the lock table (the lock table itself is said below)
+            grant = _GRANTS.get(suffix)
+            if grant is not None:
+                return f"the role may not use table {qualified} ({detail}); grant {grant} on it, as the README shows"
+    return (
+        f"the role may not use the lock table {table} ({detail}); grant SELECT, INSERT, UPDATE, DELETE on it "
+        "(and USAGE on its token sequence, if it has one) as the README shows"
+    )
 
 
 def rw_row_name(lock_name: str, instance_id: str, mode: str) -> str:

@@ -11,6 +11,7 @@ other mode exist.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
@@ -38,13 +39,44 @@ MAX_RWLOCK_NAME = 50
 """A reader's row adds a separator, ``r`` and a 12-character digest to the name, in 64 characters."""
 
 
+class _Modes:
+    """What an RWLock's two holders share: the mode last asked for, and the rule that one is held at a time.
+
+    It refers to the holders weakly: no cycle keeps an RWLock nobody refers to
+    from being let go of at once (and its client's connection with it).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.last: str | None = None
+        """The mode last asked for."""
+        self._holders: dict[str, weakref.ref[_ModeHolder]] = {}
+
+    def add(self, holder: _ModeHolder) -> None:
+        self._holders[holder.mode] = weakref.ref(holder)
+
+    def entering(self, mode: str) -> None:
+        """Before ``mode`` is acquired (by a ``with`` block or a decorator): refused while the other is held."""
+        found = self._holders.get("write" if mode == "read" else "read")
+        other = None if found is None else found()
+        if other is not None and other.held:
+            # Its own rows would exclude each other: waiting could never end.
+            raise InvalidArgument(
+                "this RWLock holds {value!r} for {mode} already: leave that block first (or use another RWLock)",
+                value=self.name,
+                mode=other.mode,
+            )
+        self.last = mode
+
+
 class _ModeHolder(Holder):
     """One mode of an `RWLock`: what its ``read`` or ``write`` blocks hold."""
 
-    def __init__(self, mode: str, *args: Any, chosen_id: bool, entering: Callable[[], None], **kwargs: Any) -> None:
+    def __init__(self, mode: str, *args: Any, chosen_id: bool, modes: _Modes, **kwargs: Any) -> None:
         self._rw_mode = mode
-        self._entering = entering
+        self._modes = modes
         super().__init__(*args, **kwargs)
+        modes.add(self)
         if not chosen_id:
             # The RWLock chose it for both modes: a forked child chooses new ones, as a Mutex's does.
             self._explicit_id = False
@@ -59,14 +91,14 @@ class _ModeHolder(Holder):
     def __repr__(self) -> str:
         return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
 
-    def acquire(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+    def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
         """`Holder.acquire`, once its `RWLock` has said this mode may be asked for (see `RWLock.read`)."""
-        self._entering()
+        self._modes.entering(self.mode)
         return super().acquire(blocking=blocking, timeout=timeout)
 
     def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
         """`Holder.acquire_async`, once its `RWLock` has said this mode may be asked for."""
-        self._entering()
+        self._modes.entering(self.mode)
         return super().acquire_async(blocking=blocking, timeout=timeout)
 
     def _new_sibling(self, lock_name: str) -> _ModeHolder:
@@ -151,21 +183,10 @@ class RWLock:
             "reclaim_disconnected_after": reclaim_disconnected_after,
         }
         chosen_id = instance_id is not None
-        self._reader = _ModeHolder(
-            "read",
-            dsn,
-            name,
-            chosen_id=chosen_id,
-            watch=watch,
-            entering=lambda: self._entering(self._reader),
-            **options,
-        )
-        self._writer = _ModeHolder(
-            "write", dsn, name, chosen_id=chosen_id, entering=lambda: self._entering(self._writer), **options
-        )
+        self._modes = _Modes(name)
+        self._reader = _ModeHolder("read", dsn, name, chosen_id=chosen_id, watch=watch, modes=self._modes, **options)
+        self._writer = _ModeHolder("write", dsn, name, chosen_id=chosen_id, modes=self._modes, **options)
         self._writer.watch_with(self._reader)
-        self._last: _ModeHolder | None = None
-        """The mode last asked for: whose fence says why it is not held, when neither is."""
 
     # -- introspection -------------------------------------------------------------
 
@@ -223,6 +244,12 @@ class RWLock:
         last = self._last or self._reader
         return last.last_holder
 
+    @property
+    def _last(self) -> _ModeHolder | None:
+        """The mode last asked for: whose fence says why it is not held, when neither is."""
+        last = self._modes.last
+        return None if last is None else self._writer if last == "write" else self._reader
+
     def __repr__(self) -> str:
         return f"<RWLock name={self.name!r} instance_id={self.instance_id!r} table={self.table!r} mode={self.mode}>"
 
@@ -234,11 +261,11 @@ class RWLock:
 
     # -- acquire ---------------------------------------------------------------------
 
-    def read(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+    def read(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
         """Hold the lock for reading for the ``with`` block; yields whether it was acquired (see `Mutex.acquire`)."""
         return self._reader.acquire(blocking=blocking, timeout=timeout)
 
-    def write(self, blocking: bool = False, timeout: float | None = None) -> Acquisition:
+    def write(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
         """Hold the lock alone, for writing, for the ``with`` block; yields whether it was acquired."""
         return self._writer.acquire(blocking=blocking, timeout=timeout)
 
@@ -250,18 +277,6 @@ class RWLock:
         """Async `write`; blocking by default. Cancelling the task releases the lock."""
         return self._writer.acquire_async(blocking=blocking, timeout=timeout)
 
-    def _entering(self, mode: _ModeHolder) -> None:
-        """Before ``mode`` is acquired (by a ``with`` block or a decorator): refused while the other is held."""
-        other = self._writer if mode is self._reader else self._reader
-        if other.held:
-            # Its own rows would exclude each other: waiting could never end.
-            raise InvalidArgument(
-                "this RWLock holds {value!r} for {mode} already: leave that block first (or use another RWLock)",
-                value=self.name,
-                mode=other.mode,
-            )
-        self._last = mode
-
     # -- decorators ------------------------------------------------------------------
 
     @overload
@@ -269,11 +284,11 @@ class RWLock:
 
     @overload
     def read_singleton(
-        self, *, blocking: bool = False, timeout: float | None = None
+        self, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
 
     def read_singleton(
-        self, func: Callable[..., Any] | None = None, *, blocking: bool = False, timeout: float | None = None
+        self, func: Callable[..., Any] | None = None, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Any:
         """Decorate a function to run only while holding the lock for reading (see `Mutex.singleton`).
 
@@ -298,11 +313,11 @@ class RWLock:
 
     @overload
     def write_singleton(
-        self, *, blocking: bool = False, timeout: float | None = None
+        self, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
 
     def write_singleton(
-        self, func: Callable[..., Any] | None = None, *, blocking: bool = False, timeout: float | None = None
+        self, func: Callable[..., Any] | None = None, *, blocking: bool | None = None, timeout: float | None = None
     ) -> Any:
         """Decorate a function to run only while holding the lock alone, for writing (see `read_singleton`).
 

@@ -24,10 +24,14 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ._acompat import start_thread
 from ._clock import MAX_SLICE, now, slice_until
 from ._state import LEASE_EXPIRED, HeartbeatGroup, Hold, HoldStatus, StateLock
+
+if TYPE_CHECKING:
+    from .errors import LockNotHeldError
 
 logger = logging.getLogger("postgres_mutex")
 
@@ -79,6 +83,10 @@ class Session:
         """Run ``report`` on the event thread: user callbacks, in order, off the heartbeat."""
         self._events.post(report)
 
+    def post_from_finalizer(self, report: Callable[[], object]) -> None:
+        """`post` from a finalizer, which may run in any thread at any moment: it never waits on a lock."""
+        self._events.post_from_finalizer(report)
+
     def expire(self) -> float | None:
         """Declare lost every hold whose lease ran out, and tell doubts and leases running out; on the event
         thread, on time. Returns when something is next due about a hold (None: nothing is held).
@@ -90,23 +98,30 @@ class Session:
         with self.state_lock:
             held = self._held()
         due: float | None = None
+        lost: list[tuple[Hold, LockNotHeldError]] = []
         for hold in held:
             hold_due = _next_due(hold)
             if hold_due <= current:
-                self._expire(hold, current)
+                self._expire(hold, current, lost)
                 if hold.status is not HoldStatus.HELD:
                     continue
                 hold_due = _next_due(hold)
             due = hold_due if due is None or hold_due < due else due
+        # Every holder whose lease ran out is told (on_lost) before any loss is logged or counted: a
+        # notice waits on no log handler's I/O, nor on the other losses' (a partition ends thousands).
+        for hold, error in lost:
+            hold.lock.events.tell_lost(error)
+        for hold, error in lost:
+            hold.lock.events.record_lost(error)
         return due
 
-    def _expire(self, hold: Hold, current: float) -> None:
+    def _expire(self, hold: Hold, current: float, lost: list[tuple[Hold, LockNotHeldError]]) -> None:
         lock = hold.lock
         if hold.lease_deadline <= current:
             error = lock.lose(hold, LEASE_EXPIRED, only_if_expired=True)
             if error is not None:
                 self.forget(hold)
-                lock.events.lost(error)
+                lost.append((hold, error))
             return
         left = lock.tell_running_out(hold)
         if left is not None:
@@ -143,6 +158,15 @@ class _EventThread:
     def post(self, report: Callable[[], object]) -> None:
         self._queue.put(report)
         self._ensure()
+
+    def post_from_finalizer(self, report: Callable[[], object]) -> None:
+        # The queue's put is safe there; the thread lock may be held by this very thread (a collection
+        # inside `_ensure`), so it is waited on only briefly: whoever holds it then starts the thread,
+        # or ends it only once the queue is empty.
+        self._queue.put(report)
+        if self._lock.acquire(timeout=_FINALIZER_WAIT):
+            self._lock.release()
+            self.ensure()
 
     def nudge(self) -> None:
         self._queue.put(None)
@@ -227,6 +251,9 @@ def _next_due(hold: Hold) -> float:
         due.append(hold.running_out_at())
     return min(due)
 
+
+_FINALIZER_WAIT = 0.1
+"""How long a finalizer waits for the event thread's lock, which its own thread may hold."""
 
 _LINGER = 10.0
 """How long the event thread stays once nothing is held (holds come and go in bursts)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import secrets
 import socket
-import warnings
 from dataclasses import dataclass
 
 from ._sql import SEPARATOR
@@ -147,6 +146,12 @@ def check_seconds(
     return seconds
 
 
+def at_least(value: float, bound: float) -> bool:
+    """``value >= bound``, where a value the docs allow stays allowed: ``0.6`` is three times ``0.2``, though
+    ``3 * 0.2`` is ``0.6000000000000001`` in binary floating point."""
+    return value >= bound or math.isclose(value, bound, rel_tol=1e-9)
+
+
 def _invalid(argument: str, problem: str, /, **values: object) -> InvalidArgument:
     """A bad value of ``argument``: the message names it as a term, said in each interface's words."""
     return InvalidArgument("{" + argument + "} " + problem, **values)
@@ -220,7 +225,7 @@ class Timing:
                 heartbeat=heartbeat,
                 alert=alert,
             )
-        if stale - heartbeat < 2 * heartbeat:
+        if not at_least(stale, 3 * heartbeat):
             raise InvalidArgument(
                 "{stale_threshold} ({stale:g}s) must be at least three times {heartbeat_interval} "
                 "({heartbeat:g}s): the holder's lease ({stale_threshold} - {heartbeat_interval}) "
@@ -236,13 +241,14 @@ class Timing:
             if operation_timeout is None
             else check_operation_timeout(operation_timeout)
         )
-        if reclaim is not None and reclaim - 2 * heartbeat < timeout:
+        if reclaim is not None and not at_least(reclaim, 2 * heartbeat + timeout):
             raise InvalidArgument(
-                "{reclaim_disconnected_after} ({reclaim:g}s) leaves no room for a heartbeat: a holder whose heartbeat "
-                "failed must try again within it, so it must be at least two {heartbeat_interval}s plus "
-                "{operation_timeout} ({least:g}s)",
+                "{reclaim_disconnected_after} ({reclaim:g}s) must be at least two {heartbeat_interval}s plus "
+                "{operation_timeout} (2 x {heartbeat:g}s + {timeout:g}s): a holder whose heartbeat failed must be "
+                "able to try again within it",
                 reclaim=reclaim,
-                least=2 * heartbeat + timeout,
+                heartbeat=heartbeat,
+                timeout=timeout,
             )
         return cls(heartbeat, alert, stale, poll, timeout, reclaim)
 
@@ -273,7 +279,7 @@ def _check_reclaim(value: object, heartbeat: float, stale: float) -> float:
             reclaim=reclaim,
             stale=stale,
         )
-    if reclaim < 3 * heartbeat:
+    if not at_least(reclaim, 3 * heartbeat):
         raise InvalidArgument(
             "{reclaim_disconnected_after} ({reclaim:g}s) must be at least three times {heartbeat_interval} "
             "({heartbeat:g}s): a holder must be able to miss a heartbeat, retry it, and still hear of a doubt "
@@ -310,21 +316,25 @@ BRIEF_WAIT = 0.25
 forced release in each of its tries: brief, so the client's other statements are not held up."""
 
 
-def check_wait(blocking: object, timeout: object) -> float | None:
-    """An acquire's ``blocking`` and ``timeout``, checked: the timeout to wait (None: no limit, or no wait)."""
-    if not isinstance(blocking, bool):
+def check_wait(blocking: object, timeout: object) -> tuple[bool, float | None]:
+    """An acquire's ``blocking`` and ``timeout``, checked: whether to wait, and for how long (None: no limit).
+
+    ``blocking=None`` (the synchronous default) waits only when a ``timeout`` is
+    given: ``acquire(timeout=5)`` means "wait up to 5 s", as it reads. A
+    non-blocking call given a timeout is refused, as ``threading.Lock.acquire``
+    refuses it: the caller asked for two things that cannot both hold.
+    """
+    if blocking is not None and not isinstance(blocking, bool):
         raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
     if timeout is None:
-        return None
-    if not blocking:
-        # 0.1.0 ignored it: programs written for it pass one to non-blocking tries.
-        warnings.warn(
-            "timeout has no effect on a non-blocking acquire: pass blocking=True to wait, or drop timeout",
-            DeprecationWarning,
-            stacklevel=3,
+        return bool(blocking), None
+    if blocking is False:
+        raise InvalidArgument(
+            "can't specify a timeout for a non-blocking acquire (timeout={value!r}): "
+            "drop blocking=False to wait up to the timeout, or drop the timeout to try once",
+            value=timeout,
         )
-        return None
     if isinstance(timeout, int | float) and not isinstance(timeout, bool) and -math.inf < timeout < 0:
         # A deadline already past (timeout=deadline - now()): one attempt, as in 0.1.0.
-        return float(timeout)
-    return check_seconds(timeout, "timeout", allow_zero=True)
+        return True, float(timeout)
+    return True, check_seconds(timeout, "timeout", allow_zero=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -85,18 +86,22 @@ class Siblings:
     """
 
     def __init__(self, mutex: Holder, make: Callable[[str], Holder]) -> None:
-        self._mutex = mutex
-        self._make = make
+        # The Mutex keeps its siblings; they refer to it weakly, so that it is let go of once unused.
+        self._mutex = weakref.ref(mutex)
+        self._make = weakref.WeakMethod(make)
         self._made: dict[str, Holder] = {}
 
     def get(self, lock_name: str | None) -> Holder:
         """The Mutex for ``lock_name``: the Mutex itself for its own name (or None)."""
-        if lock_name is None or lock_name == self._mutex.lock_name:
-            return self._mutex
+        mutex, make = self._mutex(), self._make()
+        assert mutex is not None  # called through the Mutex: both are alive
+        assert make is not None
+        if lock_name is None or lock_name == mutex.lock_name:
+            return mutex
         check_name(lock_name, "lock_name")
         sibling = self._made.get(lock_name)
         if sibling is None:
-            sibling = self._made[lock_name] = self._make(lock_name)
+            sibling = self._made[lock_name] = make(lock_name)
         return sibling
 
     def close(self) -> None:
@@ -109,12 +114,13 @@ class Siblings:
 
 
 def singleton_decorator(
-    siblings: Siblings, lock_name: str | Callable[..., Any] | None, *, blocking: bool, timeout: float | None
+    siblings: Siblings, lock_name: str | Callable[..., Any] | None, *, blocking: bool | None, timeout: float | None
 ) -> Any:
     """What `Mutex.singleton` returns for its arguments: a decorator or, used bare, the decorated function."""
     if callable(lock_name):
         return singleton_decorator(siblings, None, blocking=False, timeout=None)(lock_name)
-    return only_while_held(siblings.get(lock_name), blocking=blocking, timeout=check_wait(blocking, timeout))
+    blocking, timeout = check_wait(blocking, timeout)
+    return only_while_held(siblings.get(lock_name), blocking=blocking, timeout=timeout)
 
 
 def singleton_decorator_async(
@@ -123,4 +129,5 @@ def singleton_decorator_async(
     """What `Mutex.singleton_async` returns for its arguments, as `singleton` for coroutine functions."""
     if callable(lock_name):
         return singleton_decorator_async(siblings, None, blocking=True, timeout=None)(lock_name)
-    return only_while_held_async(siblings.get(lock_name), blocking=blocking, timeout=check_wait(blocking, timeout))
+    blocking, timeout = check_wait(blocking, timeout)
+    return only_while_held_async(siblings.get(lock_name), blocking=blocking, timeout=timeout)

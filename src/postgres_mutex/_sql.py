@@ -15,22 +15,43 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
 - `_sql_permits`: what semaphores add (their permits are rows of the lock table);
 - `_sql_rows`: what a row's name says it holds (a mutex, a permit, a read/write lock's mode);
 - `_sql_wake`: whom a release wakes (one registered process), and the listener's registration;
-- `_sql_schema`: creating, inspecting and migrating the tables.
+- `_sql_schema`: creating, inspecting and migrating the tables;
+- `_sql_integrations`: the tables the framework integrations keep (Celery
+  beat's state, APScheduler's ledger).
 """
 
 from ._sql_history import HISTORY_ENDINGS
+from ._sql_integrations import (
+    APSCHEDULER_RUNS,
+    CELERY_BEAT_STATE,
+    GRANTS,
+    INTEGRATIONS,
+    create_integration_table,
+    integration_table_exists,
+)
 from ._sql_lock import CURRENT, CURRENT_WITH_HISTORY, LEGACY, Statements, TableShape, listen, unlisten
 from ._sql_names import Names
 from ._sql_permits import SEPARATOR
 from ._sql_rows import RowOf, row_of
-from ._sql_schema import create_history, create_table, history_retention, inspect_table, migrate_steps
+from ._sql_schema import (
+    create_history,
+    create_table,
+    history_retention,
+    inspect_table,
+    migrate_steps,
+    pages_have_room,
+)
 from ._sql_statement import Statement, session_setup
 from ._sql_wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, unregister
 
 __all__ = [
+    "APSCHEDULER_RUNS",
+    "CELERY_BEAT_STATE",
     "CURRENT",
     "CURRENT_WITH_HISTORY",
+    "GRANTS",
     "HISTORY_ENDINGS",
+    "INTEGRATIONS",
     "LEGACY",
     "SEPARATOR",
     "WAKE_ALL",
@@ -41,11 +62,14 @@ __all__ = [
     "Statements",
     "TableShape",
     "create_history",
+    "create_integration_table",
     "create_table",
     "history_retention",
     "inspect_table",
+    "integration_table_exists",
     "listen",
     "migrate_steps",
+    "pages_have_room",
     "pass_on",
     "register",
     "row_of",

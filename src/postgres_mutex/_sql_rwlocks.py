@@ -113,7 +113,8 @@ def acquire_read(names: Names, *, history: bool = False) -> Statement:
     The reply is the semaphore's shape: the mutex's five columns, the row's
     ``lock_name``, whether to try again at once (another reader was opening
     the gate), and how many rows R had in the snapshot; then the mode of the
-    holder shown (whom a contender's alert names).
+    holder shown: whom a contender's alert names or, for a reclaim, the row
+    this statement took over or deleted (a dead writer's).
     """
     pieces = (
         _GATE,
@@ -177,6 +178,10 @@ def acquire_write(names: Names, *, history: bool = False) -> Statement:
       reader's row came in meanwhile, which aborts the statement) and its
       stamp cleared, and the writer row is inserted, or taken over if a stale
       writer's (``taken``, checked again under its row lock).
+
+    The reply is `acquire_read`'s: for a reclaim, the holder shown is a row
+    this statement deleted or took over, so its mode says whose hold it was
+    (dead readers', or a dead writer's).
     """
     pieces = (
         _GATE,

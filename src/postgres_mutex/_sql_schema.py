@@ -200,6 +200,21 @@ def inspect_table(names: Names) -> Statement:
     )
 
 
+def pages_have_room(names: Names) -> Statement:
+    """Whether the table's pages leave room for heartbeats (the fillfactor `migrate_steps` sets last): one row."""
+    return statement(
+        names.table_name,
+        "inspection",
+        sql.SQL(
+            "SELECT coalesce((SELECT 'fillfactor=' || {fillfactor} = ANY(reloptions) "
+            "FROM pg_class WHERE oid = to_regclass({table_text})), false)"
+        ).format(
+            fillfactor=FILLFACTOR,
+            table_text=sql.Literal(render(names.table)),
+        ),
+    )
+
+
 def create_history(names: Names, retention_seconds: float) -> Statement:
     """The history table and its indexes, IF NOT EXISTS; retention set as the default of ``keep_until``.
 

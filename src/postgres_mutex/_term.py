@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._clock import now
-from ._state import IN_DOUBT, LEASE_EXPIRED
+from ._state import IN_DOUBT, LEASE_EXPIRED, HoldStatus
 from .errors import LockNotHeldError
 
 if TYPE_CHECKING:
@@ -30,19 +31,38 @@ if TYPE_CHECKING:
 
 
 class Flag:
-    """A flag like `threading.Event` that only the election sets: `is_set`, `wait`."""
+    """A flag like `threading.Event` that only the election sets: `is_set`, `wait`.
 
-    __slots__ = ("_event",)
+    A term's flag is also set by the clock: read or waited on once the term's
+    lease has run out, it is set then, whether or not the loss was reported yet.
+    """
 
-    def __init__(self, event: threading.Event | None = None) -> None:
+    __slots__ = ("_event", "_settle")
+
+    def __init__(self, event: threading.Event | None = None, settle: Callable[[], float] | None = None) -> None:
         self._event = threading.Event() if event is None else event
+        self._settle = settle
+        """Sets the flag if the clock says so; returns when to ask again (inf: only a report can set it)."""
 
     def is_set(self) -> bool:
+        if self._settle is not None:
+            self._settle()
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until set, or ``timeout`` seconds; returns whether it is set (`threading.Event.wait`)."""
-        return self._event.wait(timeout)
+        if self._settle is None:
+            return self._event.wait(timeout)
+        deadline = math.inf if timeout is None else now() + timeout
+        while True:
+            due = min(self._settle(), deadline)
+            if self._event.is_set():
+                return True
+            # Woken by a report, or at the lease's end to set it by the clock (a renewed lease moves it on).
+            if self._event.wait(None if due == math.inf else max(0.0, due - now())):
+                return True
+            if now() >= deadline:
+                return self._event.is_set()
 
     def __repr__(self) -> str:
         return f"<Flag {'set' if self.is_set() else 'clear'}>"
@@ -66,7 +86,7 @@ class Term:
         self.task: asyncio.Future[Any] | None = None
         """An async ``lead``'s task, which the end of the term cancels."""
         self._ended = threading.Event()
-        self.leadership = Leadership(self, mutex, Flag(self._ended))
+        self.leadership = Leadership(self, mutex, Flag(self._ended, self.settle))
 
     @property
     def ending(self) -> str | None:
@@ -93,6 +113,27 @@ class Term:
         self.wake.set()
         return True
 
+    def settle(self) -> float:
+        """End the term as lost if its hold is no longer trusted by the clock, before any report says so.
+
+        Every flag of the term is read after this, so they are one view: the
+        moment the lease runs out (or the hold turns in doubt), ``held`` is
+        False and ``ended`` set, ``lost`` True and ``reason`` says why. Returns
+        when the clock may end the term next (inf: only a report can). No
+        lock: any thread may call it, as `end`.
+        """
+        hold = self.hold
+        if self.endings or self.returned.is_set() or not self.current or hold.status is HoldStatus.ENDED:
+            return math.inf  # a term given back is not lost by its release
+        if hold.in_doubt:
+            # Another candidate may take the lock over once the leader's session ended: a leader steps down.
+            self.end("lost", f"leadership was lost: {IN_DOUBT}")
+        elif not hold.held:
+            self.end("lost", f"leadership was lost: {hold.reason or LEASE_EXPIRED}")
+        else:
+            return hold.trusted_until
+        return math.inf
+
     def finish(self) -> None:
         """``lead`` has returned."""
         self.returned.set()
@@ -103,7 +144,9 @@ class Leadership:
     """One term of leadership, handed to ``lead``: its fencing token and how to learn that it ends.
 
     `ended` is set the moment the term must end: leadership was lost (then
-    `lost` is True), or `Election.stop` or `Election.resign` was called.
+    `lost` is True), or `Election.stop` or `Election.resign` was called. A
+    loss is read from the clock: once the lease has run out, every flag says
+    so, even before the client's event thread reports it.
     ``lead`` should then return promptly; the lock is released when it does.
     """
 
@@ -130,18 +173,22 @@ class Leadership:
     @property
     def lost(self) -> bool:
         """True if the term ended because leadership was lost, rather than given up."""
+        self._term.settle()
         return self._term.ending == "lost"
 
     @property
     def reason(self) -> str | None:
         """Why the term ends (None while it does not)."""
+        self._term.settle()
         return self._term.reason
 
     @property
     def held(self) -> bool:
-        """True while this term leads: its lock is held and it has not been told to end. Never touches the database."""
-        term = self._term
-        return not term.endings and term.hold.held and term.current
+        """True while this term leads: its lock is held and it has not been told to end. Never touches the database.
+
+        It turns False with `ended` set, `lost` and `reason` saying why, at once: all read the same clock.
+        """
+        return self._term.settle() < math.inf  # a due time: held now, and not told to end
 
     def ensure_held(self) -> None:
         """Raise `LockNotHeldError` unless this term still leads; call it between steps of the work.
@@ -153,12 +200,7 @@ class Leadership:
         """
         term = self._term
         self._require_current()
-        if not term.endings and term.hold.in_doubt:
-            # Another candidate may take the lock over once the leader's session ended: a leader steps down.
-            term.end("lost", f"leadership was lost: {IN_DOUBT}")
-        if not term.endings and not term.hold.held:
-            # The lease ran out a moment before the loss was reported: the term is lost all the same.
-            term.end("lost", f"leadership was lost: {term.hold.reason or LEASE_EXPIRED}")
+        term.settle()
         if term.endings:
             raise self._error(term.endings[0][1])
 

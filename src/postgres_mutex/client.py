@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._connections import check_connection_args, describe_dsn
+from ._connections import check_connection_args, describe_dsn, dsn_or_environment
 from ._core import ClientCore
 from ._settings import DEFAULT_OPERATION_TIMEOUT, check_operation_timeout
 from ._shared import SharedClients
@@ -194,6 +194,7 @@ _SHARED: SharedClients[MutexClient] = SharedClients()
 def shared_client(dsn: str | None, pool: object, async_pool: object) -> MutexClient:
     """The process's shared client for this DSN or pool (validated first)."""
     check_connection_args(dsn, pool, async_pool)
+    dsn = dsn_or_environment(dsn, pool, async_pool)
 
     def make() -> MutexClient:
         client = MutexClient(dsn, pool=pool, async_pool=async_pool)  # type: ignore[arg-type]

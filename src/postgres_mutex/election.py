@@ -268,12 +268,12 @@ class Election:
         if not self._running.acquire(blocking=False):
             raise MutexError(f"election {self.name!r} is running already: one run() or run_async() at a time")
         # Started here, never in stop(): a signal handler may not start a thread.
-        self._relay = Relay(self._campaign.stop_now, self._campaign.resign_now)
+        self._relay = Relay(self._campaign.stop_now, self._campaign.resign_now, name=self.name)
 
     def _leave(self) -> None:
         relay, self._relay = self._relay, None
         if relay is not None:
-            relay.close()
+            relay.close(self._mutex.config.operation_timeout)
 
     def _close_if_asked_meanwhile(self) -> None:
         # close() came after run's own check, and found the run still going: close now.

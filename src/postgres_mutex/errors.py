@@ -204,6 +204,8 @@ _API_WORDS: Mapping[str, str] = {
     "LockTable.migrate()": "LockTable.migrate() (or 'postgres-mutex migrate')",
     "LockTable.migrate(history=True)": "LockTable.migrate(history=True) (or 'postgres-mutex migrate --history')",
     "pass blocking=True": "pass blocking=True",
+    "LockTable.create(celery_beat=True)": "LockTable.create(celery_beat=True) (or 'postgres-mutex init --celery-beat')",
+    "LockTable.create(apscheduler=True)": "LockTable.create(apscheduler=True) (or 'postgres-mutex init --apscheduler')",
 }
 """Terms whose words in the Python API differ from their name; any other term is said as its name."""
 

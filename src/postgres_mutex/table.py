@@ -23,7 +23,7 @@ from ._settings import (
     check_seconds,
     check_thresholds,
 )
-from ._sql import Names, row_of
+from ._sql import APSCHEDULER_RUNS, CELERY_BEAT_STATE, Names, row_of
 from .client import BUILT_ON_IT, MutexClient, core_of, shared_client
 from .errors import InvalidArgument
 
@@ -134,30 +134,59 @@ class LockTable:
 
     # -- creating and upgrading ----------------------------------------------------
 
-    def create(self, *, history: bool = False, history_retention: float | None = None) -> bool:
+    def create(
+        self,
+        *,
+        history: bool = False,
+        history_retention: float | None = None,
+        celery_beat: bool | str = False,
+        apscheduler: bool | str = False,
+    ) -> bool:
         """Create the table (with its token column) if it does not exist; idempotent, safe to race.
 
         With ``history=True``, also the history table (``<table>_history``,
         see `history`), kept ``history_retention`` seconds after each hold
         ends (default 30 days; given for an existing history, it changes it).
-        An existing lock table is left as it is. Returns True if the table has
-        fencing tokens. Raises `SchemaError` if the role may not create it.
+        With ``celery_beat``, also the table where the leader-elected Celery
+        beat records its runs (True: ``celery_beat_state``, or its name); with
+        ``apscheduler``, `FleetExecutor`'s ledger (True:
+        ``mutex_apscheduler_runs``, or its name). A table that exists is left
+        as it is, and asked about before anything is created, so a role
+        without CREATE on the schema may call this where the tables exist.
+        Returns True if the lock table has fencing tokens. Raises
+        `SchemaError` if the role may not create a table that is missing.
         """
         flow = admin_flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
+        flow = admin_flows.with_integration_tables(flow, _integration_tables(celery_beat, apscheduler), self._timeout)
         try:
             return self._core.engine().run(flow)
         finally:
             self._core.host.shapes.forget(self.name)
 
-    async def create_async(self, *, history: bool = False, history_retention: float | None = None) -> bool:
+    async def create_async(
+        self,
+        *,
+        history: bool = False,
+        history_retention: float | None = None,
+        celery_beat: bool | str = False,
+        apscheduler: bool | str = False,
+    ) -> bool:
         """Async `create`."""
         flow = admin_flows.create_table(self._names, self._timeout, **_history_options(history, history_retention))
+        flow = admin_flows.with_integration_tables(flow, _integration_tables(celery_beat, apscheduler), self._timeout)
         try:
             return await self._core.engine_async().run(flow)
         finally:
             self._core.host.shapes.forget(self.name)
 
-    def migrate(self, *, history: bool = False, history_retention: float | None = None) -> bool:
+    def migrate(
+        self,
+        *,
+        history: bool = False,
+        history_retention: float | None = None,
+        celery_beat: bool | str = False,
+        apscheduler: bool | str = False,
+    ) -> bool:
         """Add fencing tokens to a table made without them (the README's DDL, or an earlier release).
 
         One idempotent call, online: no table rewrite, no lock held longer
@@ -166,17 +195,30 @@ class LockTable:
         table. Locks acquired before the migration have no token until they
         are acquired again. With ``history=True`` it adds the history table
         too (options as in `create`); processes write it from the next time
-        they start. Returns True if it changed anything.
+        they start. ``celery_beat`` and ``apscheduler`` add the integrations'
+        tables if missing, as in `create`. Returns True if it changed the
+        lock table.
         """
-        flow = admin_flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
+        timeout = max(self._timeout, 5.0)
+        flow = admin_flows.migrate(self._names, timeout, **_history_options(history, history_retention))
+        flow = admin_flows.with_integration_tables(flow, _integration_tables(celery_beat, apscheduler), timeout)
         try:
             return self._core.engine().run(flow)
         finally:
             self._core.host.shapes.forget(self.name)
 
-    async def migrate_async(self, *, history: bool = False, history_retention: float | None = None) -> bool:
+    async def migrate_async(
+        self,
+        *,
+        history: bool = False,
+        history_retention: float | None = None,
+        celery_beat: bool | str = False,
+        apscheduler: bool | str = False,
+    ) -> bool:
         """Async `migrate`."""
-        flow = admin_flows.migrate(self._names, max(self._timeout, 5.0), **_history_options(history, history_retention))
+        timeout = max(self._timeout, 5.0)
+        flow = admin_flows.migrate(self._names, timeout, **_history_options(history, history_retention))
+        flow = admin_flows.with_integration_tables(flow, _integration_tables(celery_beat, apscheduler), timeout)
         try:
             return await self._core.engine_async().run(flow)
         finally:
@@ -357,6 +399,26 @@ def _history_options(history: bool, retention: float | None) -> dict[str, Any]:
             raise InvalidArgument("{history_retention} applies to a history: pass {history=True} with it")
         retention = check_seconds(retention, "history_retention")
     return {"history": history, "history_retention": retention}
+
+
+def _integration_tables(celery_beat: bool | str, apscheduler: bool | str) -> dict[str, str]:
+    """``{integration: its table's name}`` for the integrations asked for (True: the default name)."""
+    tables: dict[str, str] = {}
+    for integration, value, default in (
+        ("celery_beat", celery_beat, CELERY_BEAT_STATE),
+        ("apscheduler", apscheduler, APSCHEDULER_RUNS),
+    ):
+        if value is False:
+            continue
+        name = default if value is True else value
+        try:
+            tables[integration] = Names(name).table_name
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                "{" + integration + "} must be True, False or a table's name ('name' or 'schema.name'), got {value!r}",
+                value=value,
+            ) from None
+    return tables
 
 
 def _check_release(lock_name: str, permit: int | None, writer: bool, reader: str | None) -> None:

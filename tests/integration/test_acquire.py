@@ -130,6 +130,32 @@ def test_blocking_acquire_times_out_with_a_timeout_error_and_never_runs_the_body
     assert not waiter.held
 
 
+def test_a_timeout_alone_means_wait_up_to_it(make_mutex: Callable[..., Mutex]) -> None:
+    holder, waiter = make_mutex(), make_mutex()
+    let_go = threading.Event()
+
+    def hold() -> None:
+        with holder.acquire():
+            let_go.wait(timeout=30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        wait_until(lambda: holder.held)
+        started = time.monotonic()
+        with pytest.raises(LockAcquisitionTimeout), waiter.acquire(timeout=0.3):
+            pytest.fail("must not run")
+        assert time.monotonic() - started >= 0.3, "it waited, instead of trying once"
+        releaser = threading.Timer(0.2, let_go.set)
+        releaser.start()
+        with waiter.acquire(timeout=10) as acquired:
+            assert acquired is True, "the waiter got the lock once the holder released it"
+        releaser.join()
+    finally:
+        let_go.set()
+        thread.join()
+
+
 def test_release_wakes_a_waiter_at_once_instead_of_at_its_next_poll(
     make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, caplog: pytest.LogCaptureFixture
 ) -> None:

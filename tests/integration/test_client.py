@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import logging
 import math
@@ -20,12 +21,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from postgres_mutex import LockTable, Mutex, MutexClient, MutexError
+from postgres_mutex import LockTable, Mutex, MutexClient, MutexError, RWLock, Semaphore
 from postgres_mutex._heartbeat_flows import BATCH
 from postgres_mutex._settings import Timing
+from postgres_mutex._sources import OwnConnection
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
-from tests.support.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, wait_until
+from tests.support.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, row_locked, wait_until
 from tests.support.postgres_server import PostgresServer
 
 
@@ -263,6 +265,56 @@ def test_a_client_you_own_shares_its_connections_and_closes_them(
         pass
 
 
+@pytest.mark.parametrize(
+    "one_block",
+    [
+        lambda dsn, name: Mutex(dsn, name, **FAST).acquire(),  # type: ignore[arg-type]
+        lambda dsn, name: Semaphore(dsn, name, permits=2, **FAST).acquire(),  # type: ignore[arg-type]
+        lambda dsn, name: RWLock(dsn, name, **FAST).write(),  # type: ignore[arg-type]
+    ],
+    ids=["Mutex", "Semaphore", "RWLock"],
+)
+def test_a_lock_made_for_one_block_and_never_closed_lets_the_shared_client_idle(
+    pg: PostgresServer, admin: psycopg.Connection[Any], schema: None, lock_name: str, one_block: Callable[..., Any]
+) -> None:
+    # As with a closed one: once nothing refers to it, the shared client closes its connection. Without
+    # the cyclic collector's help: the lock is let go of as the block ends, not at some later collection.
+    name = f"one-block-{uuid.uuid4().hex[:6]}"
+    dsn = pg.dsn(application_name=name)  # a shared client of this test's own
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with one_block(dsn, lock_name) as acquired:
+            assert acquired
+            assert _connections(admin, name) == 1
+        wait_until(lambda: _connections(admin, name) == 0, timeout=5)
+        with one_block(dsn, lock_name) as acquired:  # and opens one again on next use
+            assert acquired
+            assert _connections(admin, name) == 1
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def test_a_shared_client_going_idle_never_closes_its_connection_under_a_statement(
+    pg: PostgresServer, schema: None, lock_name: str
+) -> None:
+    # The last Mutex lets go of the client (here, closed) just as another starts a statement on its
+    # connection: the client is not idle then, and the connection is not closed under the statement.
+    last = Mutex(pg.dsn(application_name=f"busy-{uuid.uuid4().hex[:6]}"), lock_name, **FAST)  # type: ignore[arg-type]
+    with last.acquire() as acquired:
+        assert acquired
+    engine = core_of(last.client).engine()
+    source = engine._source
+    assert isinstance(source, OwnConnection)
+    with engine._gate.turn(False, 1.0):  # a statement has the connection
+        last.close()
+        assert source._conn is not None, "closed under the statement"
+    last = Mutex(last.dsn, lock_name, **FAST)  # type: ignore[arg-type]
+    last.close()  # nothing uses the connection now: the client idles
+    assert source._conn is None
+
+
 def test_a_client_is_a_context_manager(dsn: str, schema: None, lock_name: str) -> None:
     with MutexClient(dsn) as client, client.mutex(lock_name).acquire() as acquired:
         assert acquired
@@ -432,3 +484,35 @@ def test_the_generated_sync_engine_is_up_to_date() -> None:
         [sys.executable, "tools/async_to_sync.py", "--check"], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def _failed_on_close(caplog: pytest.LogCaptureFixture, lock_name: str) -> list[str]:
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno == logging.WARNING
+        and "on close failed" in record.getMessage()
+        and repr(lock_name) in record.getMessage()
+    ]
+
+
+def test_a_release_that_fails_as_the_client_closes_is_logged_naming_the_lock(
+    dsn: str, schema: None, lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = MutexClient(dsn)
+    mutex = client.mutex(lock_name, **{**FAST, "operation_timeout": 0.5})
+    assert mutex.acquire().__enter__()
+    with row_locked(dsn, lock_name):  # the release's DELETE waits past its deadline
+        client.close()
+    assert len(_failed_on_close(caplog, lock_name)) == 1, "close() said nothing of the release it could not make"
+
+
+async def test_a_release_that_fails_as_the_client_closes_is_logged_naming_the_lock_async(
+    dsn: str, schema: None, lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = MutexClient(dsn)
+    mutex = client.mutex(lock_name, **{**FAST, "operation_timeout": 0.5})
+    assert await mutex.acquire_async().__aenter__()
+    with row_locked(dsn, lock_name):
+        await client.aclose()
+    assert len(_failed_on_close(caplog, lock_name)) == 1, "aclose() said nothing of the release it could not make"

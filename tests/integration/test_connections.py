@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import Mutex
+from postgres_mutex import LockTable, Mutex
 from tests.support.fixtures import wait_until
 from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer
 
@@ -48,6 +49,19 @@ def test_a_partial_dsn_is_completed_from_pg_environment_variables(
         monkeypatch.setenv("PGPASSWORD", pg.password)
     _works(Mutex("", lock_name))
     _works(Mutex("sslmode=disable", lock_name))
+
+
+def test_no_dsn_and_no_pool_connects_as_the_pg_environment_says(
+    pg: PostgresServer, lock_name: str, clean_pg_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PGHOST", pg.host)
+    monkeypatch.setenv("PGPORT", str(pg.port))
+    monkeypatch.setenv("PGUSER", pg.user)
+    monkeypatch.setenv("PGDATABASE", pg.dbname)
+    if pg.password:
+        monkeypatch.setenv("PGPASSWORD", pg.password)
+    _works(Mutex(lock_name=lock_name))
+    assert isinstance(LockTable().holders(), list), "a LockTable reads the same environment"
 
 
 @pytest.fixture
@@ -122,3 +136,18 @@ def test_an_unreachable_server_is_a_clear_error_and_not_retried_forever(lock_nam
     with pytest.raises(DatabaseError, match="could not connect") as caught, mutex.acquire(blocking=True):
         pytest.fail("must not run")
     assert not caught.value.transient, "a Mutex that never connected does not wait for a server that may not exist"
+
+
+def test_the_runbooks_query_finds_the_holders_connections(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any]
+) -> None:
+    """On-call follows exporters/README.md's runbook from the alert's holder to its sessions."""
+    runbook = (Path(__file__).resolve().parents[2] / "exporters" / "README.md").read_text(encoding="utf-8")
+    found = re.search(r"`(SELECT [^`]*FROM pg_stat_activity[^`]*)`", runbook.replace("\n", " "))
+    assert found, "the runbook shows how to find a holder's sessions in pg_stat_activity"
+    mutex = make_mutex()
+    host = socket.gethostname()
+    with mutex.acquire():
+        rows = admin.execute(found[1].replace("<hostname>", host)).fetchall()
+    names = [row[1] for row in rows]
+    assert f"postgres-mutex {host}:{os.getpid()}" in names, f"the holder's own process is among {names}"

@@ -29,10 +29,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 from psycopg_pool import ConnectionPool
 
-from postgres_mutex import Election, Leadership, LockNotHeldError, LockTable, Mutex, MutexError
+from postgres_mutex import Election, Leadership, LockNotHeldError, LockTable, MetricsHook, Mutex, MutexError
 from postgres_mutex.prometheus import PrometheusMetrics
 from tests.support.faultproxy import FaultProxy
-from tests.support.fixtures import FAST, ROOT, RecordingMetrics, wait_until
+from tests.support.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
 
 Make = Callable[..., Election]
 
@@ -572,6 +572,48 @@ def test_lead_is_told_when_a_partition_outlasts_the_lease(
     candidate.stop()
 
 
+class SlowToTell(MetricsHook):
+    """A hook that keeps the client's event thread busy past the lease's end: the loss is reported late."""
+
+    def lease_running_out(self, lock_name: str, *, instance_id: str, seconds_left: float) -> None:
+        time.sleep(seconds_left + 1.0)
+
+
+def test_a_term_frozen_past_its_lease_reads_as_ended_at_once_whatever_reports_it(
+    make_election: Make, candidates: list[Candidate]
+) -> None:
+    # The event thread that reports the loss is busy in a slow hook; the lease ends on time all the same,
+    # and every flag says so from that moment, consistently: never held=False with ended unset.
+    candidate = Candidate(make_election(metrics=SlowToTell()))
+    candidates.append(candidate.start())
+    wait_until(candidate.leading)
+    term = candidate.terms[0]
+    woken: list[float] = []
+    waiter = threading.Thread(target=lambda: woken.append(time.monotonic()) if term.ended.wait(10) else None)
+    waiter.start()
+    freeze(candidate.election._mutex)
+    inconsistent: list[tuple[bool, bool, bool, str | None]] = []
+    seen_lost_at = None
+    limit = time.monotonic() + FAST["stale_threshold"] + 5
+    for _ in range(10_000_000):
+        held, ended, lost, reason = term.held, term.ended.is_set(), term.lost, term.reason
+        if not held and not (ended and lost and reason):
+            inconsistent.append((held, ended, lost, reason))
+        if not held:
+            seen_lost_at = time.monotonic()
+            break
+        if time.monotonic() > limit:
+            break
+    assert seen_lost_at is not None, "the lease never ran out"
+    assert inconsistent == [], "held was False while ended, lost or reason did not say so"
+    assert term.reason is not None
+    assert "lease" in term.reason
+    waiter.join(10)
+    assert woken, "ended.wait() was never woken"
+    late = woken[0] - seen_lost_at
+    assert late < 0.3, f"ended.wait() woke {late:.2f}s after the lease ran out: when the loss was reported"
+
+
 def test_a_lead_that_ignores_the_loss_is_reported_past_the_grace_period(
     make_election: Make,
     candidates: list[Candidate],
@@ -612,6 +654,52 @@ def test_a_lead_that_ignores_the_loss_is_reported_past_the_grace_period(
     assert events == ["postgres_mutex.election.ending", "postgres_mutex.election.grace_overrun"]
     assert not span.status.is_ok
     provider.shutdown()
+
+
+class _StuckOnOverrun(RecordingMetrics):
+    """A metrics hook whose report of a grace overrun hangs, as a call to a backend that does not answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.unstuck = threading.Event()
+
+    def election_grace_overrun(self, *args: Any, **kwargs: Any) -> None:
+        self.entered.set()
+        self.unstuck.wait(30)
+
+
+def test_a_stuck_metrics_hook_does_not_keep_the_lock_once_lead_returned(
+    make_election: Make,
+    candidates: list[Candidate],
+    admin: psycopg.Connection[Any],
+    lock_name: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The term's end is reported by a thread of its own; once lead returns, the release waits for it within
+    operation_timeout, not for as long as a hook hangs."""
+    hook = _StuckOnOverrun()
+    let_go = threading.Event()
+    slow = Candidate(make_election(grace_period=0.2, metrics=hook), lead=lambda leadership: let_go.wait(30))
+    candidates.append(slow.start())
+    try:
+        wait_until(slow.leading)
+        slow.election.stop()
+        assert hook.entered.wait(10), "the grace period's overrun was never reported"
+        let_go.set()
+        returned = time.monotonic()
+        bound = FAST["operation_timeout"]
+        wait_until(lambda: token_in_table(admin, lock_name) is None, timeout=bound + 3)
+        released = time.monotonic() - returned
+        assert released < bound + 3, f"released {released:.2f}s after lead returned"
+        slow.thread.join(10)
+        assert not slow.thread.is_alive(), "run() did not return after stop()"
+        assert any(
+            record.levelno == logging.WARNING and "reporting the end of the term" in record.getMessage()
+            for record in caplog.records
+        )
+    finally:
+        hook.unstuck.set()
 
 
 # -- failing leads ---------------------------------------------------------------------------------

@@ -15,7 +15,17 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
-from tests.support.fixtures import FAST, RecordingMetrics, role_with_setting, row_locked, wait_until
+from postgres_mutex import _heartbeat_flows as heartbeat_flows
+from postgres_mutex._clock import now
+from tests.support.fixtures import (
+    FAST,
+    RecordingMetrics,
+    await_until,
+    freeze,
+    role_with_setting,
+    row_locked,
+    wait_until,
+)
 from tests.support.postgres_server import PostgresServer
 
 Row = Callable[..., tuple[Any, ...] | None]
@@ -196,6 +206,48 @@ def test_the_lease_runs_out_before_anyone_may_reclaim_the_row(
     wait_until(lambda: row() is None)  # leaving the block still removes the row, in the background
 
 
+class SlowHandler(logging.Handler):
+    """A log handler that takes ``seconds`` over each loss's line (a remote log service, slow to answer)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(logging.ERROR)
+        self.seconds = seconds
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("lost "):
+            time.sleep(self.seconds)
+
+
+def test_on_lost_comes_when_the_lease_runs_out_not_after_the_losses_log_lines(
+    make_mutex: Callable[..., Mutex], lock_name: str
+) -> None:
+    # Two holds renewed by one heartbeat statement run out together (as thousands do in a partition);
+    # each loss's line goes through a slow handler. Each holder's notice depends on the clock alone,
+    # not on the I/O of its own log line nor of the other loss's.
+    told: dict[str, float] = {}
+
+    def recorder(name: str) -> Callable[[LockNotHeldError], object]:
+        return lambda error: told.setdefault(name, now())
+
+    holders = [make_mutex(lock_name=f"{lock_name}-{n}", on_lost=recorder(f"{lock_name}-{n}")) for n in range(2)]
+    handler = SlowHandler(0.5)
+    library_log = logging.getLogger("postgres_mutex")
+    with ExitStack() as stack:
+        for holder in holders:
+            stack.enter_context(pytest.raises(LockNotHeldError))
+            assert stack.enter_context(holder.acquire())
+        hold_of = [holder._lock.hold for holder in holders]
+        wait_until(lambda: len({hold.lease_deadline for hold in hold_of if hold}) == 1)  # one heartbeat renewed both
+        for holder in holders:
+            freeze(holder)
+        deadline = max(hold.lease_deadline for hold in hold_of if hold)
+        library_log.addHandler(handler)
+        stack.callback(library_log.removeHandler, handler)
+        wait_until(lambda: len(told) == 2, timeout=FAST["stale_threshold"] + 5)
+    late = {name: round(at - deadline, 3) for name, at in told.items()}
+    assert all(seconds < 0.25 for seconds in late.values()), f"on_lost came this late after the lease: {late}"
+
+
 def test_heartbeats_recover_from_a_stall_shorter_than_the_lease(
     make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, metrics: RecordingMetrics
 ) -> None:
@@ -261,3 +313,68 @@ async def test_async_holder_learns_of_a_deleted_row(
             with pytest.raises(LockNotHeldError):
                 await holder.heartbeat_async()
     assert len(errors) == 1
+
+
+class _FailingRounds:
+    """Stands for a defect in the heartbeat: its first ``times`` rounds raise what no statement raises."""
+
+    def __init__(self, times: int) -> None:
+        self.real = heartbeat_flows.heartbeat
+        self.times = times
+        self.failed_at: list[float] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(self.failed_at) < self.times:
+            self.failed_at.append(time.monotonic())
+            raise RuntimeError("a defect in the heartbeat")
+        return self.real(*args, **kwargs)
+
+    def kept_fresh(self, holder: Mutex, row: Row) -> bool:
+        """Whether the hold is still held and its row fresh, until a lease after the first failure (then True)."""
+        found = row()
+        assert holder.held, "the hold expired after a failed heartbeat round"
+        assert found is not None
+        assert found[1] < FAST["stale_threshold"] / 2, f"the heartbeats stopped: the last one {found[1]:.2f}s ago"
+        return time.monotonic() > self.failed_at[0] + FAST["stale_threshold"] + 2 * FAST["heartbeat_interval"]
+
+
+def _said_once(caplog: pytest.LogCaptureFixture) -> None:
+    said = [
+        record
+        for record in caplog.records
+        if record.levelno == logging.ERROR and "heartbeat worker" in record.getMessage()
+    ]
+    assert len(said) == 1, [record.getMessage() for record in said]
+    assert said[0].exc_info is not None
+    assert "a defect in the heartbeat" in str(said[0].exc_info[1])
+
+
+def test_a_defect_in_a_heartbeat_round_is_logged_once_and_the_holds_stay_held(
+    make_mutex: Callable[..., Mutex], row: Row, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected exception in one round (not the database's answer) ends neither the worker nor the holds."""
+    failing = _FailingRounds(3)
+    holder, contender = make_mutex(), make_mutex()
+    with holder.acquire() as got:
+        assert got
+        monkeypatch.setattr(heartbeat_flows, "heartbeat", failing)
+        wait_until(lambda: failing.failed_at, timeout=5)
+        wait_until(lambda: failing.kept_fresh(holder, row), timeout=10, interval=0.05)
+        assert len(failing.failed_at) == failing.times
+        with contender.acquire() as taken:
+            assert not taken
+    _said_once(caplog)
+
+
+async def test_a_defect_in_an_async_heartbeat_round_is_logged_once_and_the_holds_stay_held(
+    amake_mutex: Callable[..., Mutex], row: Row, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    failing = _FailingRounds(3)
+    holder = amake_mutex()
+    async with holder.acquire_async(blocking=False) as got:
+        assert got
+        monkeypatch.setattr(heartbeat_flows, "heartbeat", failing)
+        await await_until(lambda: failing.failed_at, timeout=5)
+        await await_until(lambda: failing.kept_fresh(holder, row), timeout=10, interval=0.05)
+        assert len(failing.failed_at) == failing.times
+    _said_once(caplog)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
-from postgres_mutex import LockTable, Mutex, MutexClient, RWLock, SchemaError
-from tests.support.doc_examples import ROOT, expand
+from postgres_mutex import LockTable, Mutex, MutexClient, RWLock, SchemaError, Semaphore
 from tests.support.fixtures import FAST, frozen_holder
 from tests.support.postgres_server import PASSWORD, PostgresServer
 
@@ -220,25 +222,6 @@ def test_create_schema_in_a_missing_schema_is_a_clear_error(make_mutex: Callable
         mutex.create_schema()
 
 
-@pytest.fixture
-def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
-    """A login role granted only what the README's Permissions section grants, as it says it."""
-    role = f"mutex_app_{uuid.uuid4().hex[:8]}"
-    problems: list[str] = []
-    section = [line for line, _ in expand("README.md:permissions", ROOT, problems)]
-    grants = [line.replace("app_role", role) for line in section if line.startswith("GRANT ")]
-    assert problems == []
-    assert grants, "the README's Permissions section shows its GRANTs"
-    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
-    # PostgreSQL 14 and older let everyone create tables in public: not here.
-    admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
-    for grant in grants:
-        admin.execute(grant)
-    yield pg.dsn(user=role, password=PASSWORD)
-    admin.execute(f"DROP OWNED BY {role}")
-    admin.execute(f"DROP ROLE {role}")
-
-
 def test_a_role_with_only_dml_privileges_can_do_everything_but_create(
     dml_role: str, lock_name: str, admin: psycopg.Connection[Any]
 ) -> None:
@@ -257,6 +240,57 @@ def test_a_role_with_only_dml_privileges_can_do_everything_but_create(
     assert caught.value.sqlstate == "42501"
     holder.close()
     rival.close()
+
+
+def test_migrate_on_a_migrated_table_is_nothing_to_do_even_for_a_role_that_may_not_change_it(dml_role: str) -> None:
+    assert LockTable(dml_role).migrate() is False, "nothing changed, nothing refused"
+    result = subprocess.run(
+        [sys.executable, "-m", "postgres_mutex", "migrate", "--dsn", dml_role],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "table mutex_lock already had fencing tokens\n", "")
+
+
+FAST_OPTIONS: dict[str, Any] = dict(FAST)
+
+
+@pytest.mark.parametrize(
+    ("revoke", "make", "said"),
+    [
+        (
+            "REVOKE ALL ON mutex_lock_semaphores FROM {role}",
+            lambda dsn, name: Semaphore(dsn, name, permits=2, **FAST_OPTIONS),
+            "the role may not use table mutex_lock_semaphores (permission denied for table mutex_lock_semaphores); "
+            "grant SELECT, INSERT (and UPDATE, to change a semaphore's permits) on it, as the README shows",
+        ),
+        (
+            "REVOKE ALL ON SEQUENCE mutex_lock_token_seq FROM {role}",
+            lambda dsn, name: Mutex(dsn, name, **FAST_OPTIONS),
+            "the role may not use sequence mutex_lock_token_seq (permission denied for sequence mutex_lock_token_seq); "
+            "grant USAGE on it, as the README shows",
+        ),
+    ],
+    ids=["semaphores", "sequence"],
+)
+def test_a_missing_grant_names_the_object_the_server_refused_and_the_grant_it_needs(
+    dml_role: str,
+    admin: psycopg.Connection[Any],
+    lock_name: str,
+    revoke: str,
+    make: Callable[[str, str], Mutex | Semaphore],
+    said: str,
+) -> None:
+    admin.execute(revoke.format(role=conninfo_to_dict(dml_role)["user"]))
+    primitive = make(dml_role, lock_name)
+    try:
+        with pytest.raises(SchemaError) as caught, primitive.acquire():
+            pass
+    finally:
+        primitive.close()
+    assert str(caught.value).endswith(said)
 
 
 def test_a_role_with_only_dml_privileges_can_use_a_read_write_lock(dml_role: str, lock_name: str) -> None:

@@ -74,6 +74,8 @@ def test_n_holders_at_once_and_the_next_one_is_refused(
         busy = r"semaphore '.*' has no permit free: 3 of 3 held"
         with pytest.raises(LockAcquisitionTimeout, match=busy), holders[3].acquire(blocking=True, timeout=0.3):
             pass
+        with pytest.raises(LockAcquisitionTimeout, match=busy), holders[3].acquire(timeout=0.3):
+            pass  # a timeout alone waits, as blocking=True does
         rows = permit_rows(admin, name)
         assert [(permit, permits) for permit, _, permits in rows] == [(0, 3), (1, 3), (2, 3)]
         assert {holder for _, holder, _ in rows} == {semaphore.instance_id for semaphore in holders[:3]}

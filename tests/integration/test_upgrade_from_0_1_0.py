@@ -419,6 +419,12 @@ SURFACE_CHANGES: dict[str, str] = {
         "both mean 'required': 0.1.0 raised ValueError for the empty default, this version raises an error that is "
         "both a TypeError and a ValueError"
     ),
+    "Mutex.acquire(blocking): default False -> None": (
+        "None tries once, as False did, unless a timeout is given: then it waits, as the timeout asks"
+    ),
+    "Mutex.singleton(blocking): default False -> None": (
+        "None tries once, as False did, unless a timeout is given: then it waits, as the timeout asks"
+    ),
     "Mutex.dsn: a plain attribute, now a read-only property": "a Mutex is bound to its client when constructed",
     "Mutex.pool: a plain attribute, now a read-only property": "a Mutex is bound to its client when constructed",
     "Mutex.async_pool: a plain attribute, now a read-only property": "a Mutex is bound to its client when constructed",
@@ -472,6 +478,14 @@ def test_0_1_0s_public_submodules_still_import(release_0_1_0: Release) -> None:
 CHECKS = list(program.CHECKS)
 
 CHANGED: dict[str, tuple[dict[str, Any], str]] = {
+    "acquire() given a timeout without blocking, lock busy": (
+        {
+            "trace": [],
+            "raised": ["LockAcquisitionTimeout", "PgMutexError", "TimeoutError"],
+            "attributes": {"lock_name": "nonblocking-timeout", "timeout": 1.0},
+        },
+        "a timeout says how long to wait: 0.1.0 ignored it and tried once",
+    ),
     "a schema-qualified table name": ({"trace": [], "returned": "constructed"}, "accepts more: table='ops.mutex_lock'"),
     "stale_threshold under three heartbeat intervals": (
         {"trace": [], "raised": ["ValueError"]},
@@ -528,7 +542,7 @@ CHANGED: dict[str, tuple[dict[str, Any], str]] = {
 NEEDS_LIBRARY_CHANGE: dict[str, str] = {}
 """Checks where 0.1.0's behaviour should come back: each a strict xfail, its reason the change needed."""
 
-WARNED = {"a non-blocking acquire() given a timeout, lock busy": "DeprecationWarning"}
+WARNED: dict[str, str] = {}
 """Checks whose 0.1.0 behaviour should now come with a warning."""
 
 

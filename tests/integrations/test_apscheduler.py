@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from tests.support.fixtures import read_line
 
@@ -76,3 +78,36 @@ def test_each_fire_time_runs_exactly_once_across_three_schedulers(
         assert [name for name, _ in errors] == ["JobRunningElsewhere"]
     else:
         assert errors == [], "skip and wait end contention without an error"
+
+
+def test_a_scheduler_needs_only_the_documented_grants_and_one_lacking_a_grant_does_not_start(
+    dml_role: str, admin: psycopg.Connection[Any]
+) -> None:
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from postgres_mutex import SchemaError
+    from postgres_mutex.integrations.apscheduler import FleetExecutor
+
+    # dml_role: the README's grants exactly, on tables the owner made with 'postgres-mutex init
+    # --apscheduler'; no CREATE on the schema.
+    job = f"aps-grants-{uuid.uuid4().hex[:8]}"
+    ran = threading.Event()
+    scheduler = BackgroundScheduler(
+        executors={"default": FleetExecutor(dml_role, heartbeat_interval=0.5)}, timezone=UTC
+    )
+    scheduler.add_job(ran.set, "date", run_date=datetime.now(UTC) + timedelta(seconds=0.5), id=job)
+    scheduler.start()
+    try:
+        assert ran.wait(15), "the job ran"
+    finally:
+        scheduler.shutdown()
+    assert admin.execute("SELECT count(*) FROM mutex_apscheduler_runs WHERE job_id = %s", (job,)).fetchone() == (1,)
+
+    role = conninfo_to_dict(dml_role)["user"]
+    admin.execute(f"REVOKE UPDATE ON mutex_apscheduler_runs FROM {role}")
+    lacking = BackgroundScheduler(executors={"default": FleetExecutor(dml_role)}, timezone=UTC)
+    with pytest.raises(SchemaError) as caught:
+        lacking.start()
+    assert f"GRANT SELECT, INSERT, UPDATE ON mutex_apscheduler_runs TO {role}" in str(caught.value)
+    assert "postgres-mutex init --apscheduler" in str(caught.value)
+    assert not lacking.running

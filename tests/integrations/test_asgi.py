@@ -26,7 +26,7 @@ import pytest
 
 from postgres_mutex import LockTable
 from postgres_mutex.integrations.asgi import LeaderOnly
-from tests.support.fixtures import FAST, wait_until
+from tests.support.fixtures import FAST, await_until, wait_until
 from tests.support.postgres_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,3 +165,17 @@ async def test_the_work_is_cancelled_at_once_when_leadership_is_lost(dsn: str, s
         # The next heartbeat finds the row gone: the term ends and the work is cancelled.
         await asyncio.wait_for(cancelled.wait(), FAST["heartbeat_interval"] + MARGIN)
     assert leader.election is None
+
+
+async def test_a_replica_that_cannot_campaign_says_so_once_and_serves_as_a_follower(
+    dsn: str, schema: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    leader = LeaderOnly(dsn, f"asgi-{uuid.uuid4().hex[:8]}", table="mutex_lock_never_made", poll_interval=0.1)
+    async with leader.lifespan():
+        await await_until(lambda: any(record.levelname == "ERROR" for record in caplog.records))
+        for _ in range(3):
+            assert not await leader.replica_leads()
+    said = [record for record in caplog.records if record.name == "postgres_mutex.integrations.asgi"]
+    assert [record.levelname for record in said] == ["ERROR"], [record.getMessage() for record in said]
+    assert "run 'postgres-mutex init'" in said[0].getMessage()
+    assert "serves on as a follower" in said[0].getMessage()

@@ -12,6 +12,7 @@ not leading, shows in the files.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 import uuid
@@ -22,6 +23,9 @@ from typing import Any
 from tests.support.fixtures import required_module
 
 required_module("celery", "the Celery integration's tests run real celery beat processes: pip install -e '.[celery]'")
+
+import psycopg  # noqa: E402
+from psycopg.conninfo import conninfo_to_dict  # noqa: E402
 
 from postgres_mutex import Election, MutexClient  # noqa: E402
 from tests.integrations.celery_app import BEAT_OPTIONS  # noqa: E402
@@ -109,6 +113,8 @@ def test_three_beats_one_sends_and_no_run_is_sent_twice_across_hand_overs(
     runs: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for message in messages:
         assert message["args"] == [message["postgres_mutex_entry"][-1]]
+        # The app's own before_task_publish handler runs before the integration's code is imported.
+        assert message["seen_before_publish"] == message["postgres_mutex_run"], "a publish handler missed the run"
         runs[message["postgres_mutex_entry"]].append((message["postgres_mutex_run"], message["postgres_mutex_token"]))
     assert set(runs) == {"tick-a", "tick-b"}
     for entry, sent in runs.items():
@@ -119,3 +125,94 @@ def test_three_beats_one_sends_and_no_run_is_sent_twice_across_hand_overs(
         # A beat killed between recording a run and sending it loses that one run, never more.
         missing = set(range(numbers[0], numbers[-1] + 1)) - set(numbers)
         assert len(missing) <= 1, f"{entry}: runs {sorted(missing)} were never sent"
+
+
+def test_a_beat_that_cannot_campaign_says_so_once_at_error_level_and_stops(
+    dsn: str, schema: None, tmp_path: Path
+) -> None:
+    log = tmp_path / "beat.log"
+    beat = start_celery(
+        tmp_path,
+        dsn,
+        "beat",
+        "-S",
+        "postgres_mutex.integrations.celery:LeaderScheduler",
+        "-s",
+        str(tmp_path / "schedule"),
+        "--loglevel",
+        "INFO",
+        log=log,
+        CELERY_TEST_BEAT_LOCK=f"beat-{uuid.uuid4().hex[:8]}",
+        CELERY_TEST_BEAT_TABLE="no_such_lock_table",
+    )
+    with running([beat], [log]):
+        assert beat.wait(60) == 1
+    logged = log.read_text()
+    errors = [line for line in logged.splitlines() if "ERROR/" in line]
+    assert len(errors) == 1, logged
+    assert "beat cannot campaign" in errors[0], logged
+    assert "no_such_lock_table does not exist" in errors[0], logged
+    for noise in ("Traceback", "CRITICAL/", "WARNING/"):
+        assert noise not in logged, logged
+
+
+def start_beat(tmp_path: Path, dsn: str, lock: str, name: str) -> tuple[Any, Path]:
+    log = tmp_path / f"{name}.log"
+    beat = start_celery(
+        tmp_path,
+        dsn,
+        "beat",
+        "-S",
+        "postgres_mutex.integrations.celery:LeaderScheduler",
+        "-s",
+        str(tmp_path / f"{name}-schedule"),
+        "--loglevel",
+        "INFO",
+        log=log,
+        CELERY_TEST_BEAT_LOCK=lock,
+        CELERY_TEST_BEAT_ID=name,
+    )
+    return beat, log
+
+
+def stops_saying_once(beat: Any, log: Path, observer: Election, *phrases: str) -> None:
+    """The beat exits non-zero, resigned (nobody leads), having said why in one ERROR naming ``phrases``."""
+    assert beat.wait(30) != 0, "a beat that may not use its table stops"
+    assert observer.leader() is None, "it resigned as it stopped: a standby may lead at once"
+    said = re.findall(r"ERROR.*beat cannot lead.*", log.read_text())
+    assert len(said) == 1, log.read_text()
+    for phrase in phrases:
+        assert phrase in said[0]
+
+
+def test_a_beat_needs_only_the_documented_grants_and_one_lacking_a_grant_says_so_and_hands_over(
+    dml_role: str, dsn: str, admin: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    # dml_role: the README's grants exactly, on tables the owner made with 'postgres-mutex init
+    # --celery-beat'; no CREATE on the schema.
+    role = conninfo_to_dict(dml_role)["user"]
+    lock = f"beat-{uuid.uuid4().hex[:8]}"
+    broker = tmp_path / "broker"
+    observer = Election(dml_role, lock, instance_id="observer", **BEAT_OPTIONS)
+    grant = f"GRANT SELECT, INSERT, UPDATE, DELETE ON celery_beat_state TO {role}"
+
+    with observer:
+        admin.execute("DROP TABLE celery_beat_state")  # not made yet, and this role may not make it
+        missing, missing_log = start_beat(tmp_path, dml_role, lock, "missing")
+        with running([missing], [missing_log]):
+            stops_saying_once(
+                missing, missing_log, observer, "may not create it", "'postgres-mutex init --celery-beat'"
+            )
+
+        with MutexClient(dsn) as owner:
+            owner.table().create(celery_beat=True)  # made, but nothing granted on it
+        lacking, lacking_log = start_beat(tmp_path, dml_role, lock, "lacking")
+        with running([lacking], [lacking_log]):
+            stops_saying_once(lacking, lacking_log, observer, grant, "postgres-mutex init --celery-beat")
+    assert sent_messages(broker) == []
+
+    admin.execute(grant)
+    granted, granted_log = start_beat(tmp_path, dml_role, lock, "granted")
+    with running([granted], [granted_log]):
+        wait_for(lambda: len(sent_messages(broker)) >= 2, timeout=30, what="the beat with the grants sent")
+        assert "ERROR" not in granted_log.read_text()

@@ -88,6 +88,7 @@ def test_a_stopped_database_scheduler_hands_over_at_once_and_sends_no_run_twice(
     runs: dict[str, list[int]] = defaultdict(list)
     for message in sent_messages(broker):
         runs[message["postgres_mutex_entry"]].append(message["postgres_mutex_run"])
+        assert message["seen_before_publish"] == message["postgres_mutex_run"], "a publish handler missed the run"
     assert {"tick-a", "tick-b"} <= set(runs)
     for entry, numbers in runs.items():
         assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), f"{entry}: {numbers}"

@@ -12,6 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from postgres_mutex import Mutex
 from postgres_mutex.integrations.django import once
 from tests.support.fixtures import read_line
 from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer
@@ -57,16 +58,24 @@ def project(pg: PostgresServer) -> Iterator[Project]:
         conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
-def test_the_system_check_reports_a_missing_lock_table_until_init_creates_it(project: Project) -> None:
+def test_migrate_makes_the_lock_table_and_its_history_and_the_check_reports_one_gone_since(project: Project) -> None:
+    project.env["MUTEX_HISTORY"] = "1"  # POSTGRES_MUTEX["HISTORY"]
+    assert project.run("check", "--database", "default").returncode == 0, "migrate is yet to make it"
+    migrated = project.run("migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    assert project.run("postgres_mutex", "history").returncode == 0, "the history was made too"
+    present = project.run("check", "--database", "default")
+    assert (present.returncode, present.stderr) == (0, "")
+
+    with psycopg.connect(project.dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE mutex_lock CASCADE")
     missing = project.run("check", "--database", "default")
     assert missing.returncode == 1
     assert "postgres_mutex.E001" in missing.stderr
     assert "the lock table 'mutex_lock' does not exist in database 'default'" in missing.stderr
     assert "python manage.py postgres_mutex init" in missing.stderr
-
     assert project.run("postgres_mutex", "init").returncode == 0
-    present = project.run("check", "--database", "default")
-    assert (present.returncode, present.stderr) == (0, "")
+    assert project.run("check", "--database", "default").returncode == 0
 
 
 def test_a_decorated_command_runs_once_at_a_time_and_status_shows_it(project: Project, tmp_path: Path) -> None:
@@ -129,3 +138,51 @@ def test_once_refuses_a_coroutine_function_whose_lock_would_end_before_it_runs()
 
     with pytest.raises(TypeError, match=r"@once runs functions, not coroutine functions: .*digest is async"):
         once()(digest)
+
+
+ONCE_WAITING_TWICE = """
+import threading, time
+from postgres_mutex.integrations.django import once
+
+@once("django:waited", on_contention="wait", wait_timeout=0.8)
+def first():
+    pass
+
+@once("django:waited", on_contention="wait", wait_timeout=1.5)
+def second():
+    pass
+
+def call(job):
+    start = time.monotonic()
+    try:
+        job()
+    except Exception as exc:
+        print(job.__name__, type(exc).__name__, round(time.monotonic() - start, 3))
+
+# The first call takes this process's turn at the lock and waits 0.8 s for the fleet's;
+# the second waits for the turn meanwhile, then for the fleet's lock.
+holder = threading.Thread(target=call, args=(first,))
+holder.start()
+time.sleep(0.1)
+call(second)
+holder.join()
+"""
+
+
+def test_once_waits_wait_timeout_in_all_not_once_for_its_process_and_again_for_the_fleet(project: Project) -> None:
+    assert project.run("postgres_mutex", "init").returncode == 0
+    elsewhere = Mutex(project.dsn, "django:waited")
+    with elsewhere.acquire() as held:
+        assert held
+        # Two calls in one process: the second waits for the first's turn, then for the lock held here.
+        ran = project.run("shell", "-c", ONCE_WAITING_TWICE)
+    elsewhere.close()
+    assert ran.returncode == 0, ran.stderr
+    said = dict(
+        (line.split()[0], line.split()[1:])
+        for line in ran.stdout.splitlines()
+        if line.split()[:1] in (["first"], ["second"])
+    )
+    assert said["first"][0] == "LockAcquisitionTimeout", ran.stdout
+    assert said["second"][0] == "LockAcquisitionTimeout", ran.stdout
+    assert 1.3 < float(said["second"][1]) < 1.5 + 0.4, f"wait_timeout=1.5, waited {said['second'][1]}s"

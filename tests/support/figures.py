@@ -7,8 +7,11 @@ rewrites the scenarios it ran and keeps the others, so a partial run (one
 test, ``-m slow``) adds to the last full one instead of erasing it.
 
 The docs include a committed copy, ``docs/figures/NAME.md``, with one run's
-figures alone, so the docs never mix two runs. It is rewritten only by a
-whole run of the module — every test selected but the ``slow`` ones (no
+figures alone, so the docs never mix two runs. A test run leaves it alone: the
+copy a run would commit goes to ``figures/`` under the report directory
+(ignored by git). Only ``pytest --refresh-figures`` writes the committed copy,
+as ``python -m bench`` does for the bench's tables. Either copy is written only
+by a whole run of the module — every test selected but the ``slow`` ones (no
 ``-k``, no node id, no other marker), none skipped — and only once the whole
 session has passed: this module registers pytest hooks that track both
 (``pytest_plugins`` in the root conftest loads it).
@@ -31,6 +34,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 DOCS_FIGURES = ROOT / "docs" / "figures"
 
+REFRESH_OPTION = "--refresh-figures"
+
+_refresh = False
+"""Whether this session rewrites the committed copies (``--refresh-figures``)."""
+
 _partial: set[Path] = set()
 """Test modules this session did not run whole (a test deselected or skipped, a node id given)."""
 
@@ -38,7 +46,18 @@ _pending: dict[Path, str] = {}
 """Docs copies to write if the session passes."""
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        REFRESH_OPTION,
+        action="store_true",
+        help="rewrite the figures the docs include (docs/figures/*-report.md) with this run's, "
+        "if it ran their module whole and passed (default: a copy under chaos/report/figures/)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    global _refresh
+    _refresh = bool(config.getoption(REFRESH_OPTION, default=False))
     for arg in config.args:
         path, separator, _ = arg.partition("::")
         if separator:
@@ -70,12 +89,24 @@ def flush_docs_copies(*, passed: bool) -> None:
     """Write the docs copies a whole run queued, if the session passed; forget them either way."""
     if passed:
         for path, text in _pending.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     _pending.clear()
 
 
 def report_directory() -> Path:
     return Path(os.environ.get("CHAOS_REPORT_DIR") or ROOT / "chaos" / "report")
+
+
+def docs_copy_directory() -> Path:
+    """Where a whole run's copy for the docs goes: the committed ``docs/figures/`` under ``--refresh-figures``.
+
+    Otherwise ``figures/`` under the report directory, which git ignores, so a test run leaves the
+    checkout as it found it.
+    """
+    if _refresh:
+        return DOCS_FIGURES
+    return report_directory() / "figures"
 
 
 class Figures:
@@ -92,9 +123,13 @@ class Figures:
             {key: round(value, 3) if isinstance(value, float) else value for key, value in figures.items()}
         )
 
-    def write(self, directory: Path | None = None, *, docs_copy: bool = False, docs: Path = DOCS_FIGURES) -> Path:
-        """Merge this run's figures into the report; with ``docs_copy``, queue the docs' copy of this run's alone."""
+    def write(self, directory: Path | None = None, *, docs_copy: bool = False, docs: Path | None = None) -> Path:
+        """Merge this run's figures into the report; with ``docs_copy``, queue the docs' copy of this run's alone.
+
+        The docs' copy goes to ``docs`` (default: `docs_copy_directory`).
+        """
         directory = directory or report_directory()
+        docs = docs or docs_copy_directory()
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{self.name}.json"
         scenarios: dict[str, Any] = {}

@@ -21,7 +21,7 @@ from typing import IO, Any, NoReturn, TypeVar
 import psycopg
 import pytest
 
-from postgres_mutex import LockNotHeldError, Mutex
+from postgres_mutex import LockNotHeldError, Mutex, MutexClient
 from postgres_mutex._holder import Holder  # what Mutex, Semaphore and RWLock holders share
 from postgres_mutex._sql import Names
 from postgres_mutex.client import core_of
@@ -385,6 +385,34 @@ def uncommitted_insert(dsn: str, lock_name: str, schema: None) -> Iterator[psyco
         )
         yield blocker
         blocker.rollback()
+
+
+@pytest.fixture
+def dml_role(pg: PostgresServer, admin: psycopg.Connection[Any], needs_superuser: None) -> Iterator[str]:
+    """The DSN of a login role granted only what the README's Permissions section grants, as it says it.
+
+    The tables it grants on are made first, as the section says, by the suite's
+    owner role (``postgres-mutex init --celery-beat --apscheduler``); the role
+    may not create anything in the schema.
+    """
+    from tests.support.doc_examples import ROOT, expand  # the README's own text, as the docs site includes it
+
+    role = f"mutex_app_{uuid.uuid4().hex[:8]}"
+    problems: list[str] = []
+    section = [line for line, _ in expand("README.md:permissions", ROOT, problems)]
+    grants = [line.replace("app_role", role) for line in section if line.startswith("GRANT ")]
+    assert problems == []
+    assert grants, "the README's Permissions section shows its GRANTs"
+    with MutexClient(pg.dsn()) as owner:
+        owner.table().create(celery_beat=True, apscheduler=True)
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'")
+    # PostgreSQL 14 and older let everyone create tables in public: not here.
+    admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    for grant in grants:
+        admin.execute(grant)
+    yield pg.dsn(user=role, password=PASSWORD)
+    admin.execute(f"DROP OWNED BY {role}")
+    admin.execute(f"DROP ROLE {role}")
 
 
 def role_with_setting(pg: PostgresServer, admin: psycopg.Connection[Any], setting: str) -> Iterator[str]:

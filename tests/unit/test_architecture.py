@@ -42,6 +42,7 @@ CORE = {
     "_shared",
     "_sql",
     "_sql_history",
+    "_sql_integrations",
     "_sql_lock",
     "_sql_names",
     "_sql_permits",
@@ -274,6 +275,19 @@ def test_no_hand_written_module_is_over_800_lines() -> None:
         if "do not edit" not in path.read_text()[:600].lower()
     }
     assert {name: lines for name, lines in sizes.items() if lines > 800} == {}
+
+
+def test_no_module_waits_on_a_socket_with_select() -> None:
+    # select() refuses a descriptor numbered 1,024 or more, which a process with many sockets
+    # open hands the library: it waits with poll() (`_acompat.ready_to_read`) or psycopg's waits.
+    users = sorted(
+        str(path.relative_to(SRC))
+        for path in SRC.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Import) and any(alias.name == "select" for alias in node.names))
+        or (isinstance(node, ast.ImportFrom) and node.module == "select")
+    )
+    assert users == []
 
 
 INTEGRATIONS = SRC / "integrations"

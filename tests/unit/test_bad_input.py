@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from postgres_mutex import Election, LockAcquisitionTimeout, LockNotHeldError, Mutex
+from postgres_mutex import Election, LockAcquisitionTimeout, LockNotHeldError, LockTable, Mutex, RWLock, Semaphore
 from postgres_mutex.errors import InvalidArgument
 from postgres_mutex.watcher import StaleWatcher
 from tests.support.fixtures import ROOT
@@ -101,6 +101,44 @@ def test_a_value_quoted_in_an_error_is_text_never_a_term() -> None:
     assert "'{instance_id}\\ud800'" in caught.value.phrase.render({"instance_id": "--instance-id"})
 
 
+ON_THE_BOUND = {"heartbeat_interval": 0.2, "alert_threshold": 0.4}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"stale_threshold": 0.6},
+        {"stale_threshold": 3.0, "reclaim_disconnected_after": 0.6},
+        {"stale_threshold": 3.0, "reclaim_disconnected_after": 0.7, "operation_timeout": 0.3},
+    ],
+    ids=["stale_threshold 3 x heartbeat_interval", "reclaim_disconnected_after 3 x", "reclaim 2 x heartbeat + timeout"],
+)
+def test_a_value_exactly_on_its_documented_bound_is_allowed(kwargs: dict[str, float]) -> None:
+    # 3 * 0.2 is 0.6000000000000001 in floating point: the docs' bound is the one typed, not its rounding.
+    Mutex(DSN, "job", **ON_THE_BOUND, **kwargs).close()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"stale_threshold": 0.59}, "stale_threshold (0.59s) must be at least three times heartbeat_interval (0.2s)"),
+        (
+            {"stale_threshold": 3.0, "reclaim_disconnected_after": 0.59},
+            "reclaim_disconnected_after (0.59s) must be at least three times heartbeat_interval (0.2s)",
+        ),
+        (
+            {"stale_threshold": 3.0, "reclaim_disconnected_after": 0.69, "operation_timeout": 0.3},
+            "reclaim_disconnected_after (0.69s) must be at least two heartbeat_intervals plus operation_timeout "
+            "(2 x 0.2s + 0.3s)",
+        ),
+    ],
+)
+def test_a_value_under_its_bound_is_refused_saying_the_bound_as_documented(kwargs: dict[str, float], said: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        Mutex(DSN, "job", **ON_THE_BOUND, **kwargs)  # type: ignore[arg-type]
+    assert str(caught.value).startswith(said)
+
+
 @pytest.mark.parametrize(
     ("argument", "value", "minimum"),
     [("heartbeat_interval", 1e-9, "0.05"), ("heartbeat_interval", 0.049, "0.05"), ("poll_interval", 1e-6, "0.01")],
@@ -133,9 +171,22 @@ def test_a_64_character_name_is_fine() -> None:
     assert Mutex(DSN, "é" * 64, instance_id="i" * 64).lock_name == "é" * 64
 
 
-def test_a_way_to_reach_postgres_is_required() -> None:
-    with pytest.raises(ValueError, match="dsn, or pool"):
+def test_a_way_to_reach_postgres_is_required(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER", "PGSERVICE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="pass dsn, or pool and/or async_pool, or set PGHOST") as caught:
         Mutex(lock_name="job")
+    assert "dsn=''" in str(caught.value), "it says how to ask for libpq's defaults on purpose"
+
+
+@pytest.mark.parametrize("variable", ["PGHOST", "PGSERVICE", "PGDATABASE"])
+def test_no_dsn_and_no_pool_means_the_pg_environment(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    for name in ("PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER", "PGSERVICE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "somewhere")
+    mutex = Mutex(lock_name="job")
+    assert mutex.dsn == "", "an empty conninfo: libpq reads the PG* variables, as psql does"
+    mutex.close()
 
 
 def test_dsn_and_pool_together_are_refused(dsn: str) -> None:
@@ -237,15 +288,24 @@ def test_bad_acquire_arguments_are_named(call: Callable[[Mutex], Any], error: ty
         manager.__enter__()
 
 
-def test_a_timeout_without_blocking_is_ignored_with_a_warning_as_0_1_0_ignored_it() -> None:
-    mutex = Mutex(DSN, "job")
-    with pytest.warns(DeprecationWarning, match="blocking=True") as caught:
-        mutex.acquire(timeout=5)
-    assert caught[0].filename == __file__, "the warning points at the caller's line"
-    with pytest.warns(DeprecationWarning, match="blocking=True"):
-        mutex.singleton(timeout=1)
-    with pytest.warns(DeprecationWarning, match="blocking=True"):
-        mutex.acquire_async(blocking=False, timeout=1)
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.acquire(blocking=False, timeout=5),
+        lambda m: m.acquire_async(blocking=False, timeout=1),
+        lambda m: m.singleton(blocking=False, timeout=1),
+        lambda m: m.singleton_async(blocking=False, timeout=1),
+        lambda m: RWLock(DSN, "job").read(blocking=False, timeout=1),
+        lambda m: RWLock(DSN, "job").write_async(blocking=False, timeout=1),
+        lambda m: RWLock(DSN, "job").write_singleton(blocking=False, timeout=1),
+        lambda m: Semaphore(DSN, "job", permits=2).acquire(blocking=False, timeout=1),
+    ],
+)
+def test_a_timeout_on_a_non_blocking_acquire_is_refused_as_threading_lock_refuses_it(
+    call: Callable[[Mutex], Any],
+) -> None:
+    with pytest.raises(ValueError, match="can't specify a timeout for a non-blocking acquire"):
+        call(Mutex(DSN, "job"))
 
 
 def test_an_empty_instance_id_means_the_default_one_as_in_0_1_0() -> None:
@@ -277,3 +337,13 @@ def test_errors_cross_process_boundaries_as_they_are(error: Exception) -> None:
         assert type(again) is type(error)
         assert str(again) == str(error)
         assert vars(again) == vars(error)
+
+
+@pytest.mark.parametrize("argument", ["celery_beat", "apscheduler"])
+@pytest.mark.parametrize("value", [5, "not a table!", "a.b.c"])
+def test_an_integrations_table_that_is_no_name_is_refused_naming_its_argument(
+    dsn: str, argument: str, value: object
+) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        LockTable(dsn).create(**{argument: value})  # type: ignore[arg-type]
+    assert caught.value.arguments == (argument,)

@@ -15,6 +15,7 @@ errors).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -29,7 +30,24 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``postgres-mutex`` command; returns the exit code."""
+    """Entry point of the ``postgres-mutex`` command; returns the exit code.
+
+    A reader that stops reading (``postgres-mutex history --json | head``) ends
+    the command quietly, as SIGPIPE ends a Unix tool: exit 141, no traceback.
+    """
+    try:
+        try:
+            return _main(argv)
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()  # a reader gone shows here, not in a message at the interpreter's exit
+    except BrokenPipeError:
+        # Nothing more can reach the reader: the interpreter's own flush at exit must not try again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
     # Commands that run on (run, watch) report retries and alerts as they happen;
     # one-shot commands end in one error line, which those warnings would only repeat.

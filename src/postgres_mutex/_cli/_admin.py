@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import signal
@@ -56,7 +57,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print()
         return 0
     if not rows:
-        print(f"no lock is held in table {args.table}")
+        if not args.lock:
+            print(f"no lock is held in table {args.table}")
+        for name in args.lock or ():
+            print(f"no lock named {name!r} is held in table {args.table}{_similar(name, args)}")
         return 0
     lines: list[tuple[str, ...]] = [("LOCK", "HOLDER", "HELD FOR", "SINCE HEARTBEAT", "STATE", "TOKEN", "SESSION")]
     lines += [
@@ -73,6 +77,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     ]
     print_columns(lines)
     return 0
+
+
+def _similar(name: str, args: argparse.Namespace) -> str:
+    """The names held in the table that are close to ``name`` (a typo, most likely), as the end of a line."""
+    held = {seen.name for seen in _table(args).holders()}
+    close = difflib.get_close_matches(name, sorted(held), n=3)
+    return f"; held with a similar name: {', '.join(map(repr, close))}" if close else ""
 
 
 def _shown(held: LockObservation | HoldRecord) -> str:
@@ -98,22 +109,37 @@ def _history_retention(args: argparse.Namespace) -> float | None:
     return args.history_retention  # type: ignore[no-any-return]
 
 
+def _integrations(args: argparse.Namespace) -> dict[str, bool | str]:
+    return {"celery_beat": args.celery_beat, "apscheduler": args.apscheduler}
+
+
+def _integrations_ready(args: argparse.Namespace) -> None:
+    for flag, value, default in (
+        ("Celery beat", args.celery_beat, "celery_beat_state"),
+        ("APScheduler", args.apscheduler, "mutex_apscheduler_runs"),
+    ):
+        if value is not False:
+            print(f"the {flag} table {default if value is True else value} is ready")
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     table = _table(args)
-    tokens = table.create(history=args.history, history_retention=_history_retention(args))
+    tokens = table.create(history=args.history, history_retention=_history_retention(args), **_integrations(args))
     print(
         f"table {table.name} is ready"
         + (" with its history" if args.history else "")
         + ("" if tokens else " (without fencing tokens: run 'postgres-mutex migrate')")
     )
+    _integrations_ready(args)
     return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     table = _table(args)
-    changed = table.migrate(history=args.history, history_retention=_history_retention(args))
+    changed = table.migrate(history=args.history, history_retention=_history_retention(args), **_integrations(args))
     what = "fencing tokens and a history" if args.history else "fencing tokens"
     print(f"table {table.name} {'now has' if changed else 'already had'} {what}")
+    _integrations_ready(args)
     return 0
 
 
@@ -203,8 +229,13 @@ def cmd_release(args: argparse.Namespace) -> int:
     else:
         what = f"lock {args.name!r}"
     if removed is None:
-        print(f"{what} is not held: nothing to release")
-        _say_holders(table.holders([args.name]), args.name)
+        holders = table.holders([args.name])
+        if holders:
+            print(f"{what} is not held: nothing to release")
+            _say_holders(holders, args.name)
+        else:
+            similar = _similar(args.name, args)
+            print(f"no lock named {args.name!r} is held in table {table.name}: nothing to release{similar}")
         return 1
     token = "" if removed.token is None else f", token {removed.token}"
     print(

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .. import MetricsHook, Mutex
+from .. import MetricsHook, Mutex, SchemaError
 from ..watcher import StaleWatcher
 from ._common import UsageError
 from ._embedded import EmbeddedPostgres, EmbeddedPostgresError
@@ -39,6 +39,7 @@ FREEZE = 5.0
 """The frozen holder's pause: past its reclaim_disconnected_after, short of the stale threshold."""
 LOCK = "nightly-report"
 DEADLINE = 50.0
+INSUFFICIENT_PRIVILEGE = "42501"
 
 
 class DemoError(Exception):
@@ -179,7 +180,16 @@ def run_demo(*, dsn: str | None, workers: int, out: TextIO | None = None) -> int
                 f"started a throwaway PostgreSQL {server.version()} on {server.host}:{server.port}",
             )
         setup = Mutex(dsn, LOCK, table=table)
-        setup.create_schema()
+        try:
+            setup.create_schema()
+        except SchemaError as exc:
+            if exc.sqlstate != INSUFFICIENT_PRIVILEGE:
+                raise
+            raise DemoError(
+                f"the demo creates a table of its own ({table}) and removes it, and this role may not create one: "
+                "run it as a role that may create tables there, or without --dsn (it then starts a throwaway "
+                "PostgreSQL)"
+            ) from None
         stack.callback(_drop_table, dsn, setup, table)
         events: queue.Queue[dict[str, Any]] = queue.Queue()
         procs = stack.enter_context(_workers(dsn, table, workers, events))
@@ -371,7 +381,8 @@ def _summary(story: _Story) -> None:
         file=out,
     )
     print(
-        f"  alerts {counts['alert']}: the watcher and each waiting worker alert once per silent episode",
+        f"  alerts {len(story.alerts)}, one per silent holder as the timeline shows them ({counts['alert']} alert "
+        "calls in all: the watcher and each waiting worker alert once per silent episode)",
         file=out,
     )
     if story.crashed_at is not None and story.reclaimed_at is not None:

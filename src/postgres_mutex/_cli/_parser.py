@@ -112,7 +112,11 @@ def parser() -> argparse.ArgumentParser:
         "while it waits (--wait), new readers wait behind it",
     )
     run.add_argument("--wait", action="store_true", help="wait for the lock instead of giving up at once")
-    run.add_argument("--timeout", type=seconds("--timeout"), help="with --wait: give up after this many seconds")
+    run.add_argument(
+        "--timeout",
+        type=seconds("--timeout"),
+        help="wait up to this many seconds for the lock, then give up (implies --wait)",
+    )
     run.add_argument(
         "--conflict-exit-code",
         type=exit_code,
@@ -159,8 +163,19 @@ def parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--lock", action="append", help="only this lock, semaphore or read/write lock (repeatable)")
-    status.add_argument("--alert-threshold", type=seconds("--alert-threshold"), default=30.0)
-    status.add_argument("--stale-threshold", type=seconds("--stale-threshold"), default=600.0)
+    status.add_argument(
+        "--alert-threshold",
+        type=seconds("--alert-threshold"),
+        default=30.0,
+        help="a holder silent this many seconds shows as 'alerting' (default 30; use your Mutexes' alert_threshold)",
+    )
+    status.add_argument(
+        "--stale-threshold",
+        type=seconds("--stale-threshold"),
+        default=600.0,
+        help="a holder silent this many seconds shows as 'reclaimable' (default 600; use your Mutexes' "
+        "stale_threshold)",
+    )
     status.set_defaults(handler=cmd_status)
 
     watch = add(
@@ -172,8 +187,18 @@ def parser() -> argparse.ArgumentParser:
     watch.add_argument("--listen", default="127.0.0.1:9464", help="HOST:PORT for /metrics (default 127.0.0.1:9464)")
     watch.add_argument("--interval", type=seconds("--interval"), default=5.0, help="seconds between reads")
     watch.add_argument("--lock", action="append", help="only this lock (repeatable)")
-    watch.add_argument("--alert-threshold", type=seconds("--alert-threshold"), default=30.0)
-    watch.add_argument("--stale-threshold", type=seconds("--stale-threshold"), default=600.0)
+    watch.add_argument(
+        "--alert-threshold",
+        type=seconds("--alert-threshold"),
+        default=30.0,
+        help="alert on a holder silent this many seconds (default 30; use your Mutexes' alert_threshold)",
+    )
+    watch.add_argument(
+        "--stale-threshold",
+        type=seconds("--stale-threshold"),
+        default=600.0,
+        help="a holder silent this many seconds counts as reclaimable (default 600; use your Mutexes' stale_threshold)",
+    )
     watch.set_defaults(handler=cmd_watch)
 
     history_options = Parser(add_help=False)
@@ -185,11 +210,31 @@ def parser() -> argparse.ArgumentParser:
         help="with --history: seconds a hold stays in the history after it ended (default 30 days)",
     )
 
+    integration_options = Parser(add_help=False)
+    group = integration_options.add_argument_group("the integrations' tables (made only if missing)")
+    group.add_argument(
+        "--celery-beat",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="TABLE",
+        help="also the Celery beat's table (default celery_beat_state)",
+    )
+    group.add_argument(
+        "--apscheduler",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="TABLE",
+        help="also APScheduler's ledger (default mutex_apscheduler_runs)",
+    )
+
     init = add(
         "init",
-        "Create the lock table if it does not exist.",
-        "  postgres-mutex init\n  postgres-mutex init --history --history-retention 604800",
-        [connection, history_options],
+        "Create the lock table (and the tables the integrations asked for) if it does not exist.",
+        "  postgres-mutex init\n  postgres-mutex init --history --history-retention 604800\n"
+        "  postgres-mutex init --celery-beat --apscheduler",
+        [connection, history_options, integration_options],
     )
     init.set_defaults(handler=cmd_init)
 
@@ -197,7 +242,7 @@ def parser() -> argparse.ArgumentParser:
         "migrate",
         "Add fencing tokens (and, with --history, a history) to a lock table; online, idempotent, as its owner.",
         "  postgres-mutex migrate\n  postgres-mutex migrate --table ops.mutex_lock\n  postgres-mutex migrate --history",
-        [connection, history_options],
+        [connection, history_options, integration_options],
     )
     migrate.set_defaults(handler=cmd_migrate)
 

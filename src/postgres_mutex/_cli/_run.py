@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from types import FrameType
 
 from .. import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, Mutex, RWLock, Semaphore
 from ..errors import DatabaseError
-from ._common import UsageError, command_env, dsn, say
+from ._common import UsageError, command_env, dsn, duration, say
 from ._supervisor import FORWARDED, Supervisor
 
 logger = logging.getLogger("postgres_mutex")
@@ -42,8 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     mode = "read" if args.read else "write" if args.write else None
     if mode is not None and args.permits is not None:
         raise UsageError(f"--{mode} makes --lock a read/write lock, --permits a semaphore: pass one of them, not both")
-    if args.timeout is not None and not args.wait and not args.restart:
-        raise UsageError("--timeout applies only to a wait: pass --wait, or drop --timeout")
+    if args.timeout is not None and not args.restart:
+        args.wait = True  # a timeout says how long to wait: given alone, it asks for the wait (as flock -w does)
     # A lost lock is declared one heartbeat interval before anyone may reclaim
     # it: the command must be gone (SIGKILL included) within that interval.
     kill_after = args.heartbeat_interval / 2 if args.kill_after is None else args.kill_after
@@ -72,6 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         "operation_timeout": args.operation_timeout,
         "reclaim_disconnected_after": args.reclaim_disconnected_after,
     }
+    narrator = _Narrator(args)
+    options["metrics"] = narrator
     mutex: Mutex | Semaphore | RWLock
     if mode is not None:
         mutex = RWLock(dsn(args), args.lock, **options)
@@ -82,6 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         mutex = Semaphore(dsn(args), args.lock, permits=args.permits, **options)
         acquire = mutex.acquire
+    narrator.holder = lambda: mutex.last_holder
     try:
         holding = acquire(blocking=args.wait, timeout=args.timeout)
         try:
@@ -92,9 +98,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not acquired:
             say(f"{_busy(args, mutex.last_holder)}; not running")
             return int(args.conflict_exit_code)
+        if args.verbose:
+            token = "" if mutex.token is None else f" (token {mutex.token})"
+            say(f"holding {_what(args)}{token}: running {shlex.join(command)}")
         supervisor = Supervisor(
             command, env=command_env(mutex.token), lock_lost=lambda: lost.is_set() or not mutex.held
         )
+        started = time.monotonic()
         try:
             code, lost_it = supervisor.run(kill_after, say)
         except BaseException:
@@ -109,9 +119,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         if lost_it:
             say(f"lost {_what(args)} while the command ran; exiting {args.lost_exit_code}")
             return int(args.lost_exit_code)
+        if args.verbose:
+            took = duration(time.monotonic() - started)
+            say(f"the command exited with status {code} after {took}; released {_what(args)}")
         return code
     finally:
         mutex.close()
+
+
+class _Narrator:
+    """What ``run`` tells a person while it waits for the lock: that it waits, for what, and who holds it.
+
+    Said on stderr when stderr is a terminal, or with ``-v``: a job's log (stderr
+    a file or a pipe) stays as it was unless asked. A metrics hook to the library,
+    whose ``waiting`` is called once a blocking acquire finds the lock held.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._args = args
+        self._tell = bool(args.verbose) or sys.stderr.isatty()
+        self.holder: Callable[[], str | None] = lambda: None
+
+    def waiting(self, lock_name: str, *, instance_id: str, mode: str | None = None) -> None:
+        if self._tell:
+            limit = "" if self._args.timeout is None else f" up to {self._args.timeout:g}s"
+            say(f"{_busy(self._args, self.holder())}; waiting{limit} for it")
 
 
 def _what(args: argparse.Namespace) -> str:

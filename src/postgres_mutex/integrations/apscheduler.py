@@ -28,7 +28,9 @@ from apscheduler.executors.base import run_job
 from apscheduler.executors.pool import ThreadPoolExecutor
 from psycopg import sql
 
-from postgres_mutex import Mutex, MutexError
+from postgres_mutex import Mutex, MutexClient, MutexError, SchemaError
+
+from . import in_setup_words
 
 __all__ = ["FleetExecutor", "JobRunningElsewhere", "Policy", "fire_time"]
 
@@ -37,6 +39,8 @@ log = logging.getLogger("postgres_mutex.integrations.apscheduler")
 Policy = Literal["skip", "wait", "raise"]
 _POLICIES = ("skip", "wait", "raise")
 _CONNECT_TIMEOUT = 10  # seconds: the ledger's connections fail rather than hang on a silent network
+LEDGER_GRANTS = ("SELECT", "INSERT", "UPDATE")
+"""What the scheduler's role needs on the ledger, as the README's Permissions section grants it."""
 
 _fire_time: contextvars.ContextVar[datetime | None] = contextvars.ContextVar("postgres_mutex_fire_time", default=None)
 
@@ -86,8 +90,11 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
     differ from process to process). Once per fire time holds while jobs run
     shorter than their interval; a fire time whose process dies while it
     runs is not run again (at most once). The ledger table (``ledger``,
-    default ``mutex_apscheduler_runs``, one row per job) is created when the
-    scheduler starts; the lock table must exist (``postgres-mutex init``).
+    default ``mutex_apscheduler_runs``, one row per job) is made with the
+    lock table by ``postgres-mutex init --apscheduler`` (or, if missing, by a
+    scheduler whose role may create it, as it starts). A scheduler whose
+    role may not use it (or may not make it) does not start:
+    ``scheduler.start()`` raises `SchemaError` saying what to run or grant.
     """
 
     def __init__(
@@ -110,38 +117,70 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
         self._policy: Policy = on_contention
         self._wait_timeout = wait_timeout
         self._prefix = lock_prefix
+        self._ledger_name = ledger
         self._ledger = sql.Identifier(*ledger.split("."))
         self._options = options
         self._idle: dict[str, list[Mutex]] = {}
+        self._ledger_idle: list[psycopg.Connection[Any]] = []
+        self._shut_down = False
         self._idle_lock = threading.Lock()
 
     # -- the scheduler's side -----------------------------------------------------
 
     def start(self, scheduler: Any, alias: str) -> None:
-        """Create the ledger table if needed, then start as APScheduler's thread pool does."""
-        # Schedulers starting together race to create it: the losers' UniqueViolation, or
-        # DuplicateObject (the table's row type), or DuplicateTable, means it exists.
-        exists = (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable)
-        with (
-            psycopg.connect(self._dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT) as conn,
-            contextlib.suppress(*exists),
-        ):
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} (job_id TEXT PRIMARY KEY, fire_time TIMESTAMPTZ NOT NULL,"
-                    " token BIGINT, instance_id TEXT, ran_at TIMESTAMPTZ NOT NULL DEFAULT now())"
-                ).format(self._ledger)
+        """Check the tables (the ledger made if missing, when the role may), then start as APScheduler's pool does.
+
+        Raises `SchemaError`, saying what to run or grant, if the ledger is
+        missing and the role may not create it, or if the role lacks a
+        privilege the lock table or the ledger needs: one error as the
+        scheduler starts, rather than one at every fire time.
+        """
+        lock_table = str(self._options.get("table", "mutex_lock"))
+        try:
+            with MutexClient(self._dsn) as client:
+                client.table(lock_table).create(apscheduler=self._ledger_name)
+        except SchemaError as exc:
+            raise SchemaError(f"FleetExecutor cannot start: {in_setup_words(exc)}", sqlstate=exc.sqlstate) from None
+        needs = {lock_table: ("SELECT", "INSERT", "UPDATE", "DELETE"), self._ledger_name: LEDGER_GRANTS}
+        with psycopg.connect(self._dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT) as conn:
+            asked = [
+                (table, grant, sql.Identifier(*table.split(".")).as_string(conn))
+                for table, grants in needs.items()
+                for grant in grants
+            ]
+            query = sql.SQL("SELECT {}").format(
+                sql.SQL(", ").join(
+                    sql.SQL("has_table_privilege({}, {})").format(sql.Literal(quoted), sql.Literal(grant))
+                    for _, grant, quoted in asked
+                )
             )
+            granted = conn.execute(query).fetchone() or ()
+            role = conn.info.user
+        for table, grants in needs.items():
+            lacking = [grant for (of, grant, _), held in zip(asked, granted, strict=True) if of == table and not held]
+            if lacking:
+                made_by = "--apscheduler" if table == self._ledger_name else ""
+                raise SchemaError(
+                    f"FleetExecutor cannot start: the role {role} may not use the table {table} (it lacks "
+                    f"{', '.join(lacking)}): GRANT {', '.join(grants)} ON {table} TO {role} (the table is made "
+                    f"by 'postgres-mutex init{' ' + made_by if made_by else ''}', as the README's Permissions "
+                    "section shows)",
+                    sqlstate="42501",
+                )
         super().start(scheduler, alias)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop as APScheduler's thread pool does (``wait``: for the runs in flight), then close the jobs' Mutexes."""
         super().shutdown(wait)
         with self._idle_lock:
+            self._shut_down = True
             mutexes = [mutex for idle in self._idle.values() for mutex in idle]
             self._idle.clear()
+            connections, self._ledger_idle = self._ledger_idle, []
         for mutex in mutexes:
             mutex.close()
+        for conn in connections:
+            conn.close()
 
     def _do_submit_job(self, job: Any, run_times: list[datetime]) -> None:
         # As APScheduler's pool executors do, with each fire time run under the job's lock.
@@ -172,7 +211,8 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
         events: list[JobExecutionEvent] = []
         with self._mutex(job.id) as mutex:
             try:
-                acquisition = mutex.acquire(blocking=self._policy == "wait", timeout=self._wait_timeout)
+                blocking = self._policy == "wait"
+                acquisition = mutex.acquire(blocking=blocking, timeout=self._wait_timeout if blocking else None)
                 with acquisition as acquired:
                     if not acquired:
                         if self._policy == "raise":
@@ -189,7 +229,9 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
             except (MutexError, psycopg.Error) as error:
                 # Contention under "raise", a wait that timed out, a lock lost (the run's own event is kept)
                 # or a database out of reach: listeners hear of this fire time's failure as of any job's.
-                log.warning("job %r, fire time %s: %s", job.id, run_time, error)
+                # A table missing or refused needs an operator; the rest is contention or passes.
+                level = logging.ERROR if isinstance(error, SchemaError) else logging.WARNING
+                log.log(level, "job %r, fire time %s: %s", job.id, run_time, in_setup_words(error))
                 trace = "".join(traceback.format_tb(error.__traceback__))
                 events.append(
                     JobExecutionEvent(EVENT_JOB_ERROR, job.id, alias, run_time, exception=error, traceback=trace)
@@ -198,8 +240,19 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
 
     def _claim(self, mutex: Mutex, job_id: str, run_time: datetime) -> bool:
         """Record ``run_time`` as run, fenced by the hold: False if it (or a later fire time) already was."""
-        # A connection per fire time: a job that fires every second costs one connect a second, and nothing idles.
-        with psycopg.connect(self._dsn, connect_timeout=_CONNECT_TIMEOUT) as conn, mutex.fenced(conn) as token:
+        with self._ledger_connection() as (conn, reused):
+            try:
+                return self._claim_on(conn, mutex, job_id, run_time)
+            except psycopg.OperationalError:
+                if not reused:
+                    raise
+        # The kept connection had died while idle (a server restart, a dropped network): once more on a new one.
+        # Had the first try committed after all, this one finds the fire time recorded: at most once still.
+        with self._ledger_connection(fresh=True) as (conn, _):
+            return self._claim_on(conn, mutex, job_id, run_time)
+
+    def _claim_on(self, conn: psycopg.Connection[Any], mutex: Mutex, job_id: str, run_time: datetime) -> bool:
+        with mutex.fenced(conn) as token:
             claimed = conn.execute(
                 sql.SQL(
                     "INSERT INTO {0} AS runs (job_id, fire_time, token, instance_id) VALUES (%s, %s, %s, %s)"
@@ -210,6 +263,31 @@ class FleetExecutor(ThreadPoolExecutor):  # type: ignore[misc]  # APScheduler 3 
                 (job_id, run_time, token, mutex.instance_id),
             ).fetchone()
         return claimed is not None
+
+    @contextlib.contextmanager
+    def _ledger_connection(self, *, fresh: bool = False) -> Iterator[tuple[psycopg.Connection[Any], bool]]:
+        """A connection to record fire times on, and whether it was kept from an earlier one.
+
+        Kept idle between fire times, one per concurrent run at most, rather
+        than a connect per fire time; a connection that failed is closed.
+        """
+        conn = None
+        if not fresh:
+            with self._idle_lock:
+                conn = self._ledger_idle.pop() if self._ledger_idle else None
+        reused = conn is not None and not conn.closed
+        if conn is None or conn.closed:
+            conn = psycopg.connect(self._dsn, connect_timeout=_CONNECT_TIMEOUT)
+        try:
+            yield conn, reused
+        except BaseException:
+            conn.close()
+            raise
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE and not self._shut_down:
+            with self._idle_lock:
+                self._ledger_idle.append(conn)
+        else:
+            conn.close()
 
     @contextlib.contextmanager
     def _mutex(self, job_id: str) -> Iterator[Mutex]:

@@ -26,6 +26,8 @@ from starlette.responses import JSONResponse
 
 from postgres_mutex import Election, Leadership, MutexError
 
+from . import in_setup_words
+
 __all__ = ["LeaderOnly", "Work"]
 
 log = logging.getLogger("postgres_mutex.integrations.asgi")
@@ -47,6 +49,10 @@ class LeaderOnly:
     ``work`` returns, the process keeps leading until the term ends; when it
     raises, the election logs it, gives the term up and campaigns again after
     a back-off.
+
+    A process whose election cannot campaign at all (the lock table
+    missing, a grant lacking) logs one ERROR saying what to run or grant,
+    and serves on as a follower (`readiness` 503) until it is restarted.
 
     ``replica`` names this replica (default: the host name, which is the
     pod's name on Kubernetes): the instance id this process campaigns under
@@ -75,6 +81,7 @@ class LeaderOnly:
         self._options = options
         self._shutdown_timeout = shutdown_timeout
         self._election: Election | None = None
+        self._failure: BaseException | None = None
 
     @property
     def name(self) -> str:
@@ -108,7 +115,9 @@ class LeaderOnly:
         """
         election = Election(self._dsn, self._name, instance_id=self._instance_id(), **self._options)
         campaign = asyncio.create_task(election.run_async(self._lead), name=f"postgres-mutex election {self._name}")
+        campaign.add_done_callback(self._campaign_ended)
         self._election = election
+        self._failure = None
         try:
             yield
         finally:
@@ -117,8 +126,9 @@ class LeaderOnly:
                 await asyncio.wait_for(campaign, self._shutdown_timeout)
             except TimeoutError:
                 log.error("election %s did not end within %gs of shutdown", self._name, self._shutdown_timeout)
-            except Exception:
-                log.exception("election %s ended with an error", self._name)
+            except Exception as exc:
+                if exc is not self._failure:  # told already, as the campaign ended
+                    log.exception("election %s ended with an error", self._name)
             finally:
                 self._election = None
                 await election.aclose()
@@ -135,6 +145,8 @@ class LeaderOnly:
             return False
         if election.leading:
             return True
+        if self._failure is not None:
+            return False  # this process cannot campaign: said once, as the campaign ended
         try:
             leader = await election.leader_async()
         except MutexError as exc:
@@ -159,6 +171,17 @@ class LeaderOnly:
         for not leading.
         """
         return JSONResponse(self._state(await self.replica_leads()))
+
+    def _campaign_ended(self, campaign: asyncio.Task[None]) -> None:
+        """Say once, as the error it is, that this process's election gave up; it serves on as a follower."""
+        if campaign.cancelled() or campaign.exception() is None:
+            return
+        self._failure = campaign.exception()
+        log.error(
+            "election %s cannot campaign: %s. This process serves on as a follower (readiness 503) until restarted",
+            self._name,
+            in_setup_words(self._failure),  # type: ignore[arg-type]
+        )
 
     def _state(self, leads: bool) -> dict[str, object]:
         return {"election": self._name, "replica": self._replica, "leader": leads}

@@ -20,12 +20,13 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from celery import signals
 from celery.beat import PersistentScheduler, Scheduler
 from celery.utils.time import maybe_make_aware
 from psycopg import sql
 
-from postgres_mutex import Election, Leadership, LockNotHeldError, MutexError
+from postgres_mutex import Election, Leadership, LockNotHeldError, MutexClient, MutexError, SchemaError
+
+from .. import in_setup_words
 
 __all__ = ["BEAT_DEFAULTS", "LeaderScheduler", "LeaderSchedulerMixin"]
 
@@ -50,20 +51,13 @@ RUN_HEADERS = ("postgres_mutex_entry", "postgres_mutex_run", "postgres_mutex_tok
 
 The run number counts the entry's runs across every beat that led, so
 ``(entry, run)`` names one run: a consumer may use it to drop a duplicate.
+They are in the message as it is built: Celery's ``before_task_publish``
+handlers find them in ``headers``, whichever was connected first.
 """
 
-_sending = threading.local()
 _JOIN_TIMEOUT = 15.0
-
-
-def _tag_run(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    """Add the run being sent (if a leading beat is sending one, in this thread) to the message's headers."""
-    run = getattr(_sending, "run", None)
-    if run is not None and headers is not None:
-        headers.update(zip(RUN_HEADERS, run, strict=True))
-
-
-signals.before_task_publish.connect(_tag_run, weak=False, dispatch_uid="postgres_mutex.beat.run_headers")
+STATE_GRANTS = "SELECT, INSERT, UPDATE, DELETE"
+"""What the beat's role needs on its table, as the README's Permissions section grants it."""
 
 
 class LeaderSchedulerMixin:
@@ -77,13 +71,17 @@ class LeaderSchedulerMixin:
     - ``postgres_mutex_beat_lock``: the election's name (default
       ``"celery-beat"``): beats that share it share one schedule.
     - ``postgres_mutex_beat_state_table``: where the runs are recorded
-      (default ``"celery_beat_state"``, created by the leader if missing).
+      (default ``"celery_beat_state"``, made by ``postgres-mutex init
+      --celery-beat``; a leader whose role may create it makes it if missing).
     - ``postgres_mutex_beat_options``: `Election` options over
       `BEAT_DEFAULTS` (``heartbeat_interval``, ``reclaim_disconnected_after``...).
 
     The lock table must exist (``postgres-mutex init``). A beat that cannot
-    campaign (the table missing, a privilege lacking) stops with the error,
-    rather than stand by forever.
+    campaign (the lock table missing, a privilege lacking), or that leads but
+    may not use its table (missing, and the role may not create it; a grant
+    lacking), logs one line at ERROR saying what to run or grant, resigns (a
+    standby takes over) and exits with status 1, rather than stand by, or lead
+    without sending, forever.
     """
 
     app: Any
@@ -98,6 +96,8 @@ class LeaderSchedulerMixin:
     _recorded: dict[str, tuple[datetime, int]]
     _conn: psycopg.Connection[Any] | None = None
     _campaign_error: BaseException | None = None
+    _stopped_by: str | None = None
+    _role = "the beat's role"
     _closed = False
 
     # -- configuration -------------------------------------------------------------
@@ -121,8 +121,12 @@ class LeaderSchedulerMixin:
         return str(self._setting("postgres_mutex_beat_lock", "celery-beat"))
 
     @property
+    def _state_table_name(self) -> str:
+        return str(self._setting("postgres_mutex_beat_state_table", "celery_beat_state"))
+
+    @property
     def _state_table(self) -> sql.Identifier:
-        return sql.Identifier(*str(self._setting("postgres_mutex_beat_state_table", "celery_beat_state")).split("."))
+        return sql.Identifier(*self._state_table_name.split("."))
 
     def _options(self) -> dict[str, Any]:
         return {**BEAT_DEFAULTS, **dict(self._setting("postgres_mutex_beat_options", {}))}
@@ -174,7 +178,15 @@ class LeaderSchedulerMixin:
         """Send what is due while leading; otherwise send nothing and look again after ``poll_interval``."""
         self._start_campaign()
         if self._campaign_error is not None:
-            raise MutexError(f"beat cannot campaign for {self._beat_name!r}: {self._campaign_error}")
+            # One line at ERROR, the level an operator alerts on; then beat closes and exits (see close).
+            # An exception would reach Celery, which logs it at CRITICAL with a traceback and prints it
+            # again, line by line, at WARNING.
+            logger.error(
+                "beat cannot campaign for %r, and stops: %s", self._beat_name, in_setup_words(self._campaign_error)
+            )
+            raise SystemExit(1)
+        if self._stopped_by is not None:
+            raise SystemExit(1)  # said at ERROR by _stop, once
         leadership = self._leadership
         standby = float(self._options()["poll_interval"])
         if leadership is None or not leadership.held:
@@ -203,25 +215,38 @@ class LeaderSchedulerMixin:
                 "beat did not send %r: it no longer leads %r, or could not record the run", entry.name, self._beat_name
             )
             return
-        _sending.run = cleared
+        # In the entry's options, the headers are in the message from the start: every
+        # before_task_publish handler sees them, whichever was connected first. Only for this
+        # send: the entry's own options, which a scheduler may save, stay as they were.
+        options = entry.options
+        run = dict(zip(RUN_HEADERS, cleared, strict=True))
+        entry.options = {**options, "headers": {**(options.get("headers") or {}), **run}}
         try:
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
         finally:
-            _sending.run = None
+            entry.options = options
 
     def close(self) -> None:
-        """Resign (a standby takes over at once), then close the scheduler as the stock one does."""
+        """Resign (a standby takes over at once), then close the scheduler as the stock one does.
+
+        A beat that could not campaign, or could not use its table, then exits
+        with status 1: Celery's beat ends a ``SystemExit`` raised in a tick
+        quietly, with status 0.
+        """
         if not self._closed:
             self._closed = True
             self._stop_campaign()
             self._drop_connection()
         super().close()  # type: ignore[misc]
+        if self._campaign_error is not None or self._stopped_by is not None:
+            raise SystemExit(1)
 
     # -- the runs, in PostgreSQL ---------------------------------------------------------
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=10)
+            self._role = self._conn.info.user
         return self._conn
 
     def _drop_connection(self) -> None:
@@ -235,18 +260,18 @@ class LeaderSchedulerMixin:
         try:
             conn = self._connection()
             with leadership.fenced(conn):
-                conn.execute(
-                    sql.SQL(
-                        "CREATE TABLE IF NOT EXISTS {} (beat TEXT NOT NULL, entry TEXT NOT NULL, "
-                        "last_run_at TIMESTAMPTZ NOT NULL, total_run_count BIGINT NOT NULL, token BIGINT NOT NULL, "
-                        "PRIMARY KEY (beat, entry))"
-                    ).format(table)
-                )
                 rows = conn.execute(
                     sql.SQL("SELECT entry, last_run_at, total_run_count FROM {} WHERE beat = %s").format(table),
                     (self._beat_name,),
                 ).fetchall()
         except LockNotHeldError:
+            return False
+        except psycopg.errors.UndefinedTable:
+            self._drop_connection()
+            self._make_state_table()
+            return False  # read at the next tick, from the table just made
+        except psycopg.errors.InsufficientPrivilege as exc:
+            self._stop(f"it may not read its table {self._state_table_name} ({_first_line(exc)})")
             return False
         except (psycopg.Error, MutexError) as exc:  # the database, unreachable or refusing: try at the next tick
             logger.error("beat leads %r but cannot read its recorded runs: %s", self._beat_name, exc)
@@ -257,6 +282,34 @@ class LeaderSchedulerMixin:
         self._loaded_token = leadership.token
         logger.info("beat took up the recorded runs of %d entries of %r", len(rows), self._beat_name)
         return True
+
+    def _make_state_table(self) -> None:
+        """Make the beat's table, missing at this term's start, if this role may; else stop saying how to."""
+        lock_table = str(self._options().get("table", "mutex_lock"))
+        try:
+            with MutexClient(self._dsn) as client:
+                client.table(lock_table).create(celery_beat=self._state_table_name)
+        except SchemaError as exc:
+            if exc.sqlstate != "42501":
+                raise
+            self._stop(f"its table {self._state_table_name} is missing", in_setup_words(exc))
+            return
+        logger.info("beat made its table %s", self._state_table_name)
+
+    def _stop(self, why: str, advice: str | None = None) -> None:
+        """Log why this beat cannot lead, once, as the error it is, and resign: a standby leads, this beat stops."""
+        if self._stopped_by is not None:
+            return
+        self._stopped_by = why
+        if advice is None:
+            advice = (
+                f"the table is made by 'postgres-mutex init --celery-beat' (as a role that may create tables), "
+                f"and the beat's role needs GRANT {STATE_GRANTS} ON {self._state_table_name} TO {self._role}"
+            )
+        logger.error("beat cannot lead %r: %s; %s. This beat resigns and stops", self._beat_name, why, advice)
+        self._drop_connection()
+        if self._election is not None:
+            self._election.stop()  # a standby takes over at once
 
     def _aware(self, moment: datetime) -> datetime:
         return maybe_make_aware(moment, self.app.timezone).astimezone(self.app.timezone)  # type: ignore[no-any-return]
@@ -293,12 +346,19 @@ class LeaderSchedulerMixin:
                 )
         except LockNotHeldError:
             return None
+        except psycopg.errors.InsufficientPrivilege as exc:
+            self._stop(f"it may not record its runs in its table {self._state_table_name} ({_first_line(exc)})")
+            return None
         except (psycopg.Error, MutexError) as exc:  # not recorded, so not sent: at most once
             logger.error("beat could not record run %d of %r: %s", entry.total_run_count, entry.name, exc)
             self._drop_connection()
             return None
         self._recorded[entry.name] = (self._aware(entry.last_run_at), int(entry.total_run_count))
         return (str(entry.name), int(entry.total_run_count), int(token))
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 class LeaderScheduler(LeaderSchedulerMixin, PersistentScheduler):  # type: ignore[misc]

@@ -6,6 +6,8 @@ lock is released when the body ends in any way; when the worker process
 dies, its database session ends and the lock is reclaimed after
 ``reclaim_disconnected_after`` (60 s unless configured), or after the lock's
 ``stale_threshold`` if the session outlives it (a machine that vanished).
+A retry the body asks for is sent once the body has ended and its lock is
+released, so it never finds its own attempt holding the lock.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from celery import Task, signals
+from celery.exceptions import Reject
 
 from postgres_mutex import Mutex, MutexClient, MutexError
 
@@ -43,7 +47,18 @@ Policy = Literal["skip", "wait", "raise"]
 _POLICIES = ("skip", "wait", "raise")
 _MAX_NAME = 64
 
-_current: contextvars.ContextVar[Mutex | None] = contextvars.ContextVar("postgres_mutex_celery_task", default=None)
+
+@dataclass
+class _Run:
+    """One run of a singleton task's body: the Mutex it holds, and the retries it asked for, not yet sent."""
+
+    task: Task
+    mutex: Mutex
+    retrying: bool = False
+    retries: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+
+
+_current: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("postgres_mutex_celery_task", default=None)
 
 
 class TaskAlreadyRunning(MutexError):
@@ -58,10 +73,10 @@ def current_mutex() -> Mutex:
 
     Raises `MutexError` outside the body of a singleton task.
     """
-    mutex = _current.get()
-    if mutex is None:
+    run = _current.get()
+    if run is None:
         raise MutexError("current_mutex() is only available inside the body of a SingletonTask")
-    return mutex
+    return run.mutex
 
 
 class _Clients:
@@ -138,7 +153,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     The app's ``postgres_mutex_dsn`` names the database of the lock table.
     Inside the body, ``self.singleton_mutex`` (or `current_mutex`) is the
     held `Mutex`: fence the task's own writes with it. A lock lost while the
-    body runs fails the task with `LockNotHeldError` when the body ends.
+    body runs fails the task with `LockNotHeldError` when the body ends. A
+    retry (``self.retry``, ``autoretry_for``) is sent once the body has ended
+    and the lock is released: it never runs beside its attempt, nor finds
+    that attempt's lock held.
     """
 
     abstract = True
@@ -192,21 +210,66 @@ class SingletonTask(Task):  # type: ignore[misc]
         return _clients.get(str(dsn)).mutex(lock_name, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body under the task's lock, or skip, wait or raise when another run holds it."""
+        """Run the body under the task's lock, or skip, wait or raise when another run holds it.
+
+        A retry the body asks for (``self.retry``, ``autoretry_for``) is sent
+        here, after the body has ended and the lock is released, not from
+        inside the body as Celery sends it. Sent from inside, a worker that
+        is idle takes the retry up while its own attempt still holds the
+        lock, and skips it (or raises, or waits). Releasing the lock as the
+        retry is sent, instead, would let the retry run beside the rest of
+        its attempt's body (``self.retry(throw=False)`` returns into the
+        body, and any ``finally`` or ``with`` in it runs after the message
+        left). Sent after the release, the retry cannot start before its
+        attempt's body has ended, and finds the lock free unless another run
+        took it meanwhile: then the retry is a run like any other, and the
+        policy says what it does.
+        """
         lock_name = self.singleton_lock_for(args, kwargs)
         waits = self.singleton_on_contention == "wait"
         mutex = self._singleton_mutex(lock_name)
+        run = _Run(self, mutex)
         try:
-            with mutex.acquire(blocking=waits, timeout=self.singleton_timeout if waits else None) as acquired:
-                if not acquired:
-                    return self._contended(lock_name, mutex.last_holder)
-                reset = _current.set(mutex)
-                try:
-                    return super().__call__(*args, **kwargs)
-                finally:
-                    _current.reset(reset)
+            try:
+                with mutex.acquire(blocking=waits, timeout=self.singleton_timeout if waits else None) as acquired:
+                    if not acquired:
+                        return self._contended(lock_name, mutex.last_holder)
+                    reset = _current.set(run)
+                    try:
+                        return super().__call__(*args, **kwargs)
+                    finally:
+                        _current.reset(reset)
+            finally:
+                mutex.close()
         finally:
-            mutex.close()
+            self._send_retries(run)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``Task.retry``, but the retry is sent when the body has ended and its lock is released."""
+        run = _current.get()
+        if run is None or run.task is not self:
+            return super().retry(*args, **kwargs)
+        run.retrying = True
+        try:
+            return super().retry(*args, **kwargs)
+        finally:
+            run.retrying = False
+
+    def apply_async(self, *args: Any, **options: Any) -> Any:
+        """Celery's ``Task.apply_async``; a retry asked for in the body is kept until the body ends (see `retry`)."""
+        run = _current.get()
+        if run is not None and run.task is self and run.retrying:
+            run.retries.append((args, options))
+            return None  # Celery's retry does not use what sending returns
+        return super().apply_async(*args, **options)
+
+    def _send_retries(self, run: _Run) -> None:
+        retries, run.retries = run.retries, []
+        for args, options in retries:
+            try:
+                super().apply_async(*args, **options)
+            except Exception as exc:  # what Celery's retry does when it cannot send the message
+                raise Reject(exc, requeue=False) from exc
 
     def _contended(self, lock_name: str, holder: str | None) -> str:
         by = f" by {holder}" if holder else ""

@@ -1,7 +1,11 @@
 """The system check: the lock table exists on the database the locks use.
 
 A database check (Django runs those in ``migrate`` and in ``manage.py check
---database ALIAS``), since it queries the database.
+--database ALIAS``), since it queries the database. The app's migration makes
+the table, so the check says nothing while that migration is unapplied
+(Django reports unapplied migrations itself, and ``migrate`` must not fail
+for the table it is about to make); once applied, a missing table (dropped,
+or another ``TABLE`` configured since) is an error.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
+from django.db.migrations.recorder import MigrationRecorder
 
 from .settings import database_dsn, lock_settings
 
@@ -28,6 +33,9 @@ def lock_table_exists(
     if databases is None or alias not in databases:
         return []
     try:
+        recorder = MigrationRecorder(connections[alias])
+        if not recorder.has_table() or not any(app == "postgres_mutex" for app, _ in recorder.applied_migrations()):
+            return []  # 'manage.py migrate' makes it
         with connections[alias].cursor() as cursor:
             cursor.execute("SELECT to_regclass(%s)", [table])
             found = cursor.fetchone()
@@ -37,7 +45,8 @@ def lock_table_exists(
         return [
             checks.Error(
                 f"the lock table {table!r} does not exist in database {alias!r}",
-                hint="create it with: python manage.py postgres_mutex init",
+                hint="create it with: python manage.py postgres_mutex init (the app's migration made the table "
+                "configured when it ran)",
                 id="postgres_mutex.E001",
             )
         ]

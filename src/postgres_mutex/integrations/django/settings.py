@@ -11,7 +11,7 @@ from psycopg import conninfo
 
 from postgres_mutex import Mutex
 
-__all__ = ["database_dsn", "lock_settings", "mutex"]
+__all__ = ["database_dsn", "history_wanted", "lock_settings", "mutex"]
 
 _DJANGO_ONLY_OPTIONS = {
     "assume_role",
@@ -30,7 +30,7 @@ _FIELDS = {"USER": "user", "PASSWORD": "password", "HOST": "host", "PORT": "port
 def lock_settings() -> tuple[str, str, dict[str, Any]]:
     """``settings.POSTGRES_MUTEX``, with defaults: the database alias, the lock table, and the Mutex options."""
     configured = getattr(settings, "POSTGRES_MUTEX", {})
-    unknown = set(configured) - {"DATABASE", "TABLE", "OPTIONS"}
+    unknown = set(configured) - {"DATABASE", "TABLE", "OPTIONS", "HISTORY"}
     if unknown:
         raise ImproperlyConfigured(f"settings.POSTGRES_MUTEX has unknown keys: {', '.join(sorted(unknown))}")
     return (
@@ -38,6 +38,15 @@ def lock_settings() -> tuple[str, str, dict[str, Any]]:
         str(configured.get("TABLE", "mutex_lock")),
         dict(configured.get("OPTIONS", {})),
     )
+
+
+def history_wanted() -> bool:
+    """``POSTGRES_MUTEX["HISTORY"]``: whether ``manage.py migrate`` makes the lock table's history (default False)."""
+    lock_settings()  # the keys checked
+    wanted = getattr(settings, "POSTGRES_MUTEX", {}).get("HISTORY", False)
+    if not isinstance(wanted, bool):
+        raise ImproperlyConfigured(f"settings.POSTGRES_MUTEX['HISTORY'] must be True or False, not {wanted!r}")
+    return wanted
 
 
 def database_dsn(alias: str | None = None) -> str:

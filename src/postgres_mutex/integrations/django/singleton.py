@@ -6,6 +6,7 @@ import functools
 import inspect
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Literal, ParamSpec, TypeVar
 
@@ -14,6 +15,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from postgres_mutex import MutexError
 
+from .. import in_setup_words
 from .settings import mutex
 
 __all__ = ["AlreadyRunning", "once"]
@@ -25,6 +27,11 @@ R = TypeVar("R")
 Policy = Literal["skip", "wait", "raise"]
 _POLICIES = ("skip", "wait", "raise")
 _MAX_NAME = 64
+_COMMAND_WORDS = {
+    "call create_schema()": "run 'python manage.py migrate'",
+    "create_schema()": "'python manage.py migrate'",
+}
+"""How a command's user makes the lock table: the app's migration."""
 
 
 class AlreadyRunning(MutexError):
@@ -52,7 +59,8 @@ def once(
 
     - ``"skip"`` (default): return None without running (a command says so
       on its stderr and exits 0);
-    - ``"wait"``: wait up to ``wait_timeout`` seconds, then raise
+    - ``"wait"``: wait up to ``wait_timeout`` seconds in all (for this
+      process's other calls, then for the fleet), then raise
       `LockAcquisitionTimeout` (a command: `CommandError`);
     - ``"raise"``: raise `AlreadyRunning` (a command: `CommandError`).
     """
@@ -70,13 +78,17 @@ def once(
             command = args[0] if args and isinstance(args[0], BaseCommand) else None
             local = _turn(alias, name)
             waits = on_contention == "wait"
+            # One wait_timeout for both turns, this process's and the fleet's: a deadline, not two timeouts.
+            deadline = time.monotonic() + wait_timeout
             try:
                 if not local.acquire(blocking=waits, timeout=wait_timeout if waits else -1):
                     _contended(name, on_contention, command)
                     return None
                 try:
                     lock = mutex(name, alias=alias)
-                    with lock.acquire(blocking=waits, timeout=wait_timeout if waits else None) as acquired:
+                    # Past the deadline, one try, which ends as a wait that ran out: LockAcquisitionTimeout.
+                    left = max(deadline - time.monotonic(), 0.001) if waits else None
+                    with lock.acquire(blocking=waits, timeout=left) as acquired:
                         if not acquired:
                             _contended(name, on_contention, command)
                             return None
@@ -86,7 +98,7 @@ def once(
             except MutexError as exc:
                 if command is None:
                     raise
-                raise CommandError(str(exc)) from exc
+                raise CommandError(in_setup_words(exc, _COMMAND_WORDS)) from exc
 
         return run_once
 

@@ -21,5 +21,8 @@ DATABASES = {
         "OPTIONS": {"options": f"-c search_path={os.environ['DB_SCHEMA']}"},
     }
 }
-POSTGRES_MUTEX = {"OPTIONS": {"heartbeat_interval": 0.5, "alert_threshold": 5, "stale_threshold": 30}}
+POSTGRES_MUTEX = {
+    "OPTIONS": {"heartbeat_interval": 0.5, "alert_threshold": 5, "stale_threshold": 30},
+    "HISTORY": os.environ.get("MUTEX_HISTORY") == "1",
+}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
