@@ -26,7 +26,11 @@ Call = Mapping[str, object]
 
 def labels_of(metric: names.MetricName, call: Call) -> dict[str, str]:
     """The metric's labels, each the call's argument of that name (None, or not given: empty)."""
-    return {label: "" if call.get(label) is None else str(call[label]) for label in metric.labels}
+    labels = {}
+    for label in metric.labels:
+        value = call.get(label)
+        labels[label] = "" if value is None else str(value)
+    return labels
 
 
 @dataclass(frozen=True)
@@ -34,9 +38,6 @@ class Count:
     """A counter's one more, per call."""
 
     metric: names.MetricName
-
-    def __call__(self, exporter: ExporterHook, call: Call) -> None:
-        exporter._add(self.metric, labels_of(self.metric, call))
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,6 @@ class Record:
     metric: names.MetricName
     value: str
 
-    def __call__(self, exporter: ExporterHook, call: Call) -> None:
-        exporter._record(self.metric, cast(float, call[self.value]), labels_of(self.metric, call))
-
 
 @dataclass(frozen=True)
 class Move:
@@ -56,9 +54,6 @@ class Move:
 
     metric: names.MetricName
     delta: int
-
-    def __call__(self, exporter: ExporterHook, call: Call) -> None:
-        exporter._level(self.metric, labels_of(self.metric, call), self.delta)
 
 
 @dataclass(frozen=True)
@@ -72,20 +67,10 @@ class Hold:
     metric: names.MetricName
     delta: int
 
-    def __call__(self, exporter: ExporterHook, call: Call) -> None:
-        labels = labels_of(self.metric, call)
-        key = (tuple(labels.values()), str(call["instance_id"]))
-        held = exporter._holds[self.metric]
-        if held.add(key) if self.delta > 0 else held.discard(key):
-            exporter._level(self.metric, labels, self.delta)
-
 
 @dataclass(frozen=True)
 class Watch:
     """The call is a watcher's: it changes what the watcher gauges (`GAUGES`) read."""
-
-    def __call__(self, exporter: ExporterHook, call: Call) -> None:
-        exporter.view.tell(call)
 
 
 Action = Count | Record | Move | Hold | Watch
@@ -153,7 +138,21 @@ class ExporterHook(ExtendedMetricsHook):
 
     def _apply(self, method: str, call: Call) -> None:
         for action in self._on_call.get(method, ()):
-            action(self, call)
+            match action:
+                case Watch():
+                    self.view.tell(call)
+                case Count(metric):
+                    self._add(metric, labels_of(metric, call))
+                case Record(metric, value):
+                    self._record(metric, cast(float, call[value]), labels_of(metric, call))
+                case Move(metric, delta):
+                    self._level(metric, labels_of(metric, call), delta)
+                case Hold(metric, delta):
+                    labels = labels_of(metric, call)
+                    key = (tuple(labels.values()), str(call["instance_id"]))
+                    held = self._holds[metric]
+                    if held.add(key) if delta > 0 else held.discard(key):
+                        self._level(metric, labels, delta)
 
 
 def _applying(method: str) -> Callable[..., None]:
@@ -165,7 +164,10 @@ def _applying(method: str) -> Callable[..., None]:
     defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
 
     def apply(self: ExporterHook, *args: object, **kwargs: object) -> None:
-        self._apply(method, {**defaults, **dict(zip(positional, args, strict=False)), **kwargs})
+        call = dict(defaults)
+        call.update(zip(positional, args, strict=False))
+        call.update(kwargs)
+        self._apply(method, call)
 
     apply.__name__ = apply.__qualname__ = method
     apply.__doc__ = declared.__doc__
