@@ -14,7 +14,7 @@ from typing import TypedDict
 
 from opentelemetry.trace import Span
 
-from ._metrics import LockObservation, MetricsHook
+from ._metrics import ExtendedMetricsHook, LockObservation
 from ._rules import DISCONNECTED, AcquireResult, Outcome, reclaim_reason
 from ._sql import SEPARATOR
 from ._tracing import MODE, OUTCOME, PERMIT, AttributeValue, mark_error, set_outcome
@@ -81,7 +81,7 @@ class LockEvents:
         *,
         lock_name: str,
         instance_id: str,
-        hook: MetricsHook,
+        hook: ExtendedMetricsHook,
         on_lost: LostCallback | None,
         alert_threshold: float,
         stale_threshold: float,
@@ -318,7 +318,7 @@ class LockEvents:
 
 
 def report_alert(
-    hook: MetricsHook,
+    hook: ExtendedMetricsHook,
     what: str,
     lock_name: str,
     holder: str,
@@ -344,7 +344,12 @@ class WatcherEvents:
     """How a stale-holder watcher's events are reported."""
 
     def __init__(
-        self, hook: MetricsHook, *, watched: frozenset[str] | None, alert_threshold: float, stale_threshold: float
+        self,
+        hook: ExtendedMetricsHook,
+        *,
+        watched: frozenset[str] | None,
+        alert_threshold: float,
+        stale_threshold: float,
     ) -> None:
         self.hook = hook
         self.watched = watched
@@ -387,7 +392,7 @@ class ElectionEvents:
 
     __slots__ = ("grace_period", "hook", "instance_id", "lock_name")
 
-    def __init__(self, *, lock_name: str, instance_id: str, hook: MetricsHook, grace_period: float) -> None:
+    def __init__(self, *, lock_name: str, instance_id: str, hook: ExtendedMetricsHook, grace_period: float) -> None:
         self.lock_name = lock_name
         self.instance_id = instance_id
         self.hook = hook
