@@ -67,6 +67,22 @@ def test_an_async_only_block_is_dropped_and_a_sync_only_one_uncommented() -> Non
     assert sync_of(source) == 'x = 1\n"""One engine, for threads."""\n\nz = 3\n'
 
 
+def test_the_sync_text_of_a_directive_or_a_sync_only_block_is_taken_as_written() -> None:
+    # It is the sync module's own text already: a name in it that looks async is meant.
+    source = (
+        "release: Callable[[], Awaitable[None]]  # sync: release: Callable[[], None]  # see aclose_async\n"
+        "# sync-only\n"
+        '# log("only an async_pool is there: use aclose()")\n'
+        "# end sync-only\n"
+        'log("aclose() releases it")\n'
+    )
+    assert sync_of(source) == (
+        "release: Callable[[], None]  # see aclose_async\n"
+        'log("only an async_pool is there: use aclose()")\n'
+        'log("close() releases it")\n'
+    )
+
+
 @pytest.mark.parametrize(
     "source",
     [
