@@ -23,12 +23,15 @@ from ._acompat import current_owner
 from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._candidacy import Candidacy
-from ._closing import release_on_aclose, release_on_close
+from ._closing import release_on_close
+from ._closing_async import release_on_close_async
 from ._events import LostCallback
 from ._mutex_config import MutexConfig, check_reclaim_source, checked_names, new_lock_state
 from ._own_watch import OwnLockWatch
 from ._settings import Timing, check_wait, default_instance_id
-from ._singleton import Siblings, singleton_decorator, singleton_decorator_async
+from ._siblings import Siblings
+from ._singleton import singleton_decorator
+from ._singleton_async import singleton_decorator_async
 from ._sql import Names
 from .client import MutexClient, core_of, shared_client
 
@@ -437,7 +440,7 @@ class Holder:
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.stop()
-        await release_on_aclose(self._lock, self.release_async)
+        await release_on_close_async(self._lock, self.release_async)
         self._detach()
         await self._siblings.aclose()
 
