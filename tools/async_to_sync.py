@@ -1,7 +1,8 @@
 """Generate each sync module (``_engine.py``, ``_table.py`` ...) from its async twin (``_engine_async.py`` ...).
 
 The pairs are `GENERATED`'s: the engine and its parts, `LockTable`'s methods,
-the Mutex's decorators and what its closing does with the lock.
+the Mutex's decorators, what its closing does with the lock, and what a
+holder does with the database.
 
 The async module is the one written by hand; the sync one is derived from it
 token by token, so the two cannot drift apart:
@@ -44,7 +45,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "postgres_mutex"
-GENERATED = ("engine", "heartbeat", "listener", "sources", "acquisition", "table", "singleton", "closing")
+GENERATED = (
+    "engine",
+    "heartbeat",
+    "listener",
+    "sources",
+    "acquisition",
+    "table",
+    "singleton",
+    "closing",
+    "holder_methods",
+)
 """The modules written async, as ``_{part}_async.py``, whose sync twin ``_{part}.py`` is generated."""
 PAIRS = [(PACKAGE / f"_{part}_async.py", PACKAGE / f"_{part}.py") for part in GENERATED]
 
@@ -69,6 +80,8 @@ RENAMES = {
 TEXT_RENAMES = {
     "``async with``": "``with``",
     "``async for``": "``for``",
+    "``async with ": "``with ",
+    "``async for ": "``for ",
 }
 
 ASYNC_WORDS = re.compile(r"\b(async|await|awaits|awaited|asyncio|coroutines?|tasks?)\b|event loops?", re.IGNORECASE)

@@ -209,8 +209,9 @@ def test_an_elections_parts_are_its_own() -> None:
 
 def test_a_mutexs_parts_are_its_own() -> None:
     # An election reaches its Mutex's side only through `_mutex.candidacy()`; `_holder` is what every
-    # holder (Mutex, Semaphore, RWLock's) is made of.
-    for module in sorted(set(MODULES) - MUTEX_PARTS - {"_mutex", "_holder"}):
+    # holder (Mutex, Semaphore, RWLock's) is made of, with its methods of each flavour.
+    holder = {"_holder", "_holder_methods", "_holder_methods_async"}
+    for module in sorted(set(MODULES) - MUTEX_PARTS - holder - {"_mutex"}):
         used = GRAPH[module] & MUTEX_PARTS
         assert not used, f"{module} imports {sorted(used)}, which are the Mutex's"
 
