@@ -2,7 +2,7 @@
 
 The pairs are `GENERATED`'s: the engine and its parts, `LockTable`'s methods,
 the Mutex's decorators, what its closing does with the lock, and what a
-holder does with the database.
+holder does with the database, and the reads of an election's leader.
 
 The async module is the one written by hand; the sync one is derived from it
 token by token, so the two cannot drift apart:
@@ -55,6 +55,7 @@ GENERATED = (
     "singleton",
     "closing",
     "holder_methods",
+    "leader_reader",
 )
 """The modules written async, as ``_{part}_async.py``, whose sync twin ``_{part}.py`` is generated."""
 PAIRS = [(PACKAGE / f"_{part}_async.py", PACKAGE / f"_{part}.py") for part in GENERATED]

@@ -81,7 +81,7 @@ MUTEX_PARTS = {
 }
 """What `_mutex` is made of besides the core: an election's side, closing, its own watcher, its decorators."""
 
-ELECTION_PARTS = {"_campaign", "_leader", "_relay", "_term"}
+ELECTION_PARTS = {"_campaign", "_leader", "_leader_reader", "_leader_reader_async", "_relay", "_term"}
 """What `election` is made of: its rounds (campaign, term, hand-over), who leads, its terms, its relay."""
 
 SQL = {module for module in CORE if module == "_sql" or module.startswith("_sql_")}
