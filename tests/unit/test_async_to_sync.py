@@ -103,7 +103,8 @@ def test_async_words_left_in_a_generated_module_are_found() -> None:
 
 
 def test_every_public_async_method_is_exercised_by_a_test() -> None:
-    # The public twins are written by hand: one without a test could drift from its sync side unseen.
+    # Some public twins are still written by hand, and a generated one's async source runs only if a test
+    # calls it: one without a test could drift from its sync side unseen.
     import inspect
     import re
 
