@@ -41,7 +41,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class Holder(HolderMethods, AsyncHolderMethods):
+class Holder(AsyncHolderMethods, HolderMethods):
     """One hold at a time of something in the lock table, with every guarantee of a `Mutex`.
 
     Not used on its own: `Mutex`, `Semaphore` and `RWLock`'s holders are made

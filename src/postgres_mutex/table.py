@@ -18,7 +18,7 @@ from .client import BUILT_ON_IT
 __all__ = ["ForcedRelease", "HoldRecord", "LockTable", "PermitsChanged"]
 
 
-class LockTable(TableMethods, AsyncTableMethods):
+class LockTable(AsyncTableMethods, TableMethods):
     """One lock table: ``LockTable(dsn)``, ``LockTable(pool=pool)``, or ``client.table()``.
 
     Every method has an ``_async`` twin. Statements run on the process's
