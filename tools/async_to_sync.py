@@ -1,8 +1,9 @@
 """Generate each sync module (``_engine.py``, ``_table.py`` ...) from its async twin (``_engine_async.py`` ...).
 
-The pairs are `GENERATED`'s: the engine and its parts, `LockTable`'s methods,
-the Mutex's decorators, what its closing does with the lock, and what a
-holder does with the database, and the reads of an election's leader.
+Every ``_X_async.py`` module of the package has its sync twin ``_X.py``
+generated (`PAIRS`): the engine and its parts, `LockTable`'s methods, what a
+holder does with the database, the Mutex's decorators, what its closing does
+with the lock, and the reads of an election's leader.
 
 The async module is the one written by hand; the sync one is derived from it
 token by token, so the two cannot drift apart:
@@ -45,20 +46,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "postgres_mutex"
-GENERATED = (
-    "engine",
-    "heartbeat",
-    "listener",
-    "sources",
-    "acquisition",
-    "table",
-    "singleton",
-    "closing",
-    "holder_methods",
-    "leader_reader",
+PAIRS = sorted(
+    (source, source.with_name(source.name.removesuffix("_async.py") + ".py")) for source in PACKAGE.glob("_*_async.py")
 )
-"""The modules written async, as ``_{part}_async.py``, whose sync twin ``_{part}.py`` is generated."""
-PAIRS = [(PACKAGE / f"_{part}_async.py", PACKAGE / f"_{part}.py") for part in GENERATED]
+"""Every ``_{part}_async.py`` module of the package, written by hand, and its generated sync twin ``_{part}.py``."""
 
 RENAMES = {
     "ACancelled": "Cancelled",
