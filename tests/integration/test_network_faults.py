@@ -390,6 +390,59 @@ print("exiting", time.monotonic(), flush=True)
     assert exited - exiting < timeout + 1.0, "the exit's release is bounded by one operation_timeout"
 
 
+def test_an_exit_that_cannot_delete_what_an_unanswered_acquire_left_says_so(
+    pg: PostgresServer, schema: None, lock_name: str, holder_id: Holder
+) -> None:
+    # The row stays until reclaimed after stale_threshold: whoever reads the log must learn why.
+    proxy = FaultProxy(pg.host, pg.port)
+    dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable", connect_timeout="2")
+    code = f"""
+import sys
+from postgres_mutex import Mutex, OperationTimeout
+mutex = Mutex({dsn!r}, {lock_name!r}, heartbeat_interval=0.2, alert_threshold=1.0, stale_threshold=3.0,
+              operation_timeout=0.5)
+for _ in range(2):
+    with mutex.acquire():
+        pass
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    with mutex.acquire():
+        pass
+except OperationTimeout:
+    print("unanswered", flush=True)
+sys.stdin.readline()
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proxy.drop_replies()  # the acquire lands, its reply never comes back...
+        proxy.silence(existing=False)  # ...and no new connection gets through to clean up
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "unanswered"
+        assert holder_id() is not None, "the row the unanswered acquire left"
+        proc.stdin.write("exit\n")
+        proc.stdin.flush()
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proxy.heal()
+        proxy.close()
+    assert "could not delete" in stderr, stderr
+    assert repr(lock_name) in stderr, stderr
+
+
 def test_a_release_behind_a_heartbeats_reconnect_takes_one_connect_not_two(
     make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, metrics: RecordingMetrics
 ) -> None:
