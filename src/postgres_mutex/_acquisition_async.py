@@ -61,6 +61,8 @@ class AsyncAcquisition:
         self._stop = stop
         self._entered = False
         self._hold: Hold | None = None
+        self._engine_in_use: AsyncEngine | None = None
+        """The engine the block was entered on, resolved once: its release runs there too."""
         self._acquirer = object()
         """Names this acquire to the lock's state, which ends it for nobody else."""
 
@@ -69,6 +71,7 @@ class AsyncAcquisition:
             raise MutexError("this acquisition was entered already: call acquire() again for another one")
         self._entered = True
         engine = self._engine()
+        self._engine_in_use = engine
         lock = self._lock
         flow = flows.acquire(
             lock,
@@ -95,7 +98,9 @@ class AsyncAcquisition:
             return
         lock = self._lock
         if lock.hold is hold and lock.phase is Phase.HOLDING:
-            engine = self._engine()
+            engine = self._engine_in_use
+            if engine is None or engine.closed:
+                engine = self._engine()  # refuses as it would have at entry (a closed client, say)
             # Run to its end even if the caller is cancelled again meanwhile: no row left behind.
             if exc_type is None:
                 await ato_the_end(engine.run(flows.release(lock, lock.tracing, caller=current_owner())))

@@ -90,11 +90,8 @@ def acquire(
     The whole acquire is one span, each attempt an event on it.
     """
     generation = lock.begin_acquire(acquirer)
-    extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
-    if timeout is not None:
-        extra["postgres_mutex.timeout"] = timeout
     outcome = "cancelled"
-    with tracing.span("postgres_mutex.acquire", span_attributes(lock, **extra)) as span:
+    with tracing.span("postgres_mutex.acquire", lambda: _acquire_attributes(lock, blocking, timeout)) as span:
         attempts = _Attempts(
             lock, span, blocking=blocking, timeout=timeout, generation=generation, acquirer=acquirer, stop=stop
         )
@@ -428,6 +425,13 @@ def stray_row_cleanup(lock: LockState, generation: int) -> Cleanup:
     )
 
 
+def _acquire_attributes(lock: LockState, blocking: bool, timeout: float | None) -> dict[str, AttributeValue]:
+    extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
+    if timeout is not None:
+        extra["postgres_mutex.timeout"] = timeout
+    return span_attributes(lock, **extra)
+
+
 def span_attributes(lock: LockState, **extra: AttributeValue) -> dict[str, AttributeValue]:
     return {LOCK_NAME: lock.lock_name, INSTANCE_ID: lock.instance_id, **lock.events.span_mode(), **extra}
 
@@ -456,7 +460,7 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
             settled = True
             raise lock.not_held_error(NOT_HELD)
         yield Forget(hold)
-        with tracing.span("postgres_mutex.release", span_attributes(lock)) as span:
+        with tracing.span("postgres_mutex.release", lambda: span_attributes(lock)) as span:
             if hold.status is HoldStatus.HELD:
                 # Its lease ran out before anyone noticed: that is a loss, reported once.
                 lost = lock.lose(hold, LEASE_EXPIRED)
