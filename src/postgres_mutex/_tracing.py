@@ -70,7 +70,7 @@ class Tracing:
         # look; after it, the global one is read without touching the environment.
         trace.get_tracer_provider()
 
-    def _silent(self) -> bool:
+    def silent(self) -> bool:
         """No SDK anywhere: spans would be dropped, so none is made (a lock cycle is a fraction of a ms).
 
         Checked at each span, since an application may configure its SDK after
@@ -94,7 +94,7 @@ class Tracing:
 
         ``attributes`` may be a function that makes them: it is called only for a span that records.
         """
-        if self._silent():
+        if self.silent():
             # One shared, reusable block: a silent span costs the check alone, twice per lock cycle.
             return _SILENT
         return self._recorded(name, attributes, links)
@@ -120,7 +120,10 @@ class Tracing:
             yield span
 
 
-_SILENT: contextlib.nullcontext[Span] = contextlib.nullcontext(trace.INVALID_SPAN)
+NO_SPAN: Span = trace.INVALID_SPAN
+"""What an operation records on while no span records: nothing."""
+
+_SILENT: contextlib.nullcontext[Span] = contextlib.nullcontext(NO_SPAN)
 """The span of every operation while no SDK is configured: records nothing, and is never current."""
 
 

@@ -103,15 +103,26 @@ class Tally:
         )
 
 
-def _one_try(subject: Subject, admin: psycopg.Connection[Any], tally: Tally, said: Callable[[], str] | str) -> None:
+def _one_try(
+    subject: Subject,
+    admin: psycopg.Connection[Any],
+    tally: Tally,
+    said: Callable[[], str] | str,
+    alarm_in: float | None = None,
+) -> None:
     """Acquire with an exception on its way; check the caller got the hold, or that nothing is left.
 
-    ``said`` tells where the exception was raised (a function: once it was).
+    ``said`` tells where the exception was raised (a function: once it was). ``alarm_in``: the
+    signal is due so many seconds after its timer is set, inside the ``try`` (set earlier, a
+    short one could go off before it, in this function's own first lines).
     """
     tally.tries += 1
     where = "before the block"
     began = time.monotonic()
     try:
+        if alarm_in is not None:
+            _ALARM["armed"] = True
+            signal.setitimer(signal.ITIMER_REAL, alarm_in)
         with subject.acquire() as acquired:
             _stop_raising()
             tally.took = time.monotonic() - began
@@ -259,9 +270,7 @@ def test_a_signal_handlers_exception_at_random_moments_leaves_a_hold_or_nothing(
             offset = draw.uniform(0.00005, 1.2 * tally.took)
             tally.offsets.append(offset)
             said = f"try {attempt + 1}, seed {seed}, signal at {offset * 1000:.2f} ms"
-            _ALARM["armed"] = True
-            signal.setitimer(signal.ITIMER_REAL, offset)
-            _one_try(subject, admin, tally, said)
+            _one_try(subject, admin, tally, said, alarm_in=offset)
     finally:
         _stop_raising()
         signal.signal(signal.SIGALRM, previous)
