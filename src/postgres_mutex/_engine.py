@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,7 +35,6 @@ from ._acompat import (
     Event,
     Gate,
     sleep,
-    uncancellable,
 )
 from ._clock import now
 from ._connections import FAILURES, ServerSession
@@ -178,10 +176,9 @@ class Engine:
                 sent = True
                 try:
                     cutter.arm(op.timeout)
-                    return uncancellable(
-                        _statement(conn, op, source.session, source.cursor),
-                        functools.partial(interrupt, conn, cutter, op.timeout),
-                    )
+                    work = _statement(conn, op, source.session, source.cursor)
+                    pass
+                    return work
                 except FAILURES as exc:
                     # As the statement left it, before the connection is put away.
                     lost = conn.closed or conn.broken

@@ -183,10 +183,9 @@ class AsyncEngine:
                 sent = True
                 try:
                     cutter.arm(op.timeout)
-                    return await auncancellable(
-                        _statement(conn, op, source.session, source.cursor),
-                        functools.partial(interrupt, conn, cutter, op.timeout),
-                    )
+                    work = _statement(conn, op, source.session, source.cursor)
+                    on_cancel = functools.partial(interrupt, conn, cutter, op.timeout)  # sync: pass
+                    return await auncancellable(work, on_cancel)  # sync: return work
                 except FAILURES as exc:
                     # As the statement left it, before the connection is put away.
                     lost = conn.closed or conn.broken
