@@ -35,6 +35,7 @@ from psycopg import sql
 import postgres_mutex
 from postgres_mutex import Mutex
 
+from .report import FASTPATH_TARGETS as TARGETS
 from .servers import bench_table
 from .servers import server as start_server
 from .statements import AsyncRawCycle, RawCycle
@@ -42,9 +43,6 @@ from .timing import Measure, interleave
 
 LIBRARY = str(Path(postgres_mutex.__file__).resolve().parent)
 PSYCOPG = str(Path(psycopg.__file__).resolve().parent)
-
-TARGETS = {"frames": 5, "calls": 150, "sync_cpu_ratio": 1.4, "async_wall_ratio": 1.5}
-"""Where an uncontended cycle should stand (at most)."""
 
 
 def _library_frames(frame: types.FrameType | None) -> int:
