@@ -24,7 +24,7 @@ from ._clock import now
 from ._connections import FAILURES
 from ._rules import AcquireResult, Outcome, read_acquire
 from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, HoldStatus, LockState, Phase
-from ._tracing import NO_SPAN
+from ._tracing import NO_SPAN, NO_SPAN_CONTEXT
 from ._watchdog import Cutter
 from .errors import DatabaseError, LockNotHeldError, MutexError, OperationTimeout, SchemaError, phrase
 
@@ -149,7 +149,7 @@ class Acquisition:
                         token=result.token,
                         sent_at=reply.sent_at,
                         owner=owner,
-                        span_context=NO_SPAN.get_span_context(),
+                        span_context=NO_SPAN_CONTEXT,
                         row_name=read.row_name,
                     )
                     lock.events.acquired(NO_SPAN, result, expected_own_row=possible_before, row=read.row_name)

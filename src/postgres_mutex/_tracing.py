@@ -123,13 +123,16 @@ class Tracing:
 NO_SPAN: Span = trace.INVALID_SPAN
 """What an operation records on while no span records: nothing."""
 
+NO_SPAN_CONTEXT: SpanContext = NO_SPAN.get_span_context()
+"""Its context, which links nothing: a hold acquired while no span records carries it."""
+
 _SILENT: contextlib.nullcontext[Span] = contextlib.nullcontext(NO_SPAN)
 """The span of every operation while no SDK is configured: records nothing, and is never current."""
 
 
 def set_outcome(span: Span, outcome: str, **attributes: Any) -> None:
     """Record how an operation ended; values that are None are left out."""
-    if not span.is_recording():
+    if span is NO_SPAN or not span.is_recording():
         return
     span.set_attribute(OUTCOME, outcome)
     for key, value in attributes.items():
