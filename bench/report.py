@@ -19,6 +19,7 @@ SECTIONS = (
     "meta",
     "latency",
     "target",
+    "fastpath",
     "history",
     "handoff",
     "waiters",
@@ -111,6 +112,9 @@ NOT_MEASURED = "not measured in this run"
 
 CYCLE_TO_FLOOR = {"sync": 1.15, "async": 1.3}
 """The issue's targets: a Mutex cycle at most this many times the floor, a plain INSERT + DELETE of a lock row."""
+
+FASTPATH_TARGETS = {"frames": 5, "calls": 150, "sync_cpu_ratio": 1.4, "async_wall_ratio": 1.5}
+"""What an uncontended cycle's own Python may cost at most (`bench.fastpath`)."""
 
 CEILING_PROCESSES = (1, 4)
 """The ceiling's target is judged with each of these counts of processes, and only with a count measured."""
@@ -341,8 +345,37 @@ LONG_HEARTBEAT_LOAD = Target(
 )
 """The long heartbeat load's rows, from its section (`bench.table_load`)."""
 
+
+def _fastpath_rows(figures: dict[str, Any], results: dict[str, Any]) -> list[TargetRow]:
+    limits = FASTPATH_TARGETS
+    return [
+        TargetRow(
+            f"library frames on the stack when a sync cycle enters psycopg ≤ {limits['frames']}",
+            str(figures["frames_at_psycopg"]),
+            figures["frames_at_psycopg"] <= limits["frames"],
+        ),
+        TargetRow(
+            f"Python calls per sync Mutex cycle ≤ {limits['calls']}",
+            f"{figures['calls_per_cycle']:.0f} (its two statements sent raw: {figures['raw_calls_per_cycle']:.0f})",
+            figures["calls_per_cycle"] <= limits["calls"],
+        ),
+        TargetRow(
+            f"sync Mutex cycle's client CPU ≤ {limits['sync_cpu_ratio']}x its floor's "
+            "(INSERT ... ON CONFLICT DO NOTHING + DELETE)",
+            f"{figures['sync_cpu_us']:.0f} / {figures['floor_cpu_us']:.0f} µs = {_x(figures['sync_cpu_ratio'])}",
+            figures["sync_cpu_ratio"] <= limits["sync_cpu_ratio"],
+        ),
+        TargetRow(
+            f"async Mutex cycle (median) ≤ {limits['async_wall_ratio']}x its two statements on an AsyncConnection",
+            f"{_ms(figures['async_ms'])} / {_ms(figures['raw_async_ms'])} = {_x(figures['async_wall_ratio'])}",
+            figures["async_wall_ratio"] <= limits["async_wall_ratio"],
+        ),
+    ]
+
+
 TARGETS = (
     Target("latency", "Mutex cycle, sync and async, against the floor", _cycle_rows),
+    Target("fastpath", "an uncontended cycle's own Python: frames, calls, CPU and wall time", _fastpath_rows),
     Target("ceiling", "server ceiling on distinct locks against plain INSERT + DELETE", _ceiling_rows),
     Target("contended", "contended throughput on one lock, and no process starved", _contended_rows),
     Target("many_locks", f"holding {MANY_LOCKS:,} locks: cycles beside them, and their heartbeat", _many_locks_rows),
@@ -454,6 +487,8 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
         f"With `reclaim_disconnected_after` the sync cycle costs {_x(goal['reclaim_to_plain'])} the cycle without "
         "it, measured in the same rounds: the row names the holder's session in the same statements.",
     ]
+
+    out["fastpath"] = _fastpath(results["fastpath"])
 
     kept = results["history"]
     rows = []
@@ -898,12 +933,26 @@ def _rwlocks(rw: dict[str, Any]) -> list[str]:
     ]
 
 
+def _fastpath(figures: dict[str, Any]) -> list[str]:
+    header = ["target", "measured", "verdict"]
+    rows = [[row.target, row.measured, _verdict(row.met)] for row in _fastpath_rows(figures, {})]
+    return [
+        "One process, one lock nobody else takes (`python -m bench.fastpath` measures this section alone): the "
+        "library's frames on the stack as a sync cycle enters psycopg's `execute` and its Python-level calls "
+        "(`sys.setprofile`), its client CPU against its floor's and the async cycle's wall time against its two "
+        "statements', in interleaved rounds.",
+        "",
+        *_table(header, rows),
+    ]
+
+
 def markdown(results: dict[str, Any], *, markers: bool) -> str:
     titles = {
         "meta": None,
         "targets": TARGETS_TITLE,
         "latency": "Latency, one client",
         "target": "Target: the Mutex cycle against its own statements sent raw",
+        "fastpath": "An uncontended cycle's own Python",
         "history": "The lock history's cost",
         "handoff": "Hand-off latency (release to the blocked waiter's acquire)",
         "waiters": WAITERS_TITLE,

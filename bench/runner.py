@@ -27,6 +27,7 @@ import postgres_mutex
 from . import (
     ceiling,
     contention,
+    fastpath,
     handoff,
     history,
     latency,
@@ -250,6 +251,12 @@ def _measure_the_library(
     select_1 = timed["select_1"].median
     results["latency"] = {name: value.summary(select_1) for name, value in timed.items()}
     results["target"] = report.target(results["latency"])
+
+    progress("an uncontended cycle's own Python: frames at psycopg's entry, calls, CPU against the floor")
+    sizes = plan.latency
+    results["fastpath"] = fastpath.measure(
+        dsn, table, rounds=sizes.rounds, per_round=sizes.per_round, warmup=sizes.warmup
+    )
 
     progress("the lock history's cost: the same operations on a table with a history and without")
     with (

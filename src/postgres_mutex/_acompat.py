@@ -223,7 +223,14 @@ class Gate:
     def _enter(self, who: _Turn) -> None:
         me = threading.get_ident()
         with self._lock:
-            if not self._busy or self._left_behind(me):
+            if not self._busy:
+                # `_give`, inline: one statement at a time mostly finds the gate free.
+                self._busy = True
+                self._holder = who
+                self._holder_thread = me
+                self._holder_until = now() + who.seconds + _HELD_BEYOND_STATEMENT
+                return
+            if self._left_behind(me):
                 self._give(who, me)
                 return
             turn = threading.Lock()
@@ -259,7 +266,12 @@ class Gate:
     def _leave(self, who: _Turn) -> None:
         with self._lock:
             if self._holder is who:  # else it was taken back, and passed on already
-                self._pass_on()
+                if self._waiting[True] or self._waiting[False]:
+                    self._pass_on()
+                else:
+                    self._busy = False
+                    self._holder = None
+                    self._holder_thread = 0
 
     def _pass_on(self) -> None:
         for queue in (self._waiting[True], self._waiting[False]):

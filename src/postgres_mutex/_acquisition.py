@@ -20,10 +20,13 @@ from psycopg.rows import tuple_row
 from . import _flows as flows
 from . import _steps as steps
 from ._acompat import current_owner, to_the_end
+from ._clock import now
 from ._connections import FAILURES
-from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, LockState, Phase
+from ._rules import AcquireResult, Outcome, read_acquire
+from ._state import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, HoldStatus, LockState, Phase
+from ._tracing import NO_SPAN, NO_SPAN_CONTEXT
 from ._watchdog import Cutter
-from .errors import LockNotHeldError, MutexError, OperationTimeout, SchemaError, phrase
+from .errors import DatabaseError, LockNotHeldError, MutexError, OperationTimeout, SchemaError, phrase
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -63,6 +66,8 @@ class Acquisition:
         self._stop = stop
         self._entered = False
         self._hold: Hold | None = None
+        self._engine_in_use: Engine | None = None
+        """The engine the block was entered on, resolved once: its release runs there too."""
         self._acquirer = object()
         """Names this acquire to the lock's state, which ends it for nobody else."""
 
@@ -71,25 +76,113 @@ class Acquisition:
             raise MutexError("this acquisition was entered already: call acquire() again for another one")
         self._entered = True
         engine = self._engine()
-        lock = self._lock
-        flow = flows.acquire(
-            lock,
-            lock.tracing,
-            blocking=self._blocking,
-            timeout=self._timeout,
-            owner=current_owner(),
-            acquirer=self._acquirer,
-            stop=self._stop,
-        )
+        self._engine_in_use = engine
         try:
-            self._hold = engine.run(flow)
+            self._hold = self._acquire(engine)
             return self._hold is not None
         except BaseException:
-            # Raised before the block got the hold, wherever it landed (a signal handler's
-            # exception after the flow returned, say): the block will never release it.
+            # Raised before the block got the hold, wherever it landed (a signal handler's exception
+            # after the acquire returned, say): the block will never release it.
             self._hold = None
-            engine.run(flows.abandon(lock, self._acquirer))
+            engine.run(flows.abandon(self._lock, self._acquirer))
             raise
+
+    def _acquire(self, engine: Engine) -> Hold | None:
+        """The acquire: its first attempt in plain calls, the flow (`flows.acquire`) for anything but a win.
+
+        An uncontended acquire is one statement, and the flow's steps would cost
+        more than its round trip; whatever else happens (the lock busy, a
+        failure, a clean-up of ours on the wire, a table not inspected yet, a
+        span that records, a semaphore or a read/write lock, an election's stop)
+        is the flow's, which takes the attempt over where it stands. Whatever
+        is raised into it, the acquire is `flows.abandon`-ed by the caller.
+        """
+        lock = self._lock
+        owner = current_owner()
+        statements = engine.host.shapes.get(lock.names.table_name)
+        if (
+            statements is None
+            or lock.permits is not None
+            or lock.rw_mode is not None
+            or self._stop is not None
+            or engine.deadline is not None
+            or not lock.tracing.silent()
+        ):
+            return engine.run(self._flow(owner, None))
+        generation = lock.begin_acquire(self._acquirer)
+        started = now()
+        flowed = False
+        outcome = "cancelled"
+        result: AcquireResult | None = None
+        attempts = 0
+        try:
+            budget = flows.budget(lock, blocking=self._blocking, timeout=self._timeout, started=started)
+            timeout = flows.statement_timeout(lock, budget)
+            if lock.cleanup_maybe_on_the_wire:
+                flowed = True
+                return engine.run(
+                    self._flow(owner, flows.FirstAttempt(generation, started, statements, timeout, False, None))
+                )
+            if lock.timing.reclaim_disconnected_after is not None and not statements.shape.sessions:
+                lock.events.sessions_unnamed(lock.names.table_name)
+            possible_before = lock.attempt_sent()
+            attempts = 1
+            reply: steps.Result | DatabaseError
+            try:
+                reply = engine.send(steps.Execute(statements.acquire, lock.params(), timeout, lock.describe("acquire")))
+            except DatabaseError as exc:
+                reply = exc
+            except BaseException:
+                # Interrupted mid-statement (cancelled, a signal's exception): it may still land.
+                lock.attempt_unanswered(timeout)
+                raise
+            if isinstance(reply, steps.Result):
+                read = read_acquire(reply.row, lock.instance_id, None)
+                result = read.result
+                if (
+                    result.outcome.acquired
+                    and result.acquired_at is not None
+                    and (statements.shape.tokens or result.token is None)
+                ):
+                    hold = lock.won(
+                        acquired_at=result.acquired_at,
+                        token=result.token,
+                        sent_at=reply.sent_at,
+                        owner=owner,
+                        span_context=NO_SPAN_CONTEXT,
+                        row_name=read.row_name,
+                    )
+                    lock.events.acquired(NO_SPAN, result, expected_own_row=possible_before, row=read.row_name)
+                    engine.keep(hold)
+                    outcome = "reclaimed" if result.outcome is Outcome.RECLAIMED else "acquired"
+                    return hold
+            flowed = True
+            first = flows.FirstAttempt(generation, started, statements, timeout, possible_before, reply)
+            return engine.run(self._flow(owner, first))
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            if not flowed:
+                lock.events.acquire_ended(
+                    NO_SPAN,
+                    outcome,
+                    attempts=attempts,
+                    waited=now() - started,
+                    holder=None if result is None else result.holder,
+                )
+
+    def _flow(self, owner: object, first: flows.FirstAttempt | None) -> steps.Flow[Hold | None]:
+        return flows.acquire(
+            self._lock,
+            self._lock.tracing,
+            blocking=self._blocking,
+            timeout=self._timeout,
+            owner=owner,
+            acquirer=self._acquirer,
+            stop=self._stop,
+            first=first,
+        )
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         hold = self._hold
@@ -97,19 +190,73 @@ class Acquisition:
             return
         lock = self._lock
         if lock.hold is hold and lock.phase is Phase.HOLDING:
-            engine = self._engine()
+            engine = self._engine_in_use
+            if engine is None or engine.closed:
+                engine = self._engine()  # refuses as it would have at entry (a closed client, say)
             # Run to its end even if the caller is cancelled again meanwhile: no row left behind.
             if exc_type is None:
-                to_the_end(engine.run(flows.release(lock, lock.tracing, caller=current_owner())))
+                to_the_end(_release(engine, lock, current_owner()))
                 return
             try:
-                to_the_end(engine.run(flows.release(lock, lock.tracing, caller=current_owner())))
+                to_the_end(_release(engine, lock, current_owner()))
             except MutexError as error:
                 # The block's own exception is what the caller must see.
                 logger.warning("while leaving the block after an error: %s", error)
             return
         if exc_type is None and hold.reason in (RELEASED_ELSEWHERE, LEASE_EXPIRED):
             raise hold.error()
+
+
+def _release(engine: Engine, lock: LockState, caller: object) -> bool:
+    """The release: its statement in plain calls, the flow (`flows.release`) for anything but a row deleted.
+
+    Whatever else happens (the hold lost or its lease run out, a failure, the
+    row gone, a span that records, a semaphore or a read/write lock, the
+    process exiting) is the flow's, which takes the release over where it
+    stands. An exception raised into it, wherever it lands, leaves the row to
+    the background, as the flow would.
+    """
+    statements = engine.host.shapes.get(lock.names.table_name)
+    if (
+        statements is None
+        or lock.permits is not None
+        or lock.rw_mode is not None
+        or engine.deadline is not None
+        or not lock.tracing.silent()
+    ):
+        return engine.run(flows.release(lock, lock.tracing, caller=caller))
+    releaser = object()
+    settled = False  # the row's fate is known: deleted, gone, or the flow's to settle
+    flowed = False
+    try:
+        hold = lock.begin_release(caller, releaser)
+        if hold is None or hold.status is not HoldStatus.ENDED:
+            flowed = True
+            return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser)))
+        engine.host.session.forget(hold)
+        op = steps.Execute(statements.release, lock.params(), lock.timing.operation_timeout, lock.describe("release"))
+        try:
+            result = engine.send(op)
+        except DatabaseError as exc:
+            flowed = True
+            return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=exc))
+        settled = True
+        if result.rowcount <= 0:
+            flowed = True
+            return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=result))
+        lock.events.released(NO_SPAN, deleted=True)
+        return True
+    finally:
+        # Whichever way it ended, and wherever an exception landed: the hold it began to release
+        # (None once the flow, if it ran, ended the release itself).
+        begun = lock.end_release(releaser)
+        if begun is not None and not settled:
+            # Interrupted before the row's fate was known: it may remain. Delete it later.
+            engine.host.session.forget(begun)
+            engine.schedule(flows.scoped_cleanup(lock, begun))
+        if not flowed and (lock.stray_row_possible or now() < lock.stray_row_may_land_until):
+            # An unanswered acquire of ours may still land: sweep after it no longer can.
+            engine.schedule(flows.stray_row_cleanup(lock, lock.generation))
 
 
 def fence(lock: LockState, conn: psycopg.Connection[Any]) -> int:

@@ -147,12 +147,12 @@ class AsyncEngine:
             op = dataclasses.replace(op, timeout=max(min(op.timeout, self.deadline - now()), _LAST_STATEMENT))
         cleanup = op.stray_row
         if cleanup is None:
-            return await self._send(op)
+            return await self.send(op)
         # A clean-up of any row carrying our id must never cross an acquire of the same
-        # Mutex: it takes its turn as it is sent (`_send`), and gives it back once answered.
+        # Mutex: it takes its turn as it is sent (`send`), and gives it back once answered.
         # Cut off, it keeps the turn until it can no longer land.
         try:
-            result = await self._send(op)
+            result = await self.send(op)
         except DatabaseError as exc:
             if not exc.outcome_unknown:
                 cleanup.lock.give_back_cleanup_turn(op)
@@ -160,7 +160,11 @@ class AsyncEngine:
         cleanup.lock.give_back_cleanup_turn(op)
         return result
 
-    async def _send(self, op: steps.Execute) -> steps.Result:
+    async def send(self, op: steps.Execute) -> steps.Result:
+        """Run ``op`` as it is: no exit budget applied, no clean-up turn taken (`execute` does both).
+
+        For a statement that needs neither: an acquire's or a release's, while the process is not exiting.
+        """
         source = self._source
         connect_retryable = source.connected_before
         sent = False
@@ -179,10 +183,9 @@ class AsyncEngine:
                 sent = True
                 try:
                     cutter.arm(op.timeout)
-                    return await auncancellable(
-                        _statement(conn, op, source.session, source.cursor),
-                        functools.partial(interrupt, conn, cutter, op.timeout),
-                    )
+                    work = _statement(conn, op, source.session, source.cursor)
+                    on_cancel = functools.partial(interrupt, conn, cutter, op.timeout)  # sync: pass
+                    return await auncancellable(work, on_cancel)  # sync: return work
                 except FAILURES as exc:
                     # As the statement left it, before the connection is put away.
                     lost = conn.closed or conn.broken
@@ -336,7 +339,15 @@ async def _statement(
     if session is not None and bare is not None:
         kept = session.timeout_ms
         if session.direct and kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
-            return await _prepared(cursor or conn.cursor(), bound, bare, session)
+            # The statement alone, prepared, on a direct connection whose session carries its settings.
+            cursor = cursor or conn.cursor()
+            sent_at = now()
+            try:
+                # Prepared on its first use on this connection (one more round trip, once).
+                await cursor.execute(bare, bound, prepare=True)
+            except psycopg.errors.FeatureNotSupported:
+                return await _unprepared(cursor, bound, bare, session)
+            return await _result(cursor, sent_at)
         # A connection's first lock statement asks whether it reaches PostgreSQL
         # directly and, if so, sets the session up; a statement whose deadline the
         # session's does not fit sets it again. Either way in the statement's own
@@ -384,23 +395,20 @@ def _tell_pooler(op: steps.Execute, session: ServerSession) -> None:
         )
 
 
-async def _prepared(
+async def _unprepared(
     cursor: psycopg.AsyncCursor[Any], params: Mapping[str, object], bare: str, session: ServerSession
 ) -> steps.Result:
-    """The statement alone, prepared, on a direct connection whose session carries its settings."""
+    """A prepared statement refused with "cached plan must not change result type": it runs again unprepared.
+
+    A column changed type since the statement was prepared (a table made
+    again, a wider instance_id). Refused before it ran: it runs again
+    unprepared, and the connection is replaced after it (psycopg before 3.3
+    would go on using its prepared statements even after a DEALLOCATE ALL); a
+    new one prepares afresh.
+    """
+    session.retired = True
     sent_at = now()
-    try:
-        # Prepared on its first use on this connection (one more round trip, once).
-        await cursor.execute(bare, params, prepare=True)
-    except psycopg.errors.FeatureNotSupported:
-        # "cached plan must not change result type": a column changed type since
-        # the statement was prepared (a table made again, a wider instance_id).
-        # Refused before it ran: it runs again unprepared, and the connection is
-        # replaced after it (psycopg before 3.3 would go on using its prepared
-        # statements even after a DEALLOCATE ALL); a new one prepares afresh.
-        session.retired = True
-        sent_at = now()
-        await cursor.execute(bare, params, prepare=False)
+    await cursor.execute(bare, params, prepare=False)
     return await _result(cursor, sent_at)
 
 

@@ -174,7 +174,7 @@ class LockEvents:
                 _HOLDER_TYPES[self.kind],
                 self.instance_id,
             )
-        else:
+        elif logger.isEnabledFor(logging.DEBUG):  # `what` is made for the record alone
             logger.debug("acquired %s (instance_id %r)", self.what, self.instance_id)
         if span.is_recording() and result.token is not None:
             span.set_attribute("postgres_mutex.token", result.token)
@@ -291,7 +291,8 @@ class LockEvents:
     def released(self, span: Span, *, deleted: bool) -> None:
         set_outcome(span, "released" if deleted else "not_found")
         if deleted:
-            logger.debug("released %s (instance_id %r)", self.what, self.instance_id)
+            if logger.isEnabledFor(logging.DEBUG):  # `what` is made for the record alone
+                logger.debug("released %s (instance_id %r)", self.what, self.instance_id)
             self.hook.released(self.lock_name, instance_id=self.instance_id)
 
     def released_after_loss(self, span: Span) -> None:

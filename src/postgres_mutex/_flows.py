@@ -11,6 +11,7 @@ Nothing here does I/O. The heartbeat's flows are in `_heartbeat_flows`, the tabl
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ._admin_flows import tokens_appeared
@@ -63,6 +64,23 @@ _LOST_RACE_PAUSE = 0.05  # seconds at most before a read/write lock's next attem
 _QUICK_PERMIT_RETRIES = 5
 
 
+@dataclass(frozen=True, slots=True)
+class FirstAttempt:
+    """An acquire's first attempt, made before the flow (`Acquisition`'s direct path) and not a plain win.
+
+    The flow takes it from there as if it had made the attempt itself: ``reply``
+    is the statement's result, or the `DatabaseError` it failed with.
+    """
+
+    generation: int
+    started: float
+    statements: Statements
+    statement_timeout: float
+    possible_before: bool
+    reply: Result | DatabaseError | None
+    """None: the acquire began, and sent nothing yet (a clean-up of ours was on the wire)."""
+
+
 def acquire(
     lock: LockState,
     tracing: Tracing,
@@ -72,6 +90,7 @@ def acquire(
     owner: object,
     acquirer: object,
     stop: StopSignal | None = None,
+    first: FirstAttempt | None = None,
 ) -> Flow[Hold | None]:
     """Try to take the lock: once, or until ``timeout`` if ``blocking``; ``acquirer`` names this acquire.
 
@@ -87,16 +106,22 @@ def acquire(
     that hold too: the caller gets the hold only by the flow's return, and
     the acquirer's `abandon` undoes whatever ends it sooner.
 
-    The whole acquire is one span, each attempt an event on it.
+    The whole acquire is one span, each attempt an event on it. With ``first``,
+    the acquire began (`LockState.begin_acquire`) and made its first attempt
+    before this flow: it goes on from that attempt's reply.
     """
-    generation = lock.begin_acquire(acquirer)
-    extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
-    if timeout is not None:
-        extra["postgres_mutex.timeout"] = timeout
+    generation = lock.begin_acquire(acquirer) if first is None else first.generation
     outcome = "cancelled"
-    with tracing.span("postgres_mutex.acquire", span_attributes(lock, **extra)) as span:
+    with tracing.span("postgres_mutex.acquire", lambda: _acquire_attributes(lock, blocking, timeout)) as span:
         attempts = _Attempts(
-            lock, span, blocking=blocking, timeout=timeout, generation=generation, acquirer=acquirer, stop=stop
+            lock,
+            span,
+            blocking=blocking,
+            timeout=timeout,
+            generation=generation,
+            acquirer=acquirer,
+            stop=stop,
+            first=first,
         )
         try:
             hold = yield from attempts.until_done(owner)
@@ -143,6 +168,7 @@ class _Attempts:
         generation: int,
         acquirer: object,
         stop: StopSignal | None,
+        first: FirstAttempt | None = None,
     ) -> None:
         self.lock = lock
         self.span = span
@@ -151,14 +177,16 @@ class _Attempts:
         self.generation = generation
         self.acquirer = acquirer
         self.stop = stop
-        self.started = now()
+        self.first = first
+        self.started = now() if first is None else first.started
         self.deadline = None if timeout is None else self.started + timeout
-        # Without blocking, the whole acquire fits in one operation_timeout.
-        self.budget = self.deadline if blocking else self.started + lock.timing.operation_timeout
-        self.count = 0
+        self.budget = budget(lock, blocking=blocking, timeout=timeout, started=self.started)
+        if first is not None and first.reply is None:
+            first = self.first = None  # nothing was sent: the attempts begin here
+        self.count = 0 if first is None else 1
         self.result: AcquireResult | None = None
         self.stopped = False
-        self.statements: Statements | None = None
+        self.statements: Statements | None = None if first is None else first.statements
         self.quick_retry_spent = False
         self.quick_permit_retries = 0
         self.held_permits: int | None = None  # a semaphore's, at the last attempt
@@ -170,34 +198,46 @@ class _Attempts:
         try:
             yield from self._after_cleanup_on_the_wire()
             while True:
-                if self.stop is not None and self.stop.is_set():
-                    self.stopped = True
-                    yield from self._leave_nothing_behind()
-                    lock.abort_acquire(self.acquirer)
-                    return None
-                statement_timeout = self._statement_timeout()
-                possible_before = lock.attempt_sent()
-                self.count += 1
+                first, self.first = self.first, None
+                if first is not None:
+                    statement_timeout, possible_before = first.statement_timeout, first.possible_before
+                else:
+                    if self.stop is not None and self.stop.is_set():
+                        self.stopped = True
+                        yield from self._leave_nothing_behind()
+                        lock.abort_acquire(self.acquirer)
+                        return None
+                    statement_timeout = self._statement_timeout()
+                    possible_before = lock.attempt_sent()
+                    self.count += 1
                 try:
-                    if self.statements is None:
-                        # Inside the retries: the table's first inspection can meet a busy pool or a restart too.
-                        self.statements = yield Shape(lock.names, statement_timeout)
-                        if lock.timing.reclaim_disconnected_after is not None and not self.statements.shape.sessions:
-                            lock.events.sessions_unnamed(lock.names.table_name)
-                    if (lock.permits is not None and self.statements.acquire_permit is None) or (
-                        lock.rw_mode is not None and self.statements.acquire_read is None
-                    ):
-                        self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
-                    params = lock.params()
-                    if lock.rw_mode is not None:
-                        # Only a writer that will wait claims the lock ahead of new readers.
-                        params["waiting"] = self.blocking
-                    reply = yield Execute(
-                        acquire_statement(self.statements, lock.permits, lock.lock_name, lock.rw_mode),
-                        params,
-                        statement_timeout,
-                        lock.describe("acquire"),
-                    )
+                    if first is None:
+                        if self.statements is None:
+                            # Inside the retries: the table's first inspection can meet a busy pool or a restart too.
+                            self.statements = yield Shape(lock.names, statement_timeout)
+                            if (
+                                lock.timing.reclaim_disconnected_after is not None
+                                and not self.statements.shape.sessions
+                            ):
+                                lock.events.sessions_unnamed(lock.names.table_name)
+                        if (lock.permits is not None and self.statements.acquire_permit is None) or (
+                            lock.rw_mode is not None and self.statements.acquire_read is None
+                        ):
+                            self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
+                        params = lock.params()
+                        if lock.rw_mode is not None:
+                            # Only a writer that will wait claims the lock ahead of new readers.
+                            params["waiting"] = self.blocking
+                        reply = yield Execute(
+                            acquire_statement(self.statements, lock.permits, lock.lock_name, lock.rw_mode),
+                            params,
+                            statement_timeout,
+                            lock.describe("acquire"),
+                        )
+                    elif isinstance(first.reply, DatabaseError):
+                        raise first.reply
+                    else:
+                        reply = first.reply
                 except DatabaseError as exc:
                     if exc.outcome_unknown:
                         # Sent before now; it can run on the server for a statement_timeout at most.
@@ -228,6 +268,7 @@ class _Attempts:
                     self.quick_permit_retries += 1
                     lock.attempt_contended(result.holder)
                     continue
+                assert self.statements is not None  # inspected by this attempt, or given with the first
                 if result.outcome.acquired and not self.statements.shape.tokens and result.token is not None:
                     result = yield from tokens_appeared(lock, result, statement_timeout)
                 self.result = result
@@ -312,10 +353,7 @@ class _Attempts:
             yield Pause(max(0.0, min(pause, _CLEANUP_LOOK)))
 
     def _statement_timeout(self) -> float:
-        timeout = self.lock.timing.operation_timeout
-        if self.budget is not None:
-            timeout = min(timeout, max(_MIN_STATEMENT_TIMEOUT, self.budget - now()))
-        return timeout
+        return statement_timeout(self.lock, self.budget)
 
     def _waited(self) -> float:
         return max(self.timeout or 0.0, 0.0)
@@ -377,6 +415,22 @@ class _Attempts:
         return True
 
 
+def budget(lock: LockState, *, blocking: bool, timeout: float | None, started: float) -> float | None:
+    """Until when an acquire's statements may run: its deadline when blocking (None: none), else one
+    ``operation_timeout`` from ``started``, which the whole non-blocking acquire fits in."""
+    if blocking:
+        return None if timeout is None else started + timeout
+    return started + lock.timing.operation_timeout
+
+
+def statement_timeout(lock: LockState, budget: float | None) -> float:
+    """An acquire's next statement's deadline: one ``operation_timeout``, capped by what is left of ``budget``."""
+    timeout = lock.timing.operation_timeout
+    if budget is not None:
+        timeout = min(timeout, max(_MIN_STATEMENT_TIMEOUT, budget - now()))
+    return timeout
+
+
 def abandon(lock: LockState, acquirer: object) -> Flow[None]:
     """End ``acquirer``'s acquire, which its caller will never learn the result of: nothing of it stays.
 
@@ -428,6 +482,13 @@ def stray_row_cleanup(lock: LockState, generation: int) -> Cleanup:
     )
 
 
+def _acquire_attributes(lock: LockState, blocking: bool, timeout: float | None) -> dict[str, AttributeValue]:
+    extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
+    if timeout is not None:
+        extra["postgres_mutex.timeout"] = timeout
+    return span_attributes(lock, **extra)
+
+
 def span_attributes(lock: LockState, **extra: AttributeValue) -> dict[str, AttributeValue]:
     return {LOCK_NAME: lock.lock_name, INSTANCE_ID: lock.instance_id, **lock.events.span_mode(), **extra}
 
@@ -435,7 +496,14 @@ def span_attributes(lock: LockState, **extra: AttributeValue) -> dict[str, Attri
 # -- release -------------------------------------------------------------------
 
 
-def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
+def release(
+    lock: LockState,
+    tracing: Tracing,
+    *,
+    caller: object,
+    began: tuple[Hold | None, object] | None = None,
+    first: Result | DatabaseError | None = None,
+) -> Flow[bool]:
     """Delete this Mutex's row and wake waiters: one statement, within one ``operation_timeout``.
 
     Returns True if a row was deleted. Raises `LockNotHeldError` if nothing
@@ -446,17 +514,21 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
     the background as soon as the database answers. An exception raised into
     it (a signal handler's), wherever it lands, leaves the row to the
     background likewise.
+
+    With ``began`` (what `LockState.begin_release` returned, and the releaser
+    it was given), the release began before this flow; with ``first``, its
+    statement was sent too (`Acquisition`'s direct path), and this is its reply.
     """
-    releaser = object()
+    releaser = object() if began is None else began[1]
     settled = False  # the row's fate is known: deleted, gone, or handed to the background
     closing = False
     try:
-        hold = lock.begin_release(caller, releaser)
+        hold = lock.begin_release(caller, releaser) if began is None else began[0]
         if hold is None:
             settled = True
             raise lock.not_held_error(NOT_HELD)
         yield Forget(hold)
-        with tracing.span("postgres_mutex.release", span_attributes(lock)) as span:
+        with tracing.span("postgres_mutex.release", lambda: span_attributes(lock)) as span:
             if hold.status is HoldStatus.HELD:
                 # Its lease ran out before anyone noticed: that is a loss, reported once.
                 lost = lock.lose(hold, LEASE_EXPIRED)
@@ -466,15 +538,17 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
                 lock.events.released_after_loss(span)
                 if hold.reason == LEASE_EXPIRED:
                     # Nobody may have reclaimed it yet: the row may still be ours.
-                    yield Schedule(_scoped_cleanup(lock, hold, ended_how="lost"))
+                    yield Schedule(scoped_cleanup(lock, hold, ended_how="lost"))
                 settled = True
                 raise hold.error()
             timeout = lock.timing.operation_timeout
             try:
-                result = yield from _execute_in_shape(lock, lambda statements: statements.release, timeout, "release")
+                result = yield from _execute_in_shape(
+                    lock, lambda statements: statements.release, timeout, "release", first
+                )
             except DatabaseError as exc:
                 # Failed or cut off: the row may remain. Delete it later.
-                yield Schedule(_scoped_cleanup(lock, hold))
+                yield Schedule(scoped_cleanup(lock, hold))
                 settled = True
                 error = DatabaseError(
                     f"{exc}; the lock row is deleted in the background as soon as the database answers "
@@ -505,25 +579,34 @@ def release(lock: LockState, tracing: Tracing, *, caller: object) -> Flow[bool]:
         elif begun is not None and not settled:
             # Interrupted before the row's fate was known: it may remain. Delete it later.
             yield Forget(begun)
-            yield Schedule(_scoped_cleanup(lock, begun))
+            yield Schedule(scoped_cleanup(lock, begun))
         if not closing and (lock.stray_row_possible or now() < lock.stray_row_may_land_until):
             # An unanswered acquire of ours may still land: sweep after it no longer can.
             yield Schedule(stray_row_cleanup(lock, lock.generation))
 
 
 def _execute_in_shape(
-    lock: LockState, pick: Callable[[Statements], Statement], timeout: float, verb: str
+    lock: LockState,
+    pick: Callable[[Statements], Statement],
+    timeout: float,
+    verb: str,
+    first: Result | DatabaseError | None = None,
 ) -> Flow[Result]:
     """Run the table's statement ``pick`` names; again, once, if the table changed shape since it was inspected.
 
     A table or column the statement names is gone (the history dropped while
     this process ran, say): the engine forgot the table's shape; the
     statement, as the table is now, runs instead of failing the caller.
+    ``first``: the statement was sent already, and this is how it ended.
     """
-    statements: Statements = yield Shape(lock.names, timeout)
     try:
-        first: Result = yield Execute(pick(statements), lock.params(), timeout, lock.describe(verb))
-        return first
+        if isinstance(first, DatabaseError):
+            raise first
+        if first is not None:
+            return first
+        statements: Statements = yield Shape(lock.names, timeout)
+        result: Result = yield Execute(pick(statements), lock.params(), timeout, lock.describe(verb))
+        return result
     except DatabaseError as exc:
         if exc.sqlstate not in SHAPE_CHANGED:
             raise
@@ -533,7 +616,7 @@ def _execute_in_shape(
     return again
 
 
-def _scoped_cleanup(lock: LockState, hold: Hold, *, ended_how: str = "released") -> Cleanup:
+def scoped_cleanup(lock: LockState, hold: Hold, *, ended_how: str = "released") -> Cleanup:
     current = now()
     return Cleanup(
         lock,

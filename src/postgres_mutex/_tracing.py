@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -33,6 +33,7 @@ PERMIT = "postgres_mutex.permit"
 
 # The global providers of opentelemetry-api alone: no SDK configured.
 _NO_SDK = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+_UNKNOWN = object()
 
 
 def database_attributes(conninfo: str | None, table: str) -> dict[str, AttributeValue]:
@@ -65,29 +66,45 @@ class Tracing:
         self._tracer = trace.get_tracer("postgres_mutex", _version, tracer_provider)
         self._provider = tracer_provider
         self._attributes = dict(attributes)
+        # A provider named by OTEL_PYTHON_TRACER_PROVIDER is loaded by this first
+        # look; after it, the global one is read without touching the environment.
+        trace.get_tracer_provider()
 
-    def _silent(self) -> bool:
+    def silent(self) -> bool:
         """No SDK anywhere: spans would be dropped, so none is made (a lock cycle is a fraction of a ms).
 
         Checked at each span, since an application may configure its SDK after
-        creating its Mutexes.
+        creating its Mutexes: one read of the global provider, which is set once.
         """
         if self._provider is not None:
             return isinstance(self._provider, trace.NoOpTracerProvider)
-        return isinstance(trace.get_tracer_provider(), _NO_SDK)
+        provider = getattr(trace, "_TRACER_PROVIDER", _UNKNOWN)
+        if provider is _UNKNOWN:  # an opentelemetry-api that keeps it elsewhere: ask it
+            provider = trace.get_tracer_provider()
+        return provider is None or isinstance(provider, _NO_SDK)
 
     def span(
-        self, name: str, attributes: Mapping[str, AttributeValue], *, links: Sequence[SpanContext | None] = ()
+        self,
+        name: str,
+        attributes: Mapping[str, AttributeValue] | Callable[[], Mapping[str, AttributeValue]],
+        *,
+        links: Sequence[SpanContext | None] = (),
     ) -> contextlib.AbstractContextManager[Span]:
-        """A client span, current for its duration; an exception escaping it is recorded as an error."""
-        if self._silent():
+        """A client span, current for its duration; an exception escaping it is recorded as an error.
+
+        ``attributes`` may be a function that makes them: it is called only for a span that records.
+        """
+        if self.silent():
             # One shared, reusable block: a silent span costs the check alone, twice per lock cycle.
             return _SILENT
         return self._recorded(name, attributes, links)
 
     @contextlib.contextmanager
     def _recorded(
-        self, name: str, attributes: Mapping[str, AttributeValue], links: Sequence[SpanContext | None]
+        self,
+        name: str,
+        attributes: Mapping[str, AttributeValue] | Callable[[], Mapping[str, AttributeValue]],
+        links: Sequence[SpanContext | None],
     ) -> Iterator[Span]:
         valid = [Link(context) for context in links if context is not None and context.is_valid]
         with self._tracer.start_as_current_span(
@@ -98,17 +115,24 @@ class Tracing:
             set_status_on_exception=True,
         ) as span:
             if span.is_recording():
-                span.set_attributes({**self._attributes, **attributes})
+                made = attributes() if callable(attributes) else attributes
+                span.set_attributes({**self._attributes, **made})
             yield span
 
 
-_SILENT: contextlib.nullcontext[Span] = contextlib.nullcontext(trace.INVALID_SPAN)
+NO_SPAN: Span = trace.INVALID_SPAN
+"""What an operation records on while no span records: nothing."""
+
+NO_SPAN_CONTEXT: SpanContext = NO_SPAN.get_span_context()
+"""Its context, which links nothing: a hold acquired while no span records carries it."""
+
+_SILENT: contextlib.nullcontext[Span] = contextlib.nullcontext(NO_SPAN)
 """The span of every operation while no SDK is configured: records nothing, and is never current."""
 
 
 def set_outcome(span: Span, outcome: str, **attributes: Any) -> None:
     """Record how an operation ended; values that are None are left out."""
-    if not span.is_recording():
+    if span is NO_SPAN or not span.is_recording():
         return
     span.set_attribute(OUTCOME, outcome)
     for key, value in attributes.items():

@@ -8,19 +8,18 @@ shutting the socket down: the blocked read fails at once and psycopg raises
 deadline, sync and async alike; the connection is broken afterwards and its
 owner replaces it.
 
-Arming a deadline costs a heap push: each connection keeps one duplicate of
-its socket (a `Cutter`) for its whole life, and a deadline that ends normally
-is disarmed by bumping a counter. Disarmed deadlines leave the heap at the
-next push, and the thread sleeps until the earliest live one is due: it does
-not wake once per statement, which would cost a thread switch (and the GIL)
-each time.
+Arming a deadline is a single store: each connection keeps one duplicate of
+its socket (a `Cutter`) for its whole life, holding the moment its current
+statement is due; a statement that ends normally stores infinity instead.
+The thread looks at the cutters it watches when the earliest deadline it saw
+comes, and sleeps again until the next one: it does not wake once per
+statement, which would cost a thread switch (and the GIL) each time. A
+deadline stored earlier than the moment it sleeps until wakes it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
-import itertools
 import logging
 import math
 import os
@@ -28,6 +27,7 @@ import queue
 import socket
 import struct
 import threading
+import weakref
 
 from ._acompat import start_thread
 from ._clock import now, slice_until
@@ -44,41 +44,52 @@ class Cutter:
     duplicate would keep the socket open.
     """
 
-    __slots__ = ("_armed", "_lock", "_sock", "fired")
+    __slots__ = ("__weakref__", "_lock", "_sock", "_until", "_watched_by", "fired")
 
     def __init__(self, fileno: int) -> None:
         self._sock: socket.socket | None = socket.socket(fileno=os.dup(fileno))
         self._lock = threading.Lock()
-        self._armed = 0
+        self._until = math.inf
+        """When the statement under way is due (infinity: nothing is armed)."""
+        self._watched_by: _Watchdog | None = None
         self.fired = False
         """True once a deadline cut the socket: the connection is unusable."""
 
-    def arm(self, seconds: float) -> int:
-        """Cut the socket in ``seconds`` unless `disarm` is called with the returned ticket first."""
-        with self._lock:
-            self._armed += 1
-            ticket = self._armed
-        _watchdog().push(now() + seconds, self, ticket)
-        return ticket
+    def arm(self, seconds: float) -> float:
+        """Cut the socket in ``seconds`` unless `disarm` is called with the returned ticket first.
 
-    def disarmed(self, ticket: int) -> bool:
+        One statement at a time per connection: arming again replaces the deadline.
+        """
+        at = now() + seconds
+        self._until = at  # armed: the watchdog reads it when it looks
+        watchdog = _instance
+        if watchdog is None or self._watched_by is not watchdog:
+            _watchdog().watch(self, at)  # the first deadline of this connection (in this process)
+        elif at < watchdog.sleeping_until:
+            watchdog.wake()
+        return at
+
+    def disarmed(self, ticket: float) -> bool:
         """Whether ``ticket`` can no longer cut (disarmed, or the cutter closed): a ticket never re-arms."""
-        return self._armed != ticket
+        return self._until != ticket
 
-    def disarm(self, ticket: int) -> None:
+    def disarm(self, ticket: float) -> None:
         with self._lock:
-            if self._armed == ticket:
-                self._armed += 1
+            if self._until == ticket:
+                self._until = math.inf
 
     def disarm_all(self) -> None:
         """Disarm whatever is armed: for the one statement at a time its connection runs."""
         with self._lock:
-            self._armed += 1
+            self._until = math.inf
 
-    def due(self, ticket: int) -> None:
-        """Called by the watchdog: cut the socket if this ticket is still armed."""
+    def due_at(self) -> float:
+        return self._until
+
+    def due(self, current: float) -> None:
+        """Called by the watchdog: cut the socket if a deadline still armed has passed at ``current``."""
         with self._lock:
-            if self._armed == ticket:
+            if self._until <= current:
                 self._cut()
 
     def cut(self) -> None:
@@ -103,67 +114,75 @@ class Cutter:
     def close(self) -> None:
         with self._lock:
             sock, self._sock = self._sock, None
-            self._armed += 1
+            self._until = math.inf
         if sock is not None:
             sock.close()
 
 
 class _Watchdog:
-    """One thread, one heap of (due time, cutter, ticket); cuts each that is still armed when due.
+    """One thread; the cutters it watches (weakly); cuts each whose armed deadline has passed.
 
-    Pushed to from the callers' threads, where a signal handler's exception may land at any
+    Armed from the callers' threads, where a signal handler's exception may land at any
     moment: only primitives written in C are held there (a `threading.Lock` in a ``with``
     statement, a `queue.SimpleQueue`), whose release no exception can skip. (A
     `threading.Condition`'s is Python code: an exception landing at its start left it held,
     and every later statement waited on it for good.)
+
+    No deadline is missed: the thread says it sleeps until infinity while it looks
+    (`sleeping_until`), so a cutter armed after it looked at it wakes it, and one armed
+    before it looked is seen.
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Cutter, int]] = []
-        self._counter = itertools.count()
+        self._cutters: weakref.WeakSet[Cutter] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._sleeping_until = math.inf
-        """When the thread wakes by itself next (infinity: it is not asleep on a deadline)."""
+        self.sleeping_until = math.inf
+        """When the thread wakes by itself next (infinity: it is looking, or not asleep on a deadline)."""
 
-    def push(self, at: float, cutter: Cutter, ticket: int) -> None:
+    def watch(self, cutter: Cutter, at: float) -> None:
+        """Watch ``cutter`` from now on; it was just armed for ``at``."""
         with self._lock:
-            self._drop_disarmed()
-            heapq.heappush(self._heap, (at, next(self._counter), cutter, ticket))
+            self._cutters.add(cutter)
+            cutter._watched_by = self
             if self._thread is None:
                 # None at interpreter exit if it was never started: then only the
                 # connect timeout and the server's statement_timeout bound this one.
                 self._thread = start_thread(self._run, "postgres-mutex-watchdog")
                 return
-            if at >= self._sleeping_until:
-                return
-            self._sleeping_until = at  # one wake-up per earlier deadline is enough
-        self._wake.put(None)
+        if at < self.sleeping_until:
+            self.wake()
 
-    def _drop_disarmed(self) -> None:
-        # Statements mostly end long before their deadline: the heap's top is
-        # usually the previous one's, done with.
-        heap = self._heap
-        while heap and heap[0][2].disarmed(heap[0][3]):
-            heapq.heappop(heap)
+    def wake(self) -> None:
+        self._wake.put(None)
 
     def _run(self) -> None:
         while True:
+            self.sleeping_until = math.inf  # looking: a deadline armed from now on wakes it again
+            current = now()
+            due: list[Cutter] = []
+            earliest = math.inf
             with self._lock:
-                self._drop_disarmed()
-                due = self._heap[0] if self._heap else None
-                self._sleeping_until = math.inf if due is None else due[0]
-                if due is not None and now() >= due[0]:
-                    heapq.heappop(self._heap)
-            if due is None or now() < due[0]:
-                with contextlib.suppress(queue.Empty):
-                    self._wake.get(timeout=None if due is None else slice_until(due[0]))
+                for cutter in list(self._cutters):
+                    at = cutter.due_at()
+                    if at <= current:
+                        due.append(cutter)
+                    elif at < earliest:
+                        earliest = at
+            for cutter in due:
+                try:
+                    cutter.due(current)
+                except Exception:  # never let one deadline stop the others from firing
+                    logger.exception("postgres-mutex watchdog could not cut off an operation")
+            if due:
                 continue
-            try:
-                due[2].due(due[3])
-            except Exception:  # never let one deadline stop the others from firing
-                logger.exception("postgres-mutex watchdog could not cut off an operation")
+            self.sleeping_until = earliest
+            with contextlib.suppress(queue.Empty):
+                self._wake.get(timeout=None if earliest == math.inf else slice_until(earliest))
+            with contextlib.suppress(queue.Empty):
+                while True:  # the wake-ups that came meanwhile: this look answers them all
+                    self._wake.get_nowait()
 
 
 _instance: _Watchdog | None = None

@@ -20,8 +20,8 @@ import pytest
 from postgres_mutex import LockNotHeldError
 from postgres_mutex._clock import now
 from postgres_mutex._events import LockEvents
+from postgres_mutex._flows import FirstAttempt, clean_up
 from postgres_mutex._flows import acquire as acquire_flow
-from postgres_mutex._flows import clean_up
 from postgres_mutex._flows import release as release_flow
 from postgres_mutex._heartbeat_flows import heartbeat
 from postgres_mutex._metrics import guard
@@ -454,3 +454,53 @@ def test_a_hold_that_names_no_session_is_never_in_doubt(monkeypatch: pytest.Monk
     assert hold.held
     assert not hold.in_doubt
     assert not state.tell_doubt(hold)
+
+
+def _first_attempt(state: LockState, reply: Result | DatabaseError) -> FirstAttempt:
+    """An acquire begun and its first statement answered outside the flow, as `Acquisition` does it."""
+    generation = state.begin_acquire(ACQUIRER)
+    possible_before = state.attempt_sent()
+    return FirstAttempt(generation, now(), STATEMENTS, TIMING.operation_timeout, possible_before, reply)
+
+
+def test_a_busy_lock_found_by_the_first_attempt_goes_on_waiting_in_the_flow() -> None:
+    state = lock()
+    first = _first_attempt(state, contended_row("other"))
+    flow = acquire_flow(state, TRACING, blocking=True, timeout=5.0, owner=ME, acquirer=ACQUIRER, first=first)
+    assert isinstance(step(flow), Listen), "the first attempt's reply counts: it listens, then tries again"
+    again = until_execute(flow, True)
+    assert again.statement is STATEMENTS.acquire
+    assert isinstance(step(flow, acquired_row()), Keep)
+    assert isinstance(step(flow), StopListening)
+    with pytest.raises(StopIteration) as done:
+        step(flow)
+    hold = done.value.value
+    assert isinstance(hold, Hold)
+    assert state.hold is hold
+    assert state.phase is Phase.HOLDING
+    assert state.last_holder == "other", "the first attempt's holder was recorded"
+
+
+def test_a_failed_first_attempt_is_retried_by_the_flow_once_at_once() -> None:
+    state = lock()
+    died = DatabaseError("server closed the connection", transient=True, outcome_unknown=True)
+    first = _first_attempt(state, died)
+    flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER, first=first)
+    again = until_execute(flow)
+    assert again.statement is STATEMENTS.acquire, "a connection found dead on use: one prompt retry"
+    assert state.stray_row_may_land_until > now(), "the unanswered first attempt may still land"
+
+
+def test_a_release_whose_row_was_gone_is_reported_lost_by_the_flow() -> None:
+    state = lock()
+    hold = held(state)
+    releaser = object()
+    assert state.begin_release(ME, releaser) is hold
+    flow = release_flow(state, TRACING, caller=ME, began=(hold, releaser), first=Result(0))
+    assert isinstance(step(flow), Forget)
+    told = step(flow)
+    assert isinstance(told, Tell)
+    with pytest.raises(LockNotHeldError) as raised:
+        step(flow)
+    assert raised.value.reason == ROW_GONE
+    assert state.phase is Phase.IDLE, "the release begun outside the flow was ended by it"
