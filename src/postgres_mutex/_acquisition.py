@@ -55,12 +55,14 @@ class Acquisition:
         blocking: bool,
         timeout: float | None,
         stop: steps.StopSignal | None = None,
+        hold_at_least: float | None = None,
     ) -> None:
         self._engine = engine
         self._lock = lock
         self._blocking = blocking
         self._timeout = timeout
         self._stop = stop
+        self._hold_at_least = hold_at_least
         self._entered = False
         self._hold: Hold | None = None
         self._acquirer = object()
@@ -80,6 +82,7 @@ class Acquisition:
             owner=current_owner(),
             acquirer=self._acquirer,
             stop=self._stop,
+            hold_at_least=self._hold_at_least,
         )
         try:
             self._hold = engine.run(flow)

@@ -53,12 +53,14 @@ class AsyncAcquisition:
         blocking: bool,
         timeout: float | None,
         stop: steps.StopSignal | None = None,
+        hold_at_least: float | None = None,
     ) -> None:
         self._engine = engine
         self._lock = lock
         self._blocking = blocking
         self._timeout = timeout
         self._stop = stop
+        self._hold_at_least = hold_at_least
         self._entered = False
         self._hold: Hold | None = None
         self._acquirer = object()
@@ -78,6 +80,7 @@ class AsyncAcquisition:
             owner=current_owner(),
             acquirer=self._acquirer,
             stop=self._stop,
+            hold_at_least=self._hold_at_least,
         )
         try:
             self._hold = await engine.run(flow)

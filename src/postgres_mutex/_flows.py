@@ -46,7 +46,7 @@ from ._steps import (
     WaitForRelease,
 )
 from ._tracing import INSTANCE_ID, LOCK_NAME, AttributeValue, Tracing
-from .errors import DatabaseError, LockAcquisitionTimeout, OperationTimeout
+from .errors import DatabaseError, LockAcquisitionTimeout, OperationTimeout, SchemaError, phrase
 
 T = TypeVar("T")
 
@@ -72,8 +72,13 @@ def acquire(
     owner: object,
     acquirer: object,
     stop: StopSignal | None = None,
+    hold_at_least: float | None = None,
 ) -> Flow[Hold | None]:
     """Try to take the lock: once, or until ``timeout`` if ``blocking``; ``acquirer`` names this acquire.
+
+    With ``hold_at_least`` (seconds, checked by the caller), the lock stays taken at least that long
+    after it is acquired, whenever it is released (`_sql_lock`'s minimum hold); on a table without
+    the column for it, `SchemaError` names the migration.
 
     Returns the hold when acquired, None when non-blocking and held
     elsewhere, or when ``stop`` was set before an attempt won the lock (the
@@ -96,7 +101,14 @@ def acquire(
     outcome = "cancelled"
     with tracing.span("postgres_mutex.acquire", span_attributes(lock, **extra)) as span:
         attempts = _Attempts(
-            lock, span, blocking=blocking, timeout=timeout, generation=generation, acquirer=acquirer, stop=stop
+            lock,
+            span,
+            blocking=blocking,
+            timeout=timeout,
+            generation=generation,
+            acquirer=acquirer,
+            stop=stop,
+            hold_at_least=hold_at_least,
         )
         try:
             hold = yield from attempts.until_done(owner)
@@ -143,8 +155,10 @@ class _Attempts:
         generation: int,
         acquirer: object,
         stop: StopSignal | None,
+        hold_at_least: float | None = None,
     ) -> None:
         self.lock = lock
+        self.hold_at_least = hold_at_least
         self.span = span
         self.blocking = blocking
         self.timeout = timeout
@@ -188,7 +202,12 @@ class _Attempts:
                         lock.rw_mode is not None and self.statements.acquire_read is None
                     ):
                         self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
+                    if self.hold_at_least is not None and not self.statements.shape.holds:
+                        self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
+                        if not self.statements.shape.holds:
+                            raise no_minimum_hold(lock)
                     params = lock.params()
+                    params["hold_seconds"] = self.hold_at_least
                     if lock.rw_mode is not None:
                         # Only a writer that will wait claims the lock ahead of new readers.
                         params["waiting"] = self.blocking
@@ -393,6 +412,17 @@ def abandon(lock: LockState, acquirer: object) -> Flow[None]:
         lock.events.abandoned()
     if stray:
         yield Schedule(stray_row_cleanup(lock, generation))
+
+
+def no_minimum_hold(lock: LockState) -> SchemaError:
+    """A minimum hold asked for on a table without the column that keeps it (it predates the feature)."""
+    return SchemaError(
+        phrase(
+            "{hold_at_least} needs the lock table {table} to have its hold_until column, which it lacks: "
+            "run {LockTable.migrate()} once (the lock is not taken meanwhile)",
+            table=lock.names.table_name,
+        )
+    )
 
 
 def _retry_at_once(exc: DatabaseError) -> bool:
