@@ -426,7 +426,8 @@ def _token_or_null(shape: TableShape) -> sql.Composable:
 
 
 def _holders(names: Names, shape: TableShape) -> Statement:
-    """Every held lock (or the given ones) with its ages by the server's clock."""
+    """Every held lock (or the given ones) with its ages by the server's clock, and when a released one turns
+    free (its minimum hold's end)."""
     return statement(
         names.table_name,
         "read of the lock table",
@@ -436,9 +437,11 @@ def _holders(names: Names, shape: TableShape) -> Statement:
        EXTRACT(EPOCH FROM now() - acquired_at)::float8 AS held_for,
        acquired_at, {token},
        {sessions},
-       {writer_waits}
+       {writer_waits},
+       {held_until}
   FROM {table}
  WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]){semaphores}{rwlocks})
+   {not_free}
  ORDER BY lock_name"""
         ).format(
             table=names.table,
@@ -451,6 +454,17 @@ def _holders(names: Names, shape: TableShape) -> Statement:
             # Read from the gates by a statement of its own (`writers_waiting`), sent only when read/write
             # locks are held: a role that uses mutexes alone needs no grant on the gates' table.
             writer_waits=sql.SQL("NULL::boolean AS writer_waits"),
+            # A row released before its minimum hold ended: held until then, free (and not listed) after.
+            held_until=sql.SQL("CASE WHEN {released} THEN hold_until END AS held_until").format(
+                released=_RELEASED.format(row=sql.SQL("hold_until"))
+            )
+            if shape.holds
+            else sql.SQL("NULL::timestamptz AS held_until"),
+            not_free=sql.SQL("AND NOT ({released} AND hold_until <= now())").format(
+                released=_RELEASED.format(row=sql.SQL("hold_until"))
+            )
+            if shape.holds
+            else _NOTHING,
         ),
         marks=shape.sessions,
     )

@@ -34,6 +34,11 @@ STALE = 3.0
 FLAGS = ["--heartbeat-interval", "0.1", "--alert-threshold", "0.6", "--stale-threshold", f"{STALE:g}"]
 
 
+def drop(admin: psycopg.Connection[Any], table: str) -> None:
+    """A table of a test's own, with what its creation made beside it."""
+    admin.execute(f"DROP TABLE IF EXISTS {table}, {table}_history, {table}_semaphores, {table}_rwlocks")
+
+
 def run_cli(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "postgres_mutex", *args],
@@ -176,8 +181,7 @@ def test_a_table_without_the_column_works_and_names_the_migration(
             with client.mutex(lock_name, table=table, **FAST).acquire() as got:
                 assert not got, "the minimum holds once migrated"
         finally:
-            admin.execute(f"DROP TABLE {table}")
-            admin.execute(f"DROP SEQUENCE IF EXISTS {table}_token_seq")
+            drop(admin, table)
 
 
 def test_the_cli_names_its_flags_for_a_bad_minimum(dsn: str, lock_name: str) -> None:
@@ -189,3 +193,38 @@ def test_the_cli_names_its_flags_for_a_bad_minimum(dsn: str, lock_name: str) -> 
     assert code == 2
     assert "--hold-at-least" in err
     assert "--permits" in err
+
+
+def test_status_and_the_history_show_a_released_lock_held_until_its_minimum(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    table = f"kept_{lock_name.replace('-', '_')}"
+    with MutexClient(dsn) as client:
+        client.table(table).create(history=True)
+        try:
+            first = client.mutex(lock_name, table=table, instance_id="first", **{**FAST, "stale_threshold": STALE})
+            with first.acquire(hold_at_least=MINIMUM) as acquired:
+                assert acquired
+            (seen,) = client.table(table).holders([lock_name])
+            assert seen.holder == "first"
+            assert seen.held_until is not None
+            assert (seen.alerting, seen.reclaimable) == (False, False)
+            status = subprocess.run(
+                [sys.executable, "-m", "postgres_mutex", "status", "--dsn", dsn, "--table", table, "--lock", lock_name],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+            assert "released, held until " in status.stdout, status.stdout
+            (record,) = client.table(table).history(lock_name)
+            assert (record.holder, record.ended_how) == ("first", "released"), "released now, kept for its minimum"
+            other = client.mutex(lock_name, table=table, instance_id="other", **FAST)
+            with other.acquire(timeout=MINIMUM + 10) as got:
+                assert got
+                newest, released = client.table(table).history(lock_name)
+                assert (newest.holder, newest.ended_how) == ("other", None)
+                assert (released.holder, released.ended_how) == ("first", "released"), "no reclaim recorded"
+            assert client.table(table).holders([lock_name]) == []
+        finally:
+            drop(admin, table)
