@@ -23,7 +23,7 @@ import pytest
 
 from postgres_mutex import Mutex, MutexClient, SchemaError
 from tests.support.fixtures import ROOT, RecordingMetrics, wait_until
-from tests.support.timing import FAST, cli_flags
+from tests.support.timing import FAST
 
 MINIMUM = 2.5
 """The minimum hold of these tests: long enough to tell from a prompt release, short enough for a quick test."""
@@ -182,17 +182,6 @@ def test_a_table_without_the_column_works_and_names_the_migration(
                 assert not got, "the minimum holds once migrated"
         finally:
             drop(admin, table)
-
-
-def test_the_cli_names_its_flags_for_a_bad_minimum(dsn: str, lock_name: str) -> None:
-    common = ["run", "--dsn", dsn, "--lock", lock_name, *cli_flags()]
-    code, _, err = finished(run_cli(*common, "--hold-at-least", "5", "--", "true"))
-    assert code == 2
-    assert "--hold-at-least (5s) must be at most --stale-threshold (1.5s)" in err
-    code, _, err = finished(run_cli(*common, "--permits", "2", "--hold-at-least", "1", "--", "true"))
-    assert code == 2
-    assert "--hold-at-least" in err
-    assert "--permits" in err
 
 
 def test_status_and_the_history_show_a_released_lock_held_until_its_minimum(
