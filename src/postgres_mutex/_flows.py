@@ -283,7 +283,12 @@ class _Attempts:
                     if (yield Listen(lock.channel, lock.timing.operation_timeout)):
                         # Listening now: try again at once, lest a release before the LISTEN be missed.
                         continue
-                yield WaitForRelease(_until(self.deadline, lock.timing.poll_interval), self.stop)
+                pause = lock.timing.poll_interval
+                if result.heartbeat_age is not None and result.heartbeat_age < 0:
+                    # Released before its minimum hold ended: its heartbeat is that end, and the lock is not
+                    # free before it. Polling sooner would only find it held; a forced release still wakes us.
+                    pause = max(pause, -result.heartbeat_age)
+                yield WaitForRelease(_until(self.deadline, pause), self.stop)
         except GeneratorExit:
             # Closed, its engine gone (an exception landed between two steps): it takes no more
             # steps. Whoever ran it undoes the acquire (`abandon`), steps and all.
