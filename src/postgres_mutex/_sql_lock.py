@@ -359,8 +359,10 @@ def _release_keeping_minimum(names: Names, shape: TableShape) -> Statement:
     and nobody alerts on it: its heartbeat is in the future, so a 0.1.0
     process, which reads the heartbeat only, leaves it alone until its own
     stale threshold after ``hold_until``. Nobody is woken: a waiter woken now
-    would find the lock held; they poll. Either way the statement answers one
-    row, as a release does; the history says the hold was released now.
+    would find the lock held; they wait for its end (`_flows`). Either way the
+    statement answers one row, as a release does; the history says the hold
+    was released now (an alert episode its release ended is not counted: the
+    row's heartbeat before it is not kept).
     """
     mine = sql.SQL(
         "locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s AND acquired_at = %(acquired_at)s"
@@ -374,16 +376,12 @@ def _release_keeping_minimum(names: Names, shape: TableShape) -> Statement:
    WHERE {mine}
      AND (hold_until IS NULL OR hold_until <= now())
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
-), before AS (
-  SELECT lock_name, last_heartbeat FROM {table} WHERE {mine}
 ), kept AS (
-  UPDATE {table} AS kept_row
-     SET acquired_at = kept_row.hold_until, last_heartbeat = kept_row.hold_until
-    FROM before
-   WHERE kept_row.{kept_mine}
-     AND kept_row.hold_until > now()
-  RETURNING kept_row.lock_name, kept_row.instance_id, %(acquired_at)s::timestamptz AS acquired_at,
-            before.last_heartbeat
+  UPDATE {table}
+     SET acquired_at = hold_until, last_heartbeat = hold_until
+   WHERE {mine}
+     AND hold_until > now()
+  RETURNING lock_name, instance_id, %(acquired_at)s::timestamptz AS acquired_at, NULL::timestamptz AS last_heartbeat
 ), released AS (
   SELECT * FROM deleted UNION ALL SELECT * FROM kept
 ){ended}
@@ -393,10 +391,6 @@ SELECT NULL::text FROM kept"""
         ).format(
             table=names.table,
             mine=mine,
-            kept_mine=sql.SQL(
-                "locked = 1 AND kept_row.lock_name = %(lock_name)s AND kept_row.instance_id = %(instance_id)s"
-                " AND kept_row.acquired_at = %(acquired_at)s AND before.lock_name = kept_row.lock_name"
-            ),
             ended=_ended(names, shape),
             payload=after_release("deleted"),
         ),
