@@ -173,6 +173,14 @@ def test_a_table_without_the_column_works_and_names_the_migration(
             with pytest.raises(SchemaError, match=r"hold_at_least.*postgres-mutex migrate"):
                 mutex.acquire(hold_at_least=1).__enter__()
             assert not mutex.held
+            refused = finished(
+                run_cli(
+                    "run", "--dsn", dsn, "--table", table, "--lock", lock_name, "--hold-at-least", "1", "--", "true"
+                )
+            )
+            assert refused[0] == 69, refused
+            assert "--hold-at-least needs the lock table" in refused[2]
+            assert "run 'postgres-mutex migrate' once" in refused[2]
             migrated = subprocess.run(
                 [sys.executable, "-m", "postgres_mutex", "migrate", "--dsn", dsn, "--table", table],
                 capture_output=True,
