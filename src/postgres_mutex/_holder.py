@@ -300,8 +300,8 @@ class Holder:
         exits or dies: what makes a job scheduled on several hosts, which
         fire a few seconds apart, run once (ShedLock's ``lockAtLeastFor``).
         Released sooner, the row stays in the table, marked released, until
-        then: no instance takes it before, this Mutex included, and none
-        alerts on it. At most ``stale_threshold`` (`ValueError` otherwise);
+        then: no instance takes it before, this Mutex included, none alerts
+        on it, and a blocking acquire waits for its end without polling. At most ``stale_threshold`` (`ValueError` otherwise);
         the table needs the column ``postgres-mutex migrate`` adds
         (`SchemaError` otherwise). Mutex only: a Semaphore's or an RWLock's
         acquire raises `ValueError` for it.
