@@ -203,6 +203,7 @@ class Holder:
             poll_interval=timing.poll_interval,
             operation_timeout=timing.operation_timeout,
             reclaim_disconnected_after=timing.reclaim_disconnected_after,
+            hold_at_least=self._hold_at_least,
         )
 
     @property
@@ -301,10 +302,10 @@ class Holder:
         fire a few seconds apart, run once (ShedLock's ``lockAtLeastFor``).
         Released sooner, the row stays in the table, marked released, until
         then: no instance takes it before, this Mutex included, none alerts
-        on it, and a blocking acquire waits for its end without polling. At most ``stale_threshold`` (`ValueError` otherwise);
-        the table needs the column ``postgres-mutex migrate`` adds
-        (`SchemaError` otherwise). Mutex only: a Semaphore's or an RWLock's
-        acquire raises `ValueError` for it.
+        on it, and a blocking acquire waits for its end without polling. At
+        most ``stale_threshold`` (`ValueError` otherwise); the table needs
+        the column ``postgres-mutex migrate`` adds (`SchemaError` otherwise).
+        Mutex only: a Semaphore's acquire raises `ValueError` for it.
         """
         blocking, timeout = check_wait(blocking, timeout)
         hold = self._hold_at_least if hold_at_least is None else self._checked_hold(hold_at_least, self._lock.timing)

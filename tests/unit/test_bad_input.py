@@ -317,7 +317,9 @@ def test_a_bad_minimum_hold_is_refused_by_the_constructor_and_by_acquire(
 
 
 def test_a_minimum_hold_on_its_bound_is_allowed() -> None:
-    Mutex(DSN, "job", stale_threshold=60, alert_threshold=20, hold_at_least=60).acquire(hold_at_least=60)
+    mutex = Mutex(DSN, "job", stale_threshold=60, alert_threshold=20, hold_at_least=60)
+    mutex.acquire(hold_at_least=60)
+    assert mutex.config.hold_at_least == 60
 
 
 @pytest.mark.parametrize(
