@@ -338,7 +338,7 @@ def test_a_minimum_hold_is_a_mutexs_alone(call: Callable[[], Any]) -> None:
     ("flags", "said"),
     [
         (["--hold-at-least", "601"], "--hold-at-least (601s) must be at most --stale-threshold (600s)"),
-        (["--hold-at-least", "0"], "--hold-at-least"),
+        (["--hold-at-least", "0"], "argument --hold-at-least: must be a positive number of seconds"),
         (["--hold-at-least", "5", "--permits", "2"], "--hold-at-least is a plain lock's minimum hold"),
         (["--hold-at-least", "5", "--write"], "it does not take --write"),
         (["--hold-at-least", "5", "--restart"], "it does not take --restart"),
