@@ -38,6 +38,8 @@ from .statements import library_statements, params
 from .timing import median, percentile
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .channel import Channel
 
 SETTLE = 0.02
@@ -165,6 +167,7 @@ def work(config: dict[str, Any], channel: Channel) -> None:
 class _MutexWaiter:
     def __init__(self, dsn: str, table: str, flavour: str, mode: str | None) -> None:
         self._mutex: Mutex | Semaphore | RWLock
+        self._acquire: Callable[..., contextlib.AbstractContextManager[bool]]
         if flavour == "semaphore":
             self._mutex = Semaphore(dsn, LOCKS["semaphore"], permits=1, table=table)
             self._acquire = self._mutex.acquire

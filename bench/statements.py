@@ -60,6 +60,7 @@ def params(texts: LibraryStatements, lock_name: str, instance_id: str, *, prefix
         "reclaim_seconds": None,
         "_session_key": None,
         "_backend_pid": 0,
+        "hold_seconds": None,  # and without a minimum hold
     }
     if prefixed:
         bound["_server_timeout_ms"] = SERVER_TIMEOUT_MS

@@ -56,12 +56,14 @@ class AsyncAcquisition:
         blocking: bool,
         timeout: float | None,
         stop: steps.StopSignal | None = None,
+        hold_at_least: float | None = None,
     ) -> None:
         self._engine = engine
         self._lock = lock
         self._blocking = blocking
         self._timeout = timeout
         self._stop = stop
+        self._hold_at_least = hold_at_least
         self._entered = False
         self._hold: Hold | None = None
         self._engine_in_use: AsyncEngine | None = None
@@ -92,7 +94,8 @@ class AsyncAcquisition:
         more than its round trip; whatever else happens (the lock busy, a
         failure, a clean-up of ours on the wire, a table not inspected yet, a
         span that records, a semaphore or a read/write lock, an election's stop)
-        is the flow's, which takes the attempt over where it stands. Whatever
+        is the flow's, which takes the attempt over where it stands. So is an acquire with a minimum
+        hold (its table's shape is checked first). Whatever
         is raised into it, the acquire is `flows.abandon`-ed by the caller.
         """
         lock = self._lock
@@ -104,6 +107,7 @@ class AsyncAcquisition:
             or lock.rw_mode is not None
             or self._stop is not None
             or engine.deadline is not None
+            or self._hold_at_least is not None
             or not lock.tracing.silent()
         ):
             return await engine.run(self._flow(owner, None))
@@ -182,6 +186,7 @@ class AsyncAcquisition:
             acquirer=self._acquirer,
             stop=self._stop,
             first=first,
+            hold_at_least=self._hold_at_least,
         )
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:

@@ -169,13 +169,14 @@ def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
     """Whether the table exists, and its shape: a token column, a history, the session columns, semaphores."""
     reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
     assert reply.row is not None
-    exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks = reply.row
+    exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until = reply.row
     return bool(exists), TableShape(
         tokens=bool(has_token),
         history=bool(has_history),
         sessions=bool(has_sessions),
         semaphores=bool(has_semaphores),
         rwlocks=bool(has_rwlocks),
+        holds=bool(has_hold_until),
     )
 
 
@@ -199,7 +200,7 @@ def migrate(
                 table=names.table_name,
             )
         )
-    if shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks:
+    if shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds:
         history_asked = history and (not shape.history or history_retention is not None)
         room = yield Execute(_sql.pages_have_room(names), {}, timeout, f"lookup of table {names.table_name}")
         if not history_asked and room.row is not None and room.row[0]:
@@ -210,7 +211,7 @@ def migrate(
         yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
     if history:
         yield from create_history(names, timeout, history_retention, exists=shape.history)
-    return not (shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks) or (
+    return not (shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds) or (
         history and not shape.history
     )
 

@@ -226,7 +226,7 @@ class Engine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks = row
+            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -242,6 +242,7 @@ class Engine:
                 sessions=bool(has_sessions),
                 semaphores=bool(has_semaphores),
                 rwlocks=bool(has_rwlocks),
+                holds=bool(has_hold_until),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.

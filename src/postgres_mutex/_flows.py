@@ -47,7 +47,7 @@ from ._steps import (
     WaitForRelease,
 )
 from ._tracing import INSTANCE_ID, LOCK_NAME, AttributeValue, Tracing
-from .errors import DatabaseError, LockAcquisitionTimeout, OperationTimeout
+from .errors import DatabaseError, LockAcquisitionTimeout, OperationTimeout, SchemaError, phrase
 
 T = TypeVar("T")
 
@@ -91,8 +91,13 @@ def acquire(
     acquirer: object,
     stop: StopSignal | None = None,
     first: FirstAttempt | None = None,
+    hold_at_least: float | None = None,
 ) -> Flow[Hold | None]:
     """Try to take the lock: once, or until ``timeout`` if ``blocking``; ``acquirer`` names this acquire.
+
+    With ``hold_at_least`` (seconds, checked by the caller), the lock stays taken at least that long
+    after it is acquired, whenever it is released (`_sql_lock`'s minimum hold); on a table without
+    the column for it, `SchemaError` names the migration.
 
     Returns the hold when acquired, None when non-blocking and held
     elsewhere, or when ``stop`` was set before an attempt won the lock (the
@@ -122,6 +127,7 @@ def acquire(
             acquirer=acquirer,
             stop=stop,
             first=first,
+            hold_at_least=hold_at_least,
         )
         try:
             hold = yield from attempts.until_done(owner)
@@ -169,8 +175,10 @@ class _Attempts:
         acquirer: object,
         stop: StopSignal | None,
         first: FirstAttempt | None = None,
+        hold_at_least: float | None = None,
     ) -> None:
         self.lock = lock
+        self.hold_at_least = hold_at_least
         self.span = span
         self.blocking = blocking
         self.timeout = timeout
@@ -224,7 +232,12 @@ class _Attempts:
                             lock.rw_mode is not None and self.statements.acquire_read is None
                         ):
                             self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
+                        if self.hold_at_least is not None and not self.statements.shape.holds:
+                            self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
+                            if not self.statements.shape.holds:
+                                raise no_minimum_hold(lock)
                         params = lock.params()
+                        params["hold_seconds"] = self.hold_at_least
                         if lock.rw_mode is not None:
                             # Only a writer that will wait claims the lock ahead of new readers.
                             params["waiting"] = self.blocking
@@ -305,7 +318,12 @@ class _Attempts:
                     if (yield Listen(lock.channel, lock.timing.operation_timeout)):
                         # Listening now: try again at once, lest a release before the LISTEN be missed.
                         continue
-                yield WaitForRelease(_until(self.deadline, lock.timing.poll_interval), self.stop)
+                pause = lock.timing.poll_interval
+                if result.heartbeat_age is not None and result.heartbeat_age < 0:
+                    # Released before its minimum hold ended: its heartbeat is that end, and the lock is not
+                    # free before it. Polling sooner would only find it held; a forced release still wakes us.
+                    pause = max(pause, -result.heartbeat_age)
+                yield WaitForRelease(_until(self.deadline, pause), self.stop)
         except GeneratorExit:
             # Closed, its engine gone (an exception landed between two steps): it takes no more
             # steps. Whoever ran it undoes the acquire (`abandon`), steps and all.
@@ -447,6 +465,17 @@ def abandon(lock: LockState, acquirer: object) -> Flow[None]:
         lock.events.abandoned()
     if stray:
         yield Schedule(stray_row_cleanup(lock, generation))
+
+
+def no_minimum_hold(lock: LockState) -> SchemaError:
+    """A minimum hold asked for on a table without the column that keeps it (it predates the feature)."""
+    return SchemaError(
+        phrase(
+            "{hold_at_least} needs the lock table {table} to have its hold_until column, which it lacks: "
+            "run {LockTable.migrate()} once (the lock is not taken meanwhile)",
+            table=lock.names.table_name,
+        )
+    )
 
 
 def _retry_at_once(exc: DatabaseError) -> bool:

@@ -23,12 +23,13 @@ from ._holder_methods import HolderMethods
 from ._holder_methods_async import AsyncHolderMethods
 from ._mutex_config import MutexConfig, check_reclaim_source, checked_names, new_lock_state
 from ._own_watch import OwnLockWatch
-from ._settings import Timing, check_wait, default_instance_id
+from ._settings import Timing, check_hold_at_least, check_wait, default_instance_id
 from ._siblings import Siblings
 from ._singleton import singleton_decorator
 from ._singleton_async import singleton_decorator_async
 from ._sql import Names
 from .client import MutexClient, core_of, shared_client
+from .errors import InvalidArgument
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -75,6 +76,7 @@ class Holder(AsyncHolderMethods, HolderMethods):
         tracer_provider: TracerProvider | None = None,
         client: MutexClient | None = None,
         reclaim_disconnected_after: float | None = None,
+        hold_at_least: float | None = None,
     ) -> None:
         lock_name, instance_id = checked_names(lock_name, instance_id)
         if on_lost is not None and not callable(on_lost):
@@ -89,6 +91,7 @@ class Holder(AsyncHolderMethods, HolderMethods):
             operation_timeout=operation_timeout,
             reclaim_disconnected_after=reclaim_disconnected_after,
         )
+        self._hold_at_least = self._checked_hold(hold_at_least, timing)
         names = Names(table)
         if client is None:
             client = shared_client(dsn, pool, async_pool)
@@ -128,6 +131,8 @@ class Holder(AsyncHolderMethods, HolderMethods):
             "tracer_provider": tracer_provider,
             "reclaim_disconnected_after": reclaim_disconnected_after,
         }
+        if hold_at_least is not None:
+            self._options["hold_at_least"] = hold_at_least
         self._explicit_id = instance_id is not None
         # What it makes refers back to it weakly: no cycle keeps a Mutex nobody uses alive until a collection.
         self._siblings = Siblings(self, self._new_sibling)
@@ -195,6 +200,7 @@ class Holder(AsyncHolderMethods, HolderMethods):
             poll_interval=timing.poll_interval,
             operation_timeout=timing.operation_timeout,
             reclaim_disconnected_after=timing.reclaim_disconnected_after,
+            hold_at_least=self._hold_at_least,
         )
 
     @property
@@ -246,7 +252,17 @@ class Holder(AsyncHolderMethods, HolderMethods):
 
     # -- acquire and release ----------------------------------------------------------
 
-    def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
+    def _checked_hold(self, hold_at_least: object, timing: Timing) -> float | None:
+        """``hold_at_least``, checked; a minimum hold is a Mutex's alone."""
+        if hold_at_least is not None and (self._permits is not None or self._rw_mode is not None):
+            raise InvalidArgument(
+                "{hold_at_least} is a Mutex's: a semaphore's permits and a read/write lock's holds end when released"
+            )
+        return check_hold_at_least(hold_at_least, timing)
+
+    def acquire(
+        self, blocking: bool | None = None, timeout: float | None = None, *, hold_at_least: float | None = None
+    ) -> Acquisition:
         """Hold the lock for the ``with`` block; yields whether it was acquired.
 
         With neither argument it tries once and yields False if another
@@ -262,16 +278,34 @@ class Holder(AsyncHolderMethods, HolderMethods):
         normal exit raises `LockNotHeldError`. Raises `LockAlreadyHeldError`
         if this Mutex already holds the lock, `DatabaseError` if PostgreSQL
         cannot be used.
+
+        With ``hold_at_least`` (seconds; by default the Mutex's own
+        ``hold_at_least``), the lock stays taken until at least that long
+        after it was acquired, however soon the block ends or the process
+        exits or dies: what makes a job scheduled on several hosts, which
+        fire a few seconds apart, run once (ShedLock's ``lockAtLeastFor``).
+        Released sooner, the row stays in the table, marked released, until
+        then: no instance takes it before, this Mutex included, none alerts
+        on it, and a blocking acquire waits for its end without polling. At
+        most ``stale_threshold`` (`ValueError` otherwise); the table needs
+        the column ``postgres-mutex migrate`` adds (`SchemaError` otherwise).
+        Mutex only: a Semaphore's acquire raises `ValueError` for it.
         """
         blocking, timeout = check_wait(blocking, timeout)
+        hold = self._hold_at_least if hold_at_least is None else self._checked_hold(hold_at_least, self._lock.timing)
         self._start_watch()
-        return Acquisition(self._engine_for, self._lock, blocking=blocking, timeout=timeout)
+        return Acquisition(self._engine_for, self._lock, blocking=blocking, timeout=timeout, hold_at_least=hold)
 
-    def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
+    def acquire_async(
+        self, blocking: bool = True, timeout: float | None = None, *, hold_at_least: float | None = None
+    ) -> AsyncAcquisition:
         """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
         blocking, timeout = check_wait(blocking, timeout)
+        hold = self._hold_at_least if hold_at_least is None else self._checked_hold(hold_at_least, self._lock.timing)
         self._start_watch_async()
-        return AsyncAcquisition(self._engine_async_for, self._lock, blocking=blocking, timeout=timeout)
+        return AsyncAcquisition(
+            self._engine_async_for, self._lock, blocking=blocking, timeout=timeout, hold_at_least=hold
+        )
 
     # -- decorators ----------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol, cast, runtime_checkable
 
 logger = logging.getLogger("postgres_mutex")
@@ -55,6 +56,10 @@ class LockObservation:
     """For a hold of an `RWLock`: ``"read"`` or ``"write"``."""
     writer_waiting: bool | None = None
     """For a hold of an `RWLock`: whether a writer waits for the lock, so that new readers wait behind it."""
+    held_until: datetime | None = None
+    """For a Mutex its holder released before its minimum hold (``hold_at_least``) had passed: when the lock
+    turns free (by the server's clock). Until then nobody may take it; ``holder`` is who released it, and its
+    ages are 0 (nobody heartbeats it). None for every other hold."""
 
     @property
     def name(self) -> str:

@@ -40,6 +40,11 @@ class Mutex(Holder):
     until a heartbeat confirms it or finds it lost.
     Needs a ``dsn``: refused with a pool.
 
+    With ``hold_at_least`` (seconds, None by default), each acquire keeps the
+    lock taken until at least that long after it was acquired, however soon it
+    is released or its process dies (see `acquire`): a job fired on several
+    hosts a few seconds apart runs once. At most ``stale_threshold``.
+
     Every database statement must finish within ``operation_timeout``
     seconds, even on a network that silently drops everything. By default it
     is 5 s, or less when the thresholds are short: enough room in the lease

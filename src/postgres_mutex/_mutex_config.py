@@ -37,6 +37,8 @@ class MutexConfig:
     poll_interval: float
     operation_timeout: float
     reclaim_disconnected_after: float | None = None
+    hold_at_least: float | None = None
+    """Each acquire's minimum hold by default, in seconds (None: none)."""
 
 
 class MissingLockName(TypeError, ValueError):

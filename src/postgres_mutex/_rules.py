@@ -238,8 +238,14 @@ def observe(
 ) -> list[LockObservation]:
     """Turn the holders query's rows into observations, with the thresholds applied."""
     observations = []
-    for lock_name, holder, age, held_for, _acquired_at, token, session_alive, reclaim_after, writer_waits in rows:
+    for lock_name, holder, age, held_for, _acquired_at, token, session_alive, reclaim_after, *more in rows:
+        writer_waits, held_until = (*more, None)[:2]
         heartbeat_age = float(age)  # type: ignore[arg-type]
+        seconds_held = float(held_for)  # type: ignore[arg-type]
+        if isinstance(held_until, datetime):
+            # Released before its minimum hold ended: nobody heartbeats it, and it is no longer held for
+            # anything (its row's stamps are the minimum's end). Not silent, not reclaimable: kept.
+            heartbeat_age = seconds_held = 0.0
         after = None if reclaim_after is None else float(reclaim_after)  # type: ignore[arg-type]
         disconnected = session_alive is False and after is not None and heartbeat_age >= after
         row = row_of(str(lock_name))  # a permit's, or a read/write lock's holder's
@@ -248,7 +254,7 @@ def observe(
                 lock_name=str(lock_name),
                 holder=str(holder),
                 seconds_since_heartbeat=heartbeat_age,
-                seconds_held=float(held_for),  # type: ignore[arg-type]
+                seconds_held=seconds_held,
                 alerting=heartbeat_age >= alert_threshold,
                 reclaimable=heartbeat_age >= stale_threshold or disconnected,
                 token=None if token is None else int(token),  # type: ignore[call-overload]
@@ -259,6 +265,7 @@ def observe(
                 rwlock=row.rwlock,
                 mode=row.mode,
                 writer_waiting=None if row.mode is None or writer_waits is None else bool(writer_waits),
+                held_until=held_until if isinstance(held_until, datetime) else None,
             )
         )
     return observations

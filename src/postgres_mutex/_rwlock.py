@@ -91,15 +91,22 @@ class _ModeHolder(Holder):
     def __repr__(self) -> str:
         return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
 
-    def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
-        """`Holder.acquire`, once its `RWLock` has said this mode may be asked for (see `RWLock.read`)."""
-        self._modes.entering(self.mode)
-        return super().acquire(blocking=blocking, timeout=timeout)
+    def acquire(
+        self, blocking: bool | None = None, timeout: float | None = None, *, hold_at_least: float | None = None
+    ) -> Acquisition:
+        """`Holder.acquire`, once its `RWLock` has said this mode may be asked for (see `RWLock.read`).
 
-    def acquire_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
+        ``hold_at_least`` is a Mutex's: given here, it raises `ValueError`.
+        """
+        self._modes.entering(self.mode)
+        return super().acquire(blocking=blocking, timeout=timeout, hold_at_least=hold_at_least)
+
+    def acquire_async(
+        self, blocking: bool = True, timeout: float | None = None, *, hold_at_least: float | None = None
+    ) -> AsyncAcquisition:
         """`Holder.acquire_async`, once its `RWLock` has said this mode may be asked for."""
         self._modes.entering(self.mode)
-        return super().acquire_async(blocking=blocking, timeout=timeout)
+        return super().acquire_async(blocking=blocking, timeout=timeout, hold_at_least=hold_at_least)
 
     def _new_sibling(self, lock_name: str) -> _ModeHolder:
         raise InvalidArgument("an RWLock's holders take no other name: make an RWLock for {value!r}", value=lock_name)

@@ -316,6 +316,28 @@ BRIEF_WAIT = 0.25
 forced release in each of its tries: brief, so the client's other statements are not held up."""
 
 
+def check_hold_at_least(value: object, timing: Timing) -> float | None:
+    """A minimum hold (``hold_at_least``), checked: None, or seconds up to ``stale_threshold``.
+
+    The bound is 0.1.0's: a 0.1.0 process reads a holder's row by its heartbeat
+    alone, and takes the lock once the heartbeat is ``stale_threshold`` old. A
+    holder killed at once after it acquired leaves its heartbeat at the acquire:
+    a minimum past ``stale_threshold`` would end early for such a process.
+    """
+    if value is None:
+        return None
+    seconds = check_seconds(value, "hold_at_least")
+    if seconds > timing.stale_threshold:
+        raise InvalidArgument(
+            "{hold_at_least} ({value:g}s) must be at most {stale_threshold} ({stale:g}s): a holder killed after "
+            "acquiring is reclaimed once its heartbeat is that old, by processes of postgres-mutex 0.1.0; "
+            "raise {stale_threshold} for a longer minimum",
+            value=seconds,
+            stale=timing.stale_threshold,
+        )
+    return seconds
+
+
 def check_wait(blocking: object, timeout: object) -> tuple[bool, float | None]:
     """An acquire's ``blocking`` and ``timeout``, checked: whether to wait, and for how long (None: no limit).
 

@@ -47,11 +47,13 @@ class TableShape:
     rwlocks: bool = False
     """The read/write locks' gates (``<table>_rwlocks``) and the columns and constraints of their rows
     (`_sql_rwlocks`)."""
+    holds: bool = False
+    """The ``hold_until`` column: a holder may ask for a minimum hold, and a row released before it stays."""
 
 
 LEGACY = TableShape(tokens=False)
-CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True)
-CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True, sessions=True, semaphores=True, rwlocks=True)
+CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True, holds=True)
+CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True, sessions=True, semaphores=True, rwlocks=True, holds=True)
 
 _NOTHING = sql.SQL("")
 
@@ -83,11 +85,24 @@ class Statements:
         self.heartbeat_by_token: tuple[Statement, Statement] | None = (
             _heartbeats(names, shape, _BY_TOKEN) if shape.tokens else None
         )
-        self.release = _release(
-            names, shape, "release", scope=sql.SQL("\n     AND acquired_at = %(acquired_at)s"), preparable=True
+        self.release = (
+            _release_keeping_minimum(names, shape)
+            if shape.holds
+            else _release(
+                names, shape, "release", scope=sql.SQL("\n     AND acquired_at = %(acquired_at)s"), preparable=True
+            )
         )
-        # After an unanswered acquire the stamp is unknown: remove any row of ours.
-        self.cleanup = _release(names, shape, "clean-up", scope=_NOTHING, preparable=False)
+        # After an unanswered acquire the stamp is unknown: remove any row of ours, but for one a release
+        # kept for its minimum hold (the job it covered ran).
+        self.cleanup = _release(
+            names,
+            shape,
+            "clean-up",
+            scope=sql.SQL("\n     AND NOT {}").format(_RELEASED.format(row=sql.SQL("hold_until")))
+            if shape.holds
+            else _NOTHING,
+            preparable=False,
+        )
         self.retoken = _retoken(names) if shape.tokens else None
         self.holders = _holders(names, shape)
         self.writers_waiting: Statement | None = _writers_waiting(names) if shape.rwlocks else None
@@ -134,28 +149,29 @@ def _acquire(names: Names, shape: TableShape) -> Statement:
         sql.SQL(
             """WITH current AS (
   SELECT instance_id, acquired_at,
-         EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
+         EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {released} AS released
     FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
 ){marker}, inserted AS (
   INSERT INTO {table} AS fresh
-         (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column}{session_columns})
-  VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token}{session_values})
+         (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column}{session_columns}{hold_column})
+  VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token}{session_values}{hold_value})
   ON CONFLICT (locked, lock_name) DO NOTHING
   RETURNING acquired_at, {inserted_token} AS token
 ), taken AS (
   UPDATE {table} AS existing
      SET instance_id = %(instance_id)s,
          last_heartbeat = now(),
-         acquired_at = now(){update_token}{session_update}
+         acquired_at = now(){update_token}{session_update}{hold_update}
    WHERE existing.locked = 1 AND existing.lock_name = %(lock_name)s
      AND NOT EXISTS (SELECT 1 FROM inserted)
      AND ((existing.instance_id = %(instance_id)s AND existing.acquired_at < now())
-          OR existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s){disconnected})
+          OR ((existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s){disconnected})
+              {hold_passed}){released_over})
   RETURNING existing.acquired_at, {taken_token} AS token
 ){history}
 SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
-            WHEN EXISTS (SELECT 1 FROM taken) THEN false END,
+            WHEN EXISTS (SELECT 1 FROM taken) THEN {was_released} END,
        current.instance_id, current.heartbeat_age,
        COALESCE((SELECT acquired_at FROM inserted), (SELECT acquired_at FROM taken)),
        COALESCE((SELECT token FROM inserted), (SELECT token FROM taken))
@@ -177,10 +193,53 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
             if shape.sessions
             else _NOTHING,
             **written,
+            **_minimum_hold(shape),
         ),
         preparable=True,
         marks=shape.sessions,
     )
+
+
+def _minimum_hold(shape: TableShape) -> dict[str, sql.Composable]:
+    """The acquire's parts for a minimum hold (``hold_until``; nothing on a table without that column).
+
+    The acquire writes ``hold_until`` (``%(hold_seconds)s`` from now; NULL
+    without a minimum). A release before it keeps the row, marked released
+    (`_release`): its ``acquired_at`` and ``last_heartbeat`` set to
+    ``hold_until``, which a live hold never has, so neither its old holder's
+    statements nor its own instance's acquire (``acquired_at < now()``) take
+    it before then. Until ``hold_until`` has passed, no reclaim takes a row
+    (stale or disconnected alike): a killed holder keeps its minimum too. A
+    released row past ``hold_until`` is free: taken as a fresh acquire is,
+    with no reclaim to tell (``was_released``: the acquire's first column).
+    """
+    if not shape.holds:
+        return {
+            "released": sql.SQL("false"),
+            "hold_column": _NOTHING,
+            "hold_value": _NOTHING,
+            "hold_update": _NOTHING,
+            "hold_passed": _NOTHING,
+            "released_over": _NOTHING,
+            "was_released": sql.SQL("false"),
+        }
+    hold_until = sql.SQL("now() + make_interval(secs => %(hold_seconds)s::float8)")
+    return {
+        "released": _RELEASED.format(row=sql.SQL("hold_until")),
+        "hold_column": sql.SQL(", hold_until"),
+        "hold_value": sql.SQL(", {}").format(hold_until),
+        "hold_update": sql.SQL(",\n         hold_until = {}").format(hold_until),
+        "hold_passed": sql.SQL("AND (existing.hold_until IS NULL OR existing.hold_until <= now())"),
+        "released_over": sql.SQL(
+            "\n          OR (existing.acquired_at >= existing.hold_until AND existing.hold_until <= now())"
+        ),
+        "was_released": sql.SQL("COALESCE(current.released, false)"),
+    }
+
+
+_RELEASED = sql.SQL("({row} IS NOT NULL AND acquired_at >= {row})")
+"""A row its holder released before its minimum hold ended (`_minimum_hold`): no live hold's ``acquired_at`` is
+as late as its ``hold_until``."""
 
 
 # Holds of one client that share a heartbeat interval (at most a batch of
@@ -292,6 +351,53 @@ SELECT pg_notify(%(channel)s, {payload}) FROM released"""
     )
 
 
+def _release_keeping_minimum(names: Names, shape: TableShape) -> Statement:
+    """`_release` on a table with minimum holds: the row of a hold whose ``hold_until`` is still ahead stays.
+
+    It is marked released (`_minimum_hold`): ``acquired_at`` and
+    ``last_heartbeat`` become ``hold_until``. Nobody takes it before then,
+    and nobody alerts on it: its heartbeat is in the future, so a 0.1.0
+    process, which reads the heartbeat only, leaves it alone until its own
+    stale threshold after ``hold_until``. Nobody is woken: a waiter woken now
+    would find the lock held; they wait for its end (`_flows`). Either way the
+    statement answers one row, as a release does; the history says the hold
+    was released now (an alert episode its release ended is not counted: the
+    row's heartbeat before it is not kept).
+    """
+    mine = sql.SQL(
+        "locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s AND acquired_at = %(acquired_at)s"
+    )
+    return statement(
+        names.table_name,
+        "release",
+        sql.SQL(
+            """WITH deleted AS (
+  DELETE FROM {table}
+   WHERE {mine}
+     AND (hold_until IS NULL OR hold_until <= now())
+  RETURNING lock_name, instance_id, acquired_at, last_heartbeat
+), kept AS (
+  UPDATE {table}
+     SET acquired_at = hold_until, last_heartbeat = hold_until
+   WHERE {mine}
+     AND hold_until > now()
+  RETURNING lock_name, instance_id, %(acquired_at)s::timestamptz AS acquired_at, NULL::timestamptz AS last_heartbeat
+), released AS (
+  SELECT * FROM deleted UNION ALL SELECT * FROM kept
+){ended}
+SELECT pg_notify(%(channel)s, {payload})::text FROM deleted
+UNION ALL
+SELECT NULL::text FROM kept"""
+        ).format(
+            table=names.table,
+            mine=mine,
+            ended=_ended(names, shape),
+            payload=after_release("deleted"),
+        ),
+        preparable=True,
+    )
+
+
 def _retoken(names: Names) -> Statement:
     """A new token for a row taken over by a process that did not know the table had tokens.
 
@@ -314,7 +420,8 @@ def _token_or_null(shape: TableShape) -> sql.Composable:
 
 
 def _holders(names: Names, shape: TableShape) -> Statement:
-    """Every held lock (or the given ones) with its ages by the server's clock."""
+    """Every held lock (or the given ones) with its ages by the server's clock, and when a released one turns
+    free (its minimum hold's end)."""
     return statement(
         names.table_name,
         "read of the lock table",
@@ -324,9 +431,11 @@ def _holders(names: Names, shape: TableShape) -> Statement:
        EXTRACT(EPOCH FROM now() - acquired_at)::float8 AS held_for,
        acquired_at, {token},
        {sessions},
-       {writer_waits}
+       {writer_waits},
+       {held_until}
   FROM {table}
  WHERE locked = 1 AND (%(lock_names)s::text[] IS NULL OR lock_name = ANY(%(lock_names)s::text[]){semaphores}{rwlocks})
+   {not_free}
  ORDER BY lock_name"""
         ).format(
             table=names.table,
@@ -339,6 +448,17 @@ def _holders(names: Names, shape: TableShape) -> Statement:
             # Read from the gates by a statement of its own (`writers_waiting`), sent only when read/write
             # locks are held: a role that uses mutexes alone needs no grant on the gates' table.
             writer_waits=sql.SQL("NULL::boolean AS writer_waits"),
+            # A row released before its minimum hold ended: held until then, free (and not listed) after.
+            held_until=sql.SQL("CASE WHEN {released} THEN hold_until END AS held_until").format(
+                released=_RELEASED.format(row=sql.SQL("hold_until"))
+            )
+            if shape.holds
+            else sql.SQL("NULL::timestamptz AS held_until"),
+            not_free=sql.SQL("AND NOT ({released} AND hold_until <= now())").format(
+                released=_RELEASED.format(row=sql.SQL("hold_until"))
+            )
+            if shape.holds
+            else _NOTHING,
         ),
         marks=shape.sessions,
     )

@@ -62,6 +62,7 @@ CREATE TABLE IF NOT EXISTS {table} (
   permits        INT,
   rwlock         VARCHAR(64),
   rw_mode        TEXT,
+  hold_until     TIMESTAMPTZ,
   CONSTRAINT {unique} UNIQUE (locked, lock_name),
   CONSTRAINT chk_locked CHECK (locked = 1),
   {permit_constraints},
@@ -173,9 +174,9 @@ def _rw_writer_index(names: Names) -> sql.Composable:
 
 
 def inspect_table(names: Names) -> Statement:
-    """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks)``,
-    under its own deadline. Semaphores (read/write locks) count only once their last migration step (the unique
-    index) is done."""
+    """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks,
+    has_hold_until)``, under its own deadline. Semaphores (read/write locks) count only once their last migration
+    step (the unique index) is done."""
     return statement(
         names.table_name,
         "inspection",
@@ -187,7 +188,9 @@ def inspect_table(names: Names) -> Statement:
        (SELECT count(*) = {count} FROM pg_attribute
          WHERE attrelid = to_regclass({table_text}) AND attname = ANY({columns}) AND NOT attisdropped),
        to_regclass({semaphores_text}) IS NOT NULL AND to_regclass({permit_index_text}) IS NOT NULL,
-       to_regclass({rw_writer_index_text}) IS NOT NULL"""
+       to_regclass({rw_writer_index_text}) IS NOT NULL,
+       EXISTS (SELECT 1 FROM pg_attribute
+                WHERE attrelid = to_regclass({table_text}) AND attname = 'hold_until' AND NOT attisdropped)"""
         ).format(
             table_text=sql.Literal(render(names.table)),
             semaphores_text=names.semaphores_text,
@@ -268,8 +271,8 @@ def history_retention(names: Names, retention_seconds: float) -> Statement:
 
 
 def migrate_steps(names: Names) -> list[Statement]:
-    """Add the token column, the session columns and what semaphores need to an existing table, online, one
-    short step at a time.
+    """Add the token column, the session columns, what semaphores and read/write locks need and the minimum
+    hold's column to an existing table, online, one short step at a time.
 
     Each step is idempotent, and takes the table's lock only as long as a
     catalog change does: ``ADD COLUMN`` without a default and ``SET DEFAULT``
@@ -361,6 +364,10 @@ END $migrate$"""
             ),
         ),
         step("index the writers, one per read/write lock", _rw_writer_index(names)),
+        step(
+            "add the column of a minimum hold",
+            sql.SQL("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS hold_until TIMESTAMPTZ").format(**fmt),
+        ),
         step(
             "leave room on each page for heartbeats",
             # Pages written from now on; a catalog change, rewriting nothing.

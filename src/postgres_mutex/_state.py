@@ -250,6 +250,7 @@ class LockState:
             "acquired_at": None if hold is None else hold.acquired_at,
             "ended_how": "released",
             "alert_seconds": self.timing.alert_threshold,
+            "hold_seconds": None,  # an acquire's minimum hold, which the acquire sets
         }
         if self.permits is not None:
             params["semaphore"] = self.lock_name

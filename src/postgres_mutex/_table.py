@@ -77,8 +77,10 @@ class TableMethods(TableBase):
         are acquired again. With ``history=True`` it adds the history table
         too (options as in `create`); processes write it from the next time
         they start. ``celery_beat`` and ``apscheduler`` add the integrations'
-        tables if missing, as in `create`. Returns True if it changed the
-        lock table.
+        tables if missing, as in `create`. It adds the columns of this
+        version's other features too (early reclaims, semaphores, read/write
+        locks, the minimum hold's ``hold_until``), each NULL in every row
+        that does not use it. Returns True if it changed the lock table.
         """
         timeout = max(self._timeout, 5.0)
         flow = admin_flows.migrate(self._names, timeout, **history_options(history, history_retention))

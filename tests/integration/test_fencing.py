@@ -574,8 +574,8 @@ def test_which_statements_wait_for_a_transaction_holding_the_lock_row(
             cursor = psycopg.ClientCursor(other)
             try:
                 cursor.execute("SET lock_timeout = '500ms'")
-                # What the engine binds for its own connection: here, one that names no session.
-                unnamed = {"reclaim_seconds": None, "_session_key": None, "_backend_pid": 0}
+                # What the engine binds for its own connection: here, one that names no session, and no minimum hold.
+                unnamed = {"reclaim_seconds": None, "_session_key": None, "_backend_pid": 0, "hold_seconds": None}
                 cursor.execute(text, {**unnamed, **params, "_server_timeout_ms": 5000})
             except psycopg.errors.LockNotAvailable:
                 return False

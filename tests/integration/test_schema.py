@@ -46,6 +46,8 @@ def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) ->
         # A read/write lock's row: its lock and mode, NULL in a mutex's or a permit's row.
         ("rwlock", "character varying", 64, "YES", None),
         ("rw_mode", "text", None, "YES", None),
+        # A minimum hold's end (hold_at_least): NULL for every other hold.
+        ("hold_until", "timestamp with time zone", None, "YES", None),
     ]
     constraints = admin.execute(
         """SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint

@@ -715,6 +715,8 @@ def test_the_table_is_0_1_0s_table_plus_a_token_column(
         # And a read/write lock's row (concepts/rwlocks.md): NULL in every row 0.1.0 writes.
         ("rwlock", "YES", None),
         ("rw_mode", "YES", None),
+        # And a minimum hold's end (hold_at_least): NULL in every row 0.1.0 writes.
+        ("hold_until", "YES", None),
     ]
     assert re.fullmatch(r"nextval\('([a-z0-9_]+\.)?mutex_lock_token_seq'::regclass\)", default), (
         f"a row 0.1.0 inserts takes a token from the column's default: {default}"
@@ -887,6 +889,32 @@ def test_a_killed_0_1_0_holder_is_not_reclaimed_early_by_a_contender_that_names_
         assert waited >= STALE - HEARTBEAT - HEARTBEAT_LATE, f"a 0.1.0 holder reclaimed after {waited:.2f}s"
     finally:
         contender.close()
+
+
+def test_a_0_1_0_process_never_takes_a_lock_within_its_minimum_hold(
+    fleet: Fleet, release_0_1_0: Release, this_release: Release
+) -> None:
+    """Released before its minimum (hold_at_least), the lock stays taken for 0.1.0 too, which reads the heartbeat.
+
+    The row's heartbeat is the minimum's end: a 0.1.0 process sees a holder
+    that went silent then, and takes the lock its stale threshold later.
+    """
+    assert prepare("made by 0.1.0, then migrated", fleet, release_0_1_0)
+    minimum = STALE - 0.5
+    with MutexClient(fleet.place.dsn) as client:
+        mine = client.mutex(LOCK, instance_id="new-holder", **TIMING)
+        with mine.acquire(hold_at_least=minimum) as acquired:
+            assert acquired
+            acquired_at = time.monotonic()
+            reclaimer = fleet.start(release_0_1_0, "reclaim", "old-reclaimer")
+        got = reclaimer.expect("held", timeout=minimum + STALE + 10)
+        assert got["at"] - acquired_at >= minimum + STALE - HEARTBEAT_LATE, (
+            f"a 0.1.0 process took it {got['at'] - acquired_at:.2f}s after the acquire, within the minimum"
+        )
+        alerts = [event for event in reclaimer._seen if event["event"] == "alert"]
+        assert all(event["at"] - acquired_at >= minimum for event in alerts), "no alert within the minimum"
+        reclaimer.expect("released", timeout=10)
+        assert reclaimer.wait(30) == 0
 
 
 # -- fencing, when 0.1.0 processes hold the lock too ----------------------------------------

@@ -289,6 +289,75 @@ def test_bad_acquire_arguments_are_named(call: Callable[[Mutex], Any], error: ty
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "error", "said"),
+    [
+        ({"hold_at_least": 0}, ValueError, "hold_at_least must be greater than zero"),
+        ({"hold_at_least": -5}, ValueError, "hold_at_least must be greater than zero"),
+        ({"hold_at_least": math.nan}, ValueError, "hold_at_least must be a finite number"),
+        ({"hold_at_least": "60"}, TypeError, "hold_at_least must be a number"),
+        (
+            {"hold_at_least": 601},
+            ValueError,
+            "hold_at_least (601s) must be at most stale_threshold (600s): a holder killed after acquiring",
+        ),
+        ({"hold_at_least": 61, "stale_threshold": 60, "alert_threshold": 20}, ValueError, "at most stale_threshold"),
+    ],
+)
+def test_a_bad_minimum_hold_is_refused_by_the_constructor_and_by_acquire(
+    kwargs: dict[str, Any], error: type[Exception], said: str
+) -> None:
+    with pytest.raises(error, match=re.escape(said)):
+        Mutex(DSN, "job", **kwargs)
+    hold = kwargs.pop("hold_at_least")
+    mutex = Mutex(DSN, "job", **kwargs)
+    with pytest.raises(error, match=re.escape(said)):
+        mutex.acquire(hold_at_least=hold)
+    with pytest.raises(error, match=re.escape(said)):
+        mutex.acquire_async(hold_at_least=hold)
+
+
+def test_a_minimum_hold_on_its_bound_is_allowed() -> None:
+    mutex = Mutex(DSN, "job", stale_threshold=60, alert_threshold=20, hold_at_least=60)
+    mutex.acquire(hold_at_least=60)
+    assert mutex.config.hold_at_least == 60
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: Semaphore(DSN, "job", permits=2).acquire(hold_at_least=5),
+        lambda: Semaphore(DSN, "job", permits=2).acquire_async(hold_at_least=5),
+    ],
+)
+def test_a_minimum_hold_is_a_mutexs_alone(call: Callable[[], Any]) -> None:
+    with pytest.raises(ValueError, match="hold_at_least is a Mutex's"):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--hold-at-least", "601"], "--hold-at-least (601s) must be at most --stale-threshold (600s)"),
+        (["--hold-at-least", "0"], "argument --hold-at-least: must be a positive number of seconds"),
+        (["--hold-at-least", "5", "--permits", "2"], "--hold-at-least is a plain lock's minimum hold"),
+        (["--hold-at-least", "5", "--write"], "it does not take --write"),
+        (["--hold-at-least", "5", "--restart"], "it does not take --restart"),
+    ],
+)
+def test_the_cli_refuses_a_bad_minimum_hold_naming_its_flags(flags: list[str], said: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "postgres_mutex", "run", "--dsn", DSN, "--lock", "x", *flags, "--", "true"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert said in result.stderr
+
+
+@pytest.mark.parametrize(
     "call",
     [
         lambda m: m.acquire(blocking=False, timeout=5),

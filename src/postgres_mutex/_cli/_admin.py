@@ -35,7 +35,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             "holder": seen.holder,
             "held_for_seconds": round(seen.seconds_held, 3),
             "seconds_since_heartbeat": round(seen.seconds_since_heartbeat, 3),
-            "state": "reclaimable" if seen.reclaimable else "alerting" if seen.alerting else "ok",
+            "state": _state(seen),
+            "held_until": None if seen.held_until is None else _moment(seen.held_until),
             "token": seen.token,
             "session": _session(seen),
             "reclaim_disconnected_after": seen.reclaim_disconnected_after,
@@ -69,7 +70,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             seen.holder,
             duration(round(seen.seconds_held, 3)),
             duration(round(seen.seconds_since_heartbeat, 3)),
-            str(row["state"]),
+            str(row["state"]) if seen.held_until is None else f"released, held until {row['held_until']}",
             "-" if seen.token is None else str(seen.token),
             str(row["session"] or "-"),
         )
@@ -77,6 +78,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     ]
     print_columns(lines)
     return 0
+
+
+def _state(seen: LockObservation) -> str:
+    """What ``status`` says of a hold: ok, alerting, reclaimable, or released (before its minimum hold ended)."""
+    if seen.held_until is not None:
+        return "released"
+    return "reclaimable" if seen.reclaimable else "alerting" if seen.alerting else "ok"
+
+
+def _moment(when: datetime) -> str:
+    """A moment by the server's clock, in UTC to the second: what an operator compares with ``date -u``."""
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _similar(name: str, args: argparse.Namespace) -> str:

@@ -54,6 +54,7 @@ CLI_WORDS: Mapping[str, str] = {
     "stale_threshold": "--stale-threshold",
     "operation_timeout": "--operation-timeout",
     "reclaim_disconnected_after": "--reclaim-disconnected-after",
+    "hold_at_least": "--hold-at-least",
     "since": "--since",
     "limit": "--limit",
     "permit": "--permit",

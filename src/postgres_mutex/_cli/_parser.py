@@ -76,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
         "Run a command while holding a lock; release it when the command ends.",
         "  postgres-mutex run --lock nightly-report -- ./report.sh --full\n"
         "  postgres-mutex run --lock nightly-report --wait --timeout 300 -- ./report.sh\n"
+        "  postgres-mutex run --lock nightly-report --hold-at-least 60 -- ./report.sh  # once per cron tick\n"
         "  postgres-mutex run --lock scheduler --wait --restart -- ./scheduler  # one active replica\n"
         "  postgres-mutex run --lock export --permits 3 --wait -- ./export.sh  # at most 3 at once\n"
         "  postgres-mutex run --lock catalogue --read --wait -- ./serve.sh  # many readers at once\n"
@@ -110,6 +111,14 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="make --lock a read/write lock and hold it for writing: alone, with no reader and no other writer; "
         "while it waits (--wait), new readers wait behind it",
+    )
+    run.add_argument(
+        "--hold-at-least",
+        type=seconds("--hold-at-least"),
+        metavar="SECONDS",
+        help="keep the lock taken until at least this long after it was acquired, even when the command ends "
+        "sooner or the runner dies: a job that cron fires on several hosts a few seconds apart then runs once "
+        "(at most --stale-threshold; the table needs 'postgres-mutex migrate' if it predates 0.2.0; default: off)",
     )
     run.add_argument("--wait", action="store_true", help="wait for the lock instead of giving up at once")
     run.add_argument(

@@ -55,6 +55,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"--kill-after ({kill_after:g}s) must be shorter than --heartbeat-interval "
             f"({args.heartbeat_interval:g}s): the command must be gone before anyone may reclaim the lock"
         )
+    if args.hold_at_least is not None and (args.restart or args.permits is not None or mode is not None):
+        other = "--restart" if args.restart else "--permits" if args.permits is not None else f"--{mode}"
+        raise UsageError(f"--hold-at-least is a plain lock's minimum hold: it does not take {other}")
     if args.restart:
         if args.permits is not None:
             raise UsageError("--restart keeps one copy running: it does not take --permits")
@@ -82,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         mutex = RWLock(dsn(args), args.lock, **options)
         acquire = mutex.read if mode == "read" else mutex.write
     elif args.permits is None:
-        mutex = Mutex(dsn(args), args.lock, **options)
+        mutex = Mutex(dsn(args), args.lock, hold_at_least=args.hold_at_least, **options)
         acquire = mutex.acquire
     else:
         mutex = Semaphore(dsn(args), args.lock, permits=args.permits, **options)
