@@ -191,6 +191,15 @@ BUILT_ON_IT = _BuiltOnIt()
 _SHARED: SharedClients[MutexClient] = SharedClients()
 
 
+def client_for(dsn: str | None, pool: object, async_pool: object, client: MutexClient | None) -> MutexClient:
+    """The client a primitive is made on: the one given, else the process's shared one for its DSN or pool."""
+    if client is None:
+        return shared_client(dsn, pool, async_pool)
+    if dsn is not None or pool is not None or async_pool is not None:
+        raise ValueError("pass either client or dsn/pool/async_pool, not both")
+    return client
+
+
 def shared_client(dsn: str | None, pool: object, async_pool: object) -> MutexClient:
     """The process's shared client for this DSN or pool (validated first)."""
     check_connection_args(dsn, pool, async_pool)

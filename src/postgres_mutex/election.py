@@ -55,8 +55,9 @@ from ._leader import Leader, LeaderReader
 from ._metrics import guard
 from ._mutex import Mutex
 from ._relay import Relay
-from ._settings import check_lock_name, check_seconds
+from ._settings import Settings, check_lock_name, check_seconds
 from ._term import Flag, Leadership, TermPolicy
+from .client import client_for
 from .errors import InvalidArgument, LockNotHeldError, MutexError
 from .table import LockTable
 
@@ -127,24 +128,9 @@ class Election:
                 most=max_backoff,
                 least=backoff,
             )
-        self._mutex = Mutex(
-            dsn,
-            name,
-            pool=pool,
-            async_pool=async_pool,
-            client=client,
-            instance_id=instance_id,
-            table=table,
-            heartbeat_interval=heartbeat_interval,
-            alert_threshold=alert_threshold,
-            stale_threshold=stale_threshold,
-            poll_interval=poll_interval,
-            operation_timeout=operation_timeout,
-            metrics=metrics,
-            tracer_provider=tracer_provider,
-            on_lost=self._on_lost,
-            reclaim_disconnected_after=reclaim_disconnected_after,
-        )
+        # The Mutex's settings, and its on_lost: the election's own, which ends the term.
+        settings = Settings.from_arguments({**locals(), "on_lost": self._on_lost})
+        self._mutex = Mutex._made(name, client_for(dsn, pool, async_pool, client), settings)
         config = self._mutex.config
         self._grace = config.heartbeat_interval if grace is None else grace
         self._campaign = Campaign(

@@ -69,7 +69,7 @@ ENGINES = {
 }
 """The engine, in its parts: the hand-written async modules and the sync ones generated from them."""
 
-MUTEX_PARTS = {"_candidacy", "_closing", "_mutex_config", "_own_watch", "_singleton"}
+MUTEX_PARTS = {"_candidacy", "_closing", "_own_watch", "_singleton"}
 """What `_mutex` is made of besides the core: an election's side, closing, its own watcher, its decorators."""
 
 ELECTION_PARTS = {"_campaign", "_leader", "_relay", "_term"}
