@@ -151,7 +151,7 @@ class Holder:
         )
         self._watch: OwnLockWatch | None = None
         if settings.watch:
-            self._watch = OwnLockWatch(client, settings.table, self._lock, settings.metrics)
+            self._watch = OwnLockWatch(client, self._lock, settings)
             self._watch.start_at_creation(core.has_sync)
 
     # -- introspection -------------------------------------------------------------

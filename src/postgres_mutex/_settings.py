@@ -297,8 +297,8 @@ class Settings:
 
     ``instance_id`` stays as given (None: the holder picks a default one),
     except that an empty one means None, as an unset environment variable did
-    in 0.1.0. A bad value raises as it did when each constructor checked it:
-    `TypeError` or `ValueError`, naming the keyword, word for word.
+    in 0.1.0. A bad value raises `TypeError` or `ValueError` naming its
+    keyword, in the order the constructors check their arguments.
     """
 
     instance_id: str | None = None

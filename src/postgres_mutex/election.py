@@ -131,21 +131,21 @@ class Election:
         # The Mutex's settings, and its on_lost: the election's own, which ends the term.
         settings = Settings.from_arguments({**locals(), "on_lost": self._on_lost})
         self._mutex = Mutex._made(name, client_for(dsn, pool, async_pool, client), settings)
-        config = self._mutex.config
-        self._grace = config.heartbeat_interval if grace is None else grace
+        timing = settings.timing
+        self._grace = timing.heartbeat_interval if grace is None else grace
         self._campaign = Campaign(
             self._mutex,
             ElectionEvents(
                 lock_name=name, instance_id=self._mutex.instance_id, hook=guard(metrics), grace_period=self._grace
             ),
-            TermPolicy(backoff, max_backoff, rejoin_pause=max(0.25, 2 * config.poll_interval)),
+            TermPolicy(backoff, max_backoff, rejoin_pause=max(0.25, 2 * timing.poll_interval)),
             self._grace,
         )
         self._leaders = LeaderReader(
-            LockTable(client=self._mutex.client, table=table, operation_timeout=config.operation_timeout),
+            LockTable(client=self._mutex.client, table=table, operation_timeout=timing.operation_timeout),
             name,
-            alert_threshold=config.alert_threshold,
-            stale_threshold=config.stale_threshold,
+            alert_threshold=timing.alert_threshold,
+            stale_threshold=timing.stale_threshold,
         )
         self._relay: Relay | None = None
         self._running = threading.Lock()
