@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from postgres_mutex import MetricsHook
+from postgres_mutex import ExtendedMetricsHook
 from tests.support.figures import docs_copy_directory
 
 HEARTBEAT, ALERT, STALE = 0.2, 1.0, 3.0
@@ -179,7 +179,7 @@ class Events:
         return found[0] if found else None
 
 
-_HOOK_METHODS = frozenset(name for name in vars(MetricsHook) if not name.startswith("_"))
+_HOOK_METHODS = frozenset(name for name in dir(ExtendedMetricsHook) if not name.startswith("_"))
 
 
 @dataclass

@@ -1,4 +1,9 @@
-"""Generate the sync engine (``_engine.py`` and its parts) from the async one (``_engine_async.py`` ...).
+"""Generate each sync module (``_engine.py``, ``_table.py`` ...) from its async twin (``_engine_async.py`` ...).
+
+Every ``_X_async.py`` module of the package has its sync twin ``_X.py``
+generated (`PAIRS`): the engine and its parts, `LockTable`'s methods, what a
+holder does with the database, the Mutex's decorators, what its closing does
+with the lock, and the reads of an election's leader.
 
 The async module is the one written by hand; the sync one is derived from it
 token by token, so the two cannot drift apart:
@@ -12,7 +17,9 @@ token by token, so the two cannot drift apart:
 - lines between ``# async-only`` and ``# end async-only`` are dropped, and
   lines between ``# sync-only`` and ``# end sync-only`` (comments in the
   async module, each ``# `` followed by the sync text) are uncommented:
-  for a docstring that says what only one flavour is;
+  for code, or a docstring, that only one flavour has. The code of a
+  ``# sync:`` directive and a sync-only line are the sync text as written:
+  nothing in them is renamed;
 - in comments and docstrings, names are renamed as in the code (so
   `AsyncAcquisition` and ``fence_async()`` read `Acquisition` and
   ``fence()``), and the phrases of `TEXT_RENAMES` are replaced.
@@ -23,7 +30,7 @@ docstrings (`ASYNC_WORDS`): the generator fails, naming the line, if one
 does. ``--check`` exits 1 if the committed file is not what this generates
 (CI runs it).
 
-    python tools/async_to_sync.py          # rewrite src/postgres_mutex/_engine.py and its parts
+    python tools/async_to_sync.py          # rewrite the generated modules
     python tools/async_to_sync.py --check  # fail if it is out of date
 """
 
@@ -39,10 +46,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "postgres_mutex"
-PAIRS = [
-    (PACKAGE / f"_{part}_async.py", PACKAGE / f"_{part}.py")
-    for part in ("engine", "heartbeat", "listener", "sources", "acquisition")
-]
+PAIRS = sorted(
+    (source, source.with_name(source.name.removesuffix("_async.py") + ".py")) for source in PACKAGE.glob("_*_async.py")
+)
+"""Every ``_{part}_async.py`` module of the package, written by hand, and its generated sync twin ``_{part}.py``."""
 
 RENAMES = {
     "ACancelled": "Cancelled",
@@ -58,12 +65,15 @@ RENAMES = {
     "__aenter__": "__enter__",
     "__aexit__": "__exit__",
     "aclose": "close",
+    "enter_async_context": "enter_context",
     "_engine_async": "_engine",
 }
 
 TEXT_RENAMES = {
     "``async with``": "``with``",
     "``async for``": "``for``",
+    "``async with ": "``with ",
+    "``async for ": "``for ",
 }
 
 ASYNC_WORDS = re.compile(r"\b(async|await|awaits|awaited|asyncio|coroutines?|tasks?)\b|event loops?", re.IGNORECASE)
@@ -91,7 +101,13 @@ def rename(name: str) -> str:
 
 def flavour_blocks(source: str) -> list[str]:
     """The lines of the sync module: async-only blocks dropped, sync-only ones uncommented."""
-    lines: list[str] = []
+    return [line for line, _ in _flavoured_lines(source)]
+
+
+def _flavoured_lines(source: str) -> list[tuple[str, bool]]:
+    """`flavour_blocks`'s lines, each with whether it is sync text already (a sync-only line, a ``# sync:``
+    directive's code): such a line is taken as written, never renamed."""
+    lines: list[tuple[str, bool]] = []
     block: str | None = None
     for line in source.splitlines(keepends=True):
         marker = line.strip()
@@ -111,7 +127,12 @@ def flavour_blocks(source: str) -> list[str]:
             if not body.startswith("#"):
                 raise SyntaxError(f"a sync-only line must be a comment: {line.strip()!r}")
             line = indent + body[1:].removeprefix(" ") if body.strip() != "#" else "\n"
-        lines.append(line)
+            lines.append((line, True))
+            continue
+        if directive := _SYNC_DIRECTIVE.match(line):
+            lines.append((f"{directive['indent']}{directive['code']}\n", True))
+            continue
+        lines.append((line, False))
     if block is not None:
         raise SyntaxError(f"a {block} block is not closed")
     return lines
@@ -152,11 +173,9 @@ def async_words(code: str) -> list[str]:
 
 
 def convert(source: str, source_name: str) -> str:
-    lines = []
-    for line in flavour_blocks(source):
-        directive = _SYNC_DIRECTIVE.match(line)
-        lines.append(f"{directive['indent']}{directive['code']}\n" if directive else line)
-    text = "".join(lines)
+    flavoured = _flavoured_lines(source)
+    text = "".join(line for line, _ in flavoured)
+    as_written = {row for row, (_, verbatim) in enumerate(flavoured, start=1) if verbatim}
 
     # Edits as (row, start column, end column, replacement), applied right to left.
     edits: list[tuple[int, int, int, str]] = []
@@ -181,6 +200,8 @@ def convert(source: str, source_name: str) -> str:
 
     rows = text.splitlines(keepends=True)
     for row, start, end, replacement in sorted(edits, reverse=True):
+        if row in as_written:
+            continue
         line = rows[row - 1]
         rows[row - 1] = line[:start] + replacement + line[end:]
     header = HEADER.format(source=source_name)

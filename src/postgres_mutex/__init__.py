@@ -7,7 +7,7 @@ contract.
 
 from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
-from ._metrics import FanOutMetrics, LockObservation, MetricsHook, NullMetrics
+from ._metrics import ExtendedMetricsHook, FanOutMetrics, LockObservation, MetricsHook, NullMetrics
 from ._mutex import Mutex
 from ._rwlock import RWLock
 from ._semaphore import Semaphore
@@ -33,6 +33,7 @@ __all__ = [
     "AsyncAcquisition",
     "DatabaseError",
     "Election",
+    "ExtendedMetricsHook",
     "FanOutMetrics",
     "ForcedRelease",
     "HoldRecord",

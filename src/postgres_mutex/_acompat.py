@@ -77,29 +77,49 @@ class AEvent:
 
 
 class Event:
-    """An event a thread waits on; `set` may be called from any thread."""
+    """An event a thread waits on; `set` may be called from any thread.
+
+    Built on a bare `threading.Lock`, held while the event is clear, rather than on
+    `threading.Event`, whose `threading.Condition` is entered and left by Python code: a
+    signal handler's exception landing there (a waiting acquire's job runner timing out) left
+    its lock held, and every later `set`, the listener thread's included, waited for good.
+    A lock's acquire and release are single C calls, and a waiter that got it while the event
+    is still clear keeps it: holding it is what "clear" means, whoever holds it.
+    """
+
+    __slots__ = ("_clear", "_flag")
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._flag = False
+        self._clear = threading.Lock()
+        self._clear.acquire()
 
     def set(self) -> None:
-        self._event.set()
+        self._flag = True
+        # Not contextlib.suppress: its Python frames are where an exception could land.
+        try:  # noqa: SIM105
+            self._clear.release()
+        except RuntimeError:
+            pass  # already released: set twice
 
     def clear(self) -> None:
-        self._event.clear()
+        self._flag = False
+        self._clear.acquire(blocking=False)
 
     def is_set(self) -> bool:
-        return self._event.is_set()
+        return self._flag
 
     def wait(self, timeout: float | None = None) -> bool:
-        if timeout is None:
-            return self._event.wait()
-        deadline = now() + timeout
-        while not self._event.is_set():
-            left = deadline - now()
+        deadline = None if timeout is None else now() + timeout
+        while not self._flag:
+            left = MAX_SLICE if deadline is None else min(deadline - now(), MAX_SLICE)
             if left <= 0:
                 return False
-            self._event.wait(min(left, MAX_SLICE))
+            if self._clear.acquire(timeout=left) and self.is_set():
+                try:  # noqa: SIM105 (as in `set`)
+                    self._clear.release()  # let the other waiters through
+                except RuntimeError:
+                    pass  # released by a `set` meanwhile
         return True
 
 

@@ -16,7 +16,6 @@ through the client's private attributes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -309,9 +308,16 @@ class ClientCore:
         budget = self._exit_budget()
         deadline = now() + budget
         self.engine().deadline = deadline
-        self._finish_at_exit(deadline)
+        left = self._finish_at_exit(deadline)
         if self._held_locks() or self._pending_cleanups():
             logger.warning("could not release every lock within %.3gs at exit; they stay until reclaimed", budget)
+        elif left:
+            logger.warning(
+                "could not delete, within %.3gs at exit, the rows unanswered statements may have left for %s; "
+                "they stay until reclaimed after stale_threshold",
+                budget,
+                ", ".join(sorted({repr(name) for name in left})),
+            )
 
     def _pending_cleanups(self) -> bool:
         with self.state_lock:
@@ -324,11 +330,12 @@ class ClientCore:
         timeouts = [lock.timing.operation_timeout for lock in list(self._locks)]
         return max(timeouts) if timeouts else self.operation_timeout
 
-    def _finish_at_exit(self, deadline: float) -> None:
+    def _finish_at_exit(self, deadline: float) -> list[str]:
+        """Release and clean up within ``deadline``; returns the locks whose clean-up was skipped or failed."""
         engine = self.engine()
         for lock in self._held_locks():
             if now() >= deadline:
-                return
+                return []
             try:
                 engine.run(flows.release(lock, lock.tracing, caller=None))
             except Exception as exc:
@@ -340,12 +347,18 @@ class ClientCore:
         for async_engine in async_engines:
             pending.extend(async_engine.take_cleanups())
         pending.extend(engine.take_cleanups())
+        left: list[str] = []
         for cleanup in pending:
             if now() >= deadline:
-                return
-            with contextlib.suppress(Exception):
+                left.append(cleanup.lock.lock_name)
+                continue
+            try:
                 engine.run(flows.clean_up(cleanup))
+            except Exception as exc:
+                logger.debug("deleting a row lock %r may have left, at exit: %s", cleanup.lock.lock_name, exc)
+                left.append(cleanup.lock.lock_name)
         engine.close_connections()
+        return left
 
     def after_fork_in_child(self) -> None:
         """In a forked child: the parent's connections, threads and holds are not ours."""

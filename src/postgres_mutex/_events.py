@@ -9,12 +9,13 @@ one, so each is reported once, the same way, whichever path saw it.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TypedDict
 
 from opentelemetry.trace import Span
 
-from ._metrics import LockObservation, MetricsHook
+from ._metrics import ExtendedMetricsHook, LockObservation
 from ._rules import DISCONNECTED, AcquireResult, Outcome, reclaim_reason
 from ._sql import SEPARATOR
 from ._tracing import MODE, OUTCOME, PERMIT, AttributeValue, mark_error, set_outcome
@@ -81,7 +82,7 @@ class LockEvents:
         *,
         lock_name: str,
         instance_id: str,
-        hook: MetricsHook,
+        hook: ExtendedMetricsHook,
         on_lost: LostCallback | None,
         alert_threshold: float,
         stale_threshold: float,
@@ -318,7 +319,7 @@ class LockEvents:
 
 
 def report_alert(
-    hook: MetricsHook,
+    hook: ExtendedMetricsHook,
     what: str,
     lock_name: str,
     holder: str,
@@ -344,7 +345,12 @@ class WatcherEvents:
     """How a stale-holder watcher's events are reported."""
 
     def __init__(
-        self, hook: MetricsHook, *, watched: frozenset[str] | None, alert_threshold: float, stale_threshold: float
+        self,
+        hook: ExtendedMetricsHook,
+        *,
+        watched: frozenset[str] | None,
+        alert_threshold: float,
+        stale_threshold: float,
     ) -> None:
         self.hook = hook
         self.watched = watched
@@ -387,7 +393,7 @@ class ElectionEvents:
 
     __slots__ = ("grace_period", "hook", "instance_id", "lock_name")
 
-    def __init__(self, *, lock_name: str, instance_id: str, hook: MetricsHook, grace_period: float) -> None:
+    def __init__(self, *, lock_name: str, instance_id: str, hook: ExtendedMetricsHook, grace_period: float) -> None:
         self.lock_name = lock_name
         self.instance_id = instance_id
         self.hook = hook
@@ -470,3 +476,35 @@ def _event(
     if span.is_recording():
         values = {f"postgres_mutex.{key}": value for key, value in attributes.items() if value is not None}
         span.add_event(name, {OUTCOME: outcome, **values})
+
+
+class Defects:
+    """Unexpected failures of a background worker (each a defect): said loudly, once each.
+
+    An ERROR with its traceback the first time a failure of its kind, message and place is met;
+    past a few distinct ones, a worker failing in ever new ways says so at DEBUG only (the
+    first ones show the defect). The worker itself goes on: a bug must not end the heartbeats
+    or the wake-ups of every lock of the process.
+    """
+
+    LOGGED = 20
+
+    def __init__(self, worker: str) -> None:
+        self._worker = worker
+        self._seen: set[tuple[str, str, str]] = set()
+
+    def report(self, doing: str, exc: Exception, then: str) -> None:
+        """``doing`` failed with ``exc``; ``then``: what the worker does next, in the log's words."""
+        where = "".join(f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(exc.__traceback__)[-1:])
+        key = (type(exc).__qualname__, str(exc), where)
+        if key in self._seen or len(self._seen) >= self.LOGGED:
+            logger.debug("postgres-mutex %s: %s failed again: %r", self._worker, doing, exc)
+            return
+        self._seen.add(key)
+        logger.error(
+            "postgres-mutex %s: %s failed unexpectedly; it goes on, %s (this error is logged once)",
+            self._worker,
+            doing,
+            then,
+            exc_info=exc,
+        )

@@ -1,33 +1,131 @@
-"""What the built-in exporters share: the hook calls mapped once onto metrics, and the watcher's last view.
+"""What the built-in exporters share: two tables from what the library reports to metrics.
 
-`PrometheusMetrics` and `OtelMetrics` subclass `ExporterHook` and supply three
-primitives (a counter, a histogram, the locks-held gauge); the names come
-from `metric_names`, so both paths produce the same series.
+`ON_CALL` says, one line per metric a hook call moves, what the call does to
+it; `GAUGES` says, one line per watcher gauge, how it is read from what the
+watcher last saw (`LockTableView`). `PrometheusMetrics` and `OtelMetrics`
+make one instrument per entry of `metric_names.ALL`, by its kind, and supply
+three primitives (count, record, move a level): neither names a metric, so
+both produce the same series, and a new metric is its event, its entry in
+`metric_names` and its line here.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from . import metric_names as names
-from ._metrics import LockObservation, MetricsHook
+from ._metrics import HOOK_METHODS, ExtendedMetricsHook, LockObservation
+
+Call = Mapping[str, object]
+"""One hook call's arguments by name, defaults included: ``{"lock_name": ..., "instance_id": ..., ...}``."""
 
 
-class ExporterHook(MetricsHook):
-    """The hook calls, mapped once onto metrics; the built-in exporters supply three primitives.
+def labels_of(metric: names.MetricName, call: Call) -> dict[str, str]:
+    """The metric's labels, each the call's argument of that name (None, or not given: empty)."""
+    labels = {}
+    for label in metric.labels:
+        value = call.get(label)
+        labels[label] = "" if value is None else str(value)
+    return labels
 
-    Subclasses create their instruments and implement `_add` (a counter),
-    `_record` (a histogram) and `_held_changed` (the locks-held gauge). The
-    watcher's per-lock gauges are read from `view` at collection time.
+
+@dataclass(frozen=True)
+class Count:
+    """A counter's one more, per call."""
+
+    metric: names.MetricName
+
+
+@dataclass(frozen=True)
+class Record:
+    """A histogram's observation of the call's argument ``value``."""
+
+    metric: names.MetricName
+    value: str
+
+
+@dataclass(frozen=True)
+class Move:
+    """An up-down gauge moved by ``delta`` per call (0 makes its series appear)."""
+
+    metric: names.MetricName
+    delta: int
+
+
+@dataclass(frozen=True)
+class Hold:
+    """An up-down gauge of what each instance holds: +1 when it begins, -1 when it ends, counted from a set.
+
+    A repeated call cannot count twice: ``released`` after ``lost`` (a lost lock's row cleaned up on
+    exit) moves the gauge once.
+    """
+
+    metric: names.MetricName
+    delta: int
+
+
+@dataclass(frozen=True)
+class Watch:
+    """The call is a watcher's: it changes what the watcher gauges (`GAUGES`) read."""
+
+
+Action = Count | Record | Move | Hold | Watch
+
+ON_CALL: tuple[tuple[str, Action], ...] = (
+    ("acquired", Count(names.ACQUISITIONS)),
+    ("acquired", Hold(names.LOCKS_HELD, +1)),
+    ("released", Count(names.RELEASES)),
+    ("released", Hold(names.LOCKS_HELD, -1)),
+    ("lost", Count(names.LOSSES)),
+    ("lost", Hold(names.LOCKS_HELD, -1)),
+    ("release_failed", Hold(names.LOCKS_HELD, -1)),
+    ("contended", Count(names.CONTENTIONS)),
+    ("stale_reclaimed", Count(names.STALE_RECLAIMS)),
+    ("alert", Count(names.ALERTS)),
+    ("lease_running_out", Count(names.LEASES_RUNNING_OUT)),
+    ("hold_in_doubt", Count(names.DOUBTS)),
+    ("heartbeat_latency", Record(names.HEARTBEAT_DURATION, "seconds")),
+    ("heartbeat_failed", Count(names.HEARTBEAT_FAILURES)),
+    ("acquire_wait", Record(names.ACQUIRE_DURATION, "seconds")),
+    ("waiting", Move(names.WAITERS, +1)),
+    ("stopped_waiting", Move(names.WAITERS, -1)),
+    ("observed", Watch()),
+    ("watcher_failed", Count(names.WATCHER_ERRORS)),
+    ("watcher_failed", Watch()),
+    ("watcher_stopped", Watch()),
+    ("election_started", Hold(names.ELECTION_CANDIDATES, +1)),
+    ("election_started", Move(names.ELECTION_LEADING, 0)),  # campaigning: the election's series exist, at 0
+    ("election_stopped", Hold(names.ELECTION_LEADING, -1)),
+    ("election_stopped", Hold(names.ELECTION_CANDIDATES, -1)),
+    ("election_term_began", Count(names.ELECTION_TERMS)),
+    ("election_term_began", Hold(names.ELECTION_LEADING, +1)),
+    ("election_term_ended", Record(names.ELECTION_TERM_DURATION, "seconds")),
+    ("election_term_ended", Hold(names.ELECTION_LEADING, -1)),
+    ("election_lead_failed", Count(names.ELECTION_LEAD_FAILURES)),
+    ("election_grace_overrun", Count(names.ELECTION_GRACE_OVERRUNS)),
+)
+"""What each hook call does to the metrics, in order: one line per metric it moves."""
+
+
+class ExporterHook(ExtendedMetricsHook):
+    """Every hook call, applied to the metrics by `ON_CALL`; the built-in exporters supply three primitives.
+
+    Subclasses create one instrument per entry of `metric_names.ALL` and
+    implement `_add` (a counter), `_record` (a histogram) and `_level` (an
+    up-down gauge). The watcher gauges are read from `view` at collection
+    time, by `GAUGES`.
     """
 
     def __init__(self) -> None:
-        self._held = HeldLocks()
-        self._candidates = HeldLocks()
-        self._leading = HeldLocks()
         self.view = LockTableView()
+        self._holds = {action.metric: HeldLocks() for _, action in ON_CALL if isinstance(action, Hold)}
+        self._on_call: dict[str, list[Action]] = {}
+        for method, action in ON_CALL:
+            self._on_call.setdefault(method, []).append(action)
 
     def _add(self, metric: names.MetricName, labels: dict[str, str]) -> None:
         raise NotImplementedError
@@ -35,145 +133,69 @@ class ExporterHook(MetricsHook):
     def _record(self, metric: names.MetricName, value: float, labels: dict[str, str]) -> None:
         raise NotImplementedError
 
-    def _held_changed(self, lock_name: str, delta: int) -> None:
-        raise NotImplementedError
-
     def _level(self, metric: names.MetricName, labels: dict[str, str], delta: int) -> None:
-        """Move an up-down gauge (`ELECTION_CANDIDATES`, `ELECTION_LEADING`) by ``delta``; 0 makes it appear."""
         raise NotImplementedError
 
-    def acquired(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
-        self._add(names.ACQUISITIONS, {"lock_name": lock_name})
-        if self._held.add(lock_name, instance_id):
-            self._held_changed(lock_name, +1)
+    def _apply(self, method: str, call: Call) -> None:
+        for action in self._on_call.get(method, ()):
+            match action:
+                case Watch():
+                    self.view.tell(call)
+                case Count(metric):
+                    self._add(metric, labels_of(metric, call))
+                case Record(metric, value):
+                    self._record(metric, cast(float, call[value]), labels_of(metric, call))
+                case Move(metric, delta):
+                    self._level(metric, labels_of(metric, call), delta)
+                case Hold(metric, delta):
+                    labels = labels_of(metric, call)
+                    key = (tuple(labels.values()), str(call["instance_id"]))
+                    held = self._holds[metric]
+                    if held.add(key) if delta > 0 else held.discard(key):
+                        self._level(metric, labels, delta)
 
-    def released(self, lock_name: str, *, instance_id: str) -> None:
-        self._add(names.RELEASES, {"lock_name": lock_name})
-        if self._held.discard(lock_name, instance_id):
-            self._held_changed(lock_name, -1)
 
-    def lost(self, lock_name: str, *, instance_id: str, reason: str) -> None:
-        self._add(names.LOSSES, {"lock_name": lock_name})
-        if self._held.discard(lock_name, instance_id):
-            self._held_changed(lock_name, -1)
+def _applying(method: str) -> Callable[..., None]:
+    """The hook method ``method`` of `ExporterHook`: its arguments by name, then `ON_CALL`'s lines for it."""
+    declared = getattr(ExtendedMetricsHook, method)
+    signature = inspect.signature(declared)
+    parameters = list(signature.parameters.values())[1:]  # past self
+    positional = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
 
-    def contended(self, lock_name: str, *, instance_id: str) -> None:
-        self._add(names.CONTENTIONS, {"lock_name": lock_name})
+    def apply(self: ExporterHook, *args: object, **kwargs: object) -> None:
+        call = dict(defaults)
+        call.update(zip(positional, args, strict=False))
+        call.update(kwargs)
+        self._apply(method, call)
 
-    def stale_reclaimed(
-        self,
-        lock_name: str,
-        *,
-        instance_id: str,
-        previous_holder: str,
-        token: int | None = None,
-        reason: str = "stale",
-        mode: str | None = None,
-    ) -> None:
-        self._add(names.STALE_RECLAIMS, {"lock_name": lock_name, "mode": mode or "", "reason": reason})
+    apply.__name__ = apply.__qualname__ = method
+    apply.__doc__ = declared.__doc__
+    apply.__signature__ = signature  # type: ignore[attr-defined]
+    return apply
 
-    def lease_running_out(self, lock_name: str, *, instance_id: str, seconds_left: float) -> None:
-        self._add(names.LEASES_RUNNING_OUT, {"lock_name": lock_name})
 
-    def hold_in_doubt(self, lock_name: str, *, instance_id: str) -> None:
-        self._add(names.DOUBTS, {"lock_name": lock_name})
-
-    def alert(self, lock_name: str, *, holder: str, seconds_since_heartbeat: float, mode: str | None = None) -> None:
-        self._add(names.ALERTS, {"lock_name": lock_name, "mode": mode or ""})
-
-    def heartbeat_latency(self, lock_name: str, *, instance_id: str, seconds: float) -> None:
-        self._record(names.HEARTBEAT_DURATION, seconds, {"lock_name": lock_name})
-
-    def heartbeat_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
-        self._add(names.HEARTBEAT_FAILURES, {"lock_name": lock_name})
-
-    def acquire_wait(self, lock_name: str, *, instance_id: str, seconds: float, outcome: str) -> None:
-        self._record(names.ACQUIRE_DURATION, seconds, {"lock_name": lock_name, "outcome": outcome})
-
-    def observed(
-        self,
-        observations: Sequence[LockObservation],
-        *,
-        watched: frozenset[str] | None,
-        alert_threshold: float,
-        stale_threshold: float,
-    ) -> None:
-        self.view.update(
-            observations, watched=watched, alert_threshold=alert_threshold, stale_threshold=stale_threshold
-        )
-
-    def watcher_failed(self, *, error: BaseException) -> None:
-        self._add(names.WATCHER_ERRORS, {})
-        self.view.failed()
-
-    def watcher_stopped(self, *, watched: frozenset[str] | None) -> None:
-        self.view.forget(watched)
-
-    def waiting(self, lock_name: str, *, instance_id: str, mode: str | None = None) -> None:
-        self._level(names.WAITERS, {"lock_name": lock_name, "mode": mode or ""}, +1)
-
-    def stopped_waiting(self, lock_name: str, *, instance_id: str, mode: str | None = None) -> None:
-        self._level(names.WAITERS, {"lock_name": lock_name, "mode": mode or ""}, -1)
-
-    def release_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
-        if self._held.discard(lock_name, instance_id):
-            self._held_changed(lock_name, -1)
-
-    # Per candidate, counted from sets as the locks held are, so a repeated call cannot count twice.
-
-    def election_started(self, lock_name: str, *, instance_id: str) -> None:
-        labels = {"lock_name": lock_name}
-        if self._candidates.add(lock_name, instance_id):
-            self._level(names.ELECTION_CANDIDATES, labels, +1)
-        self._level(names.ELECTION_LEADING, labels, 0)  # campaigning: the election's series exist, at 0
-
-    def election_stopped(self, lock_name: str, *, instance_id: str) -> None:
-        labels = {"lock_name": lock_name}
-        if self._leading.discard(lock_name, instance_id):
-            self._level(names.ELECTION_LEADING, labels, -1)
-        if self._candidates.discard(lock_name, instance_id):
-            self._level(names.ELECTION_CANDIDATES, labels, -1)
-
-    def election_term_began(self, lock_name: str, *, instance_id: str, token: int | None = None) -> None:
-        self._add(names.ELECTION_TERMS, {"lock_name": lock_name})
-        if self._leading.add(lock_name, instance_id):
-            self._level(names.ELECTION_LEADING, {"lock_name": lock_name}, +1)
-
-    def election_term_ended(
-        self, lock_name: str, *, instance_id: str, ended: str, seconds: float, token: int | None = None
-    ) -> None:
-        self._record(names.ELECTION_TERM_DURATION, seconds, {"lock_name": lock_name, "ended": ended})
-        if self._leading.discard(lock_name, instance_id):
-            self._level(names.ELECTION_LEADING, {"lock_name": lock_name}, -1)
-
-    def election_lead_failed(self, lock_name: str, *, instance_id: str, error: BaseException, backoff: float) -> None:
-        self._add(names.ELECTION_LEAD_FAILURES, {"lock_name": lock_name})
-
-    def election_grace_overrun(self, lock_name: str, *, instance_id: str, seconds: float, reason: str) -> None:
-        self._add(names.ELECTION_GRACE_OVERRUNS, {"lock_name": lock_name})
+for _method in HOOK_METHODS:
+    setattr(ExporterHook, _method, _applying(_method))
 
 
 class HeldLocks:
-    """Which (lock, instance) pairs this process holds, for a locks-held gauge.
-
-    ``released`` after ``lost`` (a lost lock's row cleaned up on exit) must
-    not count twice: changes are computed from a set, not from the calls.
-    """
+    """What each instance of this process holds (a lock, a candidacy, a lead), for a `Hold` gauge."""
 
     def __init__(self) -> None:
-        self._held: set[tuple[str, str]] = set()
+        self._held: set[tuple[tuple[str, ...], str]] = set()
         self._lock = threading.Lock()
 
-    def add(self, lock_name: str, instance_id: str) -> bool:
+    def add(self, key: tuple[tuple[str, ...], str]) -> bool:
         with self._lock:
-            new = (lock_name, instance_id) not in self._held
-            self._held.add((lock_name, instance_id))
+            new = key not in self._held
+            self._held.add(key)
             return new
 
-    def discard(self, lock_name: str, instance_id: str) -> bool:
+    def discard(self, key: tuple[tuple[str, ...], str]) -> bool:
         with self._lock:
-            present = (lock_name, instance_id) in self._held
-            self._held.discard((lock_name, instance_id))
+            present = key in self._held
+            self._held.discard(key)
             return present
 
 
@@ -248,12 +270,27 @@ def permits_in_use(locks: Sequence[WatchedLock]) -> dict[str, int]:
 
 
 class LockTableView:
-    """What watchers last reported, per lock: read by exporters at scrape time."""
+    """What watchers last reported, per lock: read by exporters at scrape time (`GAUGES`)."""
 
     def __init__(self) -> None:
         self._locks: dict[str, WatchedLock] = {}
         self._up: bool | None = None
         self._lock = threading.Lock()
+
+    def tell(self, call: Call) -> None:
+        """A watcher's hook call (`observed`, `watcher_failed`, `watcher_stopped`), by its arguments."""
+        watched = cast("frozenset[str] | None", call.get("watched"))
+        if "observations" in call:
+            self.update(
+                cast("Sequence[LockObservation]", call["observations"]),
+                watched=watched,
+                alert_threshold=cast(float, call["alert_threshold"]),
+                stale_threshold=cast(float, call["stale_threshold"]),
+            )
+        elif "error" in call:
+            self.failed()
+        else:
+            self.forget(watched)
 
     def update(
         self,
@@ -294,3 +331,47 @@ class LockTableView:
         """The watched locks, and whether the last read succeeded (None: no watcher reported yet)."""
         with self._lock:
             return sorted(self._locks.values(), key=lambda lock: lock.observation.lock_name), self._up
+
+
+Sample = tuple[dict[str, str], float]
+"""One series of a gauge: its labels, its value."""
+Read = Callable[[Sequence[WatchedLock], bool | None], Iterable[Sample]]
+"""How a watcher gauge is read from `LockTableView.snapshot`: the locks watched, whether the last read succeeded."""
+
+
+def each_holder(value: Callable[[WatchedLock], float | None]) -> Read:
+    """A per-holder gauge (`metric_names.PER_HOLDER`): one series per holder shown (`per_holder`), if it has a value."""
+
+    def read(locks: Sequence[WatchedLock], up: bool | None) -> list[Sample]:
+        samples = ((lock.labels, value(lock)) for lock in per_holder(locks))
+        return [(labels, found) for labels, found in samples if found is not None]
+
+    return read
+
+
+def _holder_info(locks: Sequence[WatchedLock], up: bool | None) -> list[Sample]:
+    return [({**lock.labels, "holder": lock.observation.holder}, 1) for lock in per_holder(locks)]
+
+
+def _session(lock: WatchedLock) -> float | None:
+    alive = lock.observation.session_alive
+    return None if alive is None else int(alive)
+
+
+GAUGES: dict[names.MetricName, Read] = {
+    names.HEARTBEAT_AGE: each_holder(lambda lock: lock.observation.seconds_since_heartbeat),
+    names.HELD_DURATION: each_holder(lambda lock: lock.observation.seconds_held),
+    names.HOLDER_INFO: _holder_info,
+    names.ALERTING: each_holder(lambda lock: float(lock.observation.alerting)),
+    names.RECLAIMABLE: each_holder(lambda lock: float(lock.observation.reclaimable)),
+    names.SESSION_ALIVE: each_holder(_session),
+    names.ALERT_THRESHOLD: each_holder(lambda lock: lock.alert_threshold),
+    names.STALE_THRESHOLD: each_holder(lambda lock: lock.stale_threshold),
+    names.PERMITS_IN_USE: lambda locks, up: [({"lock_name": n}, c) for n, c in permits_in_use(locks).items()],
+    names.RWLOCK_HOLDERS: lambda locks, up: [
+        ({"lock_name": n, "mode": mode}, c) for (n, mode), c in rwlock_holders(locks).items()
+    ],
+    names.RWLOCK_WRITER_WAITING: lambda locks, up: [({"lock_name": n}, w) for n, w in writers_waiting(locks).items()],
+    names.WATCHER_UP: lambda locks, up: [] if up is None else [({}, int(up))],
+}
+"""How each watcher gauge is read, at collection time, from what the watcher last saw: one line per gauge."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import traceback
 from typing import TYPE_CHECKING, Any
 
 from . import _flows as flows
@@ -26,6 +25,7 @@ from . import _heartbeat_flows as heartbeat_flows
 from . import _steps as steps
 from ._acompat import Cancelled, Event, Worker
 from ._clock import MAX_SLICE, now
+from ._events import Defects
 from ._settings import retry_pause
 from ._state import HeartbeatGroup, Hold
 from .errors import DatabaseError
@@ -39,10 +39,6 @@ logger = logging.getLogger("postgres_mutex")
 # and a worker started per acquire would cost more than the lock.
 _WORKER_LINGER = 10.0
 
-# The distinct unexpected failures a worker logs with their traceback: past that, a worker
-# failing in ever new ways says so at DEBUG only (each is a defect; the first ones show it).
-_DEFECTS_LOGGED = 20
-
 
 class HeartbeatWorker:
     """Renews an engine's holds and deletes the rows it may have left; see the module's docstring."""
@@ -54,8 +50,7 @@ class HeartbeatWorker:
         self._cleanups: list[steps.Cleanup] = []
         self._wake = Event()
         self._worker: Worker | None = None
-        self._defects: set[tuple[str, str, str]] = set()
-        """The unexpected failures logged already: each is logged once, with its traceback."""
+        self._defects = Defects("heartbeat worker")
 
     def keep(self, hold: Hold) -> None:
         """Renew ``hold`` from now on, with the other holds of its table and interval."""
@@ -244,19 +239,7 @@ class HeartbeatWorker:
                 cleanup.due = max(retry_at, now())
 
     def _defect(self, doing: str, exc: Exception) -> None:
-        """Say an unexpected failure loudly (an ERROR with its traceback), once per distinct failure."""
-        where = "".join(f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(exc.__traceback__)[-1:])
-        key = (type(exc).__qualname__, str(exc), where)
-        if key in self._defects or len(self._defects) >= _DEFECTS_LOGGED:
-            logger.debug("postgres-mutex heartbeat worker: %s failed again: %r", doing, exc)
-            return
-        self._defects.add(key)
-        logger.error(
-            "postgres-mutex heartbeat worker: %s failed unexpectedly; it goes on, trying again at the next "
-            "heartbeat (this error is logged once)",
-            doing,
-            exc_info=exc,
-        )
+        self._defects.report(doing, exc, "trying again at the next heartbeat")
 
     def stop(self) -> None:
         """The engine closed: let the worker end (within a statement deadline) and take nothing more."""

@@ -10,32 +10,29 @@ therefore no Mutex (``isinstance`` says so): neither can stand in for the other.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
-from . import _acquisition, _acquisition_async
-from . import _flows as flows
-from . import _heartbeat_flows as heartbeat_flows
-from ._acompat import current_owner
 from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._candidacy import Candidacy
-from ._closing import release_on_aclose, release_on_close
 from ._events import LockEvents, LostCallback
+from ._holder_methods import HolderMethods
+from ._holder_methods_async import AsyncHolderMethods
 from ._metrics import guard
 from ._own_watch import OwnLockWatch
 from ._settings import MutexConfig, Settings, check_mutex_name, check_wait, default_instance_id
-from ._singleton import Siblings, singleton_decorator, singleton_decorator_async
+from ._siblings import Siblings
+from ._singleton import singleton_decorator
+from ._singleton_async import singleton_decorator_async
 from ._state import LockState
 from .client import MutexClient, client_for, core_of
 from .errors import InvalidArgument
 
 if TYPE_CHECKING:
-    import psycopg
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
@@ -47,7 +44,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class Holder:
+class Holder(AsyncHolderMethods, HolderMethods):
     """One hold at a time of something in the lock table, with every guarantee of a `Mutex`.
 
     Not used on its own: `Mutex`, `Semaphore` and `RWLock`'s holders are made
@@ -245,19 +242,6 @@ class Holder:
         """The watcher of this Mutex's own lock (``watch=True``), else None."""
         return None if self._watch is None else self._watch.watcher
 
-    # -- schema --------------------------------------------------------------------
-
-    def create_schema(self) -> None:
-        """Create the lock table if it does not exist. Idempotent, safe to race.
-
-        Raises `SchemaError` if the role may not create it.
-        """
-        self._client.table(self.table).create()
-
-    async def create_schema_async(self) -> None:
-        """Async `create_schema`."""
-        await self._client.table(self.table).create_async()
-
     # -- acquire and release ----------------------------------------------------------
 
     def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
@@ -286,82 +270,6 @@ class Holder:
         blocking, timeout = check_wait(blocking, timeout)
         self._start_watch_async()
         return AsyncAcquisition(self._engine_async_for, self._lock, blocking=blocking, timeout=timeout)
-
-    def release(self) -> None:
-        """Delete this Mutex's lock row (waking waiters at once).
-
-        Raises `LockNotHeldError` if this Mutex does not hold the lock (as
-        ``threading.Lock.release`` does), or if the lock had been lost (a row
-        that may still be ours is then deleted in the background). Raises
-        `DatabaseError` if the row could not be deleted within
-        ``operation_timeout``: it is deleted in the background as soon as the
-        database answers, and is reclaimable after ``stale_threshold`` anyway.
-
-        Called from another thread or task than the one whose ``with`` block
-        holds the lock, it releases the lock and that block's exit raises
-        `LockNotHeldError`: the block learns that it ran partly unlocked.
-        """
-        self._core.engine().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
-
-    async def release_async(self) -> None:
-        """Async `release`."""
-        await self._core.engine_async().run(flows.release(self._lock, self._lock.tracing, caller=current_owner()))
-
-    def heartbeat(self) -> None:
-        """Renew the lock now (the client's heartbeat does this on its own).
-
-        Raises `LockNotHeldError` if the lock is not held or turns out lost,
-        `DatabaseError` if the heartbeat failed.
-        """
-        self._core.engine().run(heartbeat_flows.heartbeat_now(self._lock, self._lock.tracing))
-
-    async def heartbeat_async(self) -> None:
-        """Async `heartbeat`."""
-        await self._core.engine_async().run(heartbeat_flows.heartbeat_now(self._lock, self._lock.tracing))
-
-    # -- fencing -------------------------------------------------------------------
-
-    def fence(self, conn: psycopg.Connection[Any]) -> int:
-        """Check, inside the caller's open transaction on ``conn``, that this hold is still current.
-
-        ``conn`` is any connection to the lock table's database; the check is
-        one round trip on it and opens nothing. On success it returns the
-        token, and until that transaction ends no other instance can take the
-        lock over (a reclaim or a forced release waits for it), while this
-        holder's heartbeats carry on. If the lock changed hands, raises
-        `LockNotHeldError` (reason: fenced out), so the transaction's writes
-        are rolled back by the caller. Raises `SchemaError` on a table without
-        tokens, `ValueError` if ``conn`` has no open transaction.
-
-        It takes one ``operation_timeout`` at most, like the library's own
-        statements: past it (a silent network, a row locked elsewhere) it
-        closes ``conn`` and raises `OperationTimeout`. The server then rolls
-        the transaction back, so nothing it wrote commits; use a new
-        connection (a pool replaces a closed one by itself).
-        """
-        return _acquisition.fence(self._lock, conn)
-
-    async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
-        """Async `fence`, on an `AsyncConnection`."""
-        return await _acquisition_async.fence_async(self._lock, conn)
-
-    @contextlib.contextmanager
-    def fenced(self, conn: psycopg.Connection[Any]) -> Iterator[int]:
-        """A transaction on ``conn`` that is fenced first; yields the token.
-
-        ``with mutex.fenced(conn) as token:`` opens a transaction (a savepoint
-        inside one already open), calls `fence`, and commits when the block
-        ends, or rolls back if it raises: writes made in the block land only
-        while this hold is the lock's current one.
-        """
-        with conn.transaction():
-            yield self.fence(conn)
-
-    @contextlib.asynccontextmanager
-    async def fenced_async(self, conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[int]:
-        """Async `fenced`, on an `AsyncConnection`."""
-        async with conn.transaction():
-            yield await self.fence_async(conn)
 
     # -- decorators ----------------------------------------------------------------
 
@@ -415,38 +323,9 @@ class Holder:
 
     # -- shutdown ------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Release any lock held, stop the watcher, and let go of the client.
-
-        Returns within about one ``operation_timeout``: a lock known to be lost
-        is not released over the network in the caller's time (a row that may
-        remain is deleted in the background). The last Mutex of a shared
-        client closes its connections; a pool is never closed.
-        """
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.stop()
-        release_on_close(self._lock, self.release, has_sync=self._core.has_sync)
-        self._detach()
-        self._siblings.close()
-
-    async def aclose(self) -> None:
-        """Async `close`."""
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.stop()
-        await release_on_aclose(self._lock, self.release_async)
-        self._detach()
-        await self._siblings.aclose()
-
     async def close_async(self) -> None:
         """Async `close`, under the name 0.1.0 gave it; `aclose` is the name to use."""
         await self.aclose()
-
-    def _detach(self) -> None:
-        for attachment in self._attachments:
-            if attachment.detach() is not None:  # not let go of already
-                self._core.detach()
 
     # -- the watcher of this Mutex's own lock ------------------------------------------
 

@@ -32,6 +32,7 @@ from . import _sql
 from ._acompat import AEvent, AWaker, AWorker, asleep, auncancellable
 from ._clock import MAX_SLICE, now
 from ._connections import FAILURES, discard
+from ._events import Defects
 from ._sources_async import interrupt
 from ._watchdog import Cutter
 
@@ -96,6 +97,7 @@ class Listener:
         self._passing: list[str] = []
         self._backend_pid: int | None = None
         self._closed = False
+        self._defects = Defects("release listener")
 
     def subscribe(self, channel: str) -> Subscription:
         subscription = Subscription(channel)
@@ -238,11 +240,14 @@ class Listener:
                     wait = min([MAX_SLICE, *(until - now() for until in lingering.values())])
                     if await self._waker.wait_readable(conn.fileno(), max(wait, 0.0)):
                         self._drain(conn)
-                except FAILURES as exc:
+                except Exception as exc:
                     with self._host.state_lock:
                         # Not sent, or perhaps not: sent again once connected (twice costs one attempt).
                         self._passing[:0] = passing
                     failures += 1
+                    if not isinstance(exc, FAILURES):
+                        # A defect: said loudly, and the listener goes on as after a lost connection.
+                        self._defects.report("listening for releases", exc, "on a new connection")
                     reason = self._host.redactor.redact(str(exc))
                     persistent = failures >= _LISTENER_FAILURES_REPORTED and (
                         reported_at is None or now() - reported_at >= _LISTENER_REPORT_EVERY

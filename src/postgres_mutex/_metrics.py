@@ -1,13 +1,16 @@
 """The metrics hook: what the library reports, and the guard that keeps it harmless.
 
-`MetricsHook` is a `typing.Protocol` listing every call. A hook implements any
-subset: subclass `MetricsHook` to get no-op defaults (and have a type checker
-check your signatures), or write a plain class, whose missing methods are
-skipped. Every call goes through `guard`, which swallows (and logs, once per
-method) whatever a hook raises: a broken metrics backend must never cost a
-lock or a heartbeat. Keywords added after a hook was written (``token``) are
-passed only to methods that accept them, so hooks written for earlier
-releases keep working.
+Two protocols, so that an implementer sees what is optional. `MetricsHook`
+is the README's contract: six calls (acquired, released, contended,
+stale_reclaimed, alert, heartbeat_latency). `ExtendedMetricsHook` adds every
+other call the library makes (failures, losses, doubt, waiting, the watcher,
+elections). A hook implements any subset of either: subclass one to get no-op
+defaults (and have a type checker check your signatures), or write a plain
+class, whose missing methods are skipped. Every call goes through `guard`,
+which swallows (and logs, once per method) whatever a hook raises: a broken
+metrics backend must never cost a lock or a heartbeat. Keywords added after a
+hook was written (``token``) are passed only to methods that accept them, so
+hooks written for earlier releases keep working.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ class LockObservation:
 
 @runtime_checkable
 class MetricsHook(Protocol):
-    """Every call the library makes to a metrics hook; implement any subset.
+    """The six calls of the README's contract; implement any subset.
 
+    Every other call the library makes is in `ExtendedMetricsHook`, all optional too.
     Calls are made from the thread or task that observed the event, or from
     the client's event thread for what happens in the background (heartbeats,
     losses), so they should be quick and must not block. ``instance_id`` is
@@ -118,6 +122,21 @@ class MetricsHook(Protocol):
         """A heartbeat succeeded after ``seconds`` (one round trip, shared by the client's holds)."""
         return None
 
+
+@runtime_checkable
+class ExtendedMetricsHook(MetricsHook, Protocol):
+    """`MetricsHook`'s six calls and every other call the library makes; implement any subset.
+
+    Beyond the six: what goes wrong with a hold (failed heartbeats, losses,
+    doubt, failed releases), how long acquires take and who waits, what a
+    watcher reads, and elections. Subclass it for no-op defaults and checked
+    signatures; a hook written for `MetricsHook` alone simply does not get
+    these calls. The built-in exporters (``PrometheusMetrics``, ``OtelMetrics``)
+    implement them all.
+    """
+
+    # -- holds: beyond acquired and released ------------------------------------
+
     def heartbeat_failed(self, lock_name: str, *, instance_id: str, error: BaseException) -> None:
         """A heartbeat failed, and not merely on a connection the server had closed while idle.
 
@@ -169,6 +188,8 @@ class MetricsHook(Protocol):
         """A release could not delete the row: this process no longer holds the lock, but the row may remain."""
         return None
 
+    # -- the stale-holder watcher ------------------------------------------------
+
     def observed(
         self,
         observations: Sequence[LockObservation],
@@ -192,7 +213,7 @@ class MetricsHook(Protocol):
         """A watcher stopped: what it last reported about ``watched`` (None: every lock) is no longer known."""
         return None
 
-    # -- elections (added in 0.2.0: hooks written earlier simply do not get these) --
+    # -- elections -----------------------------------------------------------------
 
     def election_started(self, lock_name: str, *, instance_id: str) -> None:
         """A candidate began campaigning in the election ``lock_name`` (`Election.run` started)."""
@@ -225,12 +246,19 @@ class MetricsHook(Protocol):
         return None
 
 
-HOOK_METHODS = frozenset(
-    name for name, value in vars(MetricsHook).items() if not name.startswith("_") and callable(value)
-)
+def _methods(protocol: type) -> frozenset[str]:
+    return frozenset(name for name, value in vars(protocol).items() if not name.startswith("_") and callable(value))
 
 
-class NullMetrics(MetricsHook):
+CORE_METHODS = _methods(MetricsHook)
+"""The README's six calls."""
+EXTENDED_METHODS = _methods(ExtendedMetricsHook)
+"""Every call beyond the six."""
+HOOK_METHODS = CORE_METHODS | EXTENDED_METHODS
+"""Every call the library makes to a hook."""
+
+
+class NullMetrics(ExtendedMetricsHook):
     """A hook that does nothing: the default when no ``metrics`` is given.
 
     Kept for programs written against 0.1.0, which exported it; passing
@@ -312,11 +340,15 @@ class _Silent:
         return _nothing
 
 
-def guard(hook: object | None) -> MetricsHook:
-    """``hook`` wrapped so that each call is checked by name (by the type checker) and can never raise."""
-    if hook is None or type(hook) is NullMetrics or type(hook) is MetricsHook:
-        return cast(MetricsHook, _Silent())
-    return cast(MetricsHook, _Guarded(hook))
+def guard(hook: object | None) -> ExtendedMetricsHook:
+    """``hook`` wrapped so that each call is checked by name (by the type checker) and can never raise.
+
+    Whichever protocol ``hook`` was written for, the library makes every call (`HOOK_METHODS`): those it
+    lacks are skipped.
+    """
+    if hook is None or type(hook) in (NullMetrics, MetricsHook, ExtendedMetricsHook):
+        return cast(ExtendedMetricsHook, _Silent())
+    return cast(ExtendedMetricsHook, _Guarded(hook))
 
 
 class FanOutMetrics:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import pq
 
+from . import _sql
 from ._clock import now
 from ._connections import FAILURES, ServerSession, closed_while_idle, discard, unusable
 from ._watchdog import Cutter
@@ -49,6 +50,52 @@ async def interrupt(conn: psycopg.AsyncConnection[Any], cutter: Cutter, timeout:
     cutter.cut()
 
 
+class _CutSessions:
+    """The server processes of connections cut off mid-statement, ended before the next statement is sent.
+
+    A statement given up on (cut at its deadline, or by an exception raised
+    into it) may sit unread on the server, which runs it whenever it reads it:
+    its ``statement_timeout`` counts only from then. An acquire read after
+    the next acquire of the same holder would take that hold's row over (it
+    carries the same ``instance_id``); one read after the background deleted
+    what it may have left would leave a row nobody heartbeats. So the next
+    connection ends that process first (`_sql.end_session_left_behind`): once
+    it has ended, nothing it was sent can run. Only on a direct connection:
+    behind a pooler the statement lands or not, and a row it takes over is a
+    hold reported lost at its release, never a second holder.
+    """
+
+    __slots__ = ("_left",)
+
+    def __init__(self) -> None:
+        self._left: list[tuple[int, float]] = []
+
+    def note(self, backend_pid: int) -> None:
+        """A statement of the connection given ``backend_pid`` was cut off. (Read at connect: libpq
+        forgets it once the connection failed.)"""
+        self._left.append((backend_pid, now()))
+
+    async def end(self, conn: psycopg.AsyncConnection[Any], cutter: Cutter, timeout: float) -> None:
+        """End those processes from ``conn``, within ``timeout``; failing to (a missing privilege) is no error."""
+        # Each is forgotten only once ended (or found not ours to end): an exception raised
+        # into this (a signal handler's) leaves the rest to the next connection.
+        while self._left:
+            pid, cut_at = self._left[0]
+            ticket = cutter.arm(timeout)
+            try:
+                await conn.execute(
+                    _sql.end_session_left_behind(pid, conn.info.backend_pid, now() - cut_at, max(1, int(timeout * 500)))
+                )
+                del self._left[0]
+            except FAILURES as exc:
+                if cutter.fired or unusable(conn):
+                    raise
+                del self._left[0]
+                logger.debug("could not end the server process %s of a connection cut off mid-statement: %s", pid, exc)
+            finally:
+                cutter.disarm(ticket)
+
+
 class OwnConnection:
     """The engine's own statement connection, opened on first use and replaced when it breaks."""
 
@@ -64,6 +111,8 @@ class OwnConnection:
         self._connect_failed: tuple[float, BaseException] | None = None
         """When the last connect failed, and how (None once one succeeds)."""
         self._in_use: tuple[psycopg.AsyncConnection[Any], Cutter]
+        self._backend_pid = 0
+        self._cut_sessions = _CutSessions()
         self.connected_before = False
         self.session: ServerSession | None = None
         """The session of the connection in use (None before the first connect)."""
@@ -97,6 +146,8 @@ class OwnConnection:
     async def __aexit__(self, *exc_info: object) -> None:
         conn, cutter = self._in_use
         self._used_at = now()
+        if cutter.fired:
+            self._cut_sessions.note(self._backend_pid)
         if cutter.fired or self._replace or unusable(conn) or (self.session is not None and self.session.retired):
             self._drop()
 
@@ -119,9 +170,15 @@ class OwnConnection:
                 raise
             self._connect_failed = None
             self._conn, self._cutter = conn, Cutter(conn.fileno())
+            self._backend_pid = conn.info.backend_pid
             self.session = ServerSession()
             self.cursor = conn.cursor()
             self.connected_before = True
+            try:
+                await self._cut_sessions.end(conn, self._cutter, timeout)
+            except BaseException:
+                self._drop()
+                raise
         return self._conn, self._cutter
 
     def _drop(self) -> None:
@@ -157,6 +214,7 @@ class PooledConnection:
     def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
         self._pool = pool
         self._replace = False
+        self._cut_sessions = _CutSessions()
         self.connected_before = False
 
     def replace(self) -> None:
@@ -171,13 +229,17 @@ class PooledConnection:
         async with self._pool.connection(timeout=timeout) as conn:
             self.connected_before = True
             cutter = Cutter(conn.fileno())
+            backend_pid = conn.info.backend_pid
             autocommit = conn.autocommit
             self._replace = False
             try:
                 if not autocommit:
                     await conn.set_autocommit(True)
+                await self._cut_sessions.end(conn, cutter, timeout)
                 yield conn, cutter
             finally:
+                if cutter.fired:
+                    self._cut_sessions.note(backend_pid)
                 cutter.close()
                 if cutter.fired or self._replace or unusable(conn):
                     # The pool must not hand it out again: it sees it closed and replaces it.

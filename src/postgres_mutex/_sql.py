@@ -5,7 +5,8 @@ The rest of the library imports statements from here only, so what SQL it
 sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
 
 - `_sql_statement`: how a statement is sent (`Statement`, the settings each
-  carries, `session_setup` for a direct connection's session);
+  carries, `session_setup` for a direct connection's session, and
+  `end_session_left_behind` for a connection cut off mid-statement);
 - `_sql_names`: what a lock table's objects are called (`Names`), and its
   lock's fence check;
 - `_sql_lock`: the lock's statements for one table of one shape
@@ -41,7 +42,7 @@ from ._sql_schema import (
     migrate_steps,
     pages_have_room,
 )
-from ._sql_statement import Statement, session_setup
+from ._sql_statement import Statement, end_session_left_behind, session_setup
 from ._sql_wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, unregister
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "create_history",
     "create_integration_table",
     "create_table",
+    "end_session_left_behind",
     "history_retention",
     "inspect_table",
     "integration_table_exists",

@@ -91,3 +91,30 @@ def session_setup(backend_pid: int, timeout_ms: int) -> str:
   FROM (SELECT pg_backend_pid() = {backend_pid} AS direct) AS connection"""
         ).format(backend_pid=sql.Literal(backend_pid), timeout_ms=sql.Literal(str(timeout_ms)))
     )
+
+
+def end_session_left_behind(backend_pid: int, own_pid: int, seconds_since: float, wait_ms: int) -> sql.Composed:
+    """End the server process of a connection the library cut off a statement on, and wait for it.
+
+    A statement given up on may still sit unread on the server, which runs it
+    whenever it reads it: an acquire run after the next acquire of the same
+    holder would take that hold's row over (it carries the same
+    ``instance_id``). Once its process has ended, nothing it was sent can run.
+
+    Sent on the library's new connection, and only when it reaches PostgreSQL
+    directly (``own_pid``: the process id that connection was given, as in
+    `session_setup`): behind a pooler ``backend_pid`` names no server process.
+    A process that started after the cut (``seconds_since`` ago, measured by
+    the server's clock from now) merely reuses the id, and is left alone.
+    """
+    return sql.SQL(
+        """SELECT pg_terminate_backend(pid, {wait_ms})
+  FROM pg_stat_activity
+ WHERE pid = {backend_pid} AND pg_backend_pid() = {own_pid} AND usename = session_user
+   AND backend_start < now() - make_interval(secs => {seconds_since})"""
+    ).format(
+        wait_ms=sql.Literal(wait_ms),
+        backend_pid=sql.Literal(backend_pid),
+        own_pid=sql.Literal(own_pid),
+        seconds_since=sql.Literal(seconds_since),
+    )

@@ -44,6 +44,7 @@ read by `_leader`; their public names are imported from here.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -51,7 +52,9 @@ from typing import TYPE_CHECKING, Any
 
 from ._campaign import AsyncLead, Campaign, Lead
 from ._events import ElectionEvents
-from ._leader import Leader, LeaderReader
+from ._leader import Leader
+from ._leader_reader import LeaderReader
+from ._leader_reader_async import AsyncLeaderReader
 from ._metrics import guard
 from ._mutex import Mutex
 from ._relay import Relay
@@ -141,12 +144,13 @@ class Election:
             TermPolicy(backoff, max_backoff, rejoin_pause=max(0.25, 2 * timing.poll_interval)),
             self._grace,
         )
-        self._leaders = LeaderReader(
+        reading = (
             LockTable(client=self._mutex.client, table=table, operation_timeout=timing.operation_timeout),
             name,
-            alert_threshold=timing.alert_threshold,
-            stale_threshold=timing.stale_threshold,
+            timing.alert_threshold,
+            timing.stale_threshold,
         )
+        self._leaders, self._leaders_async = LeaderReader(*reading), AsyncLeaderReader(*reading)
         self._relay: Relay | None = None
         self._running = threading.Lock()
         self._close_when_done = False
@@ -355,7 +359,7 @@ class Election:
 
     async def leader_async(self) -> Leader | None:
         """Async `leader`."""
-        return await self._leaders.read_async()
+        return await self._leaders_async.read_async()
 
     def watch_leader(self, interval: float = 1.0) -> Iterator[Leader | None]:
         """Yield the leader (or None) now, then again each time it changes, reading every ``interval`` seconds.
@@ -372,5 +376,6 @@ class Election:
     async def watch_leader_async(self, interval: float = 1.0) -> AsyncIterator[Leader | None]:
         """Async `watch_leader`."""
         every = check_seconds(interval, "interval")
-        async for leader in self._leaders.watch_async(every, lambda: self._campaign.stop_requested):
+        leaders = self._leaders_async.watch_async(every, lambda: self._campaign.stop_requested, asyncio.sleep)
+        async for leader in leaders:
             yield leader

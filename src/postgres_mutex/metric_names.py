@@ -34,6 +34,8 @@ class MetricName:
     """UCUM unit for OpenTelemetry: ``s`` for seconds, ``{thing}`` for counts."""
     description: str
     labels: tuple[str, ...] = ("lock_name",)
+    buckets: tuple[float, ...] = ()
+    """A histogram's bucket boundaries (both exporters use them); empty for any other kind."""
 
     @property
     def prometheus(self) -> str:
@@ -44,6 +46,16 @@ class MetricName:
         if self.kind == "counter":
             name += "_total"
         return name
+
+
+HEARTBEAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Histogram buckets for heartbeat round trips: milliseconds when healthy, seconds when not."""
+
+WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0)
+"""Histogram buckets for acquire durations: an instant when free, up to the stale threshold and beyond."""
+
+TERM_BUCKETS = (0.1, 1.0, 10.0, 60.0, 600.0, 3600.0, 21600.0, 86400.0)
+"""Histogram buckets for terms of leadership: a failing ``lead`` lasts an instant, a healthy leader days."""
 
 
 ACQUISITIONS = MetricName(
@@ -88,7 +100,11 @@ HEARTBEAT_FAILURES = MetricName(
     "postgres_mutex.heartbeat.failures", "counter", "{failure}", "Heartbeats that failed (and were retried)."
 )
 HEARTBEAT_DURATION = MetricName(
-    "postgres_mutex.heartbeat.duration", "histogram", "s", "Round-trip time of successful heartbeats."
+    "postgres_mutex.heartbeat.duration",
+    "histogram",
+    "s",
+    "Round-trip time of successful heartbeats.",
+    buckets=HEARTBEAT_BUCKETS,
 )
 ACQUIRE_DURATION = MetricName(
     "postgres_mutex.acquire.duration",
@@ -96,6 +112,7 @@ ACQUIRE_DURATION = MetricName(
     "s",
     "Time an acquire took, waiting included, by outcome.",
     ("lock_name", "outcome"),
+    buckets=WAIT_BUCKETS,
 )
 LOCKS_HELD = MetricName(
     "postgres_mutex.locks.held",
@@ -216,6 +233,7 @@ ELECTION_TERM_DURATION = MetricName(
     "s",
     "How long terms lasted, by how they ended.",
     ("lock_name", "ended"),
+    buckets=TERM_BUCKETS,
 )
 ELECTION_LEAD_FAILURES = MetricName(
     "postgres_mutex.election.lead_failures",
@@ -230,12 +248,6 @@ ELECTION_GRACE_OVERRUNS = MetricName(
     "Terms whose lead was still running grace_period after it was told to stop leading.",
 )
 
-HEARTBEAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-"""Histogram buckets for heartbeat round trips: milliseconds when healthy, seconds when not."""
-
-WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0)
-"""Histogram buckets for acquire durations: an instant when free, up to the stale threshold and beyond."""
-
 RW_MODES = ("read", "write")
 """Values of the ``mode`` label for a read/write lock; it is empty for a mutex or a semaphore."""
 
@@ -245,9 +257,6 @@ ACQUIRE_OUTCOMES = ("acquired", "reclaimed", "contended", "timeout", "error")
 RECLAIM_REASONS = ("stale", "disconnected")
 """Values of the ``reason`` label of `STALE_RECLAIMS`: silent past ``stale_threshold``; or a holder with
 ``reclaim_disconnected_after`` whose database session had ended."""
-
-TERM_BUCKETS = (0.1, 1.0, 10.0, 60.0, 600.0, 3600.0, 21600.0, 86400.0)
-"""Histogram buckets for terms of leadership: a failing ``lead`` lasts an instant, a healthy leader days."""
 
 TERM_ENDINGS = ("returned", "resigned", "stopped", "lost", "failed")
 """Values of the ``ended`` label of `ELECTION_TERM_DURATION`: ``lead`` returned, ``resign()``,

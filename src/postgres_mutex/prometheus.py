@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("PrometheusMetrics needs prometheus-client: pip install 'postgres-mutex[prometheus]'") from exc
 
 from . import metric_names as names
-from ._exporter import ExporterHook, LockTableView, per_holder, permits_in_use, rwlock_holders, writers_waiting
+from ._exporter import GAUGES, ExporterHook, LockTableView
 
 __all__ = ["PrometheusMetrics"]
 
@@ -67,26 +67,18 @@ class PrometheusMetrics(ExporterHook):
 
     def _setup(self, registry: CollectorRegistry | None) -> None:
         super().__init__()
-        self._counters = {
-            metric: Counter(_base(metric), metric.description, metric.labels, registry=registry)
-            for metric in names.ALL
-            if metric.kind == "counter"
-        }
-        self._histograms = {
-            metric: Histogram(metric.prometheus, metric.description, metric.labels, buckets=buckets, registry=registry)
-            for metric, buckets in (
-                (names.HEARTBEAT_DURATION, names.HEARTBEAT_BUCKETS),
-                (names.ACQUIRE_DURATION, names.WAIT_BUCKETS),
-                (names.ELECTION_TERM_DURATION, names.TERM_BUCKETS),
-            )
-        }
-        self._locks_held = Gauge(
-            names.LOCKS_HELD.prometheus, names.LOCKS_HELD.description, names.LOCKS_HELD.labels, registry=registry
-        )
-        self._levels = {
-            metric: Gauge(metric.prometheus, metric.description, metric.labels, registry=registry)
-            for metric in (names.ELECTION_CANDIDATES, names.ELECTION_LEADING, names.WAITERS)
-        }
+        self._counters: dict[names.MetricName, Counter] = {}
+        self._histograms: dict[names.MetricName, Histogram] = {}
+        self._levels: dict[names.MetricName, Gauge] = {}
+        for metric in names.ALL:
+            if metric.kind == "counter":
+                self._counters[metric] = Counter(_base(metric), metric.description, metric.labels, registry=registry)
+            elif metric.kind == "histogram":
+                self._histograms[metric] = Histogram(
+                    metric.prometheus, metric.description, metric.labels, buckets=metric.buckets, registry=registry
+                )
+            elif metric.kind == "updowncounter":
+                self._levels[metric] = Gauge(metric.prometheus, metric.description, metric.labels, registry=registry)
         if registry is not None:
             registry.register(_WatchedLocksCollector(self.view))
 
@@ -95,54 +87,27 @@ class PrometheusMetrics(ExporterHook):
         (counter.labels(**labels) if labels else counter).inc()
 
     def _record(self, metric: names.MetricName, value: float, labels: dict[str, str]) -> None:
-        self._histograms[metric].labels(**labels).observe(value)
-
-    def _held_changed(self, lock_name: str, delta: int) -> None:
-        self._locks_held.labels(lock_name).inc(delta)
+        histogram = self._histograms[metric]
+        (histogram.labels(**labels) if labels else histogram).observe(value)
 
     def _level(self, metric: names.MetricName, labels: dict[str, str], delta: int) -> None:
-        self._levels[metric].labels(**labels).inc(delta)
+        gauge = self._levels[metric]
+        (gauge.labels(**labels) if labels else gauge).inc(delta)
 
 
 class _WatchedLocksCollector(Collector):
-    """The watcher's per-lock gauges, computed from its last read at each scrape."""
+    """The watcher gauges (`GAUGES`), computed from its last read at each scrape."""
 
     def __init__(self, view: LockTableView) -> None:
         self._view = view
 
     def collect(self) -> Iterator[Metric]:
         locks, up = self._view.snapshot()
-
-        def family(metric: names.MetricName) -> GaugeMetricFamily:
-            return GaugeMetricFamily(metric.prometheus, metric.description, labels=metric.labels)
-
-        age, held, holder = family(names.HEARTBEAT_AGE), family(names.HELD_DURATION), family(names.HOLDER_INFO)
-        alerting, reclaimable, session = family(names.ALERTING), family(names.RECLAIMABLE), family(names.SESSION_ALIVE)
-        alert_threshold, stale_threshold = family(names.ALERT_THRESHOLD), family(names.STALE_THRESHOLD)
-        in_use, rw_holders, rw_waiting = (
-            family(names.PERMITS_IN_USE),
-            family(names.RWLOCK_HOLDERS),
-            family(names.RWLOCK_WRITER_WAITING),
-        )
-        for lock in per_holder(locks):
-            seen = lock.observation
-            label = list(lock.labels.values())
-            age.add_metric(label, seen.seconds_since_heartbeat)
-            held.add_metric(label, seen.seconds_held)
-            holder.add_metric([*label, seen.holder], 1.0)
-            alerting.add_metric(label, float(seen.alerting))
-            reclaimable.add_metric(label, float(seen.reclaimable))
-            if seen.session_alive is not None:
-                session.add_metric(label, float(seen.session_alive))
-            alert_threshold.add_metric(label, lock.alert_threshold)
-            stale_threshold.add_metric(label, lock.stale_threshold)
-        for semaphore, count in permits_in_use(locks).items():
-            in_use.add_metric([semaphore], float(count))
-        for (rwlock, mode), count in rwlock_holders(locks).items():
-            rw_holders.add_metric([rwlock, mode], float(count))
-        for rwlock, waiting in writers_waiting(locks).items():
-            rw_waiting.add_metric([rwlock], float(waiting))
-        yield from (age, held, holder, alerting, reclaimable, session, alert_threshold, stale_threshold)
-        yield from (in_use, rw_holders, rw_waiting)
-        if up is not None:
-            yield GaugeMetricFamily(names.WATCHER_UP.prometheus, names.WATCHER_UP.description, value=float(up))
+        for metric, read in GAUGES.items():
+            samples = list(read(locks, up))
+            if not samples:
+                continue  # nothing to state (no watcher has reported 'up'), rather than something stale
+            family = GaugeMetricFamily(metric.prometheus, metric.description, labels=metric.labels)
+            for labels, value in samples:
+                family.add_metric([labels[label] for label in metric.labels], float(value))
+            yield family

@@ -29,7 +29,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 from psycopg_pool import ConnectionPool
 
-from postgres_mutex import Election, Leadership, LockNotHeldError, LockTable, MetricsHook, Mutex, MutexError
+from postgres_mutex import (
+    Election,
+    ExtendedMetricsHook,
+    Leadership,
+    LockNotHeldError,
+    LockTable,
+    Mutex,
+    MutexError,
+)
 from postgres_mutex.prometheus import PrometheusMetrics
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
@@ -572,7 +580,7 @@ def test_lead_is_told_when_a_partition_outlasts_the_lease(
     candidate.stop()
 
 
-class SlowToTell(MetricsHook):
+class SlowToTell(ExtendedMetricsHook):
     """A hook that keeps the client's event thread busy past the lease's end: the loss is reported late."""
 
     def lease_running_out(self, lock_name: str, *, instance_id: str, seconds_left: float) -> None:

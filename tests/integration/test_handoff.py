@@ -12,14 +12,17 @@ of its own would): a release wakes one waiter of one of them, not one in each.
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 
-from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore
+from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore, _sql
 from postgres_mutex._listener_async import MOST_REGISTERED
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
@@ -291,3 +294,41 @@ def test_a_process_waiting_on_many_locks_registers_on_a_bounded_number_and_hears
             assert mutex.acquire().__enter__()
         waited = asyncio.run(scenario(held))
     assert max(waited) < 20.0, "a release of a lock waited on without registering did not wake its waiter"
+
+
+def test_a_defect_in_the_release_listener_is_logged_once_and_waiters_are_still_woken(
+    make_mutex: Callable[..., Mutex], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An unexpected exception (not the database's answer) in the listener's work must not end
+    # it: every waiter of the process would be left to its poll_interval.
+    real = _sql.register
+    failed: list[float] = []
+
+    def register(*args: Any, **kwargs: Any) -> str:
+        if len(failed) < 3:
+            failed.append(time.monotonic())
+            raise RuntimeError("a defect in the listener")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_sql, "register", register)
+    holder = make_mutex()
+    waiter = make_mutex(poll_interval=30.0)  # only a wake-up hands the lock over in time
+    got: list[float] = []
+
+    def wait() -> None:
+        with waiter.acquire(blocking=True, timeout=20.0) as acquired:
+            if acquired:
+                got.append(time.monotonic())
+
+    with holder.acquire():
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        wait_until(lambda: len(failed) == 3, timeout=10)
+        listener = core_of(waiter.client).engine().listener
+        wait_until(lambda: listener is not None and listener.listening, timeout=10)
+        released_at = time.monotonic()
+    thread.join(25.0)
+    assert got, "the waiter got the lock"
+    assert got[0] - released_at < 5.0, "woken by the release, not by its poll"
+    said = [r for r in caplog.records if r.levelno == logging.ERROR and "release listener" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]

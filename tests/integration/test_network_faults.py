@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg_pool import ConnectionPool
 
 from postgres_mutex import (
     DatabaseError,
@@ -389,6 +390,59 @@ print("exiting", time.monotonic(), flush=True)
     assert exited - exiting < timeout + 1.0, "the exit's release is bounded by one operation_timeout"
 
 
+def test_an_exit_that_cannot_delete_what_an_unanswered_acquire_left_says_so(
+    pg: PostgresServer, schema: None, lock_name: str, holder_id: Holder
+) -> None:
+    # The row stays until reclaimed after stale_threshold: whoever reads the log must learn why.
+    proxy = FaultProxy(pg.host, pg.port)
+    dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable", connect_timeout="2")
+    code = f"""
+import sys
+from postgres_mutex import Mutex, OperationTimeout
+mutex = Mutex({dsn!r}, {lock_name!r}, heartbeat_interval=0.2, alert_threshold=1.0, stale_threshold=3.0,
+              operation_timeout=0.5)
+for _ in range(2):
+    with mutex.acquire():
+        pass
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    with mutex.acquire():
+        pass
+except OperationTimeout:
+    print("unanswered", flush=True)
+sys.stdin.readline()
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proxy.drop_replies()  # the acquire lands, its reply never comes back...
+        proxy.silence(existing=False)  # ...and no new connection gets through to clean up
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "unanswered"
+        assert holder_id() is not None, "the row the unanswered acquire left"
+        proc.stdin.write("exit\n")
+        proc.stdin.flush()
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proxy.heal()
+        proxy.close()
+    assert "could not delete" in stderr, stderr
+    assert repr(lock_name) in stderr, stderr
+
+
 def test_a_release_behind_a_heartbeats_reconnect_takes_one_connect_not_two(
     make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, metrics: RecordingMetrics
 ) -> None:
@@ -675,3 +729,50 @@ def test_a_cleanup_begun_before_an_acquire_is_never_sent_after_it(
         with pytest.raises(CleanupSuperseded):
             core_of(mutex.client).engine().run(late_cleanup())
         assert holder_id() == mutex.instance_id, "...so it cannot delete the new hold's row"
+
+
+@pytest.mark.parametrize("source", ["its own connection", "a pool's connection"])
+def test_an_acquire_the_server_reads_late_cannot_take_over_the_next_hold(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder, source: str
+) -> None:
+    # A statement given up on (cut off at its deadline, or by a signal handler's
+    # exception) may still sit unread on the server, which runs it whenever it
+    # gets to it: after the next acquire of the same Mutex, it would find that
+    # hold's row carrying its own instance_id, take it over, and the hold would
+    # be lost at its release.
+    with contextlib.ExitStack() as stack:
+        if source == "its own connection":
+            mutex = make_mutex(proxy_dsn, operation_timeout=0.5)
+        else:
+            pool = stack.enter_context(ConnectionPool(proxy_dsn, min_size=1, max_size=1, open=True))
+            mutex = make_mutex(pool=pool, operation_timeout=0.5)
+        for _ in range(2):  # connected, the acquire prepared: the next one is a single message
+            with mutex.acquire():
+                pass
+        proxy.delay_requests()  # the next acquire reaches the server only after the Mutex cut its connection
+        with pytest.raises(OperationTimeout), mutex.acquire():
+            pytest.fail("must not run")
+        with mutex.acquire() as acquired:  # on a new connection, which nothing delays
+            assert acquired
+            proxy.deliver_late()  # the cut-off acquire reaches the server now
+            assert holder_id() == mutex.instance_id
+        assert holder_id() is None, "released: the late statement took nothing over"
+        mutex.close()
+
+
+async def test_an_async_acquire_the_server_reads_late_cannot_take_over_the_next_hold(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, holder_id: Holder
+) -> None:
+    mutex = make_mutex(proxy_dsn, operation_timeout=0.5)
+    for _ in range(2):
+        async with mutex.acquire_async():
+            pass
+    proxy.delay_requests()
+    with pytest.raises(OperationTimeout):
+        async with mutex.acquire_async(blocking=False):
+            pytest.fail("must not run")
+    async with mutex.acquire_async(blocking=False) as acquired:
+        assert acquired
+        await asyncio.to_thread(proxy.deliver_late)
+        assert holder_id() == mutex.instance_id
+    assert holder_id() is None, "released: the late statement took nothing over"

@@ -432,10 +432,6 @@ SURFACE_CHANGES: dict[str, str] = {
     "Mutex.metrics: a plain attribute, now a read-only property": "the hook is wrapped once, at construction",
     "LockAcquisitionTimeout(lock_name): POSITIONAL_OR_KEYWORD -> KEYWORD_ONLY": KEYWORDS,
     "LockNotHeldError(lock_name): POSITIONAL_OR_KEYWORD -> KEYWORD_ONLY": KEYWORDS,
-    "isinstance(a hook with 0.1.0's six methods, MetricsHook): True -> False": (
-        "MetricsHook lists every call the library makes (13 now); a hook may still implement any subset, "
-        "only isinstance() against the Protocol needs them all"
-    ),
 }
 """Every way this version's surface differs from 0.1.0's, with why (see docs/how-to/upgrading.md)."""
 

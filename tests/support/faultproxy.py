@@ -6,6 +6,10 @@
 - `drop_replies` lets existing connections reach the server but swallows what
   the server answers: a statement runs, its reply never arrives.
 - `reset` tears every connection down with a TCP RST.
+- `delay_requests` holds back what clients send on existing connections, and
+  keeps the server's end open when a client closes its own: `deliver_late`
+  then hands the server what was held, as a server that read a statement
+  late (after its client gave up on it) would run it.
 
 It also counts the server's ReadyForQuery messages: one per round trip, which
 is how the tests prove each lock operation costs exactly one; and the
@@ -19,6 +23,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 
 
 class _Link:
@@ -28,6 +33,8 @@ class _Link:
         self.cond = threading.Lock()
         self.hold = False
         self.drop_down = False
+        self.hold_up = False
+        self.client_gone = False
         self.pending: list[tuple[socket.socket, bytes]] = []
         self.down_buffer = b""
         self.up_buffer = b""
@@ -107,6 +114,32 @@ class FaultProxy:
             with link.cond:
                 link.drop_down = True
 
+    def delay_requests(self) -> None:
+        """Existing connections: hold back what the client sends, even after it closed its end."""
+        with self._lock:
+            links = list(self._links)
+        for link in links:
+            with link.cond:
+                link.hold_up = True
+
+    def deliver_late(self, timeout: float = 10.0) -> None:
+        """Hand the server what `delay_requests` held, then the close of any client that left
+        meanwhile; return once the server ended those connections (or ``timeout`` passed)."""
+        with self._lock:
+            links = [link for link in self._links if link.hold_up]
+        for link in links:
+            with link.cond:
+                link.hold_up = False
+                pending, link.pending = link.pending, []
+                with contextlib.suppress(OSError):
+                    for dst, data in pending:
+                        dst.sendall(data)
+                    if link.client_gone:
+                        link.server.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(link.closed for link in links if link.client_gone):
+            time.sleep(0.01)
+
     def reset(self) -> None:
         with self._lock:
             links, self._links = self._links, []
@@ -155,6 +188,10 @@ class FaultProxy:
             except OSError:
                 data = b""
             if not data:
+                with link.cond:
+                    if not downstream and link.hold_up:
+                        link.client_gone = True  # the server's end stays open: `deliver_late`
+                        return
                 link.close()
                 return
             if downstream:
@@ -164,7 +201,7 @@ class FaultProxy:
             with link.cond:
                 if downstream and link.drop_down:
                     continue
-                if link.hold:
+                if link.hold or (link.hold_up and not downstream):
                     link.pending.append((dst, data))
                     continue
                 with contextlib.suppress(OSError):

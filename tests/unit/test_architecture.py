@@ -69,10 +69,18 @@ ENGINES = {
 }
 """The engine, in its parts: the hand-written async modules and the sync ones generated from them."""
 
-MUTEX_PARTS = {"_candidacy", "_closing", "_own_watch", "_singleton"}
+MUTEX_PARTS = {
+    "_candidacy",
+    "_closing",
+    "_closing_async",
+    "_own_watch",
+    "_siblings",
+    "_singleton",
+    "_singleton_async",
+}
 """What `_mutex` is made of besides the core: an election's side, closing, its own watcher, its decorators."""
 
-ELECTION_PARTS = {"_campaign", "_leader", "_relay", "_term"}
+ELECTION_PARTS = {"_campaign", "_leader", "_leader_reader", "_leader_reader_async", "_relay", "_term"}
 """What `election` is made of: its rounds (campaign, term, hand-over), who leads, its terms, its relay."""
 
 SQL = {module for module in CORE if module == "_sql" or module.startswith("_sql_")}
@@ -200,8 +208,9 @@ def test_an_elections_parts_are_its_own() -> None:
 
 def test_a_mutexs_parts_are_its_own() -> None:
     # An election reaches its Mutex's side only through `_mutex.candidacy()`; `_holder` is what every
-    # holder (Mutex, Semaphore, RWLock's) is made of.
-    for module in sorted(set(MODULES) - MUTEX_PARTS - {"_mutex", "_holder"}):
+    # holder (Mutex, Semaphore, RWLock's) is made of, with its methods of each flavour.
+    holder = {"_holder", "_holder_methods", "_holder_methods_async"}
+    for module in sorted(set(MODULES) - MUTEX_PARTS - holder - {"_mutex"}):
         used = GRAPH[module] & MUTEX_PARTS
         assert not used, f"{module} imports {sorted(used)}, which are the Mutex's"
 

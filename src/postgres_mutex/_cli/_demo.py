@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .. import MetricsHook, Mutex, SchemaError
+from .. import ExtendedMetricsHook, MetricsHook, Mutex, SchemaError
 from ..watcher import StaleWatcher
 from ._common import UsageError
 from ._embedded import EmbeddedPostgres, EmbeddedPostgresError
@@ -49,7 +49,7 @@ class DemoError(Exception):
 # -- the worker process ----------------------------------------------------------------
 
 
-class _EventLine(MetricsHook):
+class _EventLine(ExtendedMetricsHook):
     """Reports what happens to this worker's Mutex as JSON lines on stdout."""
 
     def __init__(self, worker: str) -> None:

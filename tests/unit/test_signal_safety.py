@@ -1,0 +1,126 @@
+"""What an exception raised into the library's thread primitives leaves behind: nothing held.
+
+A signal handler's exception (a job runner's time limit, Ctrl-C) lands wherever CPython checks
+for pending work: as a function starts, after a call returns, at a loop's back edge. Raised
+there inside a ``with`` block's entry written in Python, it leaves the block's lock held, and
+every later user of that primitive waits for good. These tests raise at each such point.
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import postgres_mutex
+from postgres_mutex._acompat import Event
+
+LIBRARY = str(Path(postgres_mutex.__file__).parent)
+THREADING = threading.__file__
+
+
+class Interrupt(Exception):
+    """What the signal handler raises."""
+
+
+class _RaiseAt:
+    """A trace function raising at the ``at``-th point where a signal handler could run (0: count only).
+
+    In the library's frames and the standard library's threading module (whose Python code a
+    `threading.Event` runs).
+    """
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.seen = 0
+        self.where = "not reached"
+        self._last: dict[int, str] = {}
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> Any:
+        name = frame.f_code.co_filename
+        if not (name.startswith(LIBRARY) or name == THREADING):
+            return None
+        frame.f_trace_opcodes = True
+        self._check(frame)
+        return self._opcode
+
+    def _opcode(self, frame: FrameType, event: str, arg: object) -> Any:
+        if event == "opcode":
+            op = dis.opname[frame.f_code.co_code[frame.f_lasti]]
+            after = self._last.get(id(frame), "")
+            self._last[id(frame)] = op
+            if after.startswith("CALL") or op == "JUMP_BACKWARD":
+                self._check(frame)
+        return self._opcode
+
+    def _check(self, frame: FrameType) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+            raise Interrupt(self.where)
+
+
+def _wait_with(tracer: _RaiseAt, event: Event) -> None:
+    sys.settrace(tracer)
+    try:
+        event.wait(0.001)
+    except Interrupt:
+        pass
+    finally:
+        sys.settrace(None)
+
+
+def _sweep(failures: list[str]) -> None:
+    counter = _RaiseAt(0)
+    _wait_with(counter, Event())
+    points = counter.seen
+    if points < 3:
+        failures.append(f"the count saw the wait run ({points} points)")
+    for at in range(1, points + 1):
+        event = Event()
+        raiser = _RaiseAt(at)
+        _wait_with(raiser, event)
+        setter = threading.Thread(target=event.set, daemon=True)
+        setter.start()
+        setter.join(2.0)
+        if setter.is_alive():
+            failures.append(f"set() from another thread waits for good after an exception at {raiser.where}")
+            return
+        if not event.wait(2.0):
+            failures.append(f"wait() misses a set() after an exception at {raiser.where}")
+        event.clear()
+        if event.wait(0.001):
+            failures.append(f"a cleared event reads as set after an exception at {raiser.where}")
+
+
+def test_an_exception_raised_anywhere_in_an_events_wait_leaves_it_working() -> None:
+    # A waiting acquire waits on such an event, which the listener thread sets on a release's
+    # notification: a wedged one would stop the listener, and every waiter of the process.
+    # (Run in a thread of its own: what a trace function's exception leaves in the thread's
+    # exception state stays there.)
+    failures: list[str] = []
+    sweeper = threading.Thread(target=_sweep, args=(failures,), daemon=True)
+    sweeper.start()
+    sweeper.join(60.0)
+    assert not sweeper.is_alive(), "the sweep ended"
+    assert failures == []
+
+
+def test_an_event_wakes_every_waiter_and_stays_set_until_cleared() -> None:
+    event = Event()
+    woken: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woken.append(event.wait(5.0))) for _ in range(3)]
+    for waiter in waiters:
+        waiter.start()
+    event.set()
+    for waiter in waiters:
+        waiter.join(5.0)
+    assert woken == [True, True, True]
+    assert event.is_set()
+    assert event.wait(0)
+    event.clear()
+    assert not event.is_set()
+    assert not event.wait(0.01)
