@@ -57,10 +57,9 @@ class Mutex(Holder):
 
     def _new_sibling(self, lock_name: str) -> Mutex:
         """A Mutex for another lock name (see `Siblings`), on the same client, with the same settings."""
-        # One identity for the Mutex, whichever of its names it holds.
-        return Mutex._made(
-            check_lock_name(lock_name, "lock_name"), self.client, self._settings, instance_id=self.instance_id
-        )
+        # One identity for the Mutex, whichever of its names it holds; watch=True watches its own lock only.
+        settings = self._settings.replace(watch=False)
+        return Mutex._made(check_lock_name(lock_name, "lock_name"), self.client, settings, instance_id=self.instance_id)
 
 
 def candidacy(mutex: Mutex) -> Candidacy:

@@ -102,7 +102,8 @@ class Semaphore(Holder):
     def _new_sibling(self, lock_name: str) -> Semaphore:
         """A Semaphore of another name (see `Siblings`), on the same client, with the same permits and settings."""
         permits = check_permit_count(lock_name, self.permits)
-        return Semaphore._made(lock_name, self.client, self._settings, instance_id=self.instance_id, permits=permits)
+        settings = self._settings.replace(watch=False)  # watch=True watches its own semaphore only
+        return Semaphore._made(lock_name, self.client, settings, instance_id=self.instance_id, permits=permits)
 
 
 BUILT_ON_IT.semaphore = Semaphore
