@@ -99,9 +99,7 @@ class MutexClient:
         Takes every option of `Mutex` but the connection ones (``dsn``,
         ``pool``, ``async_pool``).
         """
-        for given in ("dsn", "pool", "async_pool", "client"):
-            if given in options:
-                raise TypeError(f"mutex() takes no {given}=: the client already knows how to reach PostgreSQL")
+        _refuse_connection("mutex", options)
         return BUILT_ON_IT.mutex(lock_name=lock_name, client=self, **options)
 
     def semaphore(self, name: str, *, permits: int, **options: Any) -> Semaphore:
@@ -109,9 +107,7 @@ class MutexClient:
 
         Takes every option of `Semaphore` but the connection ones.
         """
-        for given in ("dsn", "pool", "async_pool", "client"):
-            if given in options:
-                raise TypeError(f"semaphore() takes no {given}=: the client already knows how to reach PostgreSQL")
+        _refuse_connection("semaphore", options)
         return BUILT_ON_IT.semaphore(name=name, permits=permits, client=self, **options)
 
     def rwlock(self, name: str, **options: Any) -> RWLock:
@@ -119,9 +115,7 @@ class MutexClient:
 
         Takes every option of `RWLock` but the connection ones.
         """
-        for given in ("dsn", "pool", "async_pool", "client"):
-            if given in options:
-                raise TypeError(f"rwlock() takes no {given}=: the client already knows how to reach PostgreSQL")
+        _refuse_connection("rwlock", options)
         return BUILT_ON_IT.rwlock(name=name, client=self, **options)
 
     def table(self, table: str = "mutex_lock") -> LockTable:
@@ -161,6 +155,12 @@ class MutexClient:
         dsn = self._core.dsn
         where = "pool" if dsn is None else describe_dsn(dsn)
         return f"<MutexClient {where}{' closed' if self.closed else ''}>"
+
+
+def _refuse_connection(made: str, options: dict[str, Any]) -> None:
+    for given in ("dsn", "pool", "async_pool", "client"):
+        if given in options:
+            raise TypeError(f"{made}() takes no {given}=: the client already knows how to reach PostgreSQL")
 
 
 def core_of(client: MutexClient) -> ClientCore:
