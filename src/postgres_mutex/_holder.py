@@ -10,31 +10,33 @@ therefore no Mutex (``isinstance`` says so): neither can stand in for the other.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
 from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._candidacy import Candidacy
-from ._events import LostCallback
+from ._events import LockEvents, LostCallback
 from ._holder_methods import HolderMethods
 from ._holder_methods_async import AsyncHolderMethods
-from ._mutex_config import MutexConfig, check_reclaim_source, checked_names, new_lock_state
+from ._metrics import guard
 from ._own_watch import OwnLockWatch
-from ._settings import Timing, check_hold_at_least, check_wait, default_instance_id
+from ._settings import MutexConfig, Settings, check_hold_at_least, check_mutex_name, check_wait, default_instance_id
 from ._siblings import Siblings
 from ._singleton import singleton_decorator
 from ._singleton_async import singleton_decorator_async
-from ._sql import Names
-from .client import MutexClient, core_of, shared_client
+from ._state import LockState
+from .client import MutexClient, client_for, core_of
 from .errors import InvalidArgument
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+    from ._core import ClientCore
     from .watcher import StaleWatcher
 
 
@@ -51,9 +53,11 @@ class Holder(AsyncHolderMethods, HolderMethods):
     Mutex; for the others, "the lock" is what they hold (a permit, a mode).
     """
 
-    _permits: int | None = None
+    _settings: Settings
+    """Its options, checked, as its constructor was given them: its siblings are made of them too."""
+    _permits: int | None
     """What its lock has: one holder (None), or a `Semaphore`'s permits."""
-    _rw_mode: str | None = None
+    _rw_mode: str | None
     """For a read/write lock's holder: the mode it holds."""
 
     def __init__(
@@ -78,62 +82,64 @@ class Holder(AsyncHolderMethods, HolderMethods):
         reclaim_disconnected_after: float | None = None,
         hold_at_least: float | None = None,
     ) -> None:
-        lock_name, instance_id = checked_names(lock_name, instance_id)
-        if on_lost is not None and not callable(on_lost):
-            raise TypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
-        if not isinstance(watch, bool):
-            raise TypeError(f"watch must be a bool, not {type(watch).__name__}")
-        timing = Timing.validate(
-            heartbeat_interval=heartbeat_interval,
-            alert_threshold=alert_threshold,
-            stale_threshold=stale_threshold,
-            poll_interval=poll_interval,
-            operation_timeout=operation_timeout,
-            reclaim_disconnected_after=reclaim_disconnected_after,
-        )
-        self._hold_at_least = self._checked_hold(hold_at_least, timing)
-        names = Names(table)
-        if client is None:
-            client = shared_client(dsn, pool, async_pool)
-        elif dsn is not None or pool is not None or async_pool is not None:
-            raise ValueError("pass either client or dsn/pool/async_pool, not both")
-        check_reclaim_source(timing, client)
+        name = check_mutex_name(lock_name)
+        settings = Settings.from_arguments(locals())
+        self._setup(name, client_for(dsn, pool, async_pool, client), settings)
+
+    @classmethod
+    def _made(
+        cls,
+        lock_name: str,
+        client: MutexClient,
+        settings: Settings,
+        *,
+        instance_id: str | None = None,
+        permits: int | None = None,
+    ) -> Self:
+        """One made inside the library, of a name and settings already checked (a sibling, an election's)."""
+        holder = cls.__new__(cls)
+        holder._setup(lock_name, client, settings, instance_id=instance_id, permits=permits)
+        return holder
+
+    def _setup(
+        self,
+        lock_name: str,
+        client: MutexClient,
+        settings: Settings,
+        *,
+        instance_id: str | None = None,
+        permits: int | None = None,
+        rw_mode: str | None = None,
+    ) -> None:
+        """Make this holder of ``lock_name`` on ``client``, with ``settings``.
+
+        ``instance_id`` is the identity it shares with the holder that made it
+        (a sibling of another name, the other mode of an RWLock) when the user
+        chose none: one default id for both, but neither counted as chosen.
+        """
+        check_reclaim_source(settings, client)
+        if settings.hold_at_least is not None and (permits is not None or rw_mode is not None):
+            raise _not_a_mutexs_hold()
         self._client = client
+        self._settings = settings
+        self._permits = permits
+        self._rw_mode = rw_mode
         core = self._core = core_of(client)
-        self._metrics = metrics
+        chosen_id = settings.instance_id is not None
         self._lock = new_lock_state(
             core,
-            names=names,
-            lock_name=lock_name,
-            instance_id=instance_id if instance_id is not None else default_instance_id(),
-            timing=timing,
-            metrics=metrics,
-            on_lost=on_lost,
-            tracer_provider=tracer_provider,
-            permits=self._permits,
-            rw_mode=self._rw_mode,
+            lock_name,
+            settings.instance_id or instance_id or default_instance_id(),
+            settings,
+            permits=permits,
+            rw_mode=rw_mode,
         )
         self._engine_for = functools.partial(core.engine_for, self._lock)
         self._engine_async_for = functools.partial(core.engine_async_for, self._lock)
-        core.register(self._lock, explicit_id=instance_id is not None)
+        core.register(self._lock, explicit_id=chosen_id)
         # Attached until close(), or until nothing refers to this Mutex nor to an acquisition of it (each
         # refers to these two): a Mutex made for one block and never closed lets its shared client idle.
         self._attachments = (core.attach_while(self._engine_for), core.attach_while(self._engine_async_for))
-        self._options: dict[str, Any] = {
-            "table": table,
-            "heartbeat_interval": heartbeat_interval,
-            "alert_threshold": alert_threshold,
-            "stale_threshold": stale_threshold,
-            "poll_interval": poll_interval,
-            "metrics": metrics,
-            "on_lost": on_lost,
-            "operation_timeout": operation_timeout,
-            "tracer_provider": tracer_provider,
-            "reclaim_disconnected_after": reclaim_disconnected_after,
-        }
-        if hold_at_least is not None:
-            self._options["hold_at_least"] = hold_at_least
-        self._explicit_id = instance_id is not None
         # What it makes refers back to it weakly: no cycle keeps a Mutex nobody uses alive until a collection.
         self._siblings = Siblings(self, self._new_sibling)
         self._candidacy = Candidacy(
@@ -143,8 +149,9 @@ class Holder(AsyncHolderMethods, HolderMethods):
             before=_weakly(self._start_watch),
             before_async=_weakly(self._start_watch_async),
         )
-        self._watch: OwnLockWatch | None = OwnLockWatch(client, table, self._lock, metrics) if watch else None
-        if self._watch is not None:
+        self._watch: OwnLockWatch | None = None
+        if settings.watch:
+            self._watch = OwnLockWatch(client, self._lock, settings)
             self._watch.start_at_creation(core.has_sync)
 
     # -- introspection -------------------------------------------------------------
@@ -184,23 +191,17 @@ class Holder(AsyncHolderMethods, HolderMethods):
     @property
     def metrics(self) -> object | None:
         """The metrics hook given to this Mutex (None if none)."""
-        return self._metrics
+        return self._settings.metrics
 
     @property
     def config(self) -> MutexConfig:
         """This Mutex's settings, validated (defaults filled in)."""
-        timing = self._lock.timing
         return MutexConfig(
-            lock_name=self.lock_name,
-            instance_id=self.instance_id,
-            table=self.table,
-            heartbeat_interval=timing.heartbeat_interval,
-            alert_threshold=timing.alert_threshold,
-            stale_threshold=timing.stale_threshold,
-            poll_interval=timing.poll_interval,
-            operation_timeout=timing.operation_timeout,
-            reclaim_disconnected_after=timing.reclaim_disconnected_after,
-            hold_at_least=self._hold_at_least,
+            self.lock_name,
+            self.instance_id,
+            self.table,
+            **dataclasses.asdict(self._lock.timing),
+            hold_at_least=self._settings.hold_at_least,
         )
 
     @property
@@ -252,13 +253,13 @@ class Holder(AsyncHolderMethods, HolderMethods):
 
     # -- acquire and release ----------------------------------------------------------
 
-    def _checked_hold(self, hold_at_least: object, timing: Timing) -> float | None:
-        """``hold_at_least``, checked; a minimum hold is a Mutex's alone."""
-        if hold_at_least is not None and (self._permits is not None or self._rw_mode is not None):
-            raise InvalidArgument(
-                "{hold_at_least} is a Mutex's: a semaphore's permits and a read/write lock's holds end when released"
-            )
-        return check_hold_at_least(hold_at_least, timing)
+    def _checked_hold(self, hold_at_least: object) -> float | None:
+        """An acquire's ``hold_at_least``, checked; None: the holder's own. A minimum hold is a Mutex's alone."""
+        if hold_at_least is None:
+            return self._settings.hold_at_least
+        if self._permits is not None or self._rw_mode is not None:
+            raise _not_a_mutexs_hold()
+        return check_hold_at_least(hold_at_least, self._lock.timing)
 
     def acquire(
         self, blocking: bool | None = None, timeout: float | None = None, *, hold_at_least: float | None = None
@@ -292,7 +293,7 @@ class Holder(AsyncHolderMethods, HolderMethods):
         Mutex only: a Semaphore's acquire raises `ValueError` for it.
         """
         blocking, timeout = check_wait(blocking, timeout)
-        hold = self._hold_at_least if hold_at_least is None else self._checked_hold(hold_at_least, self._lock.timing)
+        hold = self._checked_hold(hold_at_least)
         self._start_watch()
         return Acquisition(self._engine_for, self._lock, blocking=blocking, timeout=timeout, hold_at_least=hold)
 
@@ -301,7 +302,7 @@ class Holder(AsyncHolderMethods, HolderMethods):
     ) -> AsyncAcquisition:
         """Async `acquire`; blocking by default. Cancelling the task releases the lock."""
         blocking, timeout = check_wait(blocking, timeout)
-        hold = self._hold_at_least if hold_at_least is None else self._checked_hold(hold_at_least, self._lock.timing)
+        hold = self._checked_hold(hold_at_least)
         self._start_watch_async()
         return AsyncAcquisition(
             self._engine_async_for, self._lock, blocking=blocking, timeout=timeout, hold_at_least=hold
@@ -390,6 +391,54 @@ class Holder(AsyncHolderMethods, HolderMethods):
             self._watch.start_async()
 
 
+def check_reclaim_source(settings: Settings, client: MutexClient) -> None:
+    """``reclaim_disconnected_after`` needs connections of the library's own: it names their sessions.
+
+    A pool's connections are the application's: one may be closed by the pool
+    while this process lives on, or outlive it behind a pooler. Refused at
+    construction, rather than reclaim a live holder or never reclaim early.
+    """
+    if settings.reclaim_disconnected_after is not None and client.dsn is None:
+        raise InvalidArgument(
+            "{reclaim_disconnected_after} needs the library's own connections (a dsn): it names this process's "
+            "database session in the lock's row, and a pool's connections are not this process's to vouch for"
+        )
+
+
+def new_lock_state(
+    core: ClientCore,
+    lock_name: str,
+    instance_id: str,
+    settings: Settings,
+    *,
+    permits: int | None,
+    rw_mode: str | None,
+) -> LockState:
+    """The state of one holder's lock on ``core``'s client, with how its events are told."""
+    timing = settings.timing
+    events = LockEvents(
+        lock_name=lock_name,
+        instance_id=instance_id,
+        hook=guard(settings.metrics),
+        on_lost=settings.on_lost,
+        alert_threshold=timing.alert_threshold,
+        stale_threshold=timing.stale_threshold,
+        permits=permits,
+        rw_mode=rw_mode,
+    )
+    return LockState(
+        names=settings.names,
+        lock_name=lock_name,
+        instance_id=instance_id,
+        timing=timing,
+        events=events,
+        tracing=core.tracing(settings.tracer_provider, settings.names.table_name),
+        state_lock=core.state_lock,
+        permits=permits,
+        rw_mode=rw_mode,
+    )
+
+
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:
     """``method``, called only while its object lives: what refers to it keeps it alive no longer."""
     ref = weakref.WeakMethod(method)
@@ -400,3 +449,9 @@ def _weakly(method: Callable[[], None]) -> Callable[[], None]:
             bound()
 
     return call
+
+
+def _not_a_mutexs_hold() -> InvalidArgument:
+    return InvalidArgument(
+        "{hold_at_least} is a Mutex's: a semaphore's permits and a read/write lock's holds end when released"
+    )

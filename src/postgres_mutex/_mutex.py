@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._candidacy import Candidacy
 from ._holder import Holder
+from ._settings import check_lock_name
 from .client import BUILT_ON_IT
 
 
@@ -61,11 +62,9 @@ class Mutex(Holder):
 
     def _new_sibling(self, lock_name: str) -> Mutex:
         """A Mutex for another lock name (see `Siblings`), on the same client, with the same settings."""
-        # One identity for the Mutex, whichever of its names it holds.
-        sibling = self._client.mutex(lock_name, instance_id=self.instance_id, **self._options)
-        if not self._explicit_id:
-            self._core.register(sibling._lock, explicit_id=False)
-        return sibling
+        # One identity for the Mutex, whichever of its names it holds; watch=True watches its own lock only.
+        settings = self._settings.replace(watch=False)
+        return Mutex._made(check_lock_name(lock_name, "lock_name"), self.client, settings, instance_id=self.instance_id)
 
 
 def candidacy(mutex: Mutex) -> Candidacy:

@@ -9,6 +9,7 @@ from ._rules import AlertGate
 from .watcher import StaleWatcher
 
 if TYPE_CHECKING:
+    from ._settings import Settings
     from ._state import LockState
     from .client import MutexClient
 
@@ -38,22 +39,22 @@ class OwnLockWatch:
     (`LeftToTheWatcher`), under the name users gave it, with its permit (mode).
     """
 
-    def __init__(self, client: MutexClient, table: str, lock: LockState, metrics: object | None) -> None:
-        timing = lock.timing
+    def __init__(self, client: MutexClient, lock: LockState, settings: Settings) -> None:
+        timing = settings.timing
         shared = {lock.lock_name: lock.alert_gate}
         if lock.permits is not None or lock.rw_mode is not None:
             self.leave_alerts_of(lock)
             shared = {}
         self.watcher: StaleWatcher = StaleWatcher(
             client=client,
-            table=table,
+            table=settings.table,
             lock_names=[lock.lock_name],
             alert_threshold=timing.alert_threshold,
             stale_threshold=timing.stale_threshold,
             # Its contenders leave the alerts of a semaphore's or read/write lock's holders to it: it looks
             # at least twice between a holder's alert and its reclaim, so the alert comes first.
             interval=min(5.0, timing.alert_threshold / 2, (timing.stale_threshold - timing.alert_threshold) / 2),
-            metrics=metrics,
+            metrics=settings.metrics,
             _shared_gates=shared,
         )
 

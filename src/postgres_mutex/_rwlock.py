@@ -20,9 +20,9 @@ from ._acquisition import Acquisition
 from ._acquisition_async import AsyncAcquisition
 from ._events import LostCallback
 from ._holder import Holder
-from ._settings import check_name, default_instance_id
+from ._settings import Settings, check_name, default_instance_id
 from ._sql import SEPARATOR
-from .client import BUILT_ON_IT, MutexClient
+from .client import BUILT_ON_IT, MutexClient, client_for
 from .errors import InvalidArgument, LockNotHeldError
 
 if TYPE_CHECKING:
@@ -72,20 +72,17 @@ class _Modes:
 class _ModeHolder(Holder):
     """One mode of an `RWLock`: what its ``read`` or ``write`` blocks hold."""
 
-    def __init__(self, mode: str, *args: Any, chosen_id: bool, modes: _Modes, **kwargs: Any) -> None:
-        self._rw_mode = mode
+    def __init__(
+        self, mode: str, name: str, client: MutexClient, settings: Settings, *, instance_id: str, modes: _Modes
+    ) -> None:
         self._modes = modes
-        super().__init__(*args, **kwargs)
+        self._setup(name, client, settings, instance_id=instance_id, rw_mode=mode)
         modes.add(self)
-        if not chosen_id:
-            # The RWLock chose it for both modes: a forked child chooses new ones, as a Mutex's does.
-            self._explicit_id = False
-            self._core.register(self._lock, explicit_id=False)
 
     @property
     def mode(self) -> str:
         """``"read"`` or ``"write"``."""
-        assert self._rw_mode is not None  # set first thing by __init__
+        assert self._rw_mode is not None  # set by __init__
         return self._rw_mode
 
     def __repr__(self) -> str:
@@ -173,26 +170,15 @@ class RWLock:
                 n=MAX_RWLOCK_NAME,
                 length=len(name),
             )
-        options: dict[str, Any] = {
-            "pool": pool,
-            "async_pool": async_pool,
-            "instance_id": default_instance_id() if instance_id is None else instance_id,
-            "table": table,
-            "heartbeat_interval": heartbeat_interval,
-            "alert_threshold": alert_threshold,
-            "stale_threshold": stale_threshold,
-            "poll_interval": poll_interval,
-            "metrics": metrics,
-            "on_lost": on_lost,
-            "operation_timeout": operation_timeout,
-            "tracer_provider": tracer_provider,
-            "client": client,
-            "reclaim_disconnected_after": reclaim_disconnected_after,
-        }
-        chosen_id = instance_id is not None
+        settings = Settings.from_arguments(locals())
+        connected = client_for(dsn, pool, async_pool, client)
+        # One identity for both modes; chosen by the user or not, as the settings say.
+        identity = settings.instance_id or default_instance_id()
         self._modes = _Modes(name)
-        self._reader = _ModeHolder("read", dsn, name, chosen_id=chosen_id, watch=watch, modes=self._modes, **options)
-        self._writer = _ModeHolder("write", dsn, name, chosen_id=chosen_id, modes=self._modes, **options)
+        self._reader = _ModeHolder("read", name, connected, settings, instance_id=identity, modes=self._modes)
+        # The reader's watcher sees the holders of either mode: the writer shares it rather than run its own.
+        unwatched = settings.replace(watch=False)
+        self._writer = _ModeHolder("write", name, connected, unwatched, instance_id=identity, modes=self._modes)
         self._writer.watch_with(self._reader)
 
     # -- introspection -------------------------------------------------------------

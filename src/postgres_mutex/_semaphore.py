@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from ._events import LostCallback
 from ._holder import Holder
-from ._settings import check_permit_count
+from ._settings import Settings, check_permit_count
 from ._sql import SEPARATOR
-from .client import BUILT_ON_IT, MutexClient
+from .client import BUILT_ON_IT, MutexClient, client_for
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -72,26 +72,8 @@ class Semaphore(Holder):
     ) -> None:
         if name is None:
             raise TypeError("Semaphore() needs a name: Semaphore(dsn, 'partner-api', permits=3)")
-        self._permits = check_permit_count(name, permits)
-        super().__init__(
-            dsn,
-            name,
-            pool=pool,
-            async_pool=async_pool,
-            instance_id=instance_id,
-            table=table,
-            heartbeat_interval=heartbeat_interval,
-            alert_threshold=alert_threshold,
-            stale_threshold=stale_threshold,
-            poll_interval=poll_interval,
-            metrics=metrics,
-            on_lost=on_lost,
-            operation_timeout=operation_timeout,
-            watch=watch,
-            tracer_provider=tracer_provider,
-            client=client,
-            reclaim_disconnected_after=reclaim_disconnected_after,
-        )
+        count = check_permit_count(name, permits)
+        self._setup(name, client_for(dsn, pool, async_pool, client), Settings.from_arguments(locals()), permits=count)
 
     @property
     def name(self) -> str:
@@ -119,10 +101,9 @@ class Semaphore(Holder):
 
     def _new_sibling(self, lock_name: str) -> Semaphore:
         """A Semaphore of another name (see `Siblings`), on the same client, with the same permits and settings."""
-        sibling = self._client.semaphore(lock_name, permits=self.permits, instance_id=self.instance_id, **self._options)
-        if not self._explicit_id:
-            self._core.register(sibling._lock, explicit_id=False)
-        return sibling
+        permits = check_permit_count(lock_name, self.permits)
+        settings = self._settings.replace(watch=False)  # watch=True watches its own semaphore only
+        return Semaphore._made(lock_name, self.client, settings, instance_id=self.instance_id, permits=permits)
 
 
 BUILT_ON_IT.semaphore = Semaphore

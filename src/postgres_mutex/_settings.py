@@ -7,13 +7,21 @@ when it first contends.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ._sql import SEPARATOR
+from ._sql import SEPARATOR, Names
 from .errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
+    from ._events import LostCallback
 
 # VARCHAR(64) in the table: PostgreSQL counts characters, not bytes.
 MAX_NAME_LENGTH = 64
@@ -175,6 +183,17 @@ def check_thresholds(alert_threshold: object, stale_threshold: object) -> tuple[
     return alert, stale
 
 
+class MissingLockName(TypeError, ValueError):
+    """``Mutex()`` without a lock name: a `TypeError` as Python says it, and a `ValueError` as 0.1.0 did."""
+
+
+def check_mutex_name(lock_name: object) -> str:
+    """A Mutex's ``lock_name``, which it cannot do without (see `check_lock_name`)."""
+    if lock_name is None:
+        raise MissingLockName("Mutex() needs a lock_name: Mutex(dsn, 'nightly-report')")
+    return check_lock_name(lock_name, "lock_name")
+
+
 def default_instance_id() -> str:
     """``<hostname>-<random>``: unique per Mutex, readable by a DBA in the table."""
     suffix = secrets.token_hex(4)
@@ -262,6 +281,89 @@ class Timing:
         if self.reclaim_disconnected_after is None:
             return None
         return self.reclaim_disconnected_after - self.heartbeat_interval
+
+
+@dataclass(frozen=True, eq=False)
+class Settings:
+    """A holder's options, checked once: every keyword of `Mutex` but its name and how it reaches PostgreSQL.
+
+    Its fields are those keywords, with their defaults. `Mutex`, `Semaphore`,
+    `RWLock` and `Election` write them out in their signatures (the API
+    reference and IDEs read them there) and hand them here at once
+    (`from_arguments`); a unit test holds each signature to these fields, so
+    neither can drift. Inside the library this object is passed whole: a
+    holder's siblings and an RWLock's two modes are made of it, and what the
+    lock state, the engine and the heartbeat read is its `timing`.
+
+    ``instance_id`` stays as given (None: the holder picks a default one),
+    except that an empty one means None, as an unset environment variable did
+    in 0.1.0. A bad value raises `TypeError` or `ValueError` naming its
+    keyword, in the order the constructors check their arguments.
+    """
+
+    instance_id: str | None = None
+    table: str = "mutex_lock"
+    heartbeat_interval: float = 10.0
+    alert_threshold: float = 30.0
+    stale_threshold: float = 600.0
+    poll_interval: float = 0.5
+    metrics: object | None = None
+    on_lost: LostCallback | None = None
+    operation_timeout: float | None = None
+    watch: bool = False
+    tracer_provider: TracerProvider | None = None
+    reclaim_disconnected_after: float | None = None
+    hold_at_least: float | None = None
+    timing: Timing = dataclasses.field(init=False, repr=False)
+    """The thresholds, checked against each other, with the default ``operation_timeout`` filled in."""
+    names: Names = dataclasses.field(init=False, repr=False)
+    """The lock table's name, checked, and the identifiers made of it."""
+
+    def __post_init__(self) -> None:
+        if self.instance_id == "":
+            object.__setattr__(self, "instance_id", None)
+        if self.instance_id is not None:
+            check_name(self.instance_id, "instance_id")
+        if self.on_lost is not None and not callable(self.on_lost):
+            raise TypeError(f"on_lost must be callable, not {type(self.on_lost).__name__}")
+        if not isinstance(self.watch, bool):
+            raise TypeError(f"watch must be a bool, not {type(self.watch).__name__}")
+        timing = Timing.validate(**{name: getattr(self, name) for name in _TIMING_FIELDS})
+        object.__setattr__(self, "hold_at_least", check_hold_at_least(self.hold_at_least, timing))
+        object.__setattr__(self, "timing", timing)
+        object.__setattr__(self, "names", Names(self.table))
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, object]) -> Settings:
+        """The settings among a constructor's arguments (its ``locals()``), checked; the others are its own."""
+        return cls(**{name: arguments[name] for name in KEYWORDS if name in arguments})  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> Settings:
+        """These settings with some changed, checked again."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+KEYWORDS = tuple(field.name for field in dataclasses.fields(Settings) if field.init)
+"""The keywords a `Settings` is made of, in the order the public constructors list them."""
+
+_TIMING_FIELDS = tuple(field.name for field in dataclasses.fields(Timing))
+
+
+@dataclass(frozen=True)
+class MutexConfig:
+    """A Mutex's settings, read-only: what 0.1.0 exposed as ``mutex.config``."""
+
+    lock_name: str
+    instance_id: str
+    table: str
+    heartbeat_interval: float
+    alert_threshold: float
+    stale_threshold: float
+    poll_interval: float
+    operation_timeout: float
+    reclaim_disconnected_after: float | None = None
+    hold_at_least: float | None = None
+    """Each acquire's minimum hold by default, in seconds (None: none)."""
 
 
 def _check_reclaim(value: object, heartbeat: float, stale: float) -> float:

@@ -99,9 +99,7 @@ class MutexClient:
         Takes every option of `Mutex` but the connection ones (``dsn``,
         ``pool``, ``async_pool``).
         """
-        for given in ("dsn", "pool", "async_pool", "client"):
-            if given in options:
-                raise TypeError(f"mutex() takes no {given}=: the client already knows how to reach PostgreSQL")
+        _refuse_connection("mutex", options)
         return BUILT_ON_IT.mutex(lock_name=lock_name, client=self, **options)
 
     def semaphore(self, name: str, *, permits: int, **options: Any) -> Semaphore:
@@ -109,9 +107,7 @@ class MutexClient:
 
         Takes every option of `Semaphore` but the connection ones.
         """
-        for given in ("dsn", "pool", "async_pool", "client"):
-            if given in options:
-                raise TypeError(f"semaphore() takes no {given}=: the client already knows how to reach PostgreSQL")
+        _refuse_connection("semaphore", options)
         return BUILT_ON_IT.semaphore(name=name, permits=permits, client=self, **options)
 
     def rwlock(self, name: str, **options: Any) -> RWLock:
@@ -119,9 +115,7 @@ class MutexClient:
 
         Takes every option of `RWLock` but the connection ones.
         """
-        for given in ("dsn", "pool", "async_pool", "client"):
-            if given in options:
-                raise TypeError(f"rwlock() takes no {given}=: the client already knows how to reach PostgreSQL")
+        _refuse_connection("rwlock", options)
         return BUILT_ON_IT.rwlock(name=name, client=self, **options)
 
     def table(self, table: str = "mutex_lock") -> LockTable:
@@ -163,6 +157,12 @@ class MutexClient:
         return f"<MutexClient {where}{' closed' if self.closed else ''}>"
 
 
+def _refuse_connection(made: str, options: dict[str, Any]) -> None:
+    for given in ("dsn", "pool", "async_pool", "client"):
+        if given in options:
+            raise TypeError(f"{made}() takes no {given}=: the client already knows how to reach PostgreSQL")
+
+
 def core_of(client: MutexClient) -> ClientCore:
     """The machinery of ``client`` that `Mutex`, `LockTable`, `Election` and `StaleWatcher` are built on.
 
@@ -189,6 +189,15 @@ class _BuiltOnIt:
 BUILT_ON_IT = _BuiltOnIt()
 
 _SHARED: SharedClients[MutexClient] = SharedClients()
+
+
+def client_for(dsn: str | None, pool: object, async_pool: object, client: MutexClient | None) -> MutexClient:
+    """The client a primitive is made on: the one given, else the process's shared one for its DSN or pool."""
+    if client is None:
+        return shared_client(dsn, pool, async_pool)
+    if dsn is not None or pool is not None or async_pool is not None:
+        raise ValueError("pass either client or dsn/pool/async_pool, not both")
+    return client
 
 
 def shared_client(dsn: str | None, pool: object, async_pool: object) -> MutexClient:

@@ -58,8 +58,9 @@ from ._leader_reader_async import AsyncLeaderReader
 from ._metrics import guard
 from ._mutex import Mutex
 from ._relay import Relay
-from ._settings import check_lock_name, check_seconds
+from ._settings import Settings, check_lock_name, check_seconds
 from ._term import Flag, Leadership, TermPolicy
+from .client import client_for
 from .errors import InvalidArgument, LockNotHeldError, MutexError
 from .table import LockTable
 
@@ -130,39 +131,24 @@ class Election:
                 most=max_backoff,
                 least=backoff,
             )
-        self._mutex = Mutex(
-            dsn,
-            name,
-            pool=pool,
-            async_pool=async_pool,
-            client=client,
-            instance_id=instance_id,
-            table=table,
-            heartbeat_interval=heartbeat_interval,
-            alert_threshold=alert_threshold,
-            stale_threshold=stale_threshold,
-            poll_interval=poll_interval,
-            operation_timeout=operation_timeout,
-            metrics=metrics,
-            tracer_provider=tracer_provider,
-            on_lost=self._on_lost,
-            reclaim_disconnected_after=reclaim_disconnected_after,
-        )
-        config = self._mutex.config
-        self._grace = config.heartbeat_interval if grace is None else grace
+        # The Mutex's settings, and its on_lost: the election's own, which ends the term.
+        settings = Settings.from_arguments({**locals(), "on_lost": self._on_lost})
+        self._mutex = Mutex._made(name, client_for(dsn, pool, async_pool, client), settings)
+        timing = settings.timing
+        self._grace = timing.heartbeat_interval if grace is None else grace
         self._campaign = Campaign(
             self._mutex,
             ElectionEvents(
                 lock_name=name, instance_id=self._mutex.instance_id, hook=guard(metrics), grace_period=self._grace
             ),
-            TermPolicy(backoff, max_backoff, rejoin_pause=max(0.25, 2 * config.poll_interval)),
+            TermPolicy(backoff, max_backoff, rejoin_pause=max(0.25, 2 * timing.poll_interval)),
             self._grace,
         )
         reading = (
-            LockTable(client=self._mutex.client, table=table, operation_timeout=config.operation_timeout),
+            LockTable(client=self._mutex.client, table=table, operation_timeout=timing.operation_timeout),
             name,
-            config.alert_threshold,
-            config.stale_threshold,
+            timing.alert_threshold,
+            timing.stale_threshold,
         )
         self._leaders, self._leaders_async = LeaderReader(*reading), AsyncLeaderReader(*reading)
         self._relay: Relay | None = None

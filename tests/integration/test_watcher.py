@@ -202,6 +202,27 @@ def test_a_mutex_that_only_watches_its_lock_is_alerted_without_acquiring(
     watching.close()
 
 
+def _watcher_threads() -> int:
+    return sum(1 for thread in threading.enumerate() if thread.name == "postgres-mutex-watcher")
+
+
+def test_a_watching_mutex_watches_its_own_lock_only_not_the_locks_its_decorators_name(
+    make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, lock_name: str
+) -> None:
+    # watch=True is about the Mutex's lock: a decorator naming another lock does not start a watcher for it.
+    before = _watcher_threads()
+    watching = make_mutex(lock_name=lock_name, watch=True, metrics=metrics)
+    wait_until(lambda: _watcher_threads() == before + 1, timeout=10)
+
+    @watching.singleton(lock_name + "-other")
+    def job() -> str:
+        return "ran"
+
+    assert job() == "ran"
+    assert _watcher_threads() == before + 1
+    watching.close()
+
+
 async def test_an_async_mutex_that_only_watches_its_lock_is_alerted_without_acquiring(
     make_mutex: Callable[..., Mutex], metrics: RecordingMetrics, lock_name: str, dsn: str
 ) -> None:

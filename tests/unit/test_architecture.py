@@ -73,7 +73,6 @@ MUTEX_PARTS = {
     "_candidacy",
     "_closing",
     "_closing_async",
-    "_mutex_config",
     "_own_watch",
     "_siblings",
     "_singleton",
