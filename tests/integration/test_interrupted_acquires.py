@@ -14,7 +14,6 @@ no exception is left being handled afterwards, which the caller's next one would
 
 from __future__ import annotations
 
-import dis
 import functools
 import itertools
 import random
@@ -33,6 +32,7 @@ import pytest
 import postgres_mutex
 from postgres_mutex import Mutex, RWLock, Semaphore
 from postgres_mutex._acquisition import Acquisition
+from tests.support.signal_points import RaiseAtCheck
 from tests.support.timing import FAST
 
 LIBRARY = str(Path(postgres_mutex.__file__).parent)
@@ -198,62 +198,20 @@ def _lost_in_finalizers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     assert others == [], "nothing but the signal's own exception may be lost in a finalizer"
 
 
-def _told(raiser: _RaiseAtCheck, point: str) -> str:
+def _told(raiser: RaiseAtCheck, point: str) -> str:
     return f"{point}: {raiser.where or 'not reached'}"
 
 
-class _RaiseAtCheck:
-    """A trace function that raises at the ``at``-th point where a signal handler could run in library code.
-
-    CPython runs a signal handler where the interpreter checks for pending work: as a function
-    starts or a generator resumes, after a call returns (a lock taken, a reply read), at a
-    loop's back edge. The trace raises at each of those in the library's frames of this thread,
-    the ``at``-th time it meets one.
-    """
-
-    def __init__(self, at: int, error: type[BaseException]) -> None:
-        self.at = at
-        self.error = error
-        self.seen = 0
-        self.where = ""
-        self._last: dict[int, str] = {}
-
-    def __call__(self, frame: FrameType, event: str, arg: object) -> Any:
-        if not frame.f_code.co_filename.startswith(LIBRARY):
-            return None
-        frame.f_trace_opcodes = True
-        self._check(frame)  # a function starting, or a generator resuming
-        return self._opcode
-
-    def _opcode(self, frame: FrameType, event: str, arg: object) -> Any:
-        if event == "exception":
-            # A call that raised did not return: the interpreter unwinds to the frame's `except` or
-            # `finally` without looking for pending signals, so no signal handler runs at its first
-            # instruction. Nor may the trace raise there: CPython (3.11, 3.13) would then take the
-            # exception being caught for the one handled before it, and leave it as the thread's
-            # handled exception for good (every later `raise` in the thread carrying it as its
-            # __context__).
-            self._last[id(frame)] = event
-        elif event == "opcode":
-            op = dis.opname[frame.f_code.co_code[frame.f_lasti]]
-            after = self._last.get(id(frame), "")
-            self._last[id(frame)] = op
-            if after.startswith("CALL") or op == "JUMP_BACKWARD":
-                self._check(frame)
-        return self._opcode
-
-    def _check(self, frame: FrameType) -> None:
-        self.seen += 1
-        if self.seen == self.at:
-            self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
-            raise self.error(f"raised at {self.where}")
+def _raise_at_check(at: int, error: type[BaseException]) -> RaiseAtCheck:
+    """Raises at the ``at``-th point where a signal handler could run in the library's code."""
+    return RaiseAtCheck(at, error, lambda filename: filename.startswith(LIBRARY))
 
 
 def _points(subject: Subject) -> int:
     """How many points where a signal handler could run an uncontended acquire passes, its connection already open."""
     with subject.acquire():
         pass
-    counter = _RaiseAtCheck(at=0, error=JobTimeout)
+    counter = _raise_at_check(at=0, error=JobTimeout)
     sys.settrace(counter)
     try:
         acquisition = subject.acquire()
@@ -278,7 +236,7 @@ def _raise_at_each(
     for each in at:
         # A KeyboardInterrupt at every third point, as Ctrl-C raises it.
         error: type[BaseException] = KeyboardInterrupt if each % 3 == 0 else JobTimeout
-        raiser = _RaiseAtCheck(each, error)
+        raiser = _raise_at_check(each, error)
         sys.settrace(raiser)
         _one_try(
             subject, admin, tally, functools.partial(_told, raiser, f"raised at point {each} of {points} ({said})")

@@ -8,15 +8,13 @@ every later user of that primitive waits for good. These tests raise at each suc
 
 from __future__ import annotations
 
-import dis
 import sys
 import threading
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 import postgres_mutex
 from postgres_mutex._acompat import Event
+from tests.support.signal_points import RaiseAtCheck
 
 LIBRARY = str(Path(postgres_mutex.__file__).parent)
 THREADING = threading.__file__
@@ -26,44 +24,13 @@ class Interrupt(Exception):
     """What the signal handler raises."""
 
 
-class _RaiseAt:
-    """A trace function raising at the ``at``-th point where a signal handler could run (0: count only).
-
-    In the library's frames and the standard library's threading module (whose Python code a
-    `threading.Event` runs).
-    """
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-        self.seen = 0
-        self.where = "not reached"
-        self._last: dict[int, str] = {}
-
-    def __call__(self, frame: FrameType, event: str, arg: object) -> Any:
-        name = frame.f_code.co_filename
-        if not (name.startswith(LIBRARY) or name == THREADING):
-            return None
-        frame.f_trace_opcodes = True
-        self._check(frame)
-        return self._opcode
-
-    def _opcode(self, frame: FrameType, event: str, arg: object) -> Any:
-        if event == "opcode":
-            op = dis.opname[frame.f_code.co_code[frame.f_lasti]]
-            after = self._last.get(id(frame), "")
-            self._last[id(frame)] = op
-            if after.startswith("CALL") or op == "JUMP_BACKWARD":
-                self._check(frame)
-        return self._opcode
-
-    def _check(self, frame: FrameType) -> None:
-        self.seen += 1
-        if self.seen == self.at:
-            self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
-            raise Interrupt(self.where)
+def _raise_at(at: int) -> RaiseAtCheck:
+    """Raises at the ``at``-th point where a signal handler could run (0: counts only), in the library's
+    frames and the threading module's (whose Python code a `threading.Event` runs)."""
+    return RaiseAtCheck(at, Interrupt, lambda name: name.startswith(LIBRARY) or name == THREADING)
 
 
-def _wait_with(tracer: _RaiseAt, event: Event) -> None:
+def _wait_with(tracer: RaiseAtCheck, event: Event) -> None:
     sys.settrace(tracer)
     try:
         event.wait(0.001)
@@ -74,14 +41,14 @@ def _wait_with(tracer: _RaiseAt, event: Event) -> None:
 
 
 def _sweep(failures: list[str]) -> None:
-    counter = _RaiseAt(0)
+    counter = _raise_at(0)
     _wait_with(counter, Event())
     points = counter.seen
     if points < 3:
         failures.append(f"the count saw the wait run ({points} points)")
     for at in range(1, points + 1):
         event = Event()
-        raiser = _RaiseAt(at)
+        raiser = _raise_at(at)
         _wait_with(raiser, event)
         setter = threading.Thread(target=event.set, daemon=True)
         setter.start()
