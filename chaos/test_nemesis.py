@@ -417,6 +417,18 @@ def test_the_checker_finds_a_loss_told_after_the_takeover_unless_the_holder_was_
     assert verdict_of(held, taken, late, applied=[frozen]).late_losses == [], "told as it resumed"
 
 
+def test_the_checker_holds_no_notice_bound_over_a_holder_that_was_releasing() -> None:
+    # Its section ended (the block left, the release slow on a bad network) before the takeover;
+    # the release then found the row taken over and told the loss: no running job relied on it.
+    releasing = section("a", "x", 0.0, 1.5, believed=1.5)
+    taken = section("b", "x", 3.0, 4.0)
+    reclaim = {"ev": "reclaimed", "who": "b", "lock": "x", "at": 2.99, "previous": "a"}
+    told_by_release = {"ev": "lost", "who": "a", "lock": "x", "at": 3.4, "reason": "taken over"}
+    assert verdict_of(releasing, taken, reclaim, told_by_release).late_losses == []
+    still_running = section("a", "x", 0.0, 3.5, held=False, believed=2.0)
+    assert len(verdict_of(still_running, taken, reclaim, told_by_release).late_losses) == 1
+
+
 def test_the_checker_allows_a_loss_told_just_after_the_takeover_and_says_so() -> None:
     # A starved machine may run the holder's notice a moment late; the verdict states the bound it holds.
     held = section("a", "x", 0.0, 2.95, held=False, believed=2.7)
