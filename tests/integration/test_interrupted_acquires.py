@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import random
 import signal
 import sys
@@ -180,6 +181,29 @@ def _stop_raising() -> None:
     _ALARM["armed"] = False
     sys.settrace(None)
     signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+@pytest.fixture(autouse=True)
+def _library_logs_reach_no_locking_handler() -> Iterator[None]:
+    """While exceptions fly, the library's log records go to a handler that takes no lock.
+
+    A handler takes its lock in Python code (`logging.Handler.handle`: ``acquire()``, then
+    ``try``): a signal's exception landing between the two, as the library logs during an
+    acquire, leaves that lock held by the main thread for good, and every other thread that
+    logs through the handler (pytest's own, kept for the whole session) then waits on it: the
+    library's heartbeat and listener threads in the tests that run next. That is the logging
+    module's hazard, which a job runner's signal meets in any code that logs, not the library's.
+    """
+    logger = logging.getLogger("postgres_mutex")
+    quiet = logging.NullHandler()  # its handle() does nothing: no lock
+    propagate = logger.propagate
+    logger.addHandler(quiet)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.propagate = propagate
+        logger.removeHandler(quiet)
 
 
 @pytest.fixture(autouse=True)
