@@ -78,7 +78,7 @@ MUTEX_PARTS = {
     "_singleton",
     "_singleton_async",
 }
-"""What `_mutex` is made of besides the core: an election's side, closing, its own watcher, its decorators."""
+"""What `_kinds.mutex` is made of besides the core: an election's side, closing, its own watcher, its decorators."""
 
 ELECTION_PARTS = {"_campaign", "_leader", "_leader_reader", "_leader_reader_async", "_relay", "_term"}
 """What `election` is made of: its rounds (campaign, term, hand-over), who leads, its terms, its relay."""
@@ -207,7 +207,7 @@ def test_an_elections_parts_are_its_own() -> None:
 
 
 def test_a_mutexs_parts_are_its_own() -> None:
-    # An election reaches its Mutex's side only through `_mutex.candidacy()`; `_holder` is what every
+    # An election reaches its Mutex's side only through `_kinds.mutex.candidacy()`; `_kinds.holder` is what every
     # holder (Mutex, Semaphore, RWLock's) is made of, with its methods of each flavour.
     holder = {"_holder", "_holder_methods", "_holder_methods_async"}
     for module in sorted(set(MODULES) - MUTEX_PARTS - holder - {"_mutex"}):
@@ -288,7 +288,7 @@ def test_no_hand_written_module_is_over_800_lines() -> None:
 
 def test_no_module_waits_on_a_socket_with_select() -> None:
     # select() refuses a descriptor numbered 1,024 or more, which a process with many sockets
-    # open hands the library: it waits with poll() (`_acompat.ready_to_read`) or psycopg's waits.
+    # open hands the library: it waits with poll() (`_base.acompat.ready_to_read`) or psycopg's waits.
     users = sorted(
         str(path.relative_to(SRC))
         for path in SRC.rglob("*.py")
