@@ -122,14 +122,13 @@ MUTEX_PARTS = {
         "candidacy",
         "closing",
         "closing_async",
-        "mutex_config",
         "own_watch",
         "siblings",
         "singleton",
         "singleton_async",
     )
 }
-"""What `_kinds.mutex` is made of: an election's side, closing, its own watcher, its decorators, its arguments."""
+"""What `_kinds.mutex` is made of: an election's side, closing, its own watcher, its decorators."""
 
 HOLDER = {"_kinds.holder", "_kinds.holder_methods", "_kinds.holder_methods_async"}
 """What every holder (Mutex, Semaphore, an RWLock's modes) is made of."""
