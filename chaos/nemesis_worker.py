@@ -83,7 +83,7 @@ def break_the_lease() -> None:
     is allowed, and no overlap can be observed (it is unsafe only with clocks that
     drift, or with work that outlasts the last look at ``held``).
     """
-    from postgres_mutex import _settings
+    from postgres_mutex._state import settings as _settings
 
     _settings.Timing.lease = property(  # type: ignore[method-assign, assignment]
         lambda self: self.stale_threshold + self.heartbeat_interval

@@ -1,4 +1,4 @@
-"""Generate each sync module (``_engine.py``, ``_table.py`` ...) from its async twin (``_engine_async.py`` ...).
+"""Generate each sync module (``_io/engine.py`` ...) from its async twin (``_io/engine_async.py`` ...).
 
 Every ``_X_async.py`` module of the package has its sync twin ``_X.py``
 generated (`PAIRS`): the engine and its parts, `LockTable`'s methods, what a
@@ -11,7 +11,7 @@ token by token, so the two cannot drift apart:
 - the ``async`` and ``await`` keywords are dropped;
 - names are renamed: ``AsyncFoo`` becomes ``Foo`` (psycopg's classes and
   ours), ``foo_async`` becomes ``foo``, and the paired primitives of
-  ``_acompat.py`` take their sync twin's name (`RENAMES`);
+  ``_base/acompat.py`` take their sync twin's name (`RENAMES`);
 - a line ending in a ``# sync: <code>`` comment is replaced by ``<code>``,
   for the rare place where the two genuinely differ;
 - lines between ``# async-only`` and ``# end async-only`` are dropped, and
@@ -47,9 +47,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "postgres_mutex"
 PAIRS = sorted(
-    (source, source.with_name(source.name.removesuffix("_async.py") + ".py")) for source in PACKAGE.glob("_*_async.py")
+    (source, source.with_name(source.name.removesuffix("_async.py") + ".py")) for source in PACKAGE.rglob("*_async.py")
 )
-"""Every ``_{part}_async.py`` module of the package, written by hand, and its generated sync twin ``_{part}.py``."""
+"""Every hand-written ``{part}_async.py`` of the package's tree and its generated twin ``{part}.py`` beside it."""
 
 RENAMES = {
     "ACancelled": "Cancelled",

@@ -5,12 +5,12 @@ recovery from crashed holders, fencing tokens, and leader election on top. See t
 contract.
 """
 
-from ._acquisition import Acquisition
-from ._acquisition_async import AsyncAcquisition
-from ._metrics import ExtendedMetricsHook, FanOutMetrics, LockObservation, MetricsHook, NullMetrics
-from ._mutex import Mutex
-from ._rwlock import RWLock
-from ._semaphore import Semaphore
+from ._io.acquisition import Acquisition
+from ._io.acquisition_async import AsyncAcquisition
+from ._kinds.mutex import Mutex
+from ._kinds.rwlock import RWLock
+from ._kinds.semaphore import Semaphore
+from ._observe.hooks import ExtendedMetricsHook, FanOutMetrics, LockObservation, MetricsHook, NullMetrics
 from ._version import __version__
 from .client import MutexClient
 from .election import Election, Leader, Leadership

@@ -24,17 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._connections import check_connection_args, describe_dsn, dsn_or_environment
-from ._core import ClientCore
-from ._settings import DEFAULT_OPERATION_TIMEOUT, check_operation_timeout
-from ._shared import SharedClients
+from ._io.connections import check_connection_args, describe_dsn, dsn_or_environment
+from ._io.core import ClientCore
+from ._io.shared import SharedClients
+from ._state.settings import DEFAULT_OPERATION_TIMEOUT, check_operation_timeout
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-    from ._mutex import Mutex
-    from ._rwlock import RWLock
-    from ._semaphore import Semaphore
+    from ._kinds.mutex import Mutex
+    from ._kinds.rwlock import RWLock
+    from ._kinds.semaphore import Semaphore
     from .table import LockTable
 
 __all__ = ["MutexClient"]

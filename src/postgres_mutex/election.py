@@ -38,8 +38,8 @@ that must never come from a former leader need fencing: `Leadership.fence`.
 
 Here is the election's public face and what is its own (one run at a time,
 the relay out of signal handlers, closing). The rounds it runs are
-`_campaign`'s, a term and its `Leadership` are `_term`'s, and who leads is
-read by `_leader`; their public names are imported from here.
+`_election.campaign`'s, a term and its `Leadership` are `_election.term`'s, and who leads is
+read by `_election.leader`; their public names are imported from here.
 """
 
 from __future__ import annotations
@@ -50,16 +50,16 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._campaign import AsyncLead, Campaign, Lead
-from ._events import ElectionEvents
-from ._leader import Leader
-from ._leader_reader import LeaderReader
-from ._leader_reader_async import AsyncLeaderReader
-from ._metrics import guard
-from ._mutex import Mutex
-from ._relay import Relay
-from ._settings import Settings, check_lock_name, check_seconds
-from ._term import Flag, Leadership, TermPolicy
+from ._election.campaign import AsyncLead, Campaign, Lead
+from ._election.leader import Leader
+from ._election.leader_reader import LeaderReader
+from ._election.leader_reader_async import AsyncLeaderReader
+from ._election.relay import Relay
+from ._election.term import Flag, Leadership, TermPolicy
+from ._kinds.mutex import Mutex
+from ._observe.hooks import guard
+from ._state.events import ElectionEvents
+from ._state.settings import Settings, check_lock_name, check_seconds
 from .client import client_for
 from .errors import InvalidArgument, LockNotHeldError, MutexError
 from .table import LockTable

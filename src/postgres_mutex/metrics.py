@@ -3,6 +3,6 @@
 New code imports these from ``postgres_mutex``.
 """
 
-from ._metrics import MetricsHook, NullMetrics
+from ._observe.hooks import MetricsHook, NullMetrics
 
 __all__ = ["MetricsHook", "NullMetrics"]

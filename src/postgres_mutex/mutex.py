@@ -3,7 +3,7 @@
 New code imports it from ``postgres_mutex``.
 """
 
-from ._metrics import MetricsHook
-from ._mutex import Mutex
+from ._kinds.mutex import Mutex
+from ._observe.hooks import MetricsHook
 
 __all__ = ["MetricsHook", "Mutex"]

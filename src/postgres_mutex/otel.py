@@ -20,7 +20,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, MeterProvider, Observation, UpDownCounter
 
 from . import metric_names as names
-from ._exporter import GAUGES, ExporterHook, Read
+from ._observe.exporter import GAUGES, ExporterHook, Read
 from ._version import __version__
 
 __all__ = ["OtelMetrics"]

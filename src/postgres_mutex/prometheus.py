@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("PrometheusMetrics needs prometheus-client: pip install 'postgres-mutex[prometheus]'") from exc
 
 from . import metric_names as names
-from ._exporter import GAUGES, ExporterHook, LockTableView
+from ._observe.exporter import GAUGES, ExporterHook, LockTableView
 
 __all__ = ["PrometheusMetrics"]
 

@@ -31,10 +31,10 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._events import WatcherEvents
-from ._metrics import LockObservation, guard
-from ._rules import AlertGate, WatchAlerts
-from ._settings import check_names, check_seconds, check_thresholds
+from ._observe.hooks import LockObservation, guard
+from ._state.events import WatcherEvents
+from ._state.rules import AlertGate, WatchAlerts
+from ._state.settings import check_names, check_seconds, check_thresholds
 from .client import MutexClient, core_of, shared_client
 from .errors import DatabaseError
 from .table import LockTable

@@ -25,7 +25,7 @@ import psycopg
 import pytest
 
 from bench.report import LATENCY_LABELS, SECTIONS, TARGETS_TITLE
-from postgres_mutex._heartbeat_flows import BATCH
+from postgres_mutex._state.heartbeat_flows import BATCH
 from tests.support.fixtures import ROOT
 
 QUICK_RUN_TIMEOUT = 150.0

@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from postgres_mutex import LockTable, Mutex, MutexClient, MutexError, RWLock, Semaphore
-from postgres_mutex._heartbeat_flows import BATCH
-from postgres_mutex._settings import Timing
-from postgres_mutex._sources import OwnConnection
+from postgres_mutex._io.sources import OwnConnection
+from postgres_mutex._state.heartbeat_flows import BATCH
+from postgres_mutex._state.settings import Timing
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import FAST, LISTENER_LOST, ROOT, RecordingMetrics, row_locked, wait_until

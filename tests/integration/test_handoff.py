@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore, _sql
-from postgres_mutex._listener_async import MOST_REGISTERED
+from postgres_mutex._io.listener_async import MOST_REGISTERED
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import channel_of, process_listens, wait_until

@@ -15,8 +15,8 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockNotHeldError, Mutex
-from postgres_mutex import _heartbeat_flows as heartbeat_flows
-from postgres_mutex._clock import now
+from postgres_mutex._base.clock import now
+from postgres_mutex._state import heartbeat_flows
 from tests.support.fixtures import (
     FAST,
     RecordingMetrics,

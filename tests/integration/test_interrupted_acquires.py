@@ -32,7 +32,7 @@ import pytest
 
 import postgres_mutex
 from postgres_mutex import Mutex, RWLock, Semaphore
-from postgres_mutex._acquisition import Acquisition
+from postgres_mutex._io.acquisition import Acquisition
 from tests.support.signal_points import RaiseAtCheck
 from tests.support.timing import FAST
 

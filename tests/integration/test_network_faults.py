@@ -714,8 +714,8 @@ def test_the_loss_is_declared_when_the_lease_runs_out_even_while_a_heartbeat_han
 def test_a_cleanup_begun_before_an_acquire_is_never_sent_after_it(
     make_mutex: Callable[..., Mutex], holder_id: Holder
 ) -> None:
-    from postgres_mutex._flows import stray_row_cleanup
-    from postgres_mutex._steps import CleanupSuperseded, Execute, Shape
+    from postgres_mutex._state.flows import stray_row_cleanup
+    from postgres_mutex._state.steps import CleanupSuperseded, Execute, Shape
 
     mutex = make_mutex()
     lock = mutex._lock

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import DatabaseError, Election, LockTable, Mutex, MutexClient
-from postgres_mutex._secrets import Redactor
+from postgres_mutex._base.secrets import Redactor
 from tests.support.fixtures import FAST, RecordingMetrics
 from tests.support.postgres_server import PASSWORD, PASSWORD_ROLE, PostgresServer, free_port
 

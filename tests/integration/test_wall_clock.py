@@ -1,6 +1,6 @@
 """The library reads no wall clock for any decision: what lets clients with skewed clocks share a lock.
 
-Leases and deadlines run on the boot-time clock (`postgres_mutex._clock`), staleness on the
+Leases and deadlines run on the boot-time clock (`postgres_mutex._base.clock`), staleness on the
 server's. This is what makes the chaos suite's clock-skew scenario (11) sufficient: it skews the
 wall clock as Python reads it in its workers, and here every wall-clock read made by the
 library's own code, over its whole life cycle, sync and async, fails the test

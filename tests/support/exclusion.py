@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from postgres_mutex import LockNotHeldError
-from postgres_mutex._holder import Holder  # what Mutex, Semaphore and RWLock holders share
+from postgres_mutex._kinds.holder import Holder  # what Mutex, Semaphore and RWLock holders share
 
 
 @dataclass

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, Mutex, MutexClient
-from postgres_mutex._holder import Holder  # what Mutex, Semaphore and RWLock holders share
+from postgres_mutex._kinds.holder import Holder  # what Mutex, Semaphore and RWLock holders share
 from postgres_mutex._sql import Names
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy

@@ -1,8 +1,9 @@
-"""The library's structure, held against its imports: the "never" arrows of docs/development.md.
+"""The library's structure, held against its imports: the layers of docs/development.md.
 
 Read from the source (nothing is imported): an import inside a function
 counts as much as one at the top; one under ``if TYPE_CHECKING:`` does not,
-since it never runs.
+since it never runs. Modules are named by their dotted path inside the
+package (``_io.engine_async``, ``client``; ``__init__`` is the package's own).
 """
 
 from __future__ import annotations
@@ -14,77 +15,48 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "postgres_mutex"
 
-CORE = {
-    "_acompat",
-    "_admin_flows",
-    "_clock",
-    "_connections",
-    "_core",
-    "_acquisition",
-    "_acquisition_async",
-    "_engine",
-    "_engine_async",
-    "_heartbeat",
-    "_heartbeat_async",
-    "_heartbeat_flows",
-    "_listener",
-    "_listener_async",
-    "_sources",
-    "_sources_async",
-    "_events",
-    "_flows",
-    "_host",
-    "_metrics",
-    "_rules",
-    "_secrets",
-    "_session",
-    "_settings",
-    "_shared",
-    "_sql",
-    "_sql_history",
-    "_sql_integrations",
-    "_sql_lock",
-    "_sql_names",
-    "_sql_permits",
-    "_sql_rows",
-    "_sql_rwlocks",
-    "_sql_schema",
-    "_sql_sessions",
-    "_sql_statement",
-    "_sql_wake",
-    "_state",
-    "_steps",
-    "_tracing",
-    "_version",
-    "_watchdog",
-    "errors",
-    "metric_names",
-}
-"""Below `client`: the machinery every primitive shares. None of it knows what is built on it."""
+LAYERS: list[set[str]] = [
+    {"errors", "metric_names", "_version"},
+    {"_base"},
+    {"_sql", "_observe"},
+    {"_state"},
+    {"_io"},
+    {"client"},
+    {"_table"},
+    {"table"},
+    {"watcher"},
+    {"_kinds"},
+    {"_election"},
+    {"election"},
+    {"__init__", "mutex", "metrics", "exceptions", "shutdown", "prometheus", "otel"},
+    {"_cli", "cli", "__main__", "integrations"},
+]
+"""Bottom to top: a module imports only from its own layer and those below it.
 
-ENGINES = {
-    f"_{part}{flavour}"
-    for part in ("engine", "heartbeat", "listener", "sources", "acquisition")
-    for flavour in ("", "_async")
-}
-"""The engine, in its parts: the hand-written async modules and the sync ones generated from them."""
+The vocabulary (errors, metric names, the version); building blocks that know nothing of locks
+(`_base`); the statements (`_sql`) and what the library tells (`_observe`: the hooks' interface,
+tracing, the exporters' shared part); the lock states and their rules, without I/O (`_state`);
+connections and the engine (`_io`); the client; the table's methods (`_table`) and its public face; the
+watcher; the lock kinds (`_kinds`); an election's parts and its public face; the rest of the
+public modules; the command line and the framework integrations, on the public API only.
+"""
 
-MUTEX_PARTS = {
-    "_candidacy",
-    "_closing",
-    "_closing_async",
-    "_own_watch",
-    "_siblings",
-    "_singleton",
-    "_singleton_async",
-}
-"""What `_mutex` is made of besides the core: an election's side, closing, its own watcher, its decorators."""
+LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
 
-ELECTION_PARTS = {"_campaign", "_leader", "_leader_reader", "_leader_reader_async", "_relay", "_term"}
-"""What `election` is made of: its rounds (campaign, term, hand-over), who leads, its terms, its relay."""
 
-SQL = {module for module in CORE if module == "_sql" or module.startswith("_sql_")}
-"""Where the statements are: `_sql`, the door the rest of the library goes through, and its parts."""
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+FILES = {_module_name(path): path for path in sorted(SRC.rglob("*.py"))}
+MODULES = sorted(FILES)
+
+
+def layer_of(module: str) -> str:
+    return module.split(".")[0]
 
 
 def _type_checking_nodes(tree: ast.Module) -> set[int]:
@@ -95,34 +67,118 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
     return found
 
 
+def _base_of(module: str, node: ast.ImportFrom) -> str:
+    """The dotted module (inside the package; "" for the package itself) an import's ``from`` names."""
+    if not node.level:
+        name = node.module or ""
+        return name.removeprefix("postgres_mutex").removeprefix(".") if name.split(".")[0] == "postgres_mutex" else "?"
+    here = [] if module == "__init__" else module.split(".")
+    if FILES[module].name != "__init__.py":
+        here = here[:-1]
+    here = here[: len(here) - (node.level - 1)]
+    return ".".join([*here, *([node.module] if node.module else [])])
+
+
+def _known(dotted: str) -> str | None:
+    if dotted == "":
+        return "__init__"
+    return dotted if dotted in FILES else None
+
+
 def imports_of(module: str) -> set[str]:
     """The package's modules that ``module`` imports when it runs."""
-    tree = ast.parse((SRC / f"{module}.py").read_text())
+    tree = ast.parse(FILES[module].read_text())
     skipped = _type_checking_nodes(tree)
     found: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module is None:
-                found.update(alias.name for alias in node.names)
-            else:
-                found.add(node.module.split(".")[0])
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("postgres_mutex"):
-            parts = (node.module or "").split(".")
-            found.add(parts[1] if len(parts) > 1 else "__init__")
+        if isinstance(node, ast.ImportFrom):
+            base = _base_of(module, node)
+            if base == "?":
+                continue
+            for alias in node.names:
+                sub = _known(f"{base}.{alias.name}" if base else alias.name)
+                found.add(sub or _known(base) or base)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "postgres_mutex":
+                    found.add(_known(alias.name.removeprefix("postgres_mutex").removeprefix(".")) or alias.name)
     return found - {module}
 
 
-MODULES = sorted(path.stem for path in SRC.glob("*.py"))
 GRAPH = {module: imports_of(module) for module in MODULES}
+
+ENGINES = {
+    f"_io.{part}{flavour}"
+    for part in ("engine", "heartbeat", "listener", "sources", "acquisition")
+    for flavour in ("", "_async")
+}
+"""The engine, in its parts: the hand-written async modules and the sync ones generated from them."""
+
+MUTEX_PARTS = {
+    f"_kinds.{part}"
+    for part in (
+        "candidacy",
+        "closing",
+        "closing_async",
+        "own_watch",
+        "siblings",
+        "singleton",
+        "singleton_async",
+    )
+}
+"""What `_kinds.mutex` is made of: an election's side, closing, its own watcher, its decorators."""
+
+HOLDER = {"_kinds.holder", "_kinds.holder_methods", "_kinds.holder_methods_async"}
+"""What every holder (Mutex, Semaphore, an RWLock's modes) is made of."""
+
+SQL = {module for module in MODULES if layer_of(module) == "_sql"}
+"""Where the statements are: `_sql`, the door the rest of the library goes through, and its parts."""
 
 
 def test_the_reader_finds_every_module_and_what_it_imports() -> None:
     # The checks below mean something only if the graph is the real one.
-    assert {"client", "_core", "_session", "_host", "_engine_async", "_mutex"} <= set(MODULES)
-    assert {"_core", "_shared"} <= GRAPH["client"]
-    assert {"_steps", "_sql", "_connections", "_heartbeat_async"} <= GRAPH["_engine_async"]
+    assert {"client", "_io.core", "_state.session", "_io.host", "_io.engine_async", "_kinds.mutex"} <= set(MODULES)
+    assert {"_io.core", "_io.shared"} <= GRAPH["client"]
+    assert {"_state.steps", "_sql", "_io.connections", "_io.heartbeat_async"} <= GRAPH["_io.engine_async"]
+    assert {"_sql.lock", "_sql.names"} <= GRAPH["_sql"]
+    assert "__init__" in GRAPH["_cli._run"]
+
+
+def test_every_module_has_a_layer() -> None:
+    # A new subpackage or top-level module is placed in LAYERS (and in docs/development.md).
+    unplaced = sorted({layer_of(module) for module in MODULES} - set(LEVEL))
+    assert not unplaced, f"not in LAYERS: {unplaced}"
+
+
+def test_private_modules_live_in_their_layers_package() -> None:
+    # The top of the package is its public modules; what is private is in a layer's subpackage.
+    loose = sorted(path.name for path in SRC.glob("_*.py") if path.stem not in {"__init__", "__main__", "_version"})
+    assert loose == [], f"private modules at the top: put each in its layer's subpackage: {loose}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_module_imports_only_its_layer_and_those_below(module: str) -> None:
+    above = sorted(
+        imported
+        for imported in GRAPH[module]
+        if layer_of(imported) in LEVEL and LEVEL[layer_of(imported)] > LEVEL[layer_of(module)]
+    )
+    assert not above, f"{module} imports {above}, which are above its layer {layer_of(module)}"
+
+
+@pytest.mark.parametrize("layer", ["_sql", "_observe"])
+def test_the_statements_and_what_the_library_tells_know_nothing_of_each_other(layer: str) -> None:
+    other = ({"_sql", "_observe"} - {layer}).pop()
+    used = sorted(
+        imported
+        for module in MODULES
+        if layer_of(module) == layer
+        for imported in GRAPH[module]
+        if layer_of(imported) == other
+    )
+    assert not used, f"{layer} imports {used}"
 
 
 def test_no_import_cycle() -> None:
@@ -142,48 +198,34 @@ def test_no_import_cycle() -> None:
         visit(module, [])
 
 
-@pytest.mark.parametrize("module", sorted(CORE))
-def test_the_core_never_imports_what_is_built_on_it(module: str) -> None:
-    above = GRAPH[module] - CORE
-    assert not above, f"{module} imports {sorted(above)}, which are built on the core"
-
-
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_an_engine_knows_its_client_only_through_its_host(engine: str) -> None:
-    forbidden = GRAPH[engine] & {"_core", "_session", "_shared", "client", "__init__"}
+    forbidden = GRAPH[engine] & {"_io.core", "_state.session", "_io.shared", "client", "__init__"}
     assert not forbidden, f"{engine} imports {sorted(forbidden)}"
-    source = (SRC / f"{engine}.py").read_text()
+    source = FILES[engine].read_text()
     # Not even for its types: what it may use of the client is `EngineHost`, declared.
     assert "MutexClient" not in source
     assert "ClientCore" not in source
 
 
 def test_the_engine_and_its_listener_are_given_a_host() -> None:
-    for module in ("_engine_async", "_engine", "_listener_async", "_listener"):
-        assert "host: EngineHost" in (SRC / f"{module}.py").read_text(), module
+    for module in ("_io.engine_async", "_io.engine", "_io.listener_async", "_io.listener"):
+        assert "host: EngineHost" in FILES[module].read_text(), module
 
 
 def test_the_session_opens_no_connection_and_sends_nothing() -> None:
-    forbidden = GRAPH["_session"] & {
-        *ENGINES,
-        *SQL,
-        "_connections",
-        "_steps",
-        "_flows",
-        "_heartbeat_flows",
-        "_admin_flows",
-        "_core",
+    forbidden = {
+        module
+        for module in GRAPH["_state.session"]
+        if layer_of(module) in {"_io", "_sql"}
+        or module in {"_state.steps", "_state.flows", "_state.heartbeat_flows", "_state.admin_flows"}
     }
-    assert not forbidden, f"_session imports {sorted(forbidden)}"
+    assert not forbidden, f"_state.session imports {sorted(forbidden)}"
 
 
 def test_only_the_client_module_makes_a_core() -> None:
-    makers = sorted(module for module in MODULES if "_core" in GRAPH[module])
+    makers = sorted(module for module in MODULES if "_io.core" in GRAPH[module])
     assert makers == ["client"], makers
-
-
-def test_every_sql_module_is_known() -> None:
-    assert {module for module in MODULES if module.startswith("_sql")} == SQL
 
 
 def test_the_statements_are_reached_through_sql_only() -> None:
@@ -201,21 +243,21 @@ def test_the_sql_modules_know_nothing_but_each_other(module: str) -> None:
 
 def test_an_elections_parts_are_its_own() -> None:
     # The package and the CLI reach an election through `election`, whose names are the public ones.
-    for module in sorted(set(MODULES) - ELECTION_PARTS - {"election"}):
-        used = GRAPH[module] & ELECTION_PARTS
-        assert not used, f"{module} imports {sorted(used)}, which are the election's: import from election"
+    for module in sorted(module for module in MODULES if layer_of(module) != "_election" and module != "election"):
+        used = sorted(imported for imported in GRAPH[module] if layer_of(imported) == "_election")
+        assert not used, f"{module} imports {used}, which are the election's: import from election"
 
 
 def test_a_mutexs_parts_are_its_own() -> None:
-    # An election reaches its Mutex's side only through `_mutex.candidacy()`; `_holder` is what every
-    # holder (Mutex, Semaphore, RWLock's) is made of, with its methods of each flavour.
-    holder = {"_holder", "_holder_methods", "_holder_methods_async"}
-    for module in sorted(set(MODULES) - MUTEX_PARTS - holder - {"_mutex"}):
+    # An election reaches its Mutex's side only through `_kinds.mutex.candidacy()`; the holder is
+    # what every holder (Mutex, Semaphore, RWLock's) is made of, with its methods of each flavour.
+    for module in sorted(set(MODULES) - MUTEX_PARTS - HOLDER - {"_kinds.mutex"}):
         used = GRAPH[module] & MUTEX_PARTS
         assert not used, f"{module} imports {sorted(used)}, which are the Mutex's"
 
 
 CLI = SRC / "_cli"
+PUBLIC_MODULES = {module for module in MODULES if "." not in module and not module.startswith("_")}
 
 
 def test_the_command_line_is_built_on_the_public_api_only() -> None:
@@ -239,7 +281,11 @@ def test_the_command_line_is_built_on_the_public_api_only() -> None:
 
 
 def test_nothing_below_the_command_line_imports_it() -> None:
-    users = sorted(module for module in MODULES if "_cli" in GRAPH[module])
+    users = sorted(
+        module
+        for module in MODULES
+        if layer_of(module) != "_cli" and any(layer_of(imported) == "_cli" for imported in GRAPH[module])
+    )
     assert users == ["__main__", "cli"], users
 
 
@@ -253,7 +299,15 @@ def private_reaches(path: Path) -> list[str]:
     modules = {"os", "sys", "threading", "asyncio", "psycopg", "enum"}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
-            modules.update(alias.asname or alias.name for alias in node.names if (SRC / f"{alias.name}.py").exists())
+            folder = path.parent
+            for _ in range(node.level - 1):
+                folder = folder.parent
+            folder = folder.joinpath(*(node.module or "").split(".")) if node.module else folder
+            modules.update(
+                alias.asname or alias.name
+                for alias in node.names
+                if (folder / f"{alias.name}.py").exists() or (folder / alias.name / "__init__.py").exists()
+            )
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
@@ -319,8 +373,7 @@ def test_the_framework_integrations_are_built_on_the_public_api_only() -> None:
                 continue
             if module == "postgres_mutex":
                 names = {alias.name for alias in node.names}
-                public_modules = {name for name in MODULES if not name.startswith("_")}
-                allowed = set(postgres_mutex.__all__) | public_modules
+                allowed = set(postgres_mutex.__all__) | PUBLIC_MODULES
                 assert names <= allowed, f"{path.name} takes {sorted(names - allowed)} from the package"
                 reached.add("__init__")
             elif module.startswith("postgres_mutex."):

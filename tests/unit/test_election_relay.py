@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from postgres_mutex._relay import Relay
+from postgres_mutex._election.relay import Relay
 
 
 def test_the_end_of_a_run_waits_for_what_the_relay_carries() -> None:

@@ -18,17 +18,18 @@ from typing import Any
 import pytest
 
 from postgres_mutex import LockNotHeldError
-from postgres_mutex._clock import now
-from postgres_mutex._events import LockEvents
-from postgres_mutex._flows import FirstAttempt, clean_up
-from postgres_mutex._flows import acquire as acquire_flow
-from postgres_mutex._flows import release as release_flow
-from postgres_mutex._heartbeat_flows import heartbeat
-from postgres_mutex._metrics import guard
-from postgres_mutex._settings import Timing
+from postgres_mutex._base.clock import now
+from postgres_mutex._observe.hooks import guard
+from postgres_mutex._observe.tracing import Tracing
 from postgres_mutex._sql import CURRENT, Names, Statements
-from postgres_mutex._state import LEASE_EXPIRED, ROW_GONE, Hold, HoldStatus, LockState, Phase
-from postgres_mutex._steps import (
+from postgres_mutex._state.events import LockEvents
+from postgres_mutex._state.flows import FirstAttempt, clean_up
+from postgres_mutex._state.flows import acquire as acquire_flow
+from postgres_mutex._state.flows import release as release_flow
+from postgres_mutex._state.heartbeat_flows import heartbeat
+from postgres_mutex._state.locks import LEASE_EXPIRED, ROW_GONE, Hold, HoldStatus, LockState, Phase
+from postgres_mutex._state.settings import Timing
+from postgres_mutex._state.steps import (
     Cleanup,
     Execute,
     Flow,
@@ -43,7 +44,6 @@ from postgres_mutex._steps import (
     Tell,
     WaitForRelease,
 )
-from postgres_mutex._tracing import Tracing
 from postgres_mutex.errors import DatabaseError, LockAcquisitionTimeout, OperationTimeout, SchemaError
 from tests.support.fixtures import wait_until
 
@@ -409,7 +409,7 @@ class Clock:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.t = 1000.0
-        monkeypatch.setattr("postgres_mutex._state.now", lambda: self.t)
+        monkeypatch.setattr("postgres_mutex._state.locks.now", lambda: self.t)
 
 
 def test_a_hold_is_in_doubt_one_interval_before_it_may_be_reclaimed_and_a_heartbeat_confirms_it(

@@ -2,7 +2,7 @@
 
 A hook written for the README's six calls is a `MetricsHook` and keeps working; the rest is
 `ExtendedMetricsHook`, optional. A new metric is its event, its entry in `metric_names` and one
-line of `_exporter`'s tables: neither exporter names a metric, which these tests check by adding
+line of `_observe.exporter`'s tables: neither exporter names a metric, which these tests check by adding
 one and reading it from both.
 """
 
@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 
 import postgres_mutex
 from postgres_mutex import ExtendedMetricsHook, LockObservation, MetricsHook, metric_names
-from postgres_mutex import _exporter as exporter
-from postgres_mutex._metrics import CORE_METHODS, HOOK_METHODS, guard
+from postgres_mutex._observe import exporter
+from postgres_mutex._observe.hooks import CORE_METHODS, HOOK_METHODS, guard
 from postgres_mutex.otel import OtelMetrics
 from postgres_mutex.prometheus import PrometheusMetrics
 

@@ -8,9 +8,9 @@ import psycopg
 import pytest
 
 from postgres_mutex import DatabaseError, OperationTimeout, SchemaError
-from postgres_mutex._rules import AlertGate, Outcome, classify_failure, interpret_acquire, observe, read_acquire
-from postgres_mutex._secrets import Redactor
-from postgres_mutex._settings import Timing
+from postgres_mutex._base.secrets import Redactor
+from postgres_mutex._state.rules import AlertGate, Outcome, classify_failure, interpret_acquire, observe, read_acquire
+from postgres_mutex._state.settings import Timing
 
 ME = "host-me"
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from postgres_mutex import Election, Mutex, RWLock, Semaphore
-from postgres_mutex._settings import KEYWORDS, Settings
+from postgres_mutex._state.settings import KEYWORDS, Settings
 
 DSN = "host=127.0.0.1 dbname=app"
 

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import postgres_mutex
-from postgres_mutex._acompat import Event
+from postgres_mutex._base.acompat import Event
 from tests.support.signal_points import RaiseAtCheck
 
 LIBRARY = str(Path(postgres_mutex.__file__).parent)

@@ -1,0 +1,600 @@
+"""The paired primitives the engine is written with: one async, one sync, same shape.
+
+`_io/engine_async.py` is written once, with the async names; `_io/engine.py` is
+generated from it by ``tools/async_to_sync.py``, which drops ``async`` and
+``await`` and renames each async primitive to its sync twin (``AEvent`` to
+``Event``, ``AWorker`` to ``Worker``, ...). Everything that genuinely differs
+between a thread and a task lives here, side by side, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import selectors
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar, cast
+
+from .clock import MAX_SLICE, now
+
+T = TypeVar("T")
+
+
+def current_owner() -> object:
+    """Who is running: the asyncio task, if there is one in this thread, else the thread."""
+    # Asked of the running loop, if any, rather than by catching the error
+    # asyncio.current_task raises without one: twice per sync lock cycle.
+    loop = asyncio._get_running_loop()
+    task = None if loop is None else asyncio.current_task(loop)
+    return task if task is not None else threading.current_thread()
+
+
+# -- events ----------------------------------------------------------------------------
+
+
+class AEvent:
+    """An event a task waits on; `set` may be called from any thread."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._event.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                self._loop.call_soon_threadsafe(self._event.set)
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Wait until set or ``timeout`` seconds passed (on the library's clock); returns whether it is set."""
+        if timeout is None:
+            await self._event.wait()
+            return True
+        deadline = now() + timeout
+        while not self._event.is_set():
+            left = deadline - now()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), min(left, MAX_SLICE))
+        return True
+
+
+class Event:
+    """An event a thread waits on; `set` may be called from any thread.
+
+    Built on a bare `threading.Lock`, held while the event is clear, rather than on
+    `threading.Event`, whose `threading.Condition` is entered and left by Python code: a
+    signal handler's exception landing there (a waiting acquire's job runner timing out) left
+    its lock held, and every later `set`, the listener thread's included, waited for good.
+    A lock's acquire and release are single C calls, and a waiter that got it while the event
+    is still clear keeps it: holding it is what "clear" means, whoever holds it.
+    """
+
+    __slots__ = ("_clear", "_flag")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._clear = threading.Lock()
+        self._clear.acquire()
+
+    def set(self) -> None:
+        self._flag = True
+        # Not contextlib.suppress: its Python frames are where an exception could land.
+        try:  # noqa: SIM105
+            self._clear.release()
+        except RuntimeError:
+            pass  # already released: set twice
+
+    def clear(self) -> None:
+        self._flag = False
+        self._clear.acquire(blocking=False)
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else now() + timeout
+        while not self._flag:
+            left = MAX_SLICE if deadline is None else min(deadline - now(), MAX_SLICE)
+            if left <= 0:
+                return False
+            if self._clear.acquire(timeout=left) and self.is_set():
+                try:  # noqa: SIM105 (as in `set`)
+                    self._clear.release()  # let the other waiters through
+                except RuntimeError:
+                    pass  # released by a `set` meanwhile
+        return True
+
+
+# -- the engine's statement connection: one user at a time, heartbeats first ----------
+
+
+class AGate:
+    """Lets one task at a time use a connection; urgent ones (heartbeats) go first.
+
+    Everything runs on one event loop, so the bookkeeping needs no lock; a task
+    cancelled just after being let in passes its turn on, so the gate never
+    stays shut.
+    """
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiting: dict[bool, collections.deque[asyncio.Future[None]]] = {
+            True: collections.deque(),
+            False: collections.deque(),
+        }
+
+    def turn(self, urgent: bool, seconds: float) -> _ATurn:
+        """The connection, for the ``async with`` block this is entered by (a statement of ``seconds`` at most)."""
+        return _ATurn(self, urgent)
+
+    def try_enter(self) -> bool:
+        """Take the connection only if nobody has it or waits for it; give it back with `leave`."""
+        taken, self._busy = not self._busy, True
+        return taken
+
+    async def _wait(self, urgent: bool) -> None:
+        """Wait for the busy connection to be handed over."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiting[urgent]
+        queue.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.leave()  # let in, then cancelled: pass the turn on
+            else:
+                with contextlib.suppress(ValueError):
+                    queue.remove(waiter)
+            raise
+
+    def leave(self) -> None:
+        for queue in (self._waiting[True], self._waiting[False]):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)  # the gate stays busy: it is theirs now
+                    return
+        self._busy = False
+
+
+class Gate:
+    """Lets one thread at a time use a connection; urgent ones (heartbeats) go first, the others in turn.
+
+    First come, first served: a thread that gives the connection back and asks
+    again at once (an acquire polling) queues behind those already waiting
+    (the release of the lock it polls for, say).
+
+    A turn whose holder never gave it back is taken back: an exception a
+    signal handler raised just as the holder's block ended can skip the
+    giving back, and nothing else would. Its holder can no longer be using
+    the connection when it asks for another turn (a thread runs one
+    statement at a time), nor once its statement's bound has passed (the
+    watchdog cuts a statement at its deadline, a connect and a cancel
+    request are bounded): a waiter looks again every `_LOOK_AGAIN` seconds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy = False
+        self._holder: object = None
+        self._holder_thread = 0
+        self._holder_until = 0.0
+        self._instant = _Turn(self, urgent=False, seconds=0.0)
+        """`try_enter`'s turn: an instant's, with no statement."""
+        self._waiting: dict[bool, collections.deque[tuple[threading.Lock, _Turn, int]]] = {
+            True: collections.deque(),
+            False: collections.deque(),
+        }
+
+    def turn(self, urgent: bool, seconds: float) -> _Turn:
+        """The connection, for the ``with`` block this is entered by (a statement of ``seconds`` at most)."""
+        return _Turn(self, urgent, seconds)
+
+    def try_enter(self) -> bool:
+        """Take the connection only if nobody has it or waits for it, for an instant; give it back with `leave`."""
+        with self._lock:
+            if self._busy and now() <= self._holder_until:
+                return False
+            self._give(self._instant, threading.get_ident())
+            return True
+
+    def leave(self) -> None:
+        """Give back what `try_enter` took."""
+        self._leave(self._instant)
+
+    def _enter(self, who: _Turn) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            if not self._busy:
+                # `_give`, inline: one statement at a time mostly finds the gate free.
+                self._busy = True
+                self._holder = who
+                self._holder_thread = me
+                self._holder_until = now() + who.seconds + _HELD_BEYOND_STATEMENT
+                return
+            if self._left_behind(me):
+                self._give(who, me)
+                return
+            turn = threading.Lock()
+            turn.acquire()
+            self._waiting[who.urgent].append((turn, who, me))
+        # Released by _pass_on when it is this thread's turn.
+        while not turn.acquire(timeout=_LOOK_AGAIN):
+            with self._lock:
+                if self._left_behind(me):
+                    self._pass_on()
+
+    def _left_behind(self, asking: int) -> bool:
+        """Whether the turn's holder can no longer be using the connection, though it never gave the turn back."""
+        return self._holder_thread == asking or now() > self._holder_until
+
+    def _give(self, who: _Turn, thread: int) -> None:
+        self._busy = True
+        self._holder = who
+        self._holder_thread = thread
+        self._holder_until = now() + who.seconds + _HELD_BEYOND_STATEMENT
+
+    def _give_back(self, who: _Turn) -> None:
+        """``who`` was interrupted: out of the queue if it waits there, else its turn passes on if it had it."""
+        with self._lock:
+            for queue in self._waiting.values():
+                for waiting in queue:
+                    if waiting[1] is who:
+                        queue.remove(waiting)
+                        return
+            if self._holder is who:
+                self._pass_on()
+
+    def _leave(self, who: _Turn) -> None:
+        with self._lock:
+            if self._holder is who:  # else it was taken back, and passed on already
+                if self._waiting[True] or self._waiting[False]:
+                    self._pass_on()
+                else:
+                    self._busy = False
+                    self._holder = None
+                    self._holder_thread = 0
+
+    def _pass_on(self) -> None:
+        for queue in (self._waiting[True], self._waiting[False]):
+            if queue:
+                turn, who, thread = queue.popleft()
+                self._give(who, thread)
+                turn.release()  # the gate stays busy: it is theirs now
+                return
+        self._busy = False
+        self._holder = None
+        self._holder_thread = 0
+
+
+# How often a thread waiting for the connection looks whether its holder left without giving it
+# back, and how long past its statement's deadline a holder may keep it (a connect's floor of
+# two seconds, a cancel request's second).
+_LOOK_AGAIN = 0.05
+_HELD_BEYOND_STATEMENT = 3.0
+
+
+class _ATurn:
+    # A plain class, not a generator-based context manager: one is entered per statement.
+    __slots__ = ("_gate", "_urgent")
+
+    def __init__(self, gate: AGate, urgent: bool) -> None:
+        self._gate = gate
+        self._urgent = urgent
+
+    async def __aenter__(self) -> None:
+        gate = self._gate
+        if gate._busy:
+            await gate._wait(self._urgent)
+        else:
+            gate._busy = True  # one loop: nothing runs between the check and this
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._gate.leave()
+
+
+class _Turn:
+    __slots__ = ("_gate", "seconds", "urgent")
+
+    def __init__(self, gate: Gate, urgent: bool, seconds: float) -> None:
+        self._gate = gate
+        self.urgent = urgent
+        self.seconds = seconds
+
+    def __enter__(self) -> None:
+        try:
+            self._gate._enter(self)
+        except BaseException:
+            # Let in, then interrupted before the block began (a signal handler's exception):
+            # the block's exit will not run, so the turn is passed on here.
+            self._gate._give_back(self)
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._gate._leave(self)
+
+
+# -- background workers ----------------------------------------------------------------
+
+
+class AWorker:
+    """A task running one of the engine's loops."""
+
+    def __init__(self, target: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        self._task = asyncio.get_running_loop().create_task(target(), name=name)
+
+    @property
+    def running(self) -> bool:
+        return not self._task.done()
+
+    async def join(self, timeout: float) -> None:
+        if self._task is not asyncio.current_task():
+            await asyncio.wait([self._task], timeout=timeout)
+
+
+def start_thread(target: Callable[[], object], name: str) -> threading.Thread | None:
+    """Start a daemon thread running ``target``; None if the interpreter refuses new threads.
+
+    Python 3.12 refuses them once it is shutting down, in ``atexit`` callbacks
+    included, where the exit's release runs: callers then do the work in the
+    calling thread, or leave it to that release.
+    """
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:
+        return None
+    return thread
+
+
+class Worker:
+    """A daemon thread running one of the engine's loops (none once the interpreter is shutting down)."""
+
+    def __init__(self, target: Callable[[], None], name: str) -> None:
+        self._thread = start_thread(target, name)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+async def asleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+def sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+async def aacquire_lock(lock: threading.Lock, timeout: float | None = None) -> bool:
+    """Take a thread lock from a task without blocking the event loop; False if ``timeout`` ran out first.
+
+    The lock is shared with threads (and other loops), and its holder may be
+    a task on this very loop: polling is the one way that never deadlocks.
+    Holders keep it for one statement at most.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not lock.acquire(blocking=False):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+def acquire_lock(lock: threading.Lock, timeout: float | None = None) -> bool:
+    return lock.acquire(timeout=-1 if timeout is None else timeout)
+
+
+# -- cancellation ------------------------------------------------------------------------
+
+
+ACancelled = asyncio.CancelledError
+
+
+class Cancelled(BaseException):
+    """Threads are never cancelled: nothing raises this."""
+
+
+Outcome = tuple[T | None, Exception | None]
+"""What a task of the library's returns instead of raising: asyncio.run's shutdown
+reports every task it finds ended with an exception, even one its awaiter saw."""
+
+
+async def _outcome(work: Coroutine[Any, Any, T], ended: asyncio.Future[None]) -> Outcome[T]:
+    try:
+        return await work, None
+    except Exception as error:  # raised again in the awaiting task, by _unwrap
+        return None, error
+    finally:
+        # Woken from here rather than by a done callback: one turn of the event
+        # loop fewer per statement. The task is done before the awaiter runs.
+        if not ended.done():
+            ended.set_result(None)
+
+
+def _unwrap(outcome: Outcome[T]) -> T:
+    value, error = outcome
+    if error is not None:
+        raise error
+    return cast(T, value)
+
+
+# From Python 3.12 a task can run its first steps at once, in the awaiting
+# task's turn, instead of waiting for a turn of the event loop of its own.
+_EAGER: dict[str, Any] = {"eager_start": True} if sys.version_info >= (3, 12) else {}
+
+
+class _Protected(asyncio.Task[Outcome[T]]):
+    """A task the event loop's shutdown does not cancel: whoever awaits it decides how it ends.
+
+    asyncio.run, ending, cancels every task left (with the loop stopped, the
+    only time this is refused). Cancellations while the loop runs, asyncio's
+    own timeouts inside the work among them, go through as usual. ``ended``
+    is set once the work is over, however it ended.
+    """
+
+    def __init__(self, work: Coroutine[Any, Any, T], name: str) -> None:
+        loop = asyncio.get_running_loop()
+        self.ended: asyncio.Future[None] = loop.create_future()
+        super().__init__(_outcome(work, self.ended), loop=loop, name=name, **_EAGER)
+        if not _EAGER:
+            # Cancelled before its first step, the work never runs (nor sets ``ended``).
+            self.add_done_callback(_set_ended)
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not self.get_loop().is_running():
+            return False
+        return super().cancel(msg)
+
+
+def _set_ended(task: asyncio.Task[Any]) -> None:
+    ended = cast(_Protected[Any], task).ended
+    if not ended.done():
+        ended.set_result(None)
+
+
+class _ToTheEnd(_Protected[T]):
+    """The task of work that must run to its end (a release).
+
+    Statements it awaits itself need no task of their own: nothing of the
+    library's cancels it, and the loop's shutdown does not either.
+    """
+
+
+async def _until_done(task: _Protected[T]) -> T:
+    """Wait for ``task`` to end; the awaiting task's cancellation cancels this wait, not the task.
+
+    What asyncio.shield does, for one task and without a future of its own.
+    """
+    await task.ended
+    return _unwrap(task.result())
+
+
+async def auncancellable(work: Coroutine[Any, Any, T], on_cancel: Callable[[], Coroutine[Any, Any, object]]) -> T:
+    """Await ``work``; if the caller is cancelled meanwhile, await ``on_cancel`` and let the work end first.
+
+    psycopg would answer a cancellation with a server-side cancel bounded only
+    by its own timeouts, over what may be a dead network; ``on_cancel`` stops
+    the statement within the library's deadlines instead.
+    """
+    if isinstance(asyncio.current_task(), _ToTheEnd):
+        return await work  # nothing of the library's cancels it
+    task = _Protected(work, "postgres-mutex statement")
+    try:
+        return await _until_done(task)
+    except asyncio.CancelledError:
+        await on_cancel()
+        await asyncio.wait([task])
+        raise
+
+
+def uncancellable(work: T, on_cancel: Callable[[], object]) -> T:
+    """Threads are not cancelled: the work has already run."""
+    return work
+
+
+async def ato_the_end(work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` to its end even if the awaiting task is cancelled meanwhile (a release, say).
+
+    The awaiting task, cancelled, returns at once; the work goes on in a task
+    of its own, which the loop's shutdown waits for rather than cancels.
+    """
+    return await _until_done(_ToTheEnd(work, "postgres-mutex release"))
+
+
+def to_the_end(work: T) -> T:
+    return work
+
+
+# -- the listener's wait: a socket, or a wake-up ----------------------------------------
+
+
+def ready_to_read(fds: tuple[int, ...], timeout: float) -> set[int]:
+    """Which of ``fds`` are readable (or closed by their peer) within ``timeout`` seconds.
+
+    poll() where there is one, never select(): a process with many sockets open (a web server's)
+    hands the library descriptors above 1,023, which select() refuses; epoll costs a descriptor.
+    """
+    selector: selectors.BaseSelector = getattr(selectors, "PollSelector", selectors.DefaultSelector)()
+    with selector:
+        for fd in fds:
+            selector.register(fd, selectors.EVENT_READ)
+        return {key.fd for key, _ in selector.select(max(timeout, 0.0))}
+
+
+class AWaker:
+    """Wakes the listener task from any thread."""
+
+    def __init__(self) -> None:
+        self._event = AEvent()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    async def wait_readable(self, fd: int, timeout: float) -> bool:
+        """Wait until ``fd`` is readable, `wake` is called, or ``timeout`` passes; True if ``fd`` is readable."""
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(fd, readable.set)
+        try:
+            if not self._event.is_set():
+                waits = [asyncio.ensure_future(readable.wait()), asyncio.ensure_future(self._event.wait())]
+                try:
+                    await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiting in waits:
+                        waiting.cancel()
+        finally:
+            loop.remove_reader(fd)
+        self._event.clear()
+        return readable.is_set()
+
+    def close(self) -> None:
+        pass
+
+
+class Waker:
+    """Wakes the listener thread from any thread: a pipe it waits on with its socket."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            os.write(self._write, b"\0")
+
+    def wait_readable(self, fd: int, timeout: float) -> bool:
+        ready = ready_to_read((fd, self._read), timeout)
+        if self._read in ready:
+            with contextlib.suppress(OSError):
+                os.read(self._read, 4096)
+        return fd in ready
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,333 @@
+# Generated from acquisition_async.py by tools/async_to_sync.py: do not edit.
+# Change the async module and run `python tools/async_to_sync.py`.
+"""What ``acquire()`` returns, and the fence a hold puts in the caller's own transaction.
+
+`Acquisition` is the ``with`` block: acquire on entering, release
+on leaving, whichever way the block ends. `fence` checks, in one round
+trip on the caller's connection, that a hold is still the lock's current one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import pq
+from psycopg.rows import tuple_row
+
+from .._base.acompat import current_owner, to_the_end
+from .._base.clock import now
+from .._observe.tracing import NO_SPAN, NO_SPAN_CONTEXT
+from .._state import flows, steps
+from .._state.locks import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, HoldStatus, LockState, Phase
+from .._state.rules import AcquireResult, Outcome, read_acquire
+from ..errors import DatabaseError, LockNotHeldError, MutexError, OperationTimeout, SchemaError, phrase
+from .connections import FAILURES
+from .watchdog import Cutter
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+logger = logging.getLogger("postgres_mutex")
+
+
+class Acquisition:
+    """Acquire on entering the block, release on leaving it; enter it once.
+
+    Entering yields whether the lock was acquired (a blocking acquire that
+    runs out of time raises `LockAcquisitionTimeout` instead, so the body
+    never runs unlocked). Leaving releases the lock, whichever way the block
+    ends; if the lock was lost meanwhile (or released elsewhere in the process
+    while the block ran), a normal exit raises `LockNotHeldError`. An
+    acquisition that is entered and never left keeps the lock until
+    ``release()``.
+
+    Made by `Mutex.acquire`, not by hand: its ``engine`` gives the
+    engine each step runs on (refusing, with the error the user sees, for a
+    closed client or a forked child).
+    """
+
+    def __init__(
+        self,
+        engine: Callable[[], Engine],
+        lock: LockState,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        stop: steps.StopSignal | None = None,
+        hold_at_least: float | None = None,
+    ) -> None:
+        self._engine = engine
+        self._lock = lock
+        self._blocking = blocking
+        self._timeout = timeout
+        self._stop = stop
+        self._hold_at_least = hold_at_least
+        self._entered = False
+        self._hold: Hold | None = None
+        self._engine_in_use: Engine | None = None
+        """The engine the block was entered on, resolved once: its release runs there too."""
+        self._acquirer = object()
+        """Names this acquire to the lock's state, which ends it for nobody else."""
+
+    def __enter__(self) -> bool:
+        if self._entered:
+            raise MutexError("this acquisition was entered already: call acquire() again for another one")
+        self._entered = True
+        engine = self._engine()
+        self._engine_in_use = engine
+        try:
+            self._hold = self._acquire(engine)
+            return self._hold is not None
+        except BaseException:
+            # Raised before the block got the hold, wherever it landed (a signal handler's exception
+            # after the acquire returned, say): the block will never release it.
+            self._hold = None
+            engine.run(flows.abandon(self._lock, self._acquirer))
+            raise
+
+    def _acquire(self, engine: Engine) -> Hold | None:
+        """The acquire: its first attempt in plain calls, the flow (`flows.acquire`) for anything but a win.
+
+        An uncontended acquire is one statement, and the flow's steps would cost
+        more than its round trip; whatever else happens (the lock busy, a
+        failure, a clean-up of ours on the wire, a table not inspected yet, a
+        span that records, a semaphore or a read/write lock, an election's stop)
+        is the flow's, which takes the attempt over where it stands. So is an acquire with a minimum
+        hold (its table's shape is checked first). Whatever
+        is raised into it, the acquire is `flows.abandon`-ed by the caller.
+        """
+        lock = self._lock
+        owner = current_owner()
+        statements = engine.host.shapes.get(lock.names.table_name)
+        if (
+            statements is None
+            or lock.permits is not None
+            or lock.rw_mode is not None
+            or self._stop is not None
+            or engine.deadline is not None
+            or self._hold_at_least is not None
+            or not lock.tracing.silent()
+        ):
+            return engine.run(self._flow(owner, None))
+        generation = lock.begin_acquire(self._acquirer)
+        started = now()
+        flowed = False
+        outcome = "cancelled"
+        result: AcquireResult | None = None
+        attempts = 0
+        try:
+            budget = flows.budget(lock, blocking=self._blocking, timeout=self._timeout, started=started)
+            timeout = flows.statement_timeout(lock, budget)
+            if lock.cleanup_maybe_on_the_wire:
+                flowed = True
+                return engine.run(
+                    self._flow(owner, flows.FirstAttempt(generation, started, statements, timeout, False, None))
+                )
+            if lock.timing.reclaim_disconnected_after is not None and not statements.shape.sessions:
+                lock.events.sessions_unnamed(lock.names.table_name)
+            possible_before = lock.attempt_sent()
+            attempts = 1
+            reply: steps.Result | DatabaseError
+            try:
+                reply = engine.send(steps.Execute(statements.acquire, lock.params(), timeout, lock.describe("acquire")))
+            except DatabaseError as exc:
+                reply = exc
+            except BaseException:
+                # Interrupted mid-statement (cancelled, a signal's exception): it may still land.
+                lock.attempt_unanswered(timeout)
+                raise
+            if isinstance(reply, steps.Result):
+                read = read_acquire(reply.row, lock.instance_id, None)
+                result = read.result
+                if (
+                    result.outcome.acquired
+                    and result.acquired_at is not None
+                    and (statements.shape.tokens or result.token is None)
+                ):
+                    hold = lock.won(
+                        acquired_at=result.acquired_at,
+                        token=result.token,
+                        sent_at=reply.sent_at,
+                        owner=owner,
+                        span_context=NO_SPAN_CONTEXT,
+                        row_name=read.row_name,
+                    )
+                    lock.events.acquired(NO_SPAN, result, expected_own_row=possible_before, row=read.row_name)
+                    engine.keep(hold)
+                    outcome = "reclaimed" if result.outcome is Outcome.RECLAIMED else "acquired"
+                    return hold
+            flowed = True
+            first = flows.FirstAttempt(generation, started, statements, timeout, possible_before, reply)
+            return engine.run(self._flow(owner, first))
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            if not flowed:
+                lock.events.acquire_ended(
+                    NO_SPAN,
+                    outcome,
+                    attempts=attempts,
+                    waited=now() - started,
+                    holder=None if result is None else result.holder,
+                )
+
+    def _flow(self, owner: object, first: flows.FirstAttempt | None) -> steps.Flow[Hold | None]:
+        return flows.acquire(
+            self._lock,
+            self._lock.tracing,
+            blocking=self._blocking,
+            timeout=self._timeout,
+            owner=owner,
+            acquirer=self._acquirer,
+            stop=self._stop,
+            first=first,
+            hold_at_least=self._hold_at_least,
+        )
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        hold = self._hold
+        if hold is None:
+            return
+        lock = self._lock
+        if lock.hold is hold and lock.phase is Phase.HOLDING:
+            engine = self._engine_in_use
+            if engine is None or engine.closed:
+                engine = self._engine()  # refuses as it would have at entry (a closed client, say)
+            # Run to its end even if the caller is cancelled again meanwhile: no row left behind.
+            if exc_type is None:
+                to_the_end(_release(engine, lock, current_owner()))
+                return
+            try:
+                to_the_end(_release(engine, lock, current_owner()))
+            except MutexError as error:
+                # The block's own exception is what the caller must see.
+                logger.warning("while leaving the block after an error: %s", error)
+            return
+        if exc_type is None and hold.reason in (RELEASED_ELSEWHERE, LEASE_EXPIRED):
+            raise hold.error()
+
+
+def _release(engine: Engine, lock: LockState, caller: object) -> bool:
+    """The release: its statement in plain calls, the flow (`flows.release`) for anything but a row deleted.
+
+    Whatever else happens (the hold lost or its lease run out, a failure, the
+    row gone, a span that records, a semaphore or a read/write lock, the
+    process exiting) is the flow's, which takes the release over where it
+    stands. An exception raised into it, wherever it lands, leaves the row to
+    the background, as the flow would.
+    """
+    statements = engine.host.shapes.get(lock.names.table_name)
+    if (
+        statements is None
+        or lock.permits is not None
+        or lock.rw_mode is not None
+        or engine.deadline is not None
+        or not lock.tracing.silent()
+    ):
+        return engine.run(flows.release(lock, lock.tracing, caller=caller))
+    releaser = object()
+    settled = False  # the row's fate is known: deleted, gone, or the flow's to settle
+    flowed = False
+    try:
+        hold = lock.begin_release(caller, releaser)
+        if hold is None or hold.status is not HoldStatus.ENDED:
+            flowed = True
+            return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser)))
+        engine.host.session.forget(hold)
+        op = steps.Execute(statements.release, lock.params(), lock.timing.operation_timeout, lock.describe("release"))
+        try:
+            result = engine.send(op)
+        except DatabaseError as exc:
+            flowed = True
+            return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=exc))
+        settled = True
+        if result.rowcount <= 0:
+            flowed = True
+            return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=result))
+        lock.events.released(NO_SPAN, deleted=True)
+        return True
+    finally:
+        # Whichever way it ended, and wherever an exception landed: the hold it began to release
+        # (None once the flow, if it ran, ended the release itself).
+        begun = lock.end_release(releaser)
+        if begun is not None and not settled:
+            # Interrupted before the row's fate was known: it may remain. Delete it later.
+            engine.host.session.forget(begun)
+            engine.schedule(flows.scoped_cleanup(lock, begun))
+        if not flowed and (lock.stray_row_possible or now() < lock.stray_row_may_land_until):
+            # An unanswered acquire of ours may still land: sweep after it no longer can.
+            engine.schedule(flows.stray_row_cleanup(lock, lock.generation))
+
+
+def fence(lock: LockState, conn: psycopg.Connection[Any]) -> int:
+    """Check, in the caller's open transaction on ``conn``, that this hold is still the lock's current one.
+
+    One round trip on the caller's connection; nothing of the library's is
+    opened. On success the row is share-locked until that transaction ends,
+    so no other instance can take the lock over meanwhile; returns the token.
+    Within one ``operation_timeout``, else `OperationTimeout` (the caller's
+    connection is then closed, and its transaction rolled back).
+    """
+    hold = lock.require_held()
+    if hold.token is None:
+        raise SchemaError(
+            phrase(
+                "lock {lock!r} was acquired without a fencing token: the lock table {table} has no token column. "
+                "Run {LockTable.migrate()}; the lock's next acquire gets a token",
+                lock=lock.lock_name,
+                table=lock.names.table_name,
+            )
+        )
+    if conn.info.transaction_status == pq.TransactionStatus.IDLE and conn.autocommit:
+        raise ValueError(
+            "fence() needs an open transaction on conn: call it inside 'with conn.transaction():' "
+            "(or with autocommit off), before the writes it protects"
+        )
+    params = {
+        "lock_name": hold.row_name,
+        "instance_id": lock.instance_id,
+        "acquired_at": hold.acquired_at,
+        "token": hold.token,
+    }
+    # Bounded like every statement, though on the caller's connection: past the
+    # deadline its socket is shut down, so the server ends the session and
+    # rolls the transaction back; nothing it wrote can commit after that.
+    timeout = lock.timing.operation_timeout
+    cutter = Cutter(conn.fileno())
+    ticket = cutter.arm(timeout)
+    try:
+        # The caller's connection may read rows as dicts (row_factory=dict_row): this row is read by position.
+        cursor = conn.cursor(row_factory=tuple_row)
+        cursor.execute(lock.names.fence, params, prepare=False)
+        row = cursor.fetchone()
+    except FAILURES as exc:
+        if not cutter.fired:
+            raise
+        raise OperationTimeout(
+            f"fencing {lock.kind} {lock.lock_name!r} did not finish within operation_timeout ({timeout:g}s): "
+            "the connection was closed, and the server rolls its transaction back; "
+            "nothing the transaction wrote is committed",
+            transient=True,
+            outcome_unknown=True,
+        ) from exc
+    finally:
+        cutter.disarm(ticket)
+        cutter.close()
+    if row is None or row[0] is None:
+        holder = None if row is None else row[1]
+        now_held = f"it is now held by {holder}" if holder else "it is not held by anyone now"
+        raise LockNotHeldError(
+            f"{lock.kind} {lock.lock_name!r} changed hands: the hold with token {hold.token} is no longer current "
+            f"({now_held}); roll back the writes of this transaction",
+            lock_name=lock.lock_name,
+            instance_id=lock.instance_id,
+            reason=FENCE_REJECTED,
+        )
+    return int(row[0])
+
+
+FENCE_REJECTED = "fenced out: the lock changed hands (reclaimed, force-released, or its row was lost)"

@@ -1,0 +1,494 @@
+# Generated from engine_async.py by tools/async_to_sync.py: do not edit.
+# Change the async module and run `python tools/async_to_sync.py`.
+"""The engine that runs the flows on PostgreSQL for one client's callers.
+
+An engine owns, in dsn mode, at most two connections: one for statements
+(acquire, heartbeat, release, clean-up, admin), used by one caller at a time
+with heartbeats first in line, and one that LISTENs for releases on behalf of
+every waiter of the client. In pool mode it borrows one pooled connection per
+statement and never listens. One background worker renews every hold the
+engine acquired, one statement per heartbeat interval, and deletes rows that
+unanswered statements may have left; one more worker runs the listener.
+Nothing is started per lock.
+
+Every statement runs under a deadline that shuts the socket down if it passes,
+so a silent network cannot hold anything past its timeout, and the server
+gets the same deadline as ``statement_timeout``, so nothing the client gave up
+on goes on running there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import psycopg
+from psycopg import pq
+from psycopg.rows import tuple_row
+
+from .. import _sql
+from .._base.acompat import Event, Gate, sleep
+from .._base.clock import now
+from .._sql import Names, Statements
+from .._state import steps
+from .._state.locks import HeartbeatGroup, Hold
+from .._state.rules import READ_ONLY, SHAPE_CHANGED, classify_failure
+from ..errors import DatabaseError, SchemaError, phrase
+from .connections import FAILURES, ServerSession
+from .heartbeat import HeartbeatWorker
+from .listener import Listener, Subscription
+from .sources import OwnConnection, PooledConnection, interrupt
+from .watchdog import Cutter
+
+if TYPE_CHECKING:
+    from psycopg_pool import ConnectionPool
+
+    from .host import EngineHost
+
+logger = logging.getLogger("postgres_mutex")
+
+T = TypeVar("T")
+
+# The server's share of a statement's deadline: it cancels the statement a
+# little before the client would cut the connection, so a statement stuck
+# behind a row lock ends with a clean error and the connection survives. The
+# client keeps at least _CLIENT_MARGIN (half the deadline, for the shortest):
+# a tenth of a short deadline is too little for the server's error to arrive
+# on a busy machine before the client's cut.
+_SERVER_SHARE = 0.9
+_CLIENT_MARGIN = 0.05
+
+# On a direct connection the server's deadline is the session's. A statement
+# goes prepared under it if it fits the statement's own server deadline: never
+# later (a millisecond of rounding aside), and not below this share of it,
+# which would cut the statement short for no reason.
+_SESSION_TIMEOUT_FLOOR = 0.5
+
+# The least a statement gets once the exit's budget is nearly spent: enough for
+# a release on a database that answers, too little to hold the exit up.
+_LAST_STATEMENT = 0.05
+
+
+class Engine:
+    """Runs the flows of one client's callers: their connections, heartbeats, listener and clean-ups."""
+
+    def __init__(self, host: EngineHost, *, dsn: str | None, pool: ConnectionPool[Any] | None) -> None:
+        self.host = host
+        self._source: OwnConnection | PooledConnection
+        if dsn is not None:
+            self._source = OwnConnection(dsn, host.connect_kwargs("postgres-mutex"))
+            self._listener: Listener | None = Listener(host, dsn, host.connect_kwargs("postgres-mutex listener"))
+        else:
+            assert pool is not None
+            self._source = PooledConnection(pool)
+            self._listener = None
+        self._gate = Gate()
+        self.closed = False
+        self._heartbeats = HeartbeatWorker(self)
+        self.deadline: float | None = None
+        """When set (by the release at interpreter exit), no statement waits past it."""
+
+    # -- running flows -----------------------------------------------------------
+
+    def run(self, flow: steps.Flow[T]) -> T:
+        """Drive ``flow`` to its end, performing each step it asks for.
+
+        Whatever is raised while the flow waits for a step, the step's own
+        failure or an exception a signal handler raised anywhere in this loop,
+        is handed to the flow, which decides: the flow is never left suspended
+        with a step's result it did not see (a lock won, say).
+        """
+        steps = _Steps(self)
+        reply: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    while True:
+                        if error is None:
+                            op = flow.send(reply)
+                        else:
+                            thrown, error = error, None
+                            op = flow.throw(thrown)
+                        reply = None
+                        reply = steps.perform_now(op)
+                        if reply is _WAITS:
+                            reply = steps.perform(op)
+                except StopIteration as done:  # only the flow raises it: it returned
+                    return done.value  # type: ignore[no-any-return]
+                except BaseException as exc:
+                    if flow.gi_frame is None:  # type: ignore[attr-defined]
+                        raise  # the flow ended with it
+                    error = exc  # handed to the flow, which decides
+        finally:
+            steps.finish()
+            if flow.gi_frame is not None:  # type: ignore[attr-defined]
+                # Left waiting for a step (an exception landed as the loop turned): it ends
+                # without more steps; whoever called this undoes what it began (`abandon`).
+                flow.close()
+
+    def execute(self, op: steps.Execute) -> steps.Result:
+        if self.deadline is not None:
+            # At exit: no statement may outlast the exit's budget.
+            op = dataclasses.replace(op, timeout=max(min(op.timeout, self.deadline - now()), _LAST_STATEMENT))
+        cleanup = op.stray_row
+        if cleanup is None:
+            return self.send(op)
+        # A clean-up of any row carrying our id must never cross an acquire of the same
+        # Mutex: it takes its turn as it is sent (`send`), and gives it back once answered.
+        # Cut off, it keeps the turn until it can no longer land.
+        try:
+            result = self.send(op)
+        except DatabaseError as exc:
+            if not exc.outcome_unknown:
+                cleanup.lock.give_back_cleanup_turn(op)
+            raise
+        cleanup.lock.give_back_cleanup_turn(op)
+        return result
+
+    def send(self, op: steps.Execute) -> steps.Result:
+        """Run ``op`` as it is: no exit budget applied, no clean-up turn taken (`execute` does both).
+
+        For a statement that needs neither: an acquire's or a release's, while the process is not exiting.
+        """
+        source = self._source
+        connect_retryable = source.connected_before
+        sent = False
+        conn: psycopg.Connection[Any] | None = None
+        cutter: Cutter | None = None
+        lost = True
+        try:
+            asked_at = now()
+            with (
+                self._gate.turn(op.urgent, op.timeout),
+                source.connection(op.timeout, asked_at) as (conn, cutter),
+            ):
+                cleanup = op.stray_row
+                if cleanup is not None and not cleanup.lock.take_cleanup_turn(cleanup.generation, op, op.timeout):
+                    raise steps.CleanupSuperseded  # an acquire began while it waited for the connection
+                sent = True
+                try:
+                    cutter.arm(op.timeout)
+                    work = _statement(conn, op, source.session, source.cursor)
+                    pass
+                    return work
+                except FAILURES as exc:
+                    # As the statement left it, before the connection is put away.
+                    lost = conn.closed or conn.broken
+                    sqlstate = getattr(exc, "sqlstate", None)
+                    if sqlstate == READ_ONLY:
+                        # On a read-only node (a standby after a failover): only a
+                        # new connection can reach the primary.
+                        source.replace()
+                    elif sqlstate in SHAPE_CHANGED:
+                        # A table or column the statements name is gone (the history
+                        # dropped, say): inspect the table again before the next one.
+                        self.host.shapes.forget(op.statement.table)
+                    raise
+                except BaseException:
+                    # Interrupted mid-statement: a signal handler's exception (a job
+                    # runner's timeout, SIGTERM), or the caller was cancelled.
+                    interrupt(conn, cutter, op.timeout)
+                    raise
+                finally:
+                    # Whatever was armed, even if an exception landed before its ticket was kept.
+                    cutter.disarm_all()
+        except FAILURES as exc:
+            error = classify_failure(
+                exc,
+                action=op.action,
+                table=op.statement.table,
+                sent=sent,
+                timed_out=cutter is not None and cutter.fired,
+                connection_lost=lost,
+                connect_retryable=connect_retryable,
+                redact=self.host.redactor.redact,
+                timeout=op.timeout,
+            )
+            shown = self.host.redactor.shown_cause(exc)
+            if shown is not None:
+                raise error from shown
+        # psycopg's error held a secret: raised out here, where it is not even
+        # the error's __context__ (which `from None` would merely hide).
+        raise error
+
+    def shape(self, names: Names, timeout: float, *, fresh: bool = False) -> Statements:
+        """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""
+        statements = None if fresh else self.host.shapes.get(names.table_name)
+        if statements is None:
+            op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
+            row = (self.execute(op)).row
+            assert row is not None
+            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until = row
+            if not exists:
+                raise SchemaError(
+                    phrase(
+                        "the lock table {table} does not exist; {call create_schema()} or create it "
+                        "as the README shows (names are case-sensitive)",
+                        table=names.table_name,
+                    ),
+                    sqlstate="42P01",
+                )
+            shape = _sql.TableShape(
+                tokens=bool(has_token),
+                history=bool(has_history),
+                sessions=bool(has_sessions),
+                semaphores=bool(has_semaphores),
+                rwlocks=bool(has_rwlocks),
+                holds=bool(has_hold_until),
+            )
+            statements = Statements(names, shape)
+            # Told once per client: its engines and flows that find the history gone at once share it.
+            if self.host.shapes.learn(statements):
+                logger.warning(
+                    "the history of lock table %s (%s) is gone, dropped while its locks were in use: "
+                    "holds go on without a history; create_schema(history=True) makes a new one",
+                    names.table_name,
+                    names.history_name,
+                )
+        return statements
+
+    # -- holds and their heartbeats (the worker's) --------------------------------------
+
+    @property
+    def groups(self) -> dict[object, HeartbeatGroup]:
+        """The engine's heartbeat groups (the session's record of them)."""
+        return self._heartbeats.groups
+
+    def keep(self, hold: Hold) -> None:
+        """Renew ``hold`` from now on, with the other holds of its table and interval."""
+        self._heartbeats.keep(hold)
+
+    def schedule(self, cleanup: steps.Cleanup) -> None:
+        """Delete a row that may remain, in the background, as soon as the database answers."""
+        self._heartbeats.schedule(cleanup)
+
+    def has_cleanups(self) -> bool:
+        return self._heartbeats.has_cleanups()
+
+    def take_cleanups(self) -> list[steps.Cleanup]:
+        return self._heartbeats.take_cleanups()
+
+    # -- listening for releases ------------------------------------------------------
+
+    @property
+    def listener(self) -> Listener | None:
+        return self._listener
+
+    # -- shutting down -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the workers and close the engine's connections (never a pool); pending clean-ups go to the client."""
+        with self.host.state_lock:
+            self.closed = True
+        self._heartbeats.stop()
+        if self._listener is not None:
+            self._listener.close()
+        for cleanup in self.take_cleanups():
+            self.host.adopt_cleanup(cleanup)
+        self._source.close()
+
+    def close_connections(self) -> None:
+        """Nothing is held or waited on: close the statement connection (the next statement opens one).
+
+        Not while a statement uses it or waits for it (a Mutex made meanwhile, say): the client is
+        not idle then, and a connection is never closed under a statement.
+        """
+        if self._gate.try_enter():
+            try:
+                self._source.abandon()
+            finally:
+                self._gate.leave()
+
+    def abandon(self) -> None:
+        """Close the connections without waiting on anything: nothing will run this engine again."""
+        self.closed = True
+        if self._listener is not None:
+            self._listener.abandon()
+        self._source.abandon()
+
+
+def _statement(
+    conn: psycopg.Connection[Any],
+    op: steps.Execute,
+    session: ServerSession | None,
+    cursor: psycopg.Cursor[Any] | None,
+) -> steps.Result:
+    timeout_ms = max(1, int(_server_deadline(op.timeout) * 1000))
+    bound = op.params
+    if op.statement.marks:
+        # The session key of this connection (none for a pool's: its sessions are the application's),
+        # and the process id it was given, which tells a direct connection from a pooler's.
+        key = None if session is None else session.key
+        bound = {**bound, "_session_key": key, "_backend_pid": conn.info.backend_pid}
+    bare = op.statement.bare
+    settling = False
+    if session is not None and bare is not None:
+        kept = session.timeout_ms
+        if session.direct and kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
+            # The statement alone, prepared, on a direct connection whose session carries its settings.
+            cursor = cursor or conn.cursor()
+            sent_at = now()
+            try:
+                # Prepared on its first use on this connection (one more round trip, once).
+                cursor.execute(bare, bound, prepare=True)
+            except psycopg.errors.FeatureNotSupported:
+                return _unprepared(cursor, bound, bare, session)
+            return _result(cursor, sent_at)
+        # A connection's first lock statement asks whether it reaches PostgreSQL
+        # directly and, if so, sets the session up; a statement whose deadline the
+        # session's does not fit sets it again. Either way in the statement's own
+        # message, which carries its settings for its transaction: no extra round trip.
+        settling = session.direct is not False
+    text = op.statement.text
+    if settling:
+        text += "; " + _sql.session_setup(conn.info.backend_pid, timeout_ms)
+    params = {**bound, "_server_timeout_ms": timeout_ms}
+    # Rows as tuples whatever the row factory of a pool's connections (dict_row, say).
+    cursor = psycopg.ClientCursor(conn, row_factory=tuple_row)
+    sent_at = now()
+    cursor.execute(text, params)
+    if settling and session is not None:
+        results = [_result(cursor, sent_at)]
+        while cursor.nextset():
+            results.append(_result(cursor, sent_at))
+        answer, result = results[-1], results[-2]
+        session.direct = answer.rows[0][0] is True
+        session.timeout_ms = timeout_ms if session.direct else None
+        _tell_pooler(op, session)
+        return result
+    if session is not None and session.direct is False:
+        _tell_pooler(op, session)
+    # The settings that precede the statement answer first: its own result is the last.
+    while cursor.nextset():
+        pass
+    return _result(cursor, sent_at)
+
+
+def _server_deadline(timeout: float) -> float:
+    """How long the server may run a statement whose client deadline is ``timeout``: less, by a margin."""
+    return timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))
+
+
+def _tell_pooler(op: steps.Execute, session: ServerSession) -> None:
+    """Say once per connection that a hold with ``reclaim_disconnected_after`` falls back behind a pooler."""
+    if session.direct is False and not session.pooler_told and op.params.get("reclaim_seconds") is not None:
+        session.pooler_told = True
+        logger.warning(
+            "%s: this connection goes through a pooler (PgBouncer?), whose server sessions are not this "
+            "process's: reclaim_disconnected_after cannot name one, so the hold is not reclaimed early "
+            "(it is reclaimed after stale_threshold, as without the option)",
+            op.action,
+        )
+
+
+def _unprepared(
+    cursor: psycopg.Cursor[Any], params: Mapping[str, object], bare: str, session: ServerSession
+) -> steps.Result:
+    """A prepared statement refused with "cached plan must not change result type": it runs again unprepared.
+
+    A column changed type since the statement was prepared (a table made
+    again, a wider instance_id). Refused before it ran: it runs again
+    unprepared, and the connection is replaced after it (psycopg before 3.3
+    would go on using its prepared statements even after a DEALLOCATE ALL); a
+    new one prepares afresh.
+    """
+    session.retired = True
+    sent_at = now()
+    cursor.execute(bare, params, prepare=False)
+    return _result(cursor, sent_at)
+
+
+def _result(cursor: psycopg.Cursor[Any], sent_at: float) -> steps.Result:
+    result = cursor.pgresult
+    rows = cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else []
+    return steps.Result(cursor.rowcount, tuple(rows), sent_at)
+
+
+_WAITS = object()
+"""What `_Steps.perform_now` returns for a step that must wait."""
+
+
+class _Steps:
+    """Performs the steps of one flow run; remembers what the run subscribed to."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._subscription: Subscription | None = None
+
+    def perform_now(self, op: steps.Op) -> Any:
+        """Perform ``op`` if it needs no waiting (most steps of a cycle); else return `_WAITS`."""
+        engine = self._engine
+        if isinstance(op, steps.Execute):
+            return _WAITS
+        if isinstance(op, steps.Shape):
+            statements = None if op.fresh else engine.host.shapes.get(op.names.table_name)
+            return _WAITS if statements is None else statements
+        if isinstance(op, steps.Keep):
+            engine.keep(op.hold)
+            return None
+        if isinstance(op, steps.Forget):
+            engine.host.session.forget(op.hold)
+            return None
+        if isinstance(op, steps.Tell):
+            lock, error = op.lock, op.error
+            engine.host.session.post(lambda: lock.events.lost(error))
+            return None
+        if isinstance(op, steps.Schedule):
+            engine.schedule(op.cleanup)
+            return None
+        if isinstance(op, steps.StopListening):
+            self.finish()
+            return None
+        return _WAITS
+
+    def perform(self, op: steps.Op) -> Any:
+        """Perform a step that waits: a statement, an inspection, a pause, a wait for a release."""
+        engine = self._engine
+        if isinstance(op, steps.Execute):
+            subscription, listener = self._subscription, engine.listener
+            if subscription is None or listener is None:
+                return engine.execute(op)
+            took_wake = listener.take_wake(subscription)
+            try:
+                return engine.execute(op)
+            except BaseException:
+                if took_wake:
+                    # The attempt that used a release's wake-up told nothing: another waiter tries instead.
+                    listener.wake_one(subscription.channel)
+                raise
+        if isinstance(op, steps.Shape):
+            return engine.shape(op.names, op.timeout, fresh=op.fresh)
+        if isinstance(op, steps.Pause):
+            sleep(op.seconds)
+            return not engine.closed
+        if isinstance(op, steps.Listen):
+            listener = engine.listener
+            if listener is None:
+                return False
+            self._subscription = listener.subscribe(op.channel)
+            return self._subscription.confirmed.wait(op.timeout)
+        assert isinstance(op, steps.WaitForRelease)
+        subscription = self._subscription
+        # A release wakes the wait, and so does a stop (an election's), set from any thread.
+        wake = Event() if subscription is None else subscription.released
+        with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
+            wake.wait(op.seconds)
+        if subscription is None:
+            wake.clear()
+        # Else the next attempt clears it (`Listener.take_wake`): a release announced between
+        # this wait's end and that attempt must still end the wait after it.
+        return None
+
+    def finish(self) -> None:
+        subscription, self._subscription = self._subscription, None
+        listener = self._engine.listener
+        if subscription is not None and listener is not None:
+            listener.unsubscribe(subscription)
+            if subscription.woken:
+                # Woken, but leaving without an attempt that used it (acquired meanwhile, stopped,
+                # out of time): the freed hold may still be free, so another waiter tries.
+                listener.wake_one(subscription.channel)

@@ -1,0 +1,326 @@
+# Generated from listener_async.py by tools/async_to_sync.py: do not edit.
+# Change the async module and run `python tools/async_to_sync.py`.
+"""The listener of one engine: one LISTENing connection for every waiter, in dsn mode.
+
+A waiter subscribes to its lock's channel and is told when a release is
+notified there, so it tries again at once rather than at its next poll.
+Each notification frees one hold (a mutex, or one permit of a semaphore), so
+it wakes one waiter, the longest subscribed among those not yet woken. The
+listener registers the process on each channel it LISTENs on, and a release
+names one registered process in its payload (`_sql.wake`): only that one
+wakes a waiter, so a release costs one attempt across the fleet, not one per
+waiter nor one per process (no thundering herd). A notification that names
+nobody (no process could register) wakes one waiter of each process. A
+waiter that leaves without trying after its wake-up passes it on
+(`Listener.wake_one`), to another process if none of this one's can use it.
+A notification with the payload `WAKE_ALL` (a change of a semaphore's N,
+which may free many permits at once) wakes every waiter, and so does a lost
+connection. The connection is opened for the first waiter and closed a while
+after the last one; through a transaction-mode pooler nothing it sends is
+prepared. While it is down, waiters poll; a listener that keeps failing is
+reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import pq
+
+from .. import _sql
+from .._base.acompat import Event, Waker, Worker, sleep, uncancellable
+from .._base.clock import MAX_SLICE, now
+from .._state.events import Defects
+from .connections import FAILURES, discard
+from .sources import interrupt
+from .watchdog import Cutter
+
+if TYPE_CHECKING:
+    from .host import EngineHost
+
+logger = logging.getLogger("postgres_mutex")
+
+# How long the listener keeps its connection once nobody waits: waiters come
+# in bursts, and each new connection costs the first waiter of a burst a moment.
+_LISTENER_LINGER = 10.0
+
+# A listener that fails this many times in a row is a fault to report (one
+# lost connection is a failover or a restart, and waiters poll through it);
+# while it goes on failing, the report repeats at most every _LISTENER_REPORT_EVERY.
+_LISTENER_FAILURES_REPORTED = 3
+_LISTENER_REPORT_EVERY = 60.0
+
+# How long the listener still LISTENs on a channel once it unregistered there: a release
+# that chose this process just before then is still heard, and its wake-up passed on.
+_UNREGISTERED_LINGER = 2.0
+
+# The most channels a listener registers on at once: each registration holds two entries of
+# the server's shared lock table (64 per connection by default, for the whole server). A
+# process that waits on more locks at once LISTENs on the others without registering.
+MOST_REGISTERED = 32
+
+
+class Subscription:
+    """One waiter's interest in one lock's releases."""
+
+    __slots__ = ("channel", "confirmed", "released", "woken")
+
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
+        self.confirmed = Event()
+        """Set once the listener LISTENs on the channel: a release from then on is heard."""
+        self.released = Event()
+        """Set when this waiter is to try again: a release was announced (or may have been missed)."""
+        self.woken = False
+        """A release's wake-up was given to this waiter and no attempt has used it yet (under the state lock)."""
+
+
+class Listener:
+    """One LISTENing connection for every waiter of the engine; a release wakes only its lock's waiters."""
+
+    def __init__(self, host: EngineHost, dsn: str, connect_kwargs: dict[str, Any]) -> None:
+        self._host = host
+        self._dsn = dsn
+        self._kwargs = connect_kwargs
+        # Per channel, in the order the waiters subscribed: the first not yet woken is woken next.
+        self._subscriptions: dict[str, dict[Subscription, None]] = {}
+        self._waker = Waker()
+        self._worker: Worker | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        self._listening: set[str] = set()
+        # The channels listened on where this process is registered (at most MOST_REGISTERED).
+        self._registered: set[str] = set()
+        # Channels unregistered but still LISTENed on, until when (`_UNREGISTERED_LINGER`).
+        self._lingering: dict[str, float] = {}
+        # Channels whose wake-up no waiter of this process could use: passed on by the worker.
+        self._passing: list[str] = []
+        self._backend_pid: int | None = None
+        self._closed = False
+        self._defects = Defects("release listener")
+
+    def subscribe(self, channel: str) -> Subscription:
+        subscription = Subscription(channel)
+        with self._host.state_lock:
+            self._subscriptions.setdefault(channel, {})[subscription] = None
+            if (self._worker is None or not self._worker.running) and not self._closed:
+                self._worker = Worker(self._run, name="postgres-mutex-listener")
+        self._waker.wake()
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        with self._host.state_lock:
+            waiting = self._subscriptions.get(subscription.channel)
+            if waiting is not None:
+                waiting.pop(subscription, None)
+                if not waiting:
+                    del self._subscriptions[subscription.channel]
+        self._waker.wake()
+
+    @property
+    def listening(self) -> frozenset[str]:
+        """The channels the connection LISTENs on and is registered on right now (both end shortly after the
+        last waiter leaves)."""
+        return frozenset(self._listening)
+
+    def wake_one(self, channel: str) -> None:
+        """Wake the longest waiting subscriber of ``channel`` not woken yet: one hold was freed.
+
+        If no waiter of this process can use it, another process's may: the
+        wake-up is passed on, since a release told this process alone.
+        """
+        if not self._wake_here(channel):
+            with self._host.state_lock:
+                if not self._closed:
+                    self._passing.append(channel)
+            self._waker.wake()
+
+    def _wake_here(self, channel: str) -> bool:
+        """Wake the longest waiting subscriber of ``channel`` not woken yet, if any (True then)."""
+        with self._host.state_lock:
+            chosen = next((sub for sub in self._subscriptions.get(channel, ()) if not sub.woken), None)
+            if chosen is not None:
+                # Marked under the lock: two releases heard at once must choose two different waiters.
+                chosen.woken = True
+        if chosen is None:
+            return False
+        chosen.released.set()
+        return True
+
+    def take_wake(self, subscription: Subscription) -> bool:
+        """An attempt is about to be sent: it uses the waiter's wake-up, if any (True then).
+
+        A release announced from now on wakes the waiter again, so its next
+        wait ends at once: nothing announced after the attempt left is lost.
+        """
+        with self._host.state_lock:
+            woken, subscription.woken = subscription.woken, False
+        subscription.released.clear()
+        return woken
+
+    def _released(self, channel: str, payload: str) -> None:
+        if payload == _sql.WAKE_EACH_PROCESS:
+            # Every process was told: one waiter here tries, and nothing is passed on.
+            self._wake_here(channel)
+            return
+        if payload != _sql.WAKE_ALL:
+            if payload == str(self._backend_pid):
+                self.wake_one(channel)
+            return
+        with self._host.state_lock:
+            waiting = list(self._subscriptions.get(channel, ()))
+            for subscription in waiting:
+                subscription.woken = True
+        for subscription in waiting:
+            subscription.released.set()
+
+    def _wake_everyone(self) -> None:
+        # The connection was lost: a release may have gone unheard. Every waiter retries now.
+        with self._host.state_lock:
+            waiting = [sub for subs in self._subscriptions.values() for sub in subs]
+            for subscription in waiting:
+                subscription.woken = True
+        for subscription in waiting:
+            subscription.released.set()
+
+    def _run(self) -> None:
+        listening, registered, lingering = self._listening, self._registered, self._lingering
+        cutter: Cutter | None = None
+        failures = 0
+        reported_at: float | None = None
+        idle_since: float | None = None
+        try:
+            while not self._closed:
+                with self._host.state_lock:
+                    wanted = set(self._subscriptions)
+                    passing, self._passing = self._passing, []
+                    if wanted or listening or lingering or passing:
+                        idle_since = None
+                    elif idle_since is None:
+                        idle_since = now()
+                    elif now() - idle_since >= _LISTENER_LINGER:
+                        # Nobody has waited for a while: close the connection until someone does.
+                        self._worker = None
+                        return
+                try:
+                    if self._conn is None or cutter is None:
+                        self._conn = psycopg.Connection.connect(self._dsn, autocommit=True, **self._kwargs)
+                        self._conn.add_notify_handler(lambda notify: self._released(notify.channel, notify.payload))
+                        cutter = Cutter(self._conn.fileno())
+                        self._backend_pid = self._conn.info.backend_pid
+                        listening.clear()
+                        registered.clear()
+                        lingering.clear()
+                        if failures:
+                            self._wake_everyone()
+                    conn, pid = self._conn, self._conn.info.backend_pid
+                    for channel in passing:
+                        self._execute(conn, cutter, _sql.pass_on(channel))
+                    for channel in sorted(wanted - listening):
+                        # Still LISTENed on if it lingers: registered again only.
+                        listened = lingering.pop(channel, None) is not None
+                        if len(registered) < MOST_REGISTERED:
+                            self._execute(conn, cutter, _sql.register(channel, pid, listened=listened))
+                            registered.add(channel)
+                        elif not listened:
+                            self._execute(conn, cutter, _sql.listen(channel))
+                        listening.add(channel)
+                    for channel in sorted(listening - wanted):
+                        if channel in registered:
+                            self._execute(conn, cutter, _sql.unregister(channel, pid))
+                            registered.discard(channel)
+                        listening.discard(channel)
+                        lingering[channel] = now() + _UNREGISTERED_LINGER
+                    for channel, until in sorted(lingering.items()):
+                        if until <= now():
+                            self._execute(conn, cutter, _sql.unlisten(channel))
+                            del lingering[channel]
+                    self._confirm(listening)
+                    failures, reported_at = 0, None
+                    wait = min([MAX_SLICE, *(until - now() for until in lingering.values())])
+                    if self._waker.wait_readable(conn.fileno(), max(wait, 0.0)):
+                        self._drain(conn)
+                except Exception as exc:
+                    with self._host.state_lock:
+                        # Not sent, or perhaps not: sent again once connected (twice costs one attempt).
+                        self._passing[:0] = passing
+                    failures += 1
+                    if not isinstance(exc, FAILURES):
+                        # A defect: said loudly, and the listener goes on as after a lost connection.
+                        self._defects.report("listening for releases", exc, "on a new connection")
+                    reason = self._host.redactor.redact(str(exc))
+                    persistent = failures >= _LISTENER_FAILURES_REPORTED and (
+                        reported_at is None or now() - reported_at >= _LISTENER_REPORT_EVERY
+                    )
+                    if persistent:
+                        reported_at = now()
+                        logger.warning(
+                            "the release listener lost its connection (%s), %d times in a row; waiters poll "
+                            "every poll_interval meanwhile, so a release reaches them later",
+                            reason,
+                            failures,
+                        )
+                    else:
+                        logger.debug("the release listener lost its connection (%s); waiters poll meanwhile", reason)
+                    if cutter is not None:
+                        cutter.close()
+                    cutter = None
+                    self._drop()
+                    self._wake_everyone()
+                    # Not a busy loop: a pause that grows, up to a few seconds.
+                    sleep(min(0.05 * 2**failures, 5.0))
+        except BaseException:
+            # Ended by something unexpected (or the loop's shutdown): the next waiter starts a new one.
+            with self._host.state_lock:
+                self._worker = None
+            raise
+        finally:
+            if cutter is not None:
+                cutter.close()
+            self._drop()
+
+    def _execute(self, conn: psycopg.Connection[Any], cutter: Cutter, text: str) -> None:
+        timeout = self._host.operation_timeout
+        ticket = cutter.arm(timeout)
+        try:
+            # Never prepared (psycopg prepares a statement it has run five times): behind a
+            # transaction-mode pooler a prepared statement would stay on a server connection
+            # other clients share, and collide with theirs.
+            uncancellable(conn.execute(text, prepare=False), functools.partial(interrupt, conn, cutter, timeout))
+        finally:
+            cutter.disarm(ticket)
+
+    def _confirm(self, listening: set[str]) -> None:
+        with self._host.state_lock:
+            heard = [sub for channel in listening for sub in self._subscriptions.get(channel, ())]
+        for subscription in heard:
+            subscription.confirmed.set()
+
+    def _drain(self, conn: psycopg.Connection[Any]) -> None:
+        pgconn = conn.pgconn
+        pgconn.consume_input()
+        while (notify := pgconn.notifies()) is not None:
+            self._released(notify.relname.decode(errors="replace"), notify.extra.decode(errors="replace"))
+        if conn.broken or pgconn.status != pq.ConnStatus.OK:
+            raise psycopg.OperationalError("the listener's connection was closed")
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            discard(conn)
+
+    def close(self) -> None:
+        self._closed = True
+        self._waker.wake()
+        with self._host.state_lock:
+            worker = self._worker
+        if worker is not None:
+            worker.join(self._host.operation_timeout + 1.0)
+        self._drop()
+        self._waker.close()
+
+    def abandon(self) -> None:
+        self._closed = True
+        self._drop()

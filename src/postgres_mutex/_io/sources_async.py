@@ -1,0 +1,254 @@
+"""Where an engine's statements get a connection: its own (dsn mode) or a pool's, and how one is interrupted.
+
+In dsn mode the engine opens its statement connection on first use, checks
+one that sat idle before using it (the server may have closed it), and
+replaces one that broke or whose statement was cut off. In pool mode it
+borrows one pooled connection per statement and gives it back, or discards
+it when it broke.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import pq
+
+from .. import _sql
+from .._base.clock import now
+from .connections import FAILURES, ServerSession, closed_while_idle, discard, unusable
+from .watchdog import Cutter
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from psycopg_pool import AsyncConnectionPool
+
+logger = logging.getLogger("postgres_mutex")
+
+# The longest wait for the server to take a cancel request for an interrupted statement.
+_CANCEL_TIMEOUT = 1.0
+
+# A connection idle for longer than this is checked before use: did the server close it?
+_IDLE_CHECK = 0.5
+
+
+async def interrupt(conn: psycopg.AsyncConnection[Any], cutter: Cutter, timeout: float) -> None:
+    """Stop a statement the caller gave up on: on the server first, then on the socket.
+
+    Left alone, it could go on waiting on the server (behind another session's
+    row lock, say) and land later: an orphan row, or a lock taken by nobody.
+    A cancel request (bounded, and skipped when the network is known dead)
+    stops it there; the connection is then cut and replaced either way.
+    """
+    if not cutter.fired and conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+        with contextlib.suppress(Exception):
+            await conn.cancel_safe(timeout=min(_CANCEL_TIMEOUT, timeout))
+    cutter.cut()
+
+
+class _CutSessions:
+    """The server processes of connections cut off mid-statement, ended before the next statement is sent.
+
+    A statement given up on (cut at its deadline, or by an exception raised
+    into it) may sit unread on the server, which runs it whenever it reads it:
+    its ``statement_timeout`` counts only from then. An acquire read after
+    the next acquire of the same holder would take that hold's row over (it
+    carries the same ``instance_id``); one read after the background deleted
+    what it may have left would leave a row nobody heartbeats. So the next
+    connection ends that process first (`_sql.end_session_left_behind`): once
+    it has ended, nothing it was sent can run. Only on a direct connection:
+    behind a pooler the statement lands or not, and a row it takes over is a
+    hold reported lost at its release, never a second holder.
+    """
+
+    __slots__ = ("_left",)
+
+    def __init__(self) -> None:
+        self._left: list[tuple[int, float]] = []
+
+    def note(self, backend_pid: int) -> None:
+        """A statement of the connection given ``backend_pid`` was cut off. (Read at connect: libpq
+        forgets it once the connection failed.)"""
+        self._left.append((backend_pid, now()))
+
+    async def end(self, conn: psycopg.AsyncConnection[Any], cutter: Cutter, timeout: float) -> None:
+        """End those processes from ``conn``, within ``timeout``; failing to (a missing privilege) is no error."""
+        # Each is forgotten only once ended (or found not ours to end): an exception raised
+        # into this (a signal handler's) leaves the rest to the next connection.
+        while self._left:
+            pid, cut_at = self._left[0]
+            ticket = cutter.arm(timeout)
+            try:
+                await conn.execute(
+                    _sql.end_session_left_behind(pid, conn.info.backend_pid, now() - cut_at, max(1, int(timeout * 500)))
+                )
+                del self._left[0]
+            except FAILURES as exc:
+                if cutter.fired or unusable(conn):
+                    raise
+                del self._left[0]
+                logger.debug("could not end the server process %s of a connection cut off mid-statement: %s", pid, exc)
+            finally:
+                cutter.disarm(ticket)
+
+
+class OwnConnection:
+    """The engine's own statement connection, opened on first use and replaced when it breaks."""
+
+    def __init__(self, dsn: str, connect_kwargs: dict[str, Any]) -> None:
+        self._dsn = dsn
+        self._kwargs = connect_kwargs
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._cutter: Cutter | None = None
+        self._used_at = 0.0
+        self._replace = False
+        self._timeout = 0.0
+        self._asked_at = 0.0
+        self._connect_failed: tuple[float, BaseException] | None = None
+        """When the last connect failed, and how (None once one succeeds)."""
+        self._in_use: tuple[psycopg.AsyncConnection[Any], Cutter]
+        self._backend_pid = 0
+        self._cut_sessions = _CutSessions()
+        self.connected_before = False
+        self.session: ServerSession | None = None
+        """The session of the connection in use (None before the first connect)."""
+        self.cursor: psycopg.AsyncCursor[Any] | None = None
+        """The connection's cursor for its prepared statements: reused, since making one
+        per statement is a measurable share of a lock cycle."""
+
+    def replace(self) -> None:
+        """Drop the connection in use once the statement is over."""
+        self._replace = True
+
+    def connection(self, timeout: float, asked_at: float) -> OwnConnection:
+        """The connection for one statement, as an ``async with`` block: dropped after it if it broke.
+
+        Itself, not a generator-based context manager (one is entered per
+        statement); the gate lets one statement at a time in. A statement
+        that asked (at ``asked_at``) while another was connecting, and saw
+        that connect fail, fails with it rather than wait out a second one:
+        its bound stays one connect, however many statements queue behind.
+        """
+        self._timeout = timeout
+        self._asked_at = asked_at
+        return self
+
+    async def __aenter__(self) -> tuple[psycopg.AsyncConnection[Any], Cutter]:
+        conn, cutter = await self._open(self._timeout)
+        self._replace = False
+        self._in_use = conn, cutter
+        return conn, cutter
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        conn, cutter = self._in_use
+        self._used_at = now()
+        if cutter.fired:
+            self._cut_sessions.note(self._backend_pid)
+        if cutter.fired or self._replace or unusable(conn) or (self.session is not None and self.session.retired):
+            self._drop()
+
+    async def _open(self, timeout: float) -> tuple[psycopg.AsyncConnection[Any], Cutter]:
+        # A connection used a moment ago was not closed for idling; one that sat
+        # idle may have been (idle_session_timeout, a restart, a proxy).
+        if self._conn is not None and now() - self._used_at > _IDLE_CHECK and closed_while_idle(self._conn):
+            logger.debug("the server closed the library's idle connection; opening a new one")
+            self._drop()
+        if self._conn is None or self._cutter is None:
+            failed = self._connect_failed
+            if failed is not None and failed[0] >= self._asked_at:
+                raise failed[1]
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    self._dsn, autocommit=True, **{**self._kwargs, **_connect_within(self._kwargs, timeout)}
+                )
+            except FAILURES as exc:
+                self._connect_failed = now(), exc
+                raise
+            self._connect_failed = None
+            self._conn, self._cutter = conn, Cutter(conn.fileno())
+            self._backend_pid = conn.info.backend_pid
+            self.session = ServerSession()
+            self.cursor = conn.cursor()
+            self.connected_before = True
+            try:
+                await self._cut_sessions.end(conn, self._cutter, timeout)
+            except BaseException:
+                self._drop()
+                raise
+        return self._conn, self._cutter
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        cutter, self._cutter = self._cutter, None
+        self.cursor = None
+        if cutter is not None:
+            cutter.close()
+        if conn is not None:
+            discard(conn)
+
+    async def close(self) -> None:
+        self._drop()
+
+    def abandon(self) -> None:
+        self._drop()
+
+
+def _connect_within(kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """A connect made for a statement waits no longer than that statement may (libpq's floor: 2 s)."""
+    if "connect_timeout" not in kwargs:
+        return {}  # the DSN (or PGCONNECT_TIMEOUT) sets it: the user's choice wins
+    return {"connect_timeout": max(2, math.ceil(min(timeout, kwargs["connect_timeout"])))}
+
+
+class PooledConnection:
+    """A connection borrowed from the user's pool for one statement, handed back as it was found."""
+
+    session = None
+    """The pool's connections belong to the application: the library sets nothing on their sessions."""
+    cursor = None
+
+    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+        self._pool = pool
+        self._replace = False
+        self._cut_sessions = _CutSessions()
+        self.connected_before = False
+
+    def replace(self) -> None:
+        """Hand the connection in use back closed, so the pool replaces it."""
+        self._replace = True
+
+    @contextlib.asynccontextmanager
+    async def connection(
+        self, timeout: float, asked_at: float
+    ) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], Cutter]]:
+        # ``asked_at`` is the own connection's concern: the pool connects on its own schedule.
+        async with self._pool.connection(timeout=timeout) as conn:
+            self.connected_before = True
+            cutter = Cutter(conn.fileno())
+            backend_pid = conn.info.backend_pid
+            autocommit = conn.autocommit
+            self._replace = False
+            try:
+                if not autocommit:
+                    await conn.set_autocommit(True)
+                await self._cut_sessions.end(conn, cutter, timeout)
+                yield conn, cutter
+            finally:
+                if cutter.fired:
+                    self._cut_sessions.note(backend_pid)
+                cutter.close()
+                if cutter.fired or self._replace or unusable(conn):
+                    # The pool must not hand it out again: it sees it closed and replaces it.
+                    discard(conn)
+                elif not autocommit:
+                    await conn.set_autocommit(False)
+
+    async def close(self) -> None:
+        """The pool belongs to the application: nothing to close."""
+
+    def abandon(self) -> None:
+        pass

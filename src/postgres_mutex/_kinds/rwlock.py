@@ -1,0 +1,423 @@
+"""`RWLock`: any number of readers or one writer, across the fleet, with every guarantee of `Mutex`.
+
+An RWLock is two holders of one name, siblings of `Mutex` on `Holder`: a
+reader's and a writer's. Each hold is a row of the lock table of its own
+(`_sql.rwlocks`), so the client's one heartbeat statement renews it, and its
+lease, doubt, early reclaim, fencing and ``on_lost`` are a mutex's. The
+acquire statements are what differ, and the exclusion is the table's: a row's
+mode must match its lock's gate, which cannot change mode while rows of the
+other mode exist.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+
+from .._io.acquisition import Acquisition
+from .._io.acquisition_async import AsyncAcquisition
+from .._sql import SEPARATOR
+from .._state.events import LostCallback
+from .._state.settings import Settings, check_name, default_instance_id
+from ..client import BUILT_ON_IT, MutexClient, client_for
+from ..errors import InvalidArgument, LockNotHeldError
+from .holder import Holder
+
+if TYPE_CHECKING:
+    import psycopg
+    from opentelemetry.trace import TracerProvider
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    from ..watcher import StaleWatcher
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+MAX_RWLOCK_NAME = 50
+"""A reader's row adds a separator, ``r`` and a 12-character digest to the name, in 64 characters."""
+
+
+class _Modes:
+    """What an RWLock's two holders share: the mode last asked for, and the rule that one is held at a time.
+
+    It refers to the holders weakly: no cycle keeps an RWLock nobody refers to
+    from being let go of at once (and its client's connection with it).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.last: str | None = None
+        """The mode last asked for."""
+        self._holders: dict[str, weakref.ref[_ModeHolder]] = {}
+
+    def add(self, holder: _ModeHolder) -> None:
+        self._holders[holder.mode] = weakref.ref(holder)
+
+    def entering(self, mode: str) -> None:
+        """Before ``mode`` is acquired (by a ``with`` block or a decorator): refused while the other is held."""
+        found = self._holders.get("write" if mode == "read" else "read")
+        other = None if found is None else found()
+        if other is not None and other.held:
+            # Its own rows would exclude each other: waiting could never end.
+            raise InvalidArgument(
+                "this RWLock holds {value!r} for {mode} already: leave that block first (or use another RWLock)",
+                value=self.name,
+                mode=other.mode,
+            )
+        self.last = mode
+
+
+class _ModeHolder(Holder):
+    """One mode of an `RWLock`: what its ``read`` or ``write`` blocks hold."""
+
+    def __init__(
+        self, mode: str, name: str, client: MutexClient, settings: Settings, *, instance_id: str, modes: _Modes
+    ) -> None:
+        self._modes = modes
+        self._setup(name, client, settings, instance_id=instance_id, rw_mode=mode)
+        modes.add(self)
+
+    @property
+    def mode(self) -> str:
+        """``"read"`` or ``"write"``."""
+        assert self._rw_mode is not None  # set by __init__
+        return self._rw_mode
+
+    def __repr__(self) -> str:
+        return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
+
+    def acquire(
+        self, blocking: bool | None = None, timeout: float | None = None, *, hold_at_least: float | None = None
+    ) -> Acquisition:
+        """`Holder.acquire`, once its `RWLock` has said this mode may be asked for (see `RWLock.read`).
+
+        ``hold_at_least`` is a Mutex's: given here, it raises `ValueError`.
+        """
+        self._modes.entering(self.mode)
+        return super().acquire(blocking=blocking, timeout=timeout, hold_at_least=hold_at_least)
+
+    def acquire_async(
+        self, blocking: bool = True, timeout: float | None = None, *, hold_at_least: float | None = None
+    ) -> AsyncAcquisition:
+        """`Holder.acquire_async`, once its `RWLock` has said this mode may be asked for."""
+        self._modes.entering(self.mode)
+        return super().acquire_async(blocking=blocking, timeout=timeout, hold_at_least=hold_at_least)
+
+    def _new_sibling(self, lock_name: str) -> _ModeHolder:
+        raise InvalidArgument("an RWLock's holders take no other name: make an RWLock for {value!r}", value=lock_name)
+
+
+class RWLock:
+    """A distributed read/write lock: any number of readers of ``name``, or one writer, never both.
+
+    ``RWLock(dsn, "catalogue")`` takes every option of `Mutex`.
+    ``with rw.read(blocking=True) as got:`` holds it for reading for the block,
+    ``with rw.write(...)`` for writing; both yield whether it was acquired,
+    with `Mutex.acquire`'s defaults, timeouts and errors (``read_async`` and
+    ``write_async`` wait by default, like `Mutex.acquire_async`). One RWLock
+    holds one mode at a time: use one per concurrent holder.
+
+    The database enforces the exclusion, whatever a client sends. Writers are
+    preferred: once a writer waits (blocking), new readers wait behind it, so
+    a stream of overlapping readers cannot starve it; a writer that stops
+    waiting, or dies while waiting, holds readers back for at most
+    ``2 * poll_interval + operation_timeout`` more. Each holder heartbeats as a
+    Mutex's does: a crashed reader or writer is reclaimed at ``stale_threshold``
+    (earlier with ``reclaim_disconnected_after``), and its holder learns it
+    lost the lock before anyone may take it. `token`, `fence` and `fenced`
+    work for the mode held: a writer's fence refuses once another writer (or
+    a reader) has come since.
+
+    ``watch=True`` watches every holder of the read/write lock (a `StaleWatcher`,
+    as `Mutex` has for its lock): each reader and the writer is alerted on once
+    per episode, and reported to ``metrics``, under the lock's name and its mode.
+
+    The table must have been created (or migrated) by this version: `SchemaError`
+    says to run ``postgres-mutex migrate`` otherwise. The name is at most 50
+    characters long.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        name: str | None = None,
+        *,
+        pool: ConnectionPool[Any] | None = None,
+        async_pool: AsyncConnectionPool[Any] | None = None,
+        instance_id: str | None = None,
+        table: str = "mutex_lock",
+        heartbeat_interval: float = 10.0,
+        alert_threshold: float = 30.0,
+        stale_threshold: float = 600.0,
+        poll_interval: float = 0.5,
+        metrics: object | None = None,
+        on_lost: LostCallback | None = None,
+        operation_timeout: float | None = None,
+        watch: bool = False,
+        tracer_provider: TracerProvider | None = None,
+        client: MutexClient | None = None,
+        reclaim_disconnected_after: float | None = None,
+    ) -> None:
+        if name is None:
+            raise TypeError("RWLock() needs a name: RWLock(dsn, 'catalogue')")
+        name = check_name(name, "name")
+        if len(name) > MAX_RWLOCK_NAME or SEPARATOR in name:
+            raise InvalidArgument(
+                "{name} must be at most {n} characters long, without the unit separator (its rows add to it in a "
+                "64-character column), got {length}",
+                n=MAX_RWLOCK_NAME,
+                length=len(name),
+            )
+        settings = Settings.from_arguments(locals())
+        connected = client_for(dsn, pool, async_pool, client)
+        # One identity for both modes; chosen by the user or not, as the settings say.
+        identity = settings.instance_id or default_instance_id()
+        self._modes = _Modes(name)
+        self._reader = _ModeHolder("read", name, connected, settings, instance_id=identity, modes=self._modes)
+        # The reader's watcher sees the holders of either mode: the writer shares it rather than run its own.
+        unwatched = settings.replace(watch=False)
+        self._writer = _ModeHolder("write", name, connected, unwatched, instance_id=identity, modes=self._modes)
+        self._writer.watch_with(self._reader)
+
+    # -- introspection -------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The read/write lock's name (metrics, spans and errors use it)."""
+        return self._reader.lock_name
+
+    @property
+    def instance_id(self) -> str:
+        """This RWLock's id, in the table's ``instance_id`` column of its rows of either mode (in a forked
+        child, each mode's holder chooses its own, unless the id was given)."""
+        return self._reader.instance_id
+
+    @property
+    def table(self) -> str:
+        return self._reader.table
+
+    @property
+    def client(self) -> MutexClient:
+        return self._reader.client
+
+    @property
+    def watcher(self) -> StaleWatcher | None:
+        """The watcher of this read/write lock's holders (``watch=True``), else None."""
+        return self._reader.watcher
+
+    @property
+    def mode(self) -> str | None:
+        """``"read"`` or ``"write"`` while held in that mode, None otherwise."""
+        held = self._held()
+        return None if held is None else held.mode
+
+    @property
+    def held(self) -> bool:
+        """True while held in either mode and its lease has not run out (see `Mutex.held`)."""
+        return self._held() is not None
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token of the current hold, of either mode (None when not held)."""
+        held = self._held()
+        return None if held is None else held.token
+
+    @property
+    def lease_remaining(self) -> float | None:
+        """Seconds the current hold stays held without another heartbeat (None when not held)."""
+        held = self._held()
+        return None if held is None else held.lease_remaining
+
+    @property
+    def last_holder(self) -> str | None:
+        """Who held the lock at the last attempt (in the mode last asked for) that found it taken (None if
+        unknown), for messages: the writer, or one of the readers."""
+        last = self._last or self._reader
+        return last.last_holder
+
+    @property
+    def _last(self) -> _ModeHolder | None:
+        """The mode last asked for: whose fence says why it is not held, when neither is."""
+        last = self._modes.last
+        return None if last is None else self._writer if last == "write" else self._reader
+
+    def __repr__(self) -> str:
+        return f"<RWLock name={self.name!r} instance_id={self.instance_id!r} table={self.table!r} mode={self.mode}>"
+
+    def _held(self) -> _ModeHolder | None:
+        for holder in (self._writer, self._reader):
+            if holder.held:
+                return holder
+        return None
+
+    # -- acquire ---------------------------------------------------------------------
+
+    def read(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
+        """Hold the lock for reading for the ``with`` block; yields whether it was acquired (see `Mutex.acquire`)."""
+        return self._reader.acquire(blocking=blocking, timeout=timeout)
+
+    def write(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
+        """Hold the lock alone, for writing, for the ``with`` block; yields whether it was acquired."""
+        return self._writer.acquire(blocking=blocking, timeout=timeout)
+
+    def read_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
+        """Async `read`; blocking by default. Cancelling the task releases the lock."""
+        return self._reader.acquire_async(blocking=blocking, timeout=timeout)
+
+    def write_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
+        """Async `write`; blocking by default. Cancelling the task releases the lock."""
+        return self._writer.acquire_async(blocking=blocking, timeout=timeout)
+
+    # -- decorators ------------------------------------------------------------------
+
+    @overload
+    def read_singleton(self, func: Callable[P, R], /) -> Callable[P, R | None]: ...
+
+    @overload
+    def read_singleton(
+        self, *, blocking: bool | None = None, timeout: float | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+
+    def read_singleton(
+        self, func: Callable[..., Any] | None = None, *, blocking: bool | None = None, timeout: float | None = None
+    ) -> Any:
+        """Decorate a function to run only while holding the lock for reading (see `Mutex.singleton`).
+
+        Each call holds it for reading for the call, with `read`'s
+        ``blocking`` and ``timeout``: while a writer holds it or waits, the
+        function does not run and the call returns None (blocking with a
+        ``timeout``, it raises `LockAcquisitionTimeout` instead). Readers
+        elsewhere run meanwhile; in this process, one RWLock holds once at a
+        time, so a call made while it reads (another call, a ``with`` block)
+        returns None too, and one made while it writes raises
+        `InvalidArgument`, as `read` does: use an RWLock per concurrent
+        caller. Also usable bare: ``@rw.read_singleton``.
+        """
+        return (
+            self._reader.singleton(func)
+            if func is not None
+            else self._reader.singleton(blocking=blocking, timeout=timeout)
+        )
+
+    @overload
+    def write_singleton(self, func: Callable[P, R], /) -> Callable[P, R | None]: ...
+
+    @overload
+    def write_singleton(
+        self, *, blocking: bool | None = None, timeout: float | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+
+    def write_singleton(
+        self, func: Callable[..., Any] | None = None, *, blocking: bool | None = None, timeout: float | None = None
+    ) -> Any:
+        """Decorate a function to run only while holding the lock alone, for writing (see `read_singleton`).
+
+        While anyone else reads or writes, the function does not run and the
+        call returns None, unless ``blocking``: a waiting writer keeps new
+        readers out until it gets in. Also usable bare: ``@rw.write_singleton``.
+        """
+        return (
+            self._writer.singleton(func)
+            if func is not None
+            else self._writer.singleton(blocking=blocking, timeout=timeout)
+        )
+
+    @overload
+    def read_singleton_async(self, func: Callable[P, Awaitable[R]], /) -> Callable[P, Awaitable[R | None]]: ...
+
+    @overload
+    def read_singleton_async(
+        self, *, blocking: bool = True, timeout: float | None = None
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]: ...
+
+    def read_singleton_async(
+        self,
+        func: Callable[..., Any] | None = None,
+        *,
+        blocking: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        """Async `read_singleton` for coroutine functions; blocking by default, like `read_async`."""
+        return (
+            self._reader.singleton_async(func)
+            if func is not None
+            else self._reader.singleton_async(blocking=blocking, timeout=timeout)
+        )
+
+    @overload
+    def write_singleton_async(self, func: Callable[P, Awaitable[R]], /) -> Callable[P, Awaitable[R | None]]: ...
+
+    @overload
+    def write_singleton_async(
+        self, *, blocking: bool = True, timeout: float | None = None
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]: ...
+
+    def write_singleton_async(
+        self,
+        func: Callable[..., Any] | None = None,
+        *,
+        blocking: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        """Async `write_singleton` for coroutine functions; blocking by default, like `write_async`."""
+        return (
+            self._writer.singleton_async(func)
+            if func is not None
+            else self._writer.singleton_async(blocking=blocking, timeout=timeout)
+        )
+
+    # -- fencing ---------------------------------------------------------------------
+
+    def fence(self, conn: psycopg.Connection[Any]) -> int:
+        """`Mutex.fence` for the mode held: `LockNotHeldError` if neither is, or the hold is no longer current."""
+        return self._holding().fence(conn)
+
+    async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
+        """Async `fence`, on an `AsyncConnection`."""
+        return await self._holding().fence_async(conn)
+
+    def fenced(self, conn: psycopg.Connection[Any]) -> AbstractContextManager[int]:
+        """`Mutex.fenced` for the mode held: a transaction on ``conn``, fenced first; yields the token."""
+        return self._holding().fenced(conn)
+
+    def fenced_async(self, conn: psycopg.AsyncConnection[Any]) -> AbstractAsyncContextManager[int]:
+        """Async `fenced`."""
+        return self._holding().fenced_async(conn)
+
+    def _holding(self) -> _ModeHolder:
+        held = self._held()
+        if held is not None:
+            return held
+        if self._last is not None:
+            return self._last  # its own error says why it is not held (lost, released, never acquired)
+        raise LockNotHeldError(
+            f"read/write lock {self.name!r} is not held by instance {self.instance_id!r}",
+            lock_name=self.name,
+            instance_id=self.instance_id,
+            reason="this RWLock holds neither mode",
+        )
+
+    def release(self) -> None:
+        """Release the mode held (see `Mutex.release`)."""
+        self._holding().release()
+
+    async def release_async(self) -> None:
+        """Async `release`."""
+        await self._holding().release_async()
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what is held and let go of the client (see `Mutex.close`)."""
+        self._reader.close()
+        self._writer.close()
+
+    async def aclose(self) -> None:
+        """Async `close`."""
+        await self._reader.aclose()
+        await self._writer.aclose()
+
+
+BUILT_ON_IT.rwlock = RWLock

@@ -1,0 +1,109 @@
+"""`Semaphore`: at most N holders at once, across the fleet, with every guarantee of `Mutex`.
+
+A Semaphore is a sibling of `Mutex` (both are `Holder`s) whose lock has N permits: each hold is one permit, a
+row of the lock table of its own (`_sql.permits`), so the client's one
+heartbeat statement renews it with the mutexes' holds, and its lease, doubt,
+early reclaim, fencing, history and ``on_lost`` are the mutex's, unchanged.
+The acquire, the waiting (woken by any release of a permit of the same
+semaphore) and the messages are what differ; the rest is the code every holder shares.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .._sql import SEPARATOR
+from .._state.events import LostCallback
+from .._state.settings import Settings, check_permit_count
+from ..client import BUILT_ON_IT, MutexClient, client_for
+from .holder import Holder
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+
+class Semaphore(Holder):
+    """A distributed semaphore: at most ``permits`` holders of ``name`` at once, enforced by the database.
+
+    ``Semaphore(dsn, "partner-api", permits=3)`` takes every option of
+    `Mutex`, and is used like one: ``with sem.acquire(blocking=True) as got:``
+    holds one permit for the block; `held`, `token`, `fence`, `fenced`,
+    ``on_lost``, `lease_remaining`, `release`, `heartbeat` and the decorators
+    mean what they mean for a Mutex, for that permit. Each Semaphore object
+    holds at most one permit at a time: use one per concurrent holder (in
+    threads, or tasks), each with its own ``instance_id`` (the default one is).
+
+    ``watch=True`` watches every holder of the semaphore (a `StaleWatcher`,
+    as `Mutex` has for its lock): each permit's holder is alerted on once per
+    episode, and reported to ``metrics``, under the semaphore's name and its
+    permit.
+
+    The first Semaphore to use a name declares its number of permits in the
+    table; one that says another number is refused (`PermitsMismatchError`,
+    naming both) when it acquires. `LockTable.set_permits` changes it
+    deliberately. The table must have been created (or migrated) by this
+    version: `SchemaError` says to run ``postgres-mutex migrate`` otherwise.
+    A semaphore's name leaves room for its permits' numbers in the table's
+    64 characters: at most 62 characters with 10 permits, say.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        name: str | None = None,
+        *,
+        permits: int,
+        pool: ConnectionPool[Any] | None = None,
+        async_pool: AsyncConnectionPool[Any] | None = None,
+        instance_id: str | None = None,
+        table: str = "mutex_lock",
+        heartbeat_interval: float = 10.0,
+        alert_threshold: float = 30.0,
+        stale_threshold: float = 600.0,
+        poll_interval: float = 0.5,
+        metrics: object | None = None,
+        on_lost: LostCallback | None = None,
+        operation_timeout: float | None = None,
+        watch: bool = False,
+        tracer_provider: TracerProvider | None = None,
+        client: MutexClient | None = None,
+        reclaim_disconnected_after: float | None = None,
+    ) -> None:
+        if name is None:
+            raise TypeError("Semaphore() needs a name: Semaphore(dsn, 'partner-api', permits=3)")
+        count = check_permit_count(name, permits)
+        self._setup(name, client_for(dsn, pool, async_pool, client), Settings.from_arguments(locals()), permits=count)
+
+    @property
+    def name(self) -> str:
+        """The semaphore's name (also `lock_name`: metrics, spans and errors use it)."""
+        return self.lock_name
+
+    @property
+    def permits(self) -> int:
+        """How many holders the semaphore allows at once, as this Semaphore declares it."""
+        return self._permits or 0
+
+    @property
+    def permit(self) -> int | None:
+        """The number of the permit held (0 to ``permits - 1``), None when none is held."""
+        hold = self._lock.hold
+        if hold is None or not self._lock.held:
+            return None
+        return int(hold.row_name.rpartition(SEPARATOR)[2])
+
+    def __repr__(self) -> str:
+        return (
+            f"<Semaphore name={self.lock_name!r} permits={self.permits} instance_id={self.instance_id!r} "
+            f"table={self.table!r} status={self._lock.phase.value}>"
+        )
+
+    def _new_sibling(self, lock_name: str) -> Semaphore:
+        """A Semaphore of another name (see `Siblings`), on the same client, with the same permits and settings."""
+        permits = check_permit_count(lock_name, self.permits)
+        settings = self._settings.replace(watch=False)  # watch=True watches its own semaphore only
+        return Semaphore._made(lock_name, self.client, settings, instance_id=self.instance_id, permits=permits)
+
+
+BUILT_ON_IT.semaphore = Semaphore

@@ -1,0 +1,469 @@
+"""The table's flows: create, migrate, inspect, read holders and history, force a release.
+
+What `LockTable` and the command line do, as flows an engine performs; like
+the lock flows, they do no I/O and own their retries and deadlines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .. import _sql
+from .._base.clock import now
+from .._sql import SEPARATOR, Names, Statement, Statements, TableShape
+from ..errors import DatabaseError, OperationTimeout, SchemaError, phrase
+from .rules import (
+    CANCELLED,
+    LOCK_NOT_AVAILABLE,
+    PRIVILEGE,
+    SERIALIZATION_FAILURE,
+    UNDEFINED_COLUMN,
+    AcquireResult,
+    Outcome,
+    observe,
+    rw_row_name,
+)
+from .settings import BRIEF_WAIT
+from .steps import Execute, Flow, Pause, Result, Shape
+
+if TYPE_CHECKING:
+    from .locks import LockState
+
+T = TypeVar("T")
+
+
+# -- the table itself ------------------------------------------------------------------
+
+# Errors two sessions creating the same objects at once can get: the loser
+# sees the winner's catalog rows once it commits; one more try sees them exist.
+_CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})
+_LOCK_NOT_AVAILABLE = "55P03"
+
+# Between a forced release's tries: the client's other statements (heartbeats) go first.
+_FORCED_RELEASE_PAUSE = 0.02
+# The least time a forced release's last try gets: enough for a delete on a
+# database that answers, never more than a sliver past the deadline.
+_LEAST_TRY = 0.05
+
+
+def create_table(
+    names: Names, timeout: float, *, history: bool = False, history_retention: float | None = None
+) -> Flow[bool]:
+    """CREATE the lock table (with its token column) IF NOT EXISTS, safe when many instances start at once.
+
+    With ``history``, the history table too. Returns True if the table has a
+    token column. A table that already exists is left as it is (see `migrate`
+    to add tokens, or the history, to one).
+    """
+    action = f"creation of table {names.table_name}"
+    for attempt in range(1, 4):
+        exists, shape = yield from inspect(names, timeout)
+        if exists:
+            if history:
+                yield from create_history(names, timeout, history_retention, exists=shape.history)
+            return shape.tokens
+        try:
+            yield Execute(_sql.create_table(names), {}, timeout, action)
+            if history:
+                yield from create_history(names, timeout, history_retention, exists=shape.history)
+            return True
+        except DatabaseError as exc:
+            if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
+                continue
+            if exc.sqlstate == PRIVILEGE:
+                raise SchemaError(
+                    phrase(
+                        "{action} failed: the role may not create it ({detail}). Create the table once "
+                        "as a privileged role (see the README's Permissions section), grant this role "
+                        "SELECT, INSERT, UPDATE, DELETE on it and USAGE on its sequence, and skip {create_schema()}",
+                        action=action,
+                        detail=_server_words(exc),
+                    ),
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            if exc.sqlstate == "3F000":
+                raise SchemaError(
+                    f"{action} failed: its schema does not exist; create the schema first ({_server_words(exc)})",
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            if exc.sqlstate == UNDEFINED_COLUMN:
+                continue  # an older table appeared meanwhile (another release created it): look again
+            raise
+    _, shape = yield from inspect(names, timeout)
+    return shape.tokens
+
+
+def create_integration_tables(tables: dict[str, str], timeout: float) -> Flow[None]:
+    """Each framework integration's table (``{integration: table name}``) unless it exists; safe to race.
+
+    Existence is asked first: ``CREATE TABLE IF NOT EXISTS`` needs CREATE on
+    the schema even when the table is there, and a role without it must be
+    able to run this where the tables were made.
+    """
+    for integration, table in tables.items():
+        lookup = f"lookup of table {table}"
+        for attempt in range(1, 4):
+            reply = yield Execute(_sql.integration_table_exists(table), {}, timeout, lookup)
+            if reply.row is not None and reply.row[0]:
+                break
+            try:
+                yield Execute(
+                    _sql.create_integration_table(integration, table), {}, timeout, f"creation of table {table}"
+                )
+                break
+            except DatabaseError as exc:
+                if exc.sqlstate in _CONCURRENT_CREATE and attempt < 3:
+                    continue
+                if exc.sqlstate == PRIVILEGE:
+                    raise SchemaError(
+                        phrase(
+                            "creation of table {table} failed: the role may not create it ({detail}). Create it "
+                            "once as a privileged role with {" + _CREATE_TERMS[integration] + "}, then grant the "
+                            "role that uses it {grants} on it (see the README's Permissions section)",
+                            table=table,
+                            detail=_server_words(exc),
+                            grants=_sql.GRANTS[integration],
+                        ),
+                        sqlstate=exc.sqlstate,
+                    ) from exc
+                raise
+
+
+def with_integration_tables(flow: Flow[T], tables: dict[str, str], timeout: float) -> Flow[T]:
+    """``flow`` (the lock table's creation or migration), then the integrations' ``tables``."""
+    result = yield from flow
+    yield from create_integration_tables(tables, timeout)
+    return result
+
+
+_CREATE_TERMS = {
+    "celery_beat": "LockTable.create(celery_beat=True)",
+    "apscheduler": "LockTable.create(apscheduler=True)",
+}
+"""The terms naming the call that makes each integration's table (the command line names its flag)."""
+
+
+DEFAULT_HISTORY_RETENTION = 30 * 24 * 3600.0
+"""How long the history keeps a hold once it ended, unless told otherwise: 30 days."""
+
+
+def create_history(names: Names, timeout: float, retention: float | None, *, exists: bool) -> Flow[None]:
+    """The history table unless it ``exists`` (safe to race); with ``retention``, set it (None: leave it, or 30 days).
+
+    An existing history is not touched unless a retention is given: its
+    DDL would take locks every holder's statements need.
+    """
+    give_up_at = now() + max(timeout, 30.0)
+    if not exists:
+        statement = _sql.create_history(names, DEFAULT_HISTORY_RETENTION if retention is None else retention)
+        action = f"creation of the history of table {names.table_name}"
+        yield from _change_schema(statement, timeout, action, give_up_at)
+    elif retention is not None:
+        action = f"change of the retention of the history of table {names.table_name}"
+        yield from _change_schema(_sql.history_retention(names, retention), timeout, action, give_up_at)
+
+
+def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
+    """Whether the table exists, and its shape: a token column, a history, the session columns, semaphores."""
+    reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
+    assert reply.row is not None
+    exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until = reply.row
+    return bool(exists), TableShape(
+        tokens=bool(has_token),
+        history=bool(has_history),
+        sessions=bool(has_sessions),
+        semaphores=bool(has_semaphores),
+        rwlocks=bool(has_rwlocks),
+        holds=bool(has_hold_until),
+    )
+
+
+def migrate(
+    names: Names, timeout: float, *, history: bool = False, history_retention: float | None = None
+) -> Flow[bool]:
+    """Add the token column, its sequence and its unique index, and the session columns, to an existing table;
+    idempotent.
+
+    Online: each step is a catalog change that takes the table's lock for an
+    instant, and waits at most a short ``lock_timeout`` for it (so it never
+    queues behind a long transaction with holders' heartbeats queued behind
+    it); a step that could not get the lock is retried until ``timeout``.
+    Safe when many instances run it at once. Returns True if anything changed.
+    """
+    exists, shape = yield from inspect(names, timeout)
+    if not exists:
+        raise SchemaError(
+            phrase(
+                "the lock table {table} does not exist: create it with {create_schema()} (it then has tokens already)",
+                table=names.table_name,
+            )
+        )
+    if shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds:
+        history_asked = history and (not shape.history or history_retention is not None)
+        room = yield Execute(_sql.pages_have_room(names), {}, timeout, f"lookup of table {names.table_name}")
+        if not history_asked and room.row is not None and room.row[0]:
+            # Nothing to do: found by reading the catalog, which any role may, not by changes only the owner may make.
+            return False
+    give_up_at = now() + max(timeout, 30.0)
+    for step in _sql.migrate_steps(names):
+        yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
+    if history:
+        yield from create_history(names, timeout, history_retention, exists=shape.history)
+    return not (shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds) or (
+        history and not shape.history
+    )
+
+
+def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:
+    """One idempotent change of the schema, retried while its table is busy (or another instance makes it too).
+
+    Each try waits 50 ms at most for the table's lock, so the holders'
+    statements queued behind it wait no longer; the pause between tries
+    grows to a second, so that they mostly find the table free.
+    """
+    pause = 0.05
+    while True:
+        try:
+            yield Execute(statement, {}, timeout, action)
+            return
+        except DatabaseError as exc:
+            retry = exc.sqlstate in _CONCURRENT_CREATE or exc.sqlstate == _LOCK_NOT_AVAILABLE or exc.transient
+            if not retry or now() >= give_up_at:
+                if exc.sqlstate == PRIVILEGE:
+                    raise SchemaError(
+                        f"{action} failed: only the table's owner may change it ({_server_words(exc)}); "
+                        "run it as that role",
+                        sqlstate=exc.sqlstate,
+                    ) from exc
+                raise
+            yield Pause(min(pause, max(0.0, give_up_at - now())))
+            pause = min(pause * 2, 1.0)
+
+
+def holders(
+    names: Names,
+    lock_names: frozenset[str] | None,
+    timeout: float,
+    *,
+    alert_threshold: float,
+    stale_threshold: float,
+) -> Flow[list[Any]]:
+    """Every held lock (or those named) with its holder and ages by the server's clock: one query."""
+    statements: Statements = yield Shape(names, timeout)
+    reply = yield Execute(
+        statements.holders,
+        {"lock_names": None if lock_names is None else sorted(lock_names)},
+        timeout,
+        f"read of the lock table {names.table_name}",
+    )
+    seen = observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
+    rwlocks = sorted({held.rwlock for held in seen if held.rwlock is not None})
+    if not rwlocks or statements.writers_waiting is None:
+        return seen
+    gates = yield Execute(
+        statements.writers_waiting, {"rwlocks": rwlocks}, timeout, f"read of the lock table {names.table_name}"
+    )
+    waiting = {str(row[0]) for row in gates.rows}
+    return [held if held.rwlock is None else replace(held, writer_waiting=held.rwlock in waiting) for held in seen]
+
+
+def read_history(
+    names: Names,
+    timeout: float,
+    *,
+    lock_name: str | None,
+    since: datetime | None,
+    since_seconds: float | None,
+    limit: int,
+) -> Flow[list[tuple[Any, ...]]]:
+    """Holds from the history, newest first. Raises `SchemaError` if the table keeps none."""
+    statements: Statements = yield Shape(names, timeout)
+    if statements.history is None:
+        # Added since this client looked (by another process, say)?
+        statements = yield Shape(names, timeout, fresh=True)
+    if statements.history is None:
+        raise SchemaError(
+            phrase(
+                "the lock table {table} keeps no history: add one with {LockTable.migrate(history=True)}",
+                table=names.table_name,
+            )
+        )
+    reply = yield Execute(
+        statements.history,
+        {
+            # A lock's name reads the holds of its every row; a row's own name (a permit's, a reader's), its own.
+            "family": None if lock_name is None else lock_name.partition(SEPARATOR)[0],
+            "row": lock_name if lock_name is not None and SEPARATOR in lock_name else None,
+            "since": since,
+            "since_seconds": since_seconds,
+            "limit": limit,
+        },
+        timeout,
+        f"read of the history of table {names.table_name}",
+    )
+    return list(reply.rows)
+
+
+def force_release(
+    names: Names,
+    lock_name: str,
+    timeout: float,
+    *,
+    permit: int | None = None,
+    writer: bool = False,
+    reader: str | None = None,
+) -> Flow[tuple[str, float, int | None] | None]:
+    """Delete a lock's row whoever holds it; (holder, seconds since its heartbeat, token), or None if free.
+
+    With ``permit``, ``lock_name`` is a semaphore's: the row is that permit's,
+    and the release wakes the semaphore's waiters. With ``writer``, or
+    ``reader`` (an instance id), it is a read/write lock's: the row is its
+    writer's, or that reader's, and the release wakes the lock's waiters.
+
+    A row a fenced transaction holds locked is waited for up to ``timeout``,
+    in brief waits with the connection free between them, so that the
+    heartbeats of the same client (a holder in this process) go on meanwhile.
+    """
+    statements: Statements = yield Shape(names, timeout)
+    channel = names.channel(lock_name)
+    action = f"forced release of lock {lock_name!r}"
+    if permit is not None:
+        channel = names.channel(lock_name, "semaphore")
+        action = f"forced release of permit {permit} of semaphore {lock_name!r}"
+        lock_name = f"{lock_name}{SEPARATOR}{permit}"
+    elif writer or reader is not None:
+        channel = names.channel(lock_name, "read/write lock")
+        if writer:
+            action = f"forced release of the writer of read/write lock {lock_name!r}"
+            lock_name = rw_row_name(lock_name, "", "write")
+        else:
+            action = f"forced release of reader {reader!r} of read/write lock {lock_name!r}"
+            lock_name = rw_row_name(lock_name, reader or "", "read")
+    deadline = now() + timeout
+    while True:
+        left = max(deadline - now(), _LEAST_TRY)
+        try:
+            reply: Result = yield Execute(
+                statements.force_release,
+                {
+                    "lock_name": lock_name,
+                    "channel": channel,
+                    "ended_how": "force_released",
+                    "alert_seconds": None,  # the table does not know the holders' thresholds
+                    # At most half the statement's time, so the lock wait, not the
+                    # statement's own deadline, is what ends a try behind a locked row.
+                    "lock_timeout_ms": max(1, int(min(BRIEF_WAIT, left / 2) * 1000)),
+                },
+                left,
+                action,
+            )
+            break
+        except DatabaseError as exc:
+            # CANCELLED too: the server's deadline for the statement can still end
+            # a try that waited on the row (a slow server, the last try's sliver).
+            if exc.sqlstate not in (LOCK_NOT_AVAILABLE, CANCELLED):
+                raise
+            if deadline - now() <= 0:
+                raise OperationTimeout(
+                    f"{action} did not finish within operation_timeout ({timeout:g}s): another session kept the "
+                    "lock's row locked (the holder's fenced transaction, or SELECT ... FOR UPDATE); nothing was "
+                    "deleted",
+                    transient=True,
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            if not (yield Pause(_FORCED_RELEASE_PAUSE)):
+                raise DatabaseError(
+                    f"{action} stopped: the client was closed while the lock's row was locked by another "
+                    "session; nothing was deleted",
+                    transient=False,
+                    sqlstate=exc.sqlstate,
+                ) from exc
+    if reply.row is None:
+        return None
+    holder, age, token, _ = reply.row
+    return str(holder), float(age), None if token is None else int(token)
+
+
+_CHECK_VIOLATION = "23514"
+
+
+def set_permits(names: Names, semaphore: str, permits: int, timeout: float) -> Flow[tuple[int | None, int]]:
+    """Change a semaphore's N (`_sql.permits.set_permits`); (the previous N or None, holders released).
+
+    Sent again while a row it must change is locked by a fenced transaction,
+    or while a permit taken with the old N meanwhile makes the check refuse
+    the change, until ``timeout``: in brief tries, as `force_release` does.
+    """
+    statements: Statements = yield Shape(names, timeout)
+    if statements.set_permits is None:
+        statements = yield Shape(names, timeout, fresh=True)  # migrated since this client looked?
+    if statements.set_permits is None:
+        raise SchemaError(
+            phrase(
+                "the lock table {table} has no semaphores' table and columns: run {LockTable.migrate()} once",
+                table=names.table_name,
+            )
+        )
+    action = f"change of the permits of semaphore {semaphore!r}"
+    deadline = now() + timeout
+    while True:
+        left = max(deadline - now(), _LEAST_TRY)
+        try:
+            reply: Result = yield Execute(
+                statements.set_permits,
+                {
+                    "semaphore": semaphore,
+                    "permits": permits,
+                    "channel": names.channel(semaphore, "semaphore"),
+                    "ended_how": "force_released",
+                    "alert_seconds": None,
+                    "lock_timeout_ms": max(1, int(min(BRIEF_WAIT, left / 2) * 1000)),
+                },
+                left,
+                action,
+            )
+            break
+        except DatabaseError as exc:
+            if exc.sqlstate not in (LOCK_NOT_AVAILABLE, CANCELLED, _CHECK_VIOLATION, SERIALIZATION_FAILURE):
+                raise
+            if deadline - now() <= 0:
+                raise OperationTimeout(
+                    f"{action} did not finish within operation_timeout ({timeout:g}s): its rows stayed locked "
+                    "by another session (a holder's fenced transaction), or permits kept being taken with the "
+                    "old number; nothing was changed",
+                    transient=True,
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            yield Pause(_FORCED_RELEASE_PAUSE)
+    assert reply.row is not None
+    previous, released, _, _ = reply.row
+    return (None if previous is None else int(previous)), int(released)
+
+
+def _server_words(exc: DatabaseError) -> str:
+    cause = exc.__cause__
+    diag = getattr(cause, "diag", None)
+    primary = getattr(diag, "message_primary", None)
+    return str(primary) if primary else str(exc)
+
+
+def tokens_appeared(lock: LockState, result: AcquireResult, timeout: float) -> Flow[AcquireResult]:
+    """The table was migrated while this process used it without tokens: use its new shape from now on.
+
+    A fresh row took its token from the column's default. A row taken over
+    kept the previous hold's, which must not name this one: it gets a new
+    token (or none, if that fails: fencing then says the hold has none).
+    """
+    taken_over = result.outcome is not Outcome.ACQUIRED
+    token = None if taken_over else result.token
+    try:
+        statements: Statements = yield Shape(lock.names, timeout, fresh=True)
+        if taken_over and statements.retoken is not None:
+            params = {**lock.params(), "acquired_at": result.acquired_at}
+            reply = yield Execute(statements.retoken, params, timeout, lock.describe("acquire"))
+            token = None if reply.row is None else reply.row[0]
+    except DatabaseError:
+        pass  # the hold stands; only its token is unknown
+    return replace(result, token=token)

@@ -1,0 +1,597 @@
+"""What each Mutex knows about its lock, and the holds its client keeps alive.
+
+Ownership is simple on purpose: every change to a `LockState` or a `Hold`
+happens under its client's one `StateLock` (taken for an instant, never
+across I/O), so the caller's thread, the heartbeat loop, the listener and the
+event thread always see one consistent picture. Nothing here does I/O.
+
+A *hold* is one acquisition, from the statement that won the row to its
+release or loss. It is identified by the ``acquired_at`` the server stamped
+on the row: heartbeats and releases are scoped to it, so a statement of an
+earlier hold that arrives late can never touch a later one. Its *lease* is
+measured from the moment the last successful acquire or heartbeat statement
+was sent; it is one heartbeat interval shorter than ``stale_threshold``, so
+the holder always learns it lost the lock before anyone else may reclaim it.
+
+A holder that opted in to ``reclaim_disconnected_after`` (R) may be reclaimed
+sooner, once its session has ended and its heartbeat is older than R. It
+cannot see its own session from outside, so it trusts its hold for R minus one
+heartbeat interval after the last heartbeat that succeeded was sent: past that
+the hold is *in doubt*. (A failed heartbeat alone changes nothing: the server
+stamped the last one that succeeded no earlier than it was sent, so nobody may
+reclaim the row before R has passed since then, whatever ended the session.)
+A hold in doubt is not held (`held` is false, `require_held` raises) but not
+lost either: it is still heartbeated, and the next heartbeat that finds its
+row confirms it (it is held again) or finds the row gone (it is lost). Its
+lease runs as before.
+
+A *stray row* is a row of ours that an acquire whose reply never came may
+have left in the table, or may still leave: the statement can go on running
+on the server until ``stray_row_may_land_until``. A *clean-up* deletes, in
+the background, a row of ours nobody waits for: a stray row, or a held row a
+release could not delete. Each acquire starts a new *generation* of its lock;
+a stray row's clean-up from an earlier one is *superseded*, never sent (the
+acquire takes any row of ours back itself), and an acquire waits while a
+clean-up is on the wire, so the two never cross.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from opentelemetry.trace import SpanContext
+
+from .._base.clock import now
+from ..errors import LockAlreadyHeldError, LockNotHeldError
+from .events import LockEvents, kind_of
+from .rules import AlertGate, rw_row_name, writer_claim_seconds
+from .settings import Timing
+
+if TYPE_CHECKING:
+    from .._observe.tracing import Tracing
+    from .._sql import Names
+
+LEASE_EXPIRED = "its lease ran out: no heartbeat succeeded for stale_threshold - heartbeat_interval"
+ROW_GONE = "its row was deleted or taken over by another instance"
+RELEASED_ELSEWHERE = "release() was called from another thread or task while the block holding it ran"
+INTERRUPTED = "the acquire that won it was interrupted before it returned: its row is deleted in the background"
+NOT_HELD = "this Mutex does not hold the lock"
+IN_DOUBT = (
+    "its hold is in doubt: no heartbeat succeeded for reclaim_disconnected_after - heartbeat_interval, and another "
+    "instance may reclaim it if its session ended; the next heartbeat confirms it or finds it lost"
+)
+
+StateLock = threading.Lock
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    ACQUIRING = "acquiring"
+    HOLDING = "holding"
+    RELEASING = "releasing"
+
+
+class HoldStatus(enum.Enum):
+    HELD = "held"
+    """Renewed by heartbeats while its lease lasts."""
+    LOST = "lost"
+    """Its lease ran out or its row was gone: never renewed again."""
+    ENDED = "ended"
+    """Released (or being released): no longer renewed."""
+
+
+class Hold:
+    """One acquisition of one lock by one Mutex."""
+
+    __slots__ = (
+        "acquired_at",
+        "doubt_deadline",
+        "doubt_told",
+        "generation",
+        "group",
+        "lease_deadline",
+        "lock",
+        "owner",
+        "paused",
+        "reason",
+        "renewed_at",
+        "row_name",
+        "running_out_told",
+        "span_context",
+        "status",
+        "token",
+    )
+
+    def __init__(
+        self,
+        lock: LockState,
+        *,
+        acquired_at: datetime,
+        token: int | None,
+        sent_at: float,
+        owner: object,
+        span_context: SpanContext | None,
+        row_name: str | None = None,
+    ) -> None:
+        self.lock = lock
+        self.row_name = lock.lock_name if row_name is None else row_name
+        """The ``lock_name`` of its row: the lock's own, or a semaphore's permit (`_sql.permits`)."""
+        self.acquired_at = acquired_at
+        self.token = token
+        self.renewed_at = sent_at
+        """When the last acquire or heartbeat statement that succeeded for it was sent."""
+        self.lease_deadline = sent_at + lock.timing.lease
+        doubt = lock.timing.doubt
+        self.doubt_deadline = math.inf if doubt is None else sent_at + doubt
+        """When it turns in doubt without a successful heartbeat (never, for a holder that did not opt in)."""
+        self.doubt_told = False
+        """Its doubt was reported (it is reported once, and its end once)."""
+        self.running_out_told = False
+        """Two thirds of its trust ran out without a heartbeat, and that was reported."""
+        self.status = HoldStatus.HELD
+        self.reason = ""
+        self.owner = owner
+        """The thread or task that acquired it: a release from elsewhere is reported to it."""
+        self.span_context = span_context
+        self.group: HeartbeatGroup | None = None
+        """The heartbeat group of the engine that renews it."""
+        self.paused = False
+        """Heartbeats skip it, as they would a frozen process's: how tests freeze a holder in-process."""
+        self.generation = lock.generation
+        """The acquire that won it (`LockState.generation`)."""
+
+    @property
+    def trusted_until(self) -> float:
+        """Until when it is held, without another heartbeat: its lease, or sooner its doubt."""
+        return min(self.lease_deadline, self.doubt_deadline)
+
+    @property
+    def held(self) -> bool:
+        return self.status is HoldStatus.HELD and now() < self.trusted_until
+
+    @property
+    def in_doubt(self) -> bool:
+        return self.status is HoldStatus.HELD and self.doubt_deadline <= now() < self.lease_deadline
+
+    def running_out_at(self) -> float:
+        """When two thirds of the time it is trusted without a heartbeat have gone."""
+        return self.renewed_at + (self.trusted_until - self.renewed_at) * 2 / 3
+
+    def error(self, reason: str | None = None) -> LockNotHeldError:
+        return self.lock.not_held_error(reason or self.reason or NOT_HELD)
+
+
+class LockState:
+    """One Mutex's lock (or one Semaphore's permits): its identity, settings, how its events are told, and its
+    current hold.
+
+    A semaphore's (``permits`` is its N) is held by a row per permit, whose ``lock_name`` each hold carries:
+    statements address the hold's row by it, while names, metrics, spans and the wake-up channel are the
+    semaphore's own.
+    """
+
+    def __init__(
+        self,
+        *,
+        names: Names,
+        lock_name: str,
+        instance_id: str,
+        timing: Timing,
+        events: LockEvents,
+        tracing: Tracing,
+        state_lock: StateLock,
+        permits: int | None = None,
+        rw_mode: str | None = None,
+    ) -> None:
+        self.permits = permits
+        self.rw_mode = rw_mode
+        """For a read/write lock's holder: the mode it holds, ``"read"`` or ``"write"`` (`_sql.rwlocks`)."""
+        self.kind = kind_of(permits is not None, rw_mode)
+        self.names = names
+        self.tracing = tracing
+        self.lock_name = lock_name
+        self.instance_id = instance_id
+        self.timing = timing
+        self.events = events
+        self.channel = names.channel(lock_name, self.kind)
+        self.alert_gate = AlertGate(timing.alert_threshold)
+        self._lock = state_lock
+        self.phase = Phase.IDLE
+        self.hold: Hold | None = None
+        self.last_holder: str | None = None
+        """Who held the lock at this Mutex's last contended attempt, for messages."""
+        self.stray_row_possible = False
+        """An acquire of ours went unanswered: a stray row may be in the table."""
+        self.stray_row_may_land_until = 0.0
+        """Until then an unanswered acquire of ours may still be running on the server, and land."""
+        self.generation = 0
+        """Bumped by every acquire: a stray row's clean-up begun earlier is superseded."""
+        self.acquirer: object = None
+        """Who began the current (or last) acquire: only it ends that acquire (`abort_acquire`, `abandon_acquire`)."""
+        self.releaser: object = None
+        """Who began the release under way: only it ends it (`end_release`)."""
+        self._cleanup_sender: object = None
+        """The stray row's clean-up on the wire, if any: an acquire waits for it, so the two never cross."""
+        self._cleanup_until = 0.0
+        """When that clean-up can no longer land, whether or not its sender is still there to say so."""
+
+    # -- queries ---------------------------------------------------------------
+
+    @property
+    def held(self) -> bool:
+        hold = self.hold
+        return self.phase is Phase.HOLDING and hold is not None and hold.held
+
+    def lease_remaining(self) -> float | None:
+        """Seconds the current hold stays held without another heartbeat; None if not held."""
+        with self._lock:
+            hold = self.hold
+            if self.phase is not Phase.HOLDING or hold is None or not hold.held:
+                return None
+            return max(0.0, hold.trusted_until - now())
+
+    @property
+    def row_name(self) -> str:
+        """The ``lock_name`` of the row an acquire writes, when known before it: a read/write lock's is."""
+        return self.lock_name if self.rw_mode is None else rw_row_name(self.lock_name, self.instance_id, self.rw_mode)
+
+    def params(self) -> dict[str, object]:
+        hold = self.hold
+        params: dict[str, object] = {
+            "lock_name": self.row_name if hold is None else hold.row_name,
+            "instance_id": self.instance_id,
+            "stale_seconds": self.timing.stale_threshold,
+            "reclaim_seconds": self.timing.reclaim_disconnected_after,
+            "channel": self.channel,
+            "acquired_at": None if hold is None else hold.acquired_at,
+            "ended_how": "released",
+            "alert_seconds": self.timing.alert_threshold,
+            "hold_seconds": None,  # an acquire's minimum hold, which the acquire sets
+        }
+        if self.permits is not None:
+            params["semaphore"] = self.lock_name
+            params["permits"] = self.permits
+        if self.rw_mode is not None:
+            params["rwlock"] = self.lock_name
+            params["row_name"] = self.row_name
+            params["waiting"] = False
+            params["waiting_seconds"] = writer_claim_seconds(self.timing)
+        return params
+
+    def describe(self, verb: str) -> str:
+        return f"{verb} of {self.kind} {self.lock_name!r} (instance_id {self.instance_id!r})"
+
+    def still_busy(self, holder: str | None, held: int | None, waited: float) -> str:
+        """Why a blocking acquire timed out, in the words of what this is: a lock, or a semaphore's permits."""
+        if self.rw_mode is not None:
+            by = holder or "another instance"
+            return f"read/write lock {self.lock_name!r} not granted for {self.rw_mode} after {waited:g}s (held by {by})"
+        if self.permits is None:
+            return f"lock {self.lock_name!r} still held by {holder or 'another instance'} after {waited:g}s"
+        held_now = self.permits if held is None else held
+        return f"semaphore {self.lock_name!r} has no permit free: {held_now} of {self.permits} held after {waited:g}s"
+
+    def not_held_error(self, reason: str) -> LockNotHeldError:
+        said = (
+            f"lock {self.lock_name!r} is not held by instance {self.instance_id!r}"
+            if self.permits is None
+            else f"semaphore {self.lock_name!r}: no permit is held by instance {self.instance_id!r}"
+        )
+        if self.rw_mode is not None:
+            said = f"read/write lock {self.lock_name!r} is not held for {self.rw_mode} by instance {self.instance_id!r}"
+        return LockNotHeldError(
+            f"{said}: {reason}",
+            lock_name=self.lock_name,
+            instance_id=self.instance_id,
+            reason=reason,
+        )
+
+    # -- transitions (each under the client's state lock) ---------------------
+
+    def begin_acquire(self, acquirer: object) -> int:
+        """Start an acquire for ``acquirer``; returns its generation, superseding earlier clean-ups.
+
+        Raises `LockAlreadyHeldError`. ``acquirer`` names the acquire, whatever
+        becomes of the returned value: an exception can land before the caller
+        stores it, and the caller still ends its own acquire, and only its own.
+        """
+        with self._lock:
+            if self.phase is not Phase.IDLE and self.rw_mode is not None:
+                raise LockAlreadyHeldError(
+                    f"this RWLock already holds or is acquiring read/write lock {self.lock_name!r} for {self.rw_mode} "
+                    f"(instance_id {self.instance_id!r}); use a separate RWLock per concurrent holder"
+                )
+            if self.phase is not Phase.IDLE and self.permits is not None:
+                raise LockAlreadyHeldError(
+                    f"this Semaphore already holds or is acquiring a permit of semaphore {self.lock_name!r} "
+                    f"(instance_id {self.instance_id!r}); use a separate Semaphore per concurrent holder"
+                )
+            if self.phase is not Phase.IDLE:
+                raise LockAlreadyHeldError(
+                    f"this Mutex already holds or is acquiring lock {self.lock_name!r} "
+                    f"(instance_id {self.instance_id!r}); use a separate Mutex per concurrent holder"
+                )
+            self.phase = Phase.ACQUIRING
+            self.generation += 1
+            self.acquirer = acquirer
+            return self.generation
+
+    def attempt_sent(self) -> bool:
+        """An acquire's statement goes now: until a reply says otherwise it may leave a stray row (an
+        interruption must clean up too). Returns whether a stray row was possible before it."""
+        with self._lock:
+            before = self.stray_row_possible
+            self.stray_row_possible = True
+            return before
+
+    def attempt_unanswered(self, statement_timeout: float) -> None:
+        """No reply came: the statement may run on the server, and land, for up to twice its timeout."""
+        with self._lock:
+            self.stray_row_may_land_until = max(self.stray_row_may_land_until, now() + 2 * statement_timeout)
+
+    def attempt_refused(self, possible_before: bool) -> None:
+        """The server answered with an error: the statement did nothing, nothing new may stray."""
+        with self._lock:
+            self.stray_row_possible = possible_before
+
+    def attempt_contended(self, holder: str | None) -> None:
+        """The statement ran and the row is ``holder``'s: nothing of ours is in the table, unless an
+        unanswered attempt lands later."""
+        with self._lock:
+            self.stray_row_possible = now() < self.stray_row_may_land_until
+            self.last_holder = holder
+
+    def stray_row_cleaned(self, generation: int) -> None:
+        """A clean-up of ``generation`` deleted any stray row once none could land any more."""
+        with self._lock:
+            if generation == self.generation:
+                self.stray_row_possible = False
+
+    def abort_acquire(self, acquirer: object) -> None:
+        """``acquirer``'s acquire ended without the lock (a later acquire's is left alone)."""
+        with self._lock:
+            if self.phase is Phase.ACQUIRING and self.acquirer is acquirer:
+                self.phase = Phase.IDLE
+
+    def abandon_acquire(self, acquirer: object) -> tuple[int, Hold | None, bool] | None:
+        """``acquirer``'s acquire ended by an exception before its caller got the hold: undo it.
+
+        Whatever the acquire had reached (a statement sent, a hold won, renewed
+        or not), nothing of it stays: the phase is idle again, and a hold it
+        won is ended (no heartbeat renews it), its row now a stray row for the
+        background to delete. Returns the acquire's generation, the hold it
+        ended (for the caller to stop renewing) and whether a stray row may be
+        in the table; None for an acquire that already ended, or another's
+        (so it is safe to call twice).
+        """
+        with self._lock:
+            if self.acquirer is not acquirer or self.phase not in (Phase.ACQUIRING, Phase.HOLDING):
+                return None
+            hold = self.hold
+            if hold is None or hold.generation != self.generation or hold.status is not HoldStatus.HELD:
+                hold = None
+            else:
+                hold.status = HoldStatus.ENDED
+                hold.reason = INTERRUPTED
+                self.stray_row_possible = True
+            self.phase = Phase.IDLE
+            return self.generation, hold, self.stray_row_possible
+
+    def won(
+        self,
+        *,
+        acquired_at: datetime,
+        token: int | None,
+        sent_at: float,
+        owner: object,
+        span_context: SpanContext | None,
+        row_name: str | None = None,
+    ) -> Hold:
+        with self._lock:
+            hold = Hold(
+                self,
+                acquired_at=acquired_at,
+                token=token,
+                sent_at=sent_at,
+                owner=owner,
+                span_context=span_context,
+                row_name=row_name,
+            )
+            self.hold = hold
+            self.phase = Phase.HOLDING
+            self.stray_row_possible = False
+            return hold
+
+    def lose(self, hold: Hold, reason: str, *, only_if_expired: bool = False) -> LockNotHeldError | None:
+        """Mark ``hold`` lost, once; returns the error to report, or None if it was not held any more.
+
+        ``only_if_expired``: only if its lease has run out (a heartbeat may have renewed it meanwhile).
+        """
+        with self._lock:
+            if hold.status is not HoldStatus.HELD:
+                return None
+            if only_if_expired and now() < hold.lease_deadline:
+                return None
+            hold.status = HoldStatus.LOST
+            hold.reason = reason
+            return hold.error()
+
+    def renew(self, hold: Hold, sent_at: float) -> float | None:
+        """Extend the lease after a heartbeat sent at ``sent_at`` landed. Returns None if the hold is no longer
+        held; else how long it had been in doubt, if its doubt was told (0.0 if it was not in doubt)."""
+        with self._lock:
+            if hold.status is not HoldStatus.HELD or now() >= hold.lease_deadline:
+                return None
+            current = now()
+            doubted_since = hold.doubt_deadline
+            hold.renewed_at = max(hold.renewed_at, sent_at)
+            hold.lease_deadline = max(hold.lease_deadline, sent_at + self.timing.lease)
+            doubt = self.timing.doubt
+            if doubt is not None:
+                hold.doubt_deadline = max(hold.doubt_deadline, sent_at + doubt)
+            # A heartbeat sent before a freeze, answered after it, may leave the hold in doubt still.
+            confirmed = 0.0
+            if hold.doubt_told and current < hold.doubt_deadline:
+                hold.doubt_told = False
+                confirmed = max(current - doubted_since, 0.0)
+            if current < hold.running_out_at():
+                hold.running_out_told = False
+            return confirmed
+
+    def tell_doubt(self, hold: Hold) -> bool:
+        """Whether ``hold`` turned in doubt and that is yet to be told (once, until a heartbeat confirms it)."""
+        with self._lock:
+            if hold.doubt_told or not hold.in_doubt:
+                return False
+            hold.doubt_told = True
+            return True
+
+    def tell_running_out(self, hold: Hold) -> float | None:
+        """Seconds left, if two thirds of ``hold``'s trust ran out without a heartbeat and that is yet to be told."""
+        with self._lock:
+            current = now()
+            if hold.running_out_told or hold.status is not HoldStatus.HELD or current < hold.running_out_at():
+                return None
+            hold.running_out_told = True
+            return max(0.0, hold.trusted_until - current)
+
+    def require_held(self) -> Hold:
+        """The current hold, if held; else raise `LockNotHeldError` saying why."""
+        with self._lock:
+            hold = self.hold
+            if self.phase is Phase.HOLDING and hold is not None:
+                if hold.held:
+                    return hold
+                if hold.in_doubt:
+                    reason = IN_DOUBT
+                else:
+                    reason = hold.reason or (LEASE_EXPIRED if hold.status is HoldStatus.HELD else NOT_HELD)
+            else:
+                reason = hold.reason if hold is not None and hold.reason else NOT_HELD
+        raise self.not_held_error(reason)
+
+    def require_renewable(self) -> Hold:
+        """The current hold if a heartbeat may still renew it (held, or in doubt); else raise as `require_held`."""
+        with self._lock:
+            hold = self.hold
+            if self.phase is Phase.HOLDING and hold is not None and hold.in_doubt:
+                return hold
+        return self.require_held()
+
+    def begin_release(self, caller: object, releaser: object) -> Hold | None:
+        """Stop holding: the hold is no longer renewed. Returns it (None if there was none).
+
+        A release from another thread or task than the one that acquired is
+        recorded on the hold, so the block holding it learns it ran unlocked.
+        ``releaser`` names the release, for `end_release`.
+        """
+        with self._lock:
+            hold = self.hold
+            if self.phase is not Phase.HOLDING or hold is None:
+                return None
+            self.phase = Phase.RELEASING
+            self.releaser = releaser
+            # A hold whose lease ran out stays HELD: the release reports it lost, once.
+            if hold.status is HoldStatus.HELD and now() < hold.lease_deadline:
+                hold.status = HoldStatus.ENDED
+                if caller is not hold.owner:
+                    hold.reason = RELEASED_ELSEWHERE
+            return hold
+
+    def row_gone(self, hold: Hold) -> LockNotHeldError:
+        """A release found ``hold``'s row deleted or taken over: the error that says so."""
+        with self._lock:
+            hold.reason = ROW_GONE
+        return hold.error()
+
+    def end_release(self, releaser: object) -> Hold | None:
+        """``releaser``'s release is over; returns the hold it began to release (None if it began none).
+
+        The hold stays readable (`require_held` says how it ended) until the next acquire.
+        """
+        with self._lock:
+            if self.phase is not Phase.RELEASING or self.releaser is not releaser:
+                return None
+            self.phase = Phase.IDLE
+            self.releaser = None
+            return self.hold
+
+    # -- a stray row's clean-up on the wire: its turn ----------------------------------
+
+    def take_cleanup_turn(self, generation: int, sender: object, seconds: float) -> bool:
+        """A stray row's clean-up of ``generation`` goes on the wire now, bounded by ``seconds``: may it?
+
+        Only if no acquire began since (it takes any row of ours back itself).
+        Taken at the moment of sending, after any wait for the connection, so
+        an acquire that begins later waits for this statement and no other.
+        The turn ends when `give_back_cleanup_turn` says the reply came, or by
+        itself once the statement can no longer land (twice its deadline: the
+        client cuts it at one, the server's statement_timeout ends it before):
+        a sender that vanished (an event loop that ended mid-statement, an
+        exception raised before it could give the turn back) holds no acquire
+        up for longer, and no thread lock is held across the statement.
+        """
+        with self._lock:
+            if generation != self.generation:
+                return False
+            self._cleanup_sender = sender
+            self._cleanup_until = now() + 2 * seconds
+            return True
+
+    def give_back_cleanup_turn(self, sender: object) -> None:
+        """``sender``'s clean-up was answered: it can no longer cross an acquire."""
+        with self._lock:
+            if self._cleanup_sender is sender:
+                self._cleanup_sender = None
+
+    @property
+    def cleanup_maybe_on_the_wire(self) -> bool:
+        """Whether a stray row's clean-up may be on the wire (`cleanup_on_the_wire_until` says until when).
+
+        Read without the lock: exact for an acquire once `begin_acquire` returned,
+        since a clean-up that takes its turn after that is refused.
+        """
+        return self._cleanup_sender is not None
+
+    def cleanup_on_the_wire_until(self) -> float | None:
+        """Until when a stray row's clean-up may still land (an acquire must not be sent before); None: none may."""
+        with self._lock:
+            if self._cleanup_sender is None:
+                return None
+            if now() >= self._cleanup_until:
+                self._cleanup_sender = None
+                return None
+            return self._cleanup_until
+
+    def reset_after_fork(self, instance_id: str, state_lock: StateLock) -> None:
+        """In a forked child: nothing inherited is held by this process."""
+        self._lock = state_lock
+        self.phase = Phase.IDLE
+        self.hold = None
+        self.stray_row_possible = False
+        self.instance_id = instance_id  # a read/write lock's row_name follows it
+        self.events.instance_id = instance_id
+        self.alert_gate = type(self.alert_gate)(self.timing.alert_threshold)  # a watcher's to alert, if it was
+        self._cleanup_sender = None
+
+
+class HeartbeatGroup:
+    """The holds of one engine on one table that share a heartbeat interval: renewed by one statement."""
+
+    __slots__ = ("holds", "interval", "key", "next_beat", "quiet_retry", "tracing")
+
+    def __init__(self, key: object, interval: float, tracing: Tracing) -> None:
+        self.key = key
+        self.interval = interval
+        self.tracing = tracing
+        self.holds: dict[Hold, None] = {}
+        self.next_beat = now() + interval
+        self.quiet_retry = False
+        """The last heartbeat failed on a connection the server had closed while idle, and was retried at once."""
+
+    def live(self) -> list[Hold]:
+        return [hold for hold in self.holds if hold.status is HoldStatus.HELD and not hold.paused]

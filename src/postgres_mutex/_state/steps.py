@@ -1,0 +1,206 @@
+"""The steps a flow asks an engine for: the vocabulary between the flows and the engines.
+
+A flow (`_state.flows`, `_state.heartbeat_flows`, `_state.admin_flows`) is a generator that
+yields these and receives each one's result; an engine performs them on a
+connection. Nothing here does I/O: a step is a description.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
+
+from .._base.clock import now
+from .._sql import Names, Statement
+from ..errors import LockNotHeldError
+from .locks import Hold, LockState
+
+T = TypeVar("T")
+
+
+# -- the steps a flow asks for ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Execute:
+    """Run one statement within ``timeout`` seconds; the engine sends back a `Result`.
+
+    Failures come back as `DatabaseError` thrown into the flow. ``urgent``
+    statements (heartbeats) go before others waiting for the connection.
+    """
+
+    statement: Statement
+    params: Mapping[str, object]
+    timeout: float
+    action: str
+    urgent: bool = False
+    stray_row: Cleanup | None = None
+    """For the clean-up of a stray row (any row carrying our id): the engine
+    takes the lock's clean-up turn as it sends it (`LockState.take_cleanup_turn`),
+    and does not send it (raising `CleanupSuperseded`) if an acquire began since."""
+
+
+class CleanupSuperseded(Exception):
+    """A clean-up was not sent: an acquire began after it, and takes the row back itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    rowcount: int
+    rows: tuple[tuple[Any, ...], ...] = ()
+    sent_at: float = 0.0
+    """When the statement was sent: after any wait for the connection, so leases count from there."""
+
+    @property
+    def row(self) -> tuple[Any, ...] | None:
+        return self.rows[0] if self.rows else None
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Wait ``seconds``; the engine sends back False if it is shutting down."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The statements for a table, in the shape it has; the engine inspects the table once and remembers.
+
+    ``timeout`` bounds that one inspection, as it bounds the statement that needs it.
+    """
+
+    names: Names
+    timeout: float
+    fresh: bool = False
+    """Inspect the table again even if the engine knows its shape (it changed since)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    """Start hearing releases on ``channel``; the engine sends back True once it listens.
+
+    False where listening is impossible (a pool) or did not come about in
+    ``timeout`` seconds: the flow then polls.
+    """
+
+    channel: str
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class WaitForRelease:
+    """Wait up to ``seconds`` for the release announced on the channel `Listen` subscribed to (or just wait).
+
+    With a ``stop``, the wait also ends the moment it is set.
+    """
+
+    seconds: float
+    stop: StopSignal | None = None
+
+
+class StopSignal:
+    """A flag that ends a blocking acquire at once: an election's ``stop()``, from any thread.
+
+    The acquire checks it before each attempt; the engine's wait for a
+    release registers a waker on it, so setting it wakes the wait at once
+    rather than after ``poll_interval``. No lock: setting it may happen in a
+    signal handler that interrupted the very thread that waits, and list
+    operations are atomic under the GIL.
+    """
+
+    __slots__ = ("_set", "_wakers")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._wakers: list[Callable[[], object]] = []
+
+    def set(self) -> None:
+        self._set = True
+        for wake in list(self._wakers):
+            wake()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    @contextmanager
+    def waking(self, wake: Callable[[], object]) -> Iterator[None]:
+        """While the block runs, setting the signal calls ``wake`` (at once, if it is set already)."""
+        self._wakers.append(wake)
+        try:
+            if self._set:
+                wake()
+            yield
+        finally:
+            self._wakers.remove(wake)
+
+
+@dataclass(frozen=True, slots=True)
+class StopListening:
+    """Stop hearing the channel `Listen` subscribed to (the engine UNLISTENs when nobody else waits on it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """Renew ``hold`` with the engine's heartbeats from now on."""
+
+    hold: Hold
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """Stop renewing ``hold``."""
+
+    hold: Hold
+
+
+@dataclass(eq=False)
+class Cleanup:
+    """A row of ours that may remain in the table, to delete in the background.
+
+    ``acquired_at`` scopes the delete to one hold (a failed release, a lost
+    lease); None means a stray row: any row carrying our id, which an acquire
+    whose reply never came may have left. Such a clean-up belongs to the lock's
+    ``generation`` of its time: once an acquire began since, it is
+    `superseded`. The row is gone once a delete succeeds at or after
+    ``conclusive_from``, the moment after which no statement of ours can still
+    be running on the server.
+    """
+
+    lock: LockState
+    acquired_at: datetime | None
+    generation: int
+    conclusive_from: float
+    give_up_at: float
+    due: float = field(default_factory=now)
+    ended_how: str = "released"
+    """How the history records the hold this row belonged to, if the table keeps one."""
+    row_name: str | None = None
+    """The ``lock_name`` of the hold's row (a semaphore's permit), when ``acquired_at`` names one."""
+
+    @property
+    def superseded(self) -> bool:
+        """A stray row's clean-up, and an acquire began since: that acquire takes any row of ours back itself."""
+        return self.acquired_at is None and self.generation != self.lock.generation
+
+
+@dataclass(frozen=True, slots=True)
+class Tell:
+    """Report a loss: the engine hands it to the client's event thread (``on_lost`` runs there)."""
+
+    lock: LockState
+    error: LockNotHeldError
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Hand ``cleanup`` to the background; the flow does not wait for it."""
+
+    cleanup: Cleanup
+
+
+Op = Execute | Pause | Shape | Listen | WaitForRelease | StopListening | Keep | Forget | Tell | Schedule
+Flow = Generator[Op, Any, T]
