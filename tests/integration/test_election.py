@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 from psycopg_pool import ConnectionPool
 
+import postgres_mutex
 from postgres_mutex import (
     Election,
     ExtendedMetricsHook,
@@ -41,6 +42,7 @@ from postgres_mutex import (
 from postgres_mutex.prometheus import PrometheusMetrics
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import FAST, ROOT, RecordingMetrics, freeze, wait_until
+from tests.support.signal_points import RaiseAtCheck
 
 Make = Callable[..., Election]
 
@@ -298,6 +300,60 @@ print("done", flush=True)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "done"
+
+
+class Interrupt(BaseException):
+    """What a signal handler raises into ``lead`` (as Ctrl-C's KeyboardInterrupt is)."""
+
+
+def test_an_exception_raised_anywhere_in_leads_wait_on_ended_still_ends_the_run(
+    make_election: Make, lock_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    """Ctrl-C (or a job runner's time limit) while ``lead`` waits on ``leadership.ended``: at every point
+    of that wait where a signal handler could run, ``run()`` hands the lock back and raises it."""
+    library = str(Path(postgres_mutex.__file__).parent)
+
+    def watched(name: str) -> bool:
+        return name.startswith(library) or name == threading.__file__
+
+    def run_once(at: int) -> tuple[RaiseAtCheck, BaseException | None, bool]:
+        tracer = RaiseAtCheck(at, Interrupt, watched)
+        election = make_election()
+
+        def lead(leadership: Leadership) -> None:
+            sys.settrace(tracer)
+            try:
+                leadership.ended.wait(0.001)
+            finally:
+                sys.settrace(None)
+                election.stop()  # one term only, interrupted or not
+
+        raised: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                election.run(lead)
+            except BaseException as exc:
+                raised.append(exc)
+
+        runner = threading.Thread(target=run, daemon=True)
+        runner.start()
+        runner.join(10.0)
+        ended = not runner.is_alive()
+        if not ended:
+            election.stop()
+        return tracer, (raised[0] if raised else None), ended
+
+    counted, _, _ = run_once(0)
+    points = counted.seen
+    assert points >= 3, f"the count saw the wait run ({points} points)"
+    for at in range(1, points + 1):
+        tracer, raised, ended = run_once(at)
+        assert ended, f"run() never returned after an exception at {tracer.where}"
+        if not tracer.where:
+            continue  # this term's wait took fewer steps than the counted one
+        assert isinstance(raised, Interrupt), f"run() raised {raised!r} after an exception at {tracer.where}"
+        assert token_in_table(admin, lock_name) is None, f"the lock stayed held after an exception at {tracer.where}"
 
 
 def test_a_lead_that_returns_gives_the_term_up_and_campaigns_again(

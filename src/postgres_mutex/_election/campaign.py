@@ -24,6 +24,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from .._base.acompat import Event
 from .._base.clock import now
 from .._kinds.mutex import candidacy
 from .._observe.tracing import INSTANCE_ID, LOCK_NAME
@@ -63,7 +64,8 @@ class Campaign:
         self._policy = policy
         self._grace = grace
         self._stop = steps.StopSignal()
-        self._stopped = threading.Event()
+        # Waited on between rounds in the caller's thread, where a signal handler's exception may land.
+        self._stopped = Event()
         # Set by request_stop() itself: a plain flag, as a signal handler may set it.
         self._stop_requested = False
         self.term: Term | None = None

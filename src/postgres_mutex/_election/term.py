@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .._base.acompat import Event
 from .._base.clock import now
 from .._state.locks import IN_DOUBT, LEASE_EXPIRED, HoldStatus
 from ..errors import LockNotHeldError
@@ -35,12 +35,15 @@ class Flag:
 
     A term's flag is also set by the clock: read or waited on once the term's
     lease has run out, it is set then, whether or not the loss was reported yet.
+    Like every event of the term, it is one a signal handler's exception cannot
+    wedge (`Event`): ``lead`` may be waiting on it when Ctrl-C or a job runner's
+    time limit interrupts it, and the election must still be able to set it.
     """
 
     __slots__ = ("_event", "_settle")
 
-    def __init__(self, event: threading.Event | None = None, settle: Callable[[], float] | None = None) -> None:
-        self._event = threading.Event() if event is None else event
+    def __init__(self, event: Event | None = None, settle: Callable[[], float] | None = None) -> None:
+        self._event = Event() if event is None else event
         self._settle = settle
         """Sets the flag if the clock says so; returns when to ask again (inf: only a report can set it)."""
 
@@ -79,13 +82,13 @@ class Term:
         self.endings: list[tuple[str, str]] = []
         """Every (ending, reason) it was told, first one first: the first one is how it ends."""
         self.ended_at = 0.0
-        self.returned = threading.Event()
+        self.returned = Event()
         """Set once ``lead`` has returned."""
-        self.wake = threading.Event()
+        self.wake = Event()
         """Set when the term is told to end or ``lead`` returns: the watch thread waits on it."""
         self.task: asyncio.Future[Any] | None = None
         """An async ``lead``'s task, which the end of the term cancels."""
-        self._ended = threading.Event()
+        self._ended = Event()
         self.leadership = Leadership(self, mutex, Flag(self._ended, self.settle))
 
     @property
