@@ -119,7 +119,6 @@ ENGINES = {
 MUTEX_PARTS = {
     f"_kinds.{part}"
     for part in (
-        "candidacy",
         "closing",
         "closing_async",
         "own_watch",
@@ -249,7 +248,7 @@ def test_an_elections_parts_are_its_own() -> None:
 
 
 def test_a_mutexs_parts_are_its_own() -> None:
-    # An election reaches its Mutex's side only through `_kinds.mutex.candidacy()`; the holder is
+    # An election campaigns with its Mutex's own `_campaign` (it is built on the Mutex); the holder is
     # what every holder (Mutex, Semaphore, RWLock's) is made of, with its methods of each flavour.
     for module in sorted(set(MODULES) - MUTEX_PARTS - HOLDER - {"_kinds.mutex"}):
         used = GRAPH[module] & MUTEX_PARTS
@@ -322,7 +321,7 @@ def private_reaches(path: Path) -> list[str]:
 
 
 def test_objects_seldom_reach_into_each_others_private_state() -> None:
-    # What two objects truly share is a declared interface (EngineHost, Session, Candidacy ...).
+    # What two objects truly share is a declared interface (EngineHost, Session ...).
     hand_written = [path for path in sorted(SRC.rglob("*.py")) if "do not edit" not in path.read_text()[:600].lower()]
     reaches = [reach for path in hand_written for reach in private_reaches(path)]
     assert len(hand_written) > 40, "the reading found the package"

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from .._base.acompat import Event
 from .._base.clock import now
-from .._kinds.mutex import candidacy
 from .._observe.tracing import INSTANCE_ID, LOCK_NAME
 from .._state import steps
 from .._state.locks import IN_DOUBT, HoldStatus
@@ -58,8 +57,9 @@ class Campaign:
 
     def __init__(self, mutex: Mutex, events: ElectionEvents, policy: TermPolicy, grace: float) -> None:
         self._mutex = mutex
-        self._candidacy = candidacy(mutex)
-        self._candidacy.lock.events.on_doubt = self.on_doubt
+        # The election is built on its Mutex, and reads the lock's state (the hold a term leads with, its tracing).
+        self._lock = mutex._lock
+        self._lock.events.on_doubt = self.on_doubt
         self._events = events
         self._policy = policy
         self._grace = grace
@@ -116,13 +116,13 @@ class Campaign:
 
     def _serve(self, lead: Lead) -> float | None:
         """Campaign, then one term; returns the pause before the next campaign, None once stopped."""
-        acquisition = self._candidacy.campaign(self._stop)
+        acquisition = self._mutex._campaign(self._stop)
         if not acquisition.__enter__():
             return None
         if self._stop_requested:  # won just as stop() came: no term
             self._release(acquisition, None)
             return None
-        with self._candidacy.lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
+        with self._lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
             term = self._begin(span)
             watch = self._watch(term)
             error: BaseException | None = None
@@ -159,13 +159,13 @@ class Campaign:
             self._events.release_failed(exc)
 
     async def _serve_async(self, lead: AsyncLead) -> float | None:
-        acquisition = self._candidacy.campaign_async(self._stop)
+        acquisition = self._mutex._campaign_async(self._stop)
         if not await acquisition.__aenter__():
             return None
         if self._stop_requested:
             await self._release_async(acquisition, None)
             return None
-        with self._candidacy.lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
+        with self._lock.tracing.span(TERM_SPAN, self._span_attributes()) as span:
             term = self._begin(span)
             error: BaseException | None = None
             interrupted: BaseException | None = None
@@ -229,9 +229,9 @@ class Campaign:
         return {LOCK_NAME: self._mutex.lock_name, INSTANCE_ID: self._mutex.instance_id}
 
     def _begin(self, span: Span) -> Term:
-        hold = self._candidacy.lock.hold
+        hold = self._lock.hold
         assert hold is not None
-        term = Term(self._mutex, self._candidacy.lock, hold, span)
+        term = Term(self._mutex, self._lock, hold, span)
         self.term = term
         self._events.term_began(span, hold.token)
         if not hold.held:  # lost before the term was there to hear of it
@@ -253,7 +253,7 @@ class Campaign:
         hook, a span event): a moment, unless a handler or a hook is stuck,
         which must not keep the lock from the next candidate.
         """
-        bound = self._candidacy.lock.timing.operation_timeout
+        bound = self._lock.timing.operation_timeout
         watch.join(bound)
         if watch.is_alive():
             logger.warning(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
@@ -31,7 +30,6 @@ from .._state.settings import (
 )
 from ..client import MutexClient, client_for, core_of
 from ..errors import InvalidArgument
-from .candidacy import Candidacy
 from .holder_methods import HolderMethods
 from .holder_methods_async import AsyncHolderMethods
 from .own_watch import OwnLockWatch
@@ -44,6 +42,7 @@ if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
     from .._io.core import ClientCore
+    from .._state.steps import StopSignal
     from ..watcher import StaleWatcher
 
 
@@ -149,13 +148,6 @@ class Holder(AsyncHolderMethods, HolderMethods):
         self._attachments = (core.attach_while(self._engine_for), core.attach_while(self._engine_async_for))
         # What it makes refers back to it weakly: no cycle keeps a Mutex nobody uses alive until a collection.
         self._siblings = Siblings(self, self._new_sibling)
-        self._candidacy = Candidacy(
-            self._lock,
-            self._engine_for,
-            self._engine_async_for,
-            before=_weakly(self._start_watch),
-            before_async=_weakly(self._start_watch_async),
-        )
         self._watch: OwnLockWatch | None = None
         if settings.watch:
             self._watch = OwnLockWatch(client, self._lock, settings)
@@ -389,6 +381,17 @@ class Holder(AsyncHolderMethods, HolderMethods):
             watching.leave_alerts_of(self._lock)
             self._watch = watching
 
+    def _campaign(self, stop: StopSignal) -> Acquisition:
+        """An election's campaign for this lock, entered with ``with``: yields True once the lock is won, False
+        if ``stop`` came first (a stop, unlike a timeout, wakes the wait the moment it is set, from any thread)."""
+        self._start_watch()
+        return Acquisition(self._engine_for, self._lock, blocking=True, timeout=None, stop=stop)
+
+    def _campaign_async(self, stop: StopSignal) -> AsyncAcquisition:
+        """An async campaign (see `_campaign`), entered with ``async with``."""
+        self._start_watch_async()
+        return AsyncAcquisition(self._engine_async_for, self._lock, blocking=True, timeout=None, stop=stop)
+
     def _start_watch(self) -> None:
         if self._watch is not None:
             self._watch.start_sync()
@@ -444,18 +447,6 @@ def new_lock_state(
         permits=permits,
         rw_mode=rw_mode,
     )
-
-
-def _weakly(method: Callable[[], None]) -> Callable[[], None]:
-    """``method``, called only while its object lives: what refers to it keeps it alive no longer."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound()
-
-    return call
 
 
 def _not_a_mutexs_hold() -> InvalidArgument:

@@ -2,15 +2,14 @@
 
 What it shares with the other holders (`Semaphore`, a read/write lock's) is `Holder`'s; what is
 the Mutex's own is its name, its description and its siblings. What is not the API has parts of
-its own: the decorators and the sibling Mutexes they name (`_kinds.singleton`), an election's side
-(`_kinds.candidacy`), what closing does with the lock (`_kinds.closing`).
+its own: the decorators and the sibling Mutexes they name (`_kinds.singleton`), what closing does
+with the lock (`_kinds.closing`). An election campaigns with its Mutex's `Holder._campaign`.
 """
 
 from __future__ import annotations
 
 from .._state.settings import check_lock_name
 from ..client import BUILT_ON_IT
-from .candidacy import Candidacy
 from .holder import Holder
 
 
@@ -65,11 +64,6 @@ class Mutex(Holder):
         # One identity for the Mutex, whichever of its names it holds; watch=True watches its own lock only.
         settings = self._settings.replace(watch=False)
         return Mutex._made(check_lock_name(lock_name, "lock_name"), self.client, settings, instance_id=self.instance_id)
-
-
-def candidacy(mutex: Mutex) -> Candidacy:
-    """``mutex``'s side of an election (see `Candidacy`)."""
-    return mutex._candidacy
 
 
 BUILT_ON_IT.mutex = Mutex
