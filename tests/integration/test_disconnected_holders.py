@@ -275,7 +275,9 @@ def test_an_outage_longer_than_the_option_puts_the_holder_in_doubt_before_anyone
         contender.close()
 
 
-def test_an_election_leader_in_doubt_steps_down_before_another_may_take_over(dsn: str, lock_name: str) -> None:
+def test_an_election_leader_in_doubt_steps_down_before_another_may_take_over(
+    dsn: str, lock_name: str, schema: None
+) -> None:
     fast = {**OPTIONS, "heartbeat_interval": 0.2, "alert_threshold": 0.6, "reclaim_disconnected_after": 1.0}
     election = Election(dsn, lock_name, **fast)
     told: list[tuple[float, str | None]] = []
