@@ -31,6 +31,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._base.acompat import Event
 from ._observe.hooks import LockObservation, guard
 from ._state.events import WatcherEvents
 from ._state.rules import AlertGate, WatchAlerts
@@ -91,7 +92,10 @@ class StaleWatcher:
         self._healthy: bool | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        # Events a signal handler's stop() can set whatever it interrupted (`Event`), and a count of
+        # the stops, which a run reads first: a stop() from then on ends it, however early it came.
+        self._stop = Event()
+        self._stops = 0
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -151,13 +155,13 @@ class StaleWatcher:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
-            self._stop = threading.Event()
+            self._stop = Event()
             self._thread = threading.Thread(
                 target=self._watch, args=(self._stop,), name="postgres-mutex-watcher", daemon=True
             )
             self._thread.start()
 
-    def _watch(self, stop: threading.Event) -> None:
+    def _watch(self, stop: Event) -> None:
         try:
             while not stop.is_set():
                 with contextlib.suppress(DatabaseError):
@@ -168,9 +172,15 @@ class StaleWatcher:
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop the thread (or task), waiting up to ``timeout`` seconds (None: its current read's deadline)."""
-        with self._lock:
+        self._stops += 1
+        # Not waiting for the lock: a signal handler may run this on the thread that holds it.
+        locked = self._lock.acquire(blocking=False)
+        try:
             thread, self._thread = self._thread, None
             task, self._task = self._task, None
+        finally:
+            if locked:
+                self._lock.release()
         self._stop.set()
         if task is not None:
             with contextlib.suppress(RuntimeError):  # its loop is closed: the task is gone already
@@ -184,12 +194,16 @@ class StaleWatcher:
 
         Raises `RuntimeError` if this watcher already watches in a thread.
         """
+        stops = self._stops
+        stop = Event()
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 raise RuntimeError("this StaleWatcher already watches in a thread: call stop() first")
-            self._stop = stop = threading.Event()
+            self._stop = stop
             self._thread = threading.current_thread()
         try:
+            if self._stops != stops:  # stopped (by a signal handler) before its event was the one to set
+                stop.set()
             self._watch(stop)
         finally:
             with self._lock:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
+import postgres_mutex
 from postgres_mutex import LockNotHeldError, LockTable, Mutex, RWLock, Semaphore
 from postgres_mutex.watcher import StaleWatcher
 from tests.support.faultproxy import FaultProxy
@@ -24,6 +27,7 @@ from tests.support.fixtures import (
     row_locked,
     wait_until,
 )
+from tests.support.signal_points import RunAtCheck
 
 INTERVAL = 0.1
 
@@ -152,6 +156,43 @@ def test_the_watcher_runs_in_the_calling_thread_until_stopped(
     assert time.monotonic() - started < 15, "it returned once stopped"
     assert [a["holder"] for a in metrics.named("alert")] == [holder.instance_id]
     assert watcher.healthy is None, "stopped"
+
+
+def test_stop_from_a_signal_handler_ends_run_wherever_the_signal_lands(
+    make_watcher: Callable[..., StaleWatcher],
+) -> None:
+    """`run` says `stop` may come from a signal handler: one running at any point of the watching
+    thread's loop (its read, its wait between reads, the run's start) ends the run and returns."""
+    library = str(Path(postgres_mutex.__file__).parent)
+
+    def watched(name: str) -> bool:
+        return name.startswith(library) or name == threading.__file__
+
+    def run_once(at: int) -> tuple[RunAtCheck, bool]:
+        watcher = make_watcher(interval=0.001)
+        handler = RunAtCheck(at, watcher.stop, watched)
+
+        def run() -> None:
+            sys.settrace(handler)
+            try:
+                watcher.run()
+            finally:
+                sys.settrace(None)
+
+        runner = threading.Thread(target=run, daemon=True)
+        runner.start()
+        runner.join(10.0)
+        ended = not runner.is_alive()
+        if not ended:
+            watcher.stop()
+        return handler, ended
+
+    # From the second point: the first is run() being entered, where a stop() is one made before the
+    # run, which a run that follows does not see (a stopped watcher may run again).
+    for at in range(2, 402):  # the points of the run's start and its first rounds of reading and waiting
+        handler, ended = run_once(at)
+        assert handler.where, f"the run saw {handler.seen} points"
+        assert ended, f"run() went on after stop() from a handler at {handler.where}"
 
 
 async def test_the_watcher_runs_as_a_task_in_async_code(

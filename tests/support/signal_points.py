@@ -55,3 +55,18 @@ class RaiseAtCheck:
         if self.seen == self.at:
             self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
             raise self.error(f"raised at {self.where}")
+
+
+class RunAtCheck(RaiseAtCheck):
+    """Runs ``handler`` at the ``at``-th point where a signal handler could run: a signal handler that
+    returns (one calling ``stop()``, say), where `RaiseAtCheck` stands for one that raises."""
+
+    def __init__(self, at: int, handler: Callable[[], object], watched: Callable[[str], bool]) -> None:
+        super().__init__(at, RuntimeError, watched)
+        self.handler = handler
+
+    def _check(self, frame: FrameType) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+            self.handler()
