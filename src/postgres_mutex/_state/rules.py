@@ -21,11 +21,10 @@ import psycopg
 
 from .._observe.hooks import LockObservation
 from .._sql import SEPARATOR, row_of
-from ..errors import DatabaseError, OperationTimeout, PermitsMismatchError, SchemaError, phrase
+from ..errors import DatabaseError, OperationTimeout, SchemaError, phrase
 from ..metric_names import RECLAIM_REASONS
 
 if TYPE_CHECKING:
-    from .._sql import Statement, Statements
     from .settings import Timing
 
 
@@ -125,46 +124,6 @@ def read_acquire(
         row_name if isinstance(row_name, str) else None,
         None if stored is None else int(stored),  # type: ignore[call-overload]
         int(held),  # type: ignore[call-overload]
-    )
-
-
-def acquire_statement(statements: Statements, permits: int | None, name: str, rw_mode: str | None = None) -> Statement:
-    """The mutex's acquire, or (with ``permits``) a semaphore's, or (with ``rw_mode``) a read/write lock's; the
-    last two need a table migrated for them."""
-    if rw_mode is not None:
-        chosen = statements.acquire_read if rw_mode == "read" else statements.acquire_write
-        if chosen is None:
-            raise SchemaError(
-                phrase(
-                    "read/write lock {name!r} needs the read/write locks' table and columns, which the lock table "
-                    "{table} lacks: run {LockTable.migrate()} once; mutexes keep working meanwhile",
-                    name=name,
-                    table=statements.names.table_name,
-                )
-            )
-        return chosen
-    if permits is None:
-        return statements.acquire
-    if statements.acquire_permit is None:
-        raise SchemaError(
-            phrase(
-                "semaphore {name!r} needs the semaphores' table and columns, which the lock table {table} lacks: "
-                "run {LockTable.migrate()} once; mutexes keep working meanwhile",
-                name=name,
-                table=statements.names.table_name,
-            )
-        )
-    return statements.acquire_permit
-
-
-def permits_mismatch(table: str, name: str, permits: int | None, stored: int) -> PermitsMismatchError:
-    """The error for a Semaphore whose ``permits`` disagrees with its semaphore's in the table."""
-    return PermitsMismatchError(
-        f"semaphore {name!r} has {stored} permits in table {table}, but this Semaphore says permits={permits}: "
-        f"use permits={stored}, or change it for everyone with LockTable.set_permits({name!r}, {permits})",
-        semaphore=name,
-        permits=permits or 0,
-        stored_permits=stored,
     )
 
 
