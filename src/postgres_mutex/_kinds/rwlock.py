@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar, overload
 
 from .._io.acquisition import Acquisition
 from .._io.acquisition_async import AsyncAcquisition
-from .._sql import SEPARATOR
+from .._sql import SEPARATOR, rw_row_name
 from .._state.events import LostCallback
+from .._state.failures import RW_LOST_RACE
 from .._state.kind import LockKind
-from .._state.rules import RW_LOST_RACE, PermitReply, read_acquire, rw_row_name, writer_claim_seconds
+from .._state.outcome import PermitReply, read_acquire
 from .._state.settings import Settings, check_name, default_instance_id
 from ..client import BUILT_ON_IT, MutexClient, client_for
 from ..errors import InvalidArgument, LockNotHeldError
@@ -104,6 +105,15 @@ class Mode(LockKind):
             f"this RWLock already holds or is acquiring read/write lock {name!r} for {self.mode} "
             f"(instance_id {instance_id!r}); use a separate RWLock per concurrent holder"
         )
+
+
+def writer_claim_seconds(timing: Timing) -> float:
+    """How long a waiting writer's claim keeps new readers out without being renewed.
+
+    A blocking writer renews it at every attempt, at least every ``poll_interval``; an attempt may take
+    up to ``operation_timeout``. Twice the one plus the other leaves room for one late attempt.
+    """
+    return 2 * timing.poll_interval + timing.operation_timeout
 
 
 class _Modes:

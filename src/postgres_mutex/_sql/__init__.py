@@ -32,8 +32,7 @@ from .integrations import (
 )
 from .lock import CURRENT, CURRENT_WITH_HISTORY, LEGACY, Statements, TableShape, listen, unlisten
 from .names import Names
-from .permits import SEPARATOR
-from .rows import RowOf, row_of
+from .rows import SEPARATOR, RowOf, row_of, rw_row_name
 from .schema import create_history, create_table, history_retention, inspect_table, migrate_steps, pages_have_room
 from .statement import Statement, end_session_left_behind, session_setup
 from .wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, unregister
@@ -68,6 +67,7 @@ __all__ = [
     "pass_on",
     "register",
     "row_of",
+    "rw_row_name",
     "session_setup",
     "unlisten",
     "unregister",

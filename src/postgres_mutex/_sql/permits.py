@@ -16,18 +16,19 @@ exist.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from psycopg import sql
 
 from . import sessions
 from .history import acquire_permit_history, hold_ended
-from .names import Names
 from .statement import Statement, statement
 from .wake import WAKE_ALL, after_release
 
-_NOTHING = sql.SQL("")
+if TYPE_CHECKING:
+    from .names import Names
 
-SEPARATOR = "\x1f"
-"""Between a semaphore's name and a permit's number in a permit row's ``lock_name`` (``chr(31)`` in SQL)."""
+_NOTHING = sql.SQL("")
 
 
 def acquire_permit(names: Names, *, history: bool) -> Statement:

@@ -27,12 +27,16 @@ once it passes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from psycopg import sql
 
 from . import sessions
 from .history import acquire_rw_history
-from .names import Names
 from .statement import Statement, statement
+
+if TYPE_CHECKING:
+    from .names import Names
 
 _GATE = """WITH gate_made AS (
   INSERT INTO {rwlocks} (name, mode) VALUES (%(rwlock)s, {first_mode})

@@ -14,22 +14,12 @@ from .. import _sql
 from .._base.clock import now
 from .._sql import SEPARATOR, Names, Statement, Statements, TableShape
 from ..errors import DatabaseError, OperationTimeout, SchemaError, phrase
-from .rules import (
-    CANCELLED,
-    LOCK_NOT_AVAILABLE,
-    PRIVILEGE,
-    SERIALIZATION_FAILURE,
-    UNDEFINED_COLUMN,
-    AcquireResult,
-    Outcome,
-    observe,
-    rw_row_name,
-)
-from .settings import BRIEF_WAIT
-from .steps import Execute, Flow, Pause, Result, Shape
+from .failures import CANCELLED, LOCK_NOT_AVAILABLE, PRIVILEGE, SERIALIZATION_FAILURE, UNDEFINED_COLUMN
+from .rules import observe
+from .steps import BRIEF_WAIT, Execute, Flow, Pause, Result, Shape
 
 if TYPE_CHECKING:
-    from .locks import LockState
+    pass
 
 T = TypeVar("T")
 
@@ -337,10 +327,10 @@ def force_release(
         channel = names.channel(lock_name, "read/write lock")
         if writer:
             action = f"forced release of the writer of read/write lock {lock_name!r}"
-            lock_name = rw_row_name(lock_name, "", "write")
+            lock_name = _sql.rw_row_name(lock_name, "", "write")
         else:
             action = f"forced release of reader {reader!r} of read/write lock {lock_name!r}"
-            lock_name = rw_row_name(lock_name, reader or "", "read")
+            lock_name = _sql.rw_row_name(lock_name, reader or "", "read")
     deadline = now() + timeout
     while True:
         left = max(deadline - now(), _LEAST_TRY)
@@ -447,23 +437,3 @@ def _server_words(exc: DatabaseError) -> str:
     diag = getattr(cause, "diag", None)
     primary = getattr(diag, "message_primary", None)
     return str(primary) if primary else str(exc)
-
-
-def tokens_appeared(lock: LockState, result: AcquireResult, timeout: float) -> Flow[AcquireResult]:
-    """The table was migrated while this process used it without tokens: use its new shape from now on.
-
-    A fresh row took its token from the column's default. A row taken over
-    kept the previous hold's, which must not name this one: it gets a new
-    token (or none, if that fails: fencing then says the hold has none).
-    """
-    taken_over = result.outcome is not Outcome.ACQUIRED
-    token = None if taken_over else result.token
-    try:
-        statements: Statements = yield Shape(lock.names, timeout, fresh=True)
-        if taken_over and statements.retoken is not None:
-            params = {**lock.params(), "acquired_at": result.acquired_at}
-            reply = yield Execute(statements.retoken, params, timeout, lock.describe("acquire"))
-            token = None if reply.row is None else reply.row[0]
-    except DatabaseError:
-        pass  # the hold stands; only its token is unknown
-    return replace(result, token=token)

@@ -19,7 +19,7 @@ from .._observe.hooks import ExtendedMetricsHook, LockObservation
 from .._observe.tracing import MODE, OUTCOME, PERMIT, AttributeValue, mark_error, set_outcome
 from ..errors import LockNotHeldError
 from .kind import MUTEX, LockKind
-from .rules import DISCONNECTED, AcquireResult, Outcome, reclaim_reason
+from .outcome import DISCONNECTED, AcquireResult, Outcome, reclaim_reason
 
 logger = logging.getLogger("postgres_mutex")
 

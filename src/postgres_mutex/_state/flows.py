@@ -11,22 +11,15 @@ Nothing here does I/O. The heartbeat's flows are in `_state.heartbeat_flows`, th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._base.clock import now
-from .._observe.tracing import INSTANCE_ID, LOCK_NAME, AttributeValue, Tracing
-from .._sql import Statement, Statements
+from .._observe.tracing import AttributeValue, Tracing
 from ..errors import DatabaseError, LockAcquisitionTimeout, OperationTimeout, SchemaError, phrase
-from .admin_flows import tokens_appeared
+from .failures import CANCELLED, SERIALIZATION_FAILURE, SHAPE_CHANGED
 from .locks import LEASE_EXPIRED, NOT_HELD, Hold, HoldStatus, LockState
-from .rules import (
-    CANCELLED,
-    SERIALIZATION_FAILURE,
-    SHAPE_CHANGED,
-    AcquireResult,
-    Outcome,
-)
+from .outcome import AcquireResult, Outcome
 from .steps import (
     Cleanup,
     Execute,
@@ -43,6 +36,9 @@ from .steps import (
     Tell,
     WaitForRelease,
 )
+
+if TYPE_CHECKING:
+    from .._sql import Statement, Statements
 
 T = TypeVar("T")
 
@@ -501,11 +497,7 @@ def _acquire_attributes(lock: LockState, blocking: bool, timeout: float | None) 
     extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
     if timeout is not None:
         extra["postgres_mutex.timeout"] = timeout
-    return span_attributes(lock, **extra)
-
-
-def span_attributes(lock: LockState, **extra: AttributeValue) -> dict[str, AttributeValue]:
-    return {LOCK_NAME: lock.lock_name, INSTANCE_ID: lock.instance_id, **lock.events.span_mode(), **extra}
+    return lock.span_attributes(**extra)
 
 
 # -- release -------------------------------------------------------------------
@@ -543,7 +535,7 @@ def release(
             settled = True
             raise lock.not_held_error(NOT_HELD)
         yield Forget(hold)
-        with tracing.span("postgres_mutex.release", lambda: span_attributes(lock)) as span:
+        with tracing.span("postgres_mutex.release", lambda: lock.span_attributes()) as span:
             if hold.status is HoldStatus.HELD:
                 # Its lease ran out before anyone noticed: that is a loss, reported once.
                 lost = lock.lose(hold, LEASE_EXPIRED)
@@ -674,3 +666,23 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
     if conclusive and stray:
         lock.stray_row_cleaned(cleanup.generation)
     return conclusive
+
+
+def tokens_appeared(lock: LockState, result: AcquireResult, timeout: float) -> Flow[AcquireResult]:
+    """The table was migrated while this process used it without tokens: use its new shape from now on.
+
+    A fresh row took its token from the column's default. A row taken over
+    kept the previous hold's, which must not name this one: it gets a new
+    token (or none, if that fails: fencing then says the hold has none).
+    """
+    taken_over = result.outcome is not Outcome.ACQUIRED
+    token = None if taken_over else result.token
+    try:
+        statements: Statements = yield Shape(lock.names, timeout, fresh=True)
+        if taken_over and statements.retoken is not None:
+            params = {**lock.params(), "acquired_at": result.acquired_at}
+            reply = yield Execute(statements.retoken, params, timeout, lock.describe("acquire"))
+            token = None if reply.row is None else reply.row[0]
+    except DatabaseError:
+        pass  # the hold stands; only its token is unknown
+    return replace(result, token=token)

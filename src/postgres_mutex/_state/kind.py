@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import SchemaError, phrase
-from .rules import PermitReply, interpret_acquire
+from .outcome import PermitReply, interpret_acquire
 
 if TYPE_CHECKING:
     from .._sql import Statement, Statements

@@ -46,15 +46,16 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanContext
 
 from .._base.clock import now
+from .._observe.tracing import INSTANCE_ID, LOCK_NAME, AttributeValue
 from ..errors import LockAlreadyHeldError, LockNotHeldError
-from .events import LockEvents
+from .alerts import AlertGate
 from .kind import MUTEX, LockKind
-from .rules import AlertGate
-from .settings import Timing
 
 if TYPE_CHECKING:
     from .._observe.tracing import Tracing
     from .._sql import Names
+    from .events import LockEvents
+    from .settings import Timing
 
 LEASE_EXPIRED = "its lease ran out: no heartbeat succeeded for stale_threshold - heartbeat_interval"
 ROW_GONE = "its row was deleted or taken over by another instance"
@@ -252,6 +253,10 @@ class LockState:
         }
         params.update(self.kind.params(self.lock_name, self.row_name, self.timing))
         return params
+
+    def span_attributes(self, **extra: AttributeValue) -> dict[str, AttributeValue]:
+        """What a span of an operation on it carries: the lock's name, the instance, the mode held, ``extra``."""
+        return {LOCK_NAME: self.lock_name, INSTANCE_ID: self.instance_id, **self.events.span_mode(), **extra}
 
     def describe(self, verb: str) -> str:
         return f"{verb} of {self.kind} {self.lock_name!r} (instance_id {self.instance_id!r})"

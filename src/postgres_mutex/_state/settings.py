@@ -413,11 +413,6 @@ def default_operation_timeout(heartbeat_interval: float, stale_threshold: float)
     return min(DEFAULT_OPERATION_TIMEOUT, max(with_retries, window / 4))
 
 
-BRIEF_WAIT = 0.25
-"""How long a heartbeat waits for a row another session holds locked (once it found it so), and a
-forced release in each of its tries: brief, so the client's other statements are not held up."""
-
-
 def check_hold_at_least(value: object, timing: Timing) -> float | None:
     """A minimum hold (``hold_at_least``), checked: None, or seconds up to ``stale_threshold``.
 
