@@ -21,6 +21,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
   beat's state, APScheduler's ledger).
 """
 
+from . import permits, rwlocks  # noqa: F401  (imported for their kinds' statements: `_sql.kinds`)
 from .history import HISTORY_ENDINGS
 from .integrations import (
     APSCHEDULER_RUNS,

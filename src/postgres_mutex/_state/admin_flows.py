@@ -6,7 +6,6 @@ the lock flows, they do no I/O and own their retries and deadlines.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -15,7 +14,6 @@ from .._base.clock import now
 from .._sql import SEPARATOR, Names, Statement, Statements, TableShape
 from ..errors import DatabaseError, OperationTimeout, SchemaError, phrase
 from .failures import CANCELLED, LOCK_NOT_AVAILABLE, PRIVILEGE, SERIALIZATION_FAILURE, UNDEFINED_COLUMN
-from .rules import observe
 from .steps import BRIEF_WAIT, Execute, Flow, Pause, Result, Shape
 
 if TYPE_CHECKING:
@@ -230,33 +228,6 @@ def _change_schema(statement: Statement, timeout: float, action: str, give_up_at
                 raise
             yield Pause(min(pause, max(0.0, give_up_at - now())))
             pause = min(pause * 2, 1.0)
-
-
-def holders(
-    names: Names,
-    lock_names: frozenset[str] | None,
-    timeout: float,
-    *,
-    alert_threshold: float,
-    stale_threshold: float,
-) -> Flow[list[Any]]:
-    """Every held lock (or those named) with its holder and ages by the server's clock: one query."""
-    statements: Statements = yield Shape(names, timeout)
-    reply = yield Execute(
-        statements.holders,
-        {"lock_names": None if lock_names is None else sorted(lock_names)},
-        timeout,
-        f"read of the lock table {names.table_name}",
-    )
-    seen = observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
-    rwlocks = sorted({held.rwlock for held in seen if held.rwlock is not None})
-    if not rwlocks or statements.writers_waiting is None:
-        return seen
-    gates = yield Execute(
-        statements.writers_waiting, {"rwlocks": rwlocks}, timeout, f"read of the lock table {names.table_name}"
-    )
-    waiting = {str(row[0]) for row in gates.rows}
-    return [held if held.rwlock is None else replace(held, writer_waiting=held.rwlock in waiting) for held in seen]
 
 
 def read_history(

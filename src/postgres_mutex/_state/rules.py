@@ -1,16 +1,18 @@
 """The decisions of the lock, without I/O: shared by the sync and async paths.
 
 What an acquire's result row means (`_state.outcome`), when a contender should alert
-(`_state.alerts`), what a database failure means for the lock (`_state.failures`) and what the
-holders query's rows say (`observe`, here) are decided there and nowhere else; this module names
-them all, for the engine and the watcher. The flows import each from its own module, so that the
-lock's state needs none of the statements.
+(`_state.alerts`) and what a database failure means for the lock (`_state.failures`) are decided
+there and nowhere else, and this module names them all, for the engine and the watcher; what the
+holders query's rows say (`observe`, with the query's flow, `holders`) is decided here. The flows
+import each from its own module, so that the lock's state needs none of the statements.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from .._observe.hooks import LockObservation
 from .._sql import row_of, rw_row_name
@@ -26,6 +28,10 @@ from .failures import (
     classify_failure,
 )
 from .outcome import AcquireResult, Outcome, PermitReply, interpret_acquire, read_acquire
+from .steps import Execute, Flow, Shape
+
+if TYPE_CHECKING:
+    from .._sql import Names, Statements
 
 __all__ = [
     "CANCELLED",
@@ -41,11 +47,39 @@ __all__ = [
     "PermitReply",
     "WatchAlerts",
     "classify_failure",
+    "holders",
     "interpret_acquire",
     "observe",
     "read_acquire",
     "rw_row_name",
 ]
+
+
+def holders(
+    names: Names,
+    lock_names: frozenset[str] | None,
+    timeout: float,
+    *,
+    alert_threshold: float,
+    stale_threshold: float,
+) -> Flow[list[LockObservation]]:
+    """Every held lock (or those named) with its holder and ages by the server's clock: one query."""
+    statements: Statements = yield Shape(names, timeout)
+    reply = yield Execute(
+        statements.holders,
+        {"lock_names": None if lock_names is None else sorted(lock_names)},
+        timeout,
+        f"read of the lock table {names.table_name}",
+    )
+    seen = observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
+    rwlocks = sorted({held.rwlock for held in seen if held.rwlock is not None})
+    if not rwlocks or statements.writers_waiting is None:
+        return seen
+    gates = yield Execute(
+        statements.writers_waiting, {"rwlocks": rwlocks}, timeout, f"read of the lock table {names.table_name}"
+    )
+    waiting = {str(row[0]) for row in gates.rows}
+    return [held if held.rwlock is None else replace(held, writer_waiting=held.rwlock in waiting) for held in seen]
 
 
 def observe(
