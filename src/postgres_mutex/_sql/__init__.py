@@ -11,9 +11,11 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
   lock's fence check;
 - `_sql.lock`: the lock's statements for one table of one shape
   (`Statements`, `TableShape`), and LISTEN for its releases;
+- `_sql.kinds`: what each kind of lock adds to `Statements`, registered by its part;
 - `_sql.history`: how a hold can end and the parts of the lock statements
   that write the history, and its read;
-- `_sql.permits`: what semaphores add (their permits are rows of the lock table);
+- `_sql.permits`: what semaphores add (each permit is a row of the lock table);
+- `_sql.rwlocks`: what read/write locks add (each holder is a row, each lock a gate);
 - `_sql.rows`: what a row's name says it holds (a mutex, a permit, a read/write lock's mode);
 - `_sql.wake`: whom a release wakes (one registered process), and the listener's registration;
 - `_sql.schema`: creating, inspecting and migrating the tables;

@@ -350,8 +350,8 @@ def force_release(
 _CHECK_VIOLATION = "23514"
 
 
-def set_permits(names: Names, semaphore: str, permits: int, timeout: float) -> Flow[tuple[int | None, int]]:
-    """Change a semaphore's N (`_sql.permits.set_permits`); (the previous N or None, holders released).
+def set_permits(names: Names, semaphore: str, count: int, timeout: float) -> Flow[tuple[int | None, int]]:
+    """Change a semaphore's N to ``count`` (`_sql.permits.set_permits`); (the previous N or None, holders released).
 
     Sent again while a row it must change is locked by a fenced transaction,
     or while a permit taken with the old N meanwhile makes the check refuse
@@ -376,7 +376,7 @@ def set_permits(names: Names, semaphore: str, permits: int, timeout: float) -> F
                 statements.set_permits,
                 {
                     "semaphore": semaphore,
-                    "permits": permits,
+                    "permits": count,
                     "channel": names.channel(semaphore, "semaphore"),
                     "ended_how": "force_released",
                     "alert_seconds": None,

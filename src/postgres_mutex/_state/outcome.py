@@ -81,21 +81,22 @@ class PermitReply:
     held: int
     """How many permits were held in the statement's snapshot."""
 
-    def retry_at_once(self, permits: int | None) -> bool:
-        """Nothing won, yet there is reason to try again without waiting: the semaphore was being declared, or
-        another contender won the free permit this one chose while others were free."""
-        if permits is None or self.result.outcome.acquired:
+    def retry_at_once(self, count: int | None) -> bool:
+        """Nothing won, yet there is reason to try again without waiting (for a semaphore of ``count`` permits):
+        it was being declared, or another contender won the free permit this one chose while others were free."""
+        if count is None or self.result.outcome.acquired:
             return False
-        return self.stored_permits is None or (self.stored_permits == permits and self.held < permits - 1)
+        return self.stored_permits is None or (self.stored_permits == count and self.held < count - 1)
 
 
 def read_acquire(
-    row: Sequence[object] | None, instance_id: str, permits: int | None, *, wide: bool = False
+    row: Sequence[object] | None, instance_id: str, count: int | None, *, wide: bool = False
 ) -> PermitReply:
-    """Read a mutex's acquire row (`interpret_acquire`) or, with ``permits`` (or ``wide``: a read/write lock's), the
-    same five columns, then the row's ``lock_name``, the stored N (for a read/write lock: 1 to try again at once)
-    and how many rows were held; a read/write lock's, then the mode of the holder shown."""
-    if permits is None and not wide:
+    """Read a mutex's acquire row (`interpret_acquire`) or, with ``count`` (a semaphore's number of permits) or
+    ``wide`` (a read/write lock's), the same five columns, then the row's ``lock_name``, the stored N (for a
+    read/write lock: 1 to try again at once) and how many rows were held; a read/write lock's, then the mode of
+    the holder shown."""
+    if count is None and not wide:
         return PermitReply(interpret_acquire(row, instance_id), None, None, 0)
     if row is None or len(row) != (9 if wide else 8):
         raise ValueError(f"unexpected acquire result {row!r}")
