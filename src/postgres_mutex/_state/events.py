@@ -18,12 +18,24 @@ from opentelemetry.trace import Span
 from .._observe.hooks import ExtendedMetricsHook, LockObservation
 from .._observe.tracing import MODE, OUTCOME, PERMIT, AttributeValue, mark_error, set_outcome
 from ..errors import LockNotHeldError
+from ..metric_names import RECLAIM_REASONS
 from .kind import MUTEX, LockKind
-from .outcome import DISCONNECTED, AcquireResult, Outcome, reclaim_reason
+from .outcome import AcquireResult, Outcome
 
 logger = logging.getLogger("postgres_mutex")
 
 LostCallback = Callable[[LockNotHeldError], object]
+
+STALE, DISCONNECTED = RECLAIM_REASONS
+"""Why a row was taken over from another instance: silent past ``stale_threshold``; or its holder opted in
+to ``reclaim_disconnected_after``, its database session had ended and its heartbeat was older than that."""
+
+
+def reclaim_reason(result: AcquireResult, stale_threshold: float) -> str:
+    """Why ``result`` (a reclaim) took the row: a heartbeat younger than ``stale_threshold`` in the statement's
+    snapshot can only have been reclaimed for a disconnected session (a row only gets younger meanwhile)."""
+    age = result.heartbeat_age
+    return DISCONNECTED if age is not None and age < stale_threshold else STALE
 
 
 def noun_of(seen: LockObservation) -> str:

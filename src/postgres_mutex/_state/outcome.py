@@ -1,4 +1,4 @@
-"""What an acquire's reply means: acquired, reclaimed (and why), taken back, or contended.
+"""What an acquire's reply means: acquired, reclaimed, taken back, or contended.
 
 Read alike by the sync and async paths, and by every kind of lock (`_state.kind`); nothing here does I/O.
 """
@@ -10,8 +10,6 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-
-from ..metric_names import RECLAIM_REASONS
 
 
 class Outcome(enum.Enum):
@@ -112,15 +110,3 @@ def read_acquire(
         None if stored is None else int(stored),  # type: ignore[call-overload]
         int(held),  # type: ignore[call-overload]
     )
-
-
-STALE, DISCONNECTED = RECLAIM_REASONS
-"""Why a row was taken over from another instance: silent past ``stale_threshold``; or its holder opted in
-to ``reclaim_disconnected_after``, its database session had ended and its heartbeat was older than that."""
-
-
-def reclaim_reason(result: AcquireResult, stale_threshold: float) -> str:
-    """Why ``result`` (a reclaim) took the row: a heartbeat younger than ``stale_threshold`` in the statement's
-    snapshot can only have been reclaimed for a disconnected session (a row only gets younger meanwhile)."""
-    age = result.heartbeat_age
-    return DISCONNECTED if age is not None and age < stale_threshold else STALE
