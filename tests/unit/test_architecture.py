@@ -255,6 +255,36 @@ def test_a_mutexs_parts_are_its_own() -> None:
         assert not used, f"{module} imports {sorted(used)}, which are the Mutex's"
 
 
+KIND_WORDS = {"permits", "_permits", "rw_mode", "_rw_mode"}
+"""What a semaphore's or a read/write lock's holder used to be told apart by, in the general code."""
+
+KINDS_OWN = {"_kinds.semaphore", "_kinds.rwlock"}
+"""The modules of the kinds themselves, which say what a semaphore and a read/write lock are."""
+
+
+def _names_in_code(module: str) -> set[str]:
+    """The identifiers ``module``'s code uses: names, attributes, parameters and keywords (not its strings)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(FILES[module].read_text())):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, (ast.arg, ast.keyword)):
+            found.add(node.arg or "")
+    return found
+
+
+@pytest.mark.parametrize(
+    "module", sorted(m for m in MODULES if layer_of(m) in {"_state", "_io", "_kinds"} and m not in KINDS_OWN)
+)
+def test_the_general_code_asks_a_locks_kind_what_differs(module: str) -> None:
+    # What differs between a mutex, a permit and a mode (the statement, the row, the reply, the
+    # words) is its `LockKind`'s to say (`_state.kind`): nothing else branches on which it is.
+    told_apart = sorted(_names_in_code(module) & KIND_WORDS)
+    assert not told_apart, f"{module} tells kinds apart by {told_apart}: ask the lock's kind"
+
+
 CLI = SRC / "_cli"
 PUBLIC_MODULES = {module for module in MODULES if "." not in module and not module.startswith("_")}
 

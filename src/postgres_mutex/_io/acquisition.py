@@ -104,8 +104,7 @@ class Acquisition:
         statements = engine.host.shapes.get(lock.names.table_name)
         if (
             statements is None
-            or lock.permits is not None
-            or lock.rw_mode is not None
+            or not lock.kind.direct
             or self._stop is not None
             or engine.deadline is not None
             or self._hold_at_least is not None
@@ -221,13 +220,7 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
     the background, as the flow would.
     """
     statements = engine.host.shapes.get(lock.names.table_name)
-    if (
-        statements is None
-        or lock.permits is not None
-        or lock.rw_mode is not None
-        or engine.deadline is not None
-        or not lock.tracing.silent()
-    ):
+    if statements is None or not lock.kind.direct or engine.deadline is not None or not lock.tracing.silent():
         return engine.run(flows.release(lock, lock.tracing, caller=caller))
     releaser = object()
     settled = False  # the row's fate is known: deleted, gone, or the flow's to settle

@@ -19,6 +19,7 @@ from .._io.acquisition import Acquisition
 from .._io.acquisition_async import AsyncAcquisition
 from .._observe.hooks import guard
 from .._state.events import LockEvents, LostCallback
+from .._state.kind import MUTEX, LockKind
 from .._state.locks import LockState
 from .._state.settings import (
     MutexConfig,
@@ -61,10 +62,8 @@ class Holder(AsyncHolderMethods, HolderMethods):
 
     _settings: Settings
     """Its options, checked, as its constructor was given them: its siblings are made of them too."""
-    _permits: int | None
-    """What its lock has: one holder (None), or a `Semaphore`'s permits."""
-    _rw_mode: str | None
-    """For a read/write lock's holder: the mode it holds."""
+    _kind: LockKind
+    """What it holds (a mutex, a `Semaphore`'s permit, a read/write lock's mode), and all that differs with it."""
 
     def __init__(
         self,
@@ -98,13 +97,13 @@ class Holder(AsyncHolderMethods, HolderMethods):
         lock_name: str,
         client: MutexClient,
         settings: Settings,
+        kind: LockKind = MUTEX,
         *,
         instance_id: str | None = None,
-        permits: int | None = None,
     ) -> Self:
         """One made inside the library, of a name and settings already checked (a sibling, an election's)."""
         holder = cls.__new__(cls)
-        holder._setup(lock_name, client, settings, instance_id=instance_id, permits=permits)
+        holder._setup(lock_name, client, settings, kind, instance_id=instance_id)
         return holder
 
     def _setup(
@@ -112,24 +111,22 @@ class Holder(AsyncHolderMethods, HolderMethods):
         lock_name: str,
         client: MutexClient,
         settings: Settings,
+        kind: LockKind = MUTEX,
         *,
         instance_id: str | None = None,
-        permits: int | None = None,
-        rw_mode: str | None = None,
     ) -> None:
-        """Make this holder of ``lock_name`` on ``client``, with ``settings``.
+        """Make this holder of ``lock_name`` (a ``kind`` of lock) on ``client``, with ``settings``.
 
         ``instance_id`` is the identity it shares with the holder that made it
         (a sibling of another name, the other mode of an RWLock) when the user
         chose none: one default id for both, but neither counted as chosen.
         """
         check_reclaim_source(settings, client)
-        if settings.hold_at_least is not None and (permits is not None or rw_mode is not None):
+        if settings.hold_at_least is not None and not kind.takes_minimum_hold:
             raise _not_a_mutexs_hold()
         self._client = client
         self._settings = settings
-        self._permits = permits
-        self._rw_mode = rw_mode
+        self._kind = kind
         core = self._core = core_of(client)
         chosen_id = settings.instance_id is not None
         self._lock = new_lock_state(
@@ -137,8 +134,7 @@ class Holder(AsyncHolderMethods, HolderMethods):
             lock_name,
             settings.instance_id or instance_id or default_instance_id(),
             settings,
-            permits=permits,
-            rw_mode=rw_mode,
+            kind,
         )
         self._engine_for = functools.partial(core.engine_for, self._lock)
         self._engine_async_for = functools.partial(core.engine_async_for, self._lock)
@@ -256,7 +252,7 @@ class Holder(AsyncHolderMethods, HolderMethods):
         """An acquire's ``hold_at_least``, checked; None: the holder's own. A minimum hold is a Mutex's alone."""
         if hold_at_least is None:
             return self._settings.hold_at_least
-        if self._permits is not None or self._rw_mode is not None:
+        if not self._kind.takes_minimum_hold:
             raise _not_a_mutexs_hold()
         return check_hold_at_least(hold_at_least, self._lock.timing)
 
@@ -420,9 +416,7 @@ def new_lock_state(
     lock_name: str,
     instance_id: str,
     settings: Settings,
-    *,
-    permits: int | None,
-    rw_mode: str | None,
+    kind: LockKind,
 ) -> LockState:
     """The state of one holder's lock on ``core``'s client, with how its events are told."""
     timing = settings.timing
@@ -433,8 +427,7 @@ def new_lock_state(
         on_lost=settings.on_lost,
         alert_threshold=timing.alert_threshold,
         stale_threshold=timing.stale_threshold,
-        permits=permits,
-        rw_mode=rw_mode,
+        kind=kind,
     )
     return LockState(
         names=settings.names,
@@ -444,8 +437,7 @@ def new_lock_state(
         events=events,
         tracing=core.tracing(settings.tracer_provider, settings.names.table_name),
         state_lock=core.state_lock,
-        permits=permits,
-        rw_mode=rw_mode,
+        kind=kind,
     )
 
 

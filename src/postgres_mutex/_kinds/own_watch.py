@@ -42,7 +42,7 @@ class OwnLockWatch:
     def __init__(self, client: MutexClient, lock: LockState, settings: Settings) -> None:
         timing = settings.timing
         shared = {lock.lock_name: lock.alert_gate}
-        if lock.permits is not None or lock.rw_mode is not None:
+        if lock.kind.alerts_left_to_watcher:
             self.leave_alerts_of(lock)
             shared = {}
         self.watcher: StaleWatcher = StaleWatcher(

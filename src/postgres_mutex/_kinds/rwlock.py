@@ -12,14 +12,17 @@ other mode exist.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar, overload
 
 from .._io.acquisition import Acquisition
 from .._io.acquisition_async import AsyncAcquisition
-from .._sql import SEPARATOR
+from .._sql import SEPARATOR, rw_row_name
 from .._state.events import LostCallback
+from .._state.failures import RW_LOST_RACE
+from .._state.kind import LockKind
+from .._state.outcome import PermitReply, read_acquire
 from .._state.settings import Settings, check_name, default_instance_id
 from ..client import BUILT_ON_IT, MutexClient, client_for
 from ..errors import InvalidArgument, LockNotHeldError
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+    from .._sql import Statement, Statements
+    from .._state.settings import Timing
     from ..watcher import StaleWatcher
 
 P = ParamSpec("P")
@@ -37,6 +42,78 @@ R = TypeVar("R")
 
 MAX_RWLOCK_NAME = 50
 """A reader's row adds a separator, ``r`` and a 12-character digest to the name, in 64 characters."""
+
+
+class Mode(LockKind):
+    """A read/write lock's kind: its ``mode``, ``"read"`` or ``"write"``, each holder a row of its own
+    (`_sql.rwlocks`)."""
+
+    noun: ClassVar[str] = "read/write lock"
+    holder_type: ClassVar[str] = "RWLock"
+    takes_minimum_hold: ClassVar[bool] = False
+    direct: ClassVar[bool] = False
+    alerts_left_to_watcher: ClassVar[bool] = True
+
+    mode: str
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def row_name(self, lock_name: str, instance_id: str) -> str:
+        return rw_row_name(lock_name, instance_id, self.mode)
+
+    def params(self, lock_name: str, row_name: str, timing: Timing) -> dict[str, object]:
+        return {
+            "rwlock": lock_name,
+            "row_name": row_name,
+            "waiting": False,
+            "waiting_seconds": writer_claim_seconds(timing),
+        }
+
+    def acquiring(self, params: dict[str, object], *, blocking: bool) -> None:
+        # Only a writer that will wait claims the lock ahead of new readers.
+        params["waiting"] = blocking
+
+    def migrated(self, statements: Statements) -> bool:
+        return statements.acquire_read is not None
+
+    def acquire_statement(self, statements: Statements, name: str) -> Statement:
+        chosen = statements.acquire_read if self.mode == "read" else statements.acquire_write
+        if chosen is None:
+            raise self.missing(name, statements, "read/write locks' table and columns")
+        return chosen
+
+    def read(self, row: Sequence[object] | None, instance_id: str) -> PermitReply:
+        return read_acquire(row, instance_id, None, wide=True)
+
+    def again_at_once(self, reply: PermitReply) -> bool:
+        # Another reader was opening the gate this one found closed: it is open now.
+        return reply.stored_permits == 1
+
+    def lost_race(self, sqlstate: str | None) -> bool:
+        return sqlstate in RW_LOST_RACE
+
+    def still_busy(self, name: str, holder: str | None, held: int | None, waited: float) -> str:
+        by = holder or "another instance"
+        return f"read/write lock {name!r} not granted for {self.mode} after {waited:g}s (held by {by})"
+
+    def not_held(self, name: str, instance_id: str) -> str:
+        return f"read/write lock {name!r} is not held for {self.mode} by instance {instance_id!r}"
+
+    def already_held(self, name: str, instance_id: str) -> str:
+        return (
+            f"this RWLock already holds or is acquiring read/write lock {name!r} for {self.mode} "
+            f"(instance_id {instance_id!r}); use a separate RWLock per concurrent holder"
+        )
+
+
+def writer_claim_seconds(timing: Timing) -> float:
+    """How long a waiting writer's claim keeps new readers out without being renewed.
+
+    A blocking writer renews it at every attempt, at least every ``poll_interval``; an attempt may take
+    up to ``operation_timeout``. Twice the one plus the other leaves room for one late attempt.
+    """
+    return 2 * timing.poll_interval + timing.operation_timeout
 
 
 class _Modes:
@@ -76,17 +153,17 @@ class _ModeHolder(Holder):
         self, mode: str, name: str, client: MutexClient, settings: Settings, *, instance_id: str, modes: _Modes
     ) -> None:
         self._modes = modes
-        self._setup(name, client, settings, instance_id=instance_id, rw_mode=mode)
+        self._setup(name, client, settings, Mode(mode), instance_id=instance_id)
         modes.add(self)
 
     @property
     def mode(self) -> str:
         """``"read"`` or ``"write"``."""
-        assert self._rw_mode is not None  # set by __init__
-        return self._rw_mode
+        assert self._kind.mode is not None  # set by __init__
+        return self._kind.mode
 
     def __repr__(self) -> str:
-        return f"<RWLock {self._rw_mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
+        return f"<RWLock {self._kind.mode} name={self.lock_name!r} instance_id={self.instance_id!r}>"
 
     def acquire(
         self, blocking: bool | None = None, timeout: float | None = None, *, hold_at_least: float | None = None

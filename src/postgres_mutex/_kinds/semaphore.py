@@ -10,17 +10,92 @@ semaphore) and the messages are what differ; the rest is the code every holder s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._sql import SEPARATOR
 from .._state.events import LostCallback
+from .._state.failures import FOREIGN_KEY_VIOLATION
+from .._state.kind import LockKind
+from .._state.outcome import PermitReply, read_acquire
 from .._state.settings import Settings, check_permit_count
 from ..client import BUILT_ON_IT, MutexClient, client_for
+from ..errors import PermitsMismatchError
 from .holder import Holder
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    from .._sql import Statement, Statements
+    from .._state.settings import Timing
+
+
+class Permits(LockKind):
+    """A semaphore's kind: one of its ``count`` permits, each a row of its own (`_sql.permits`)."""
+
+    noun: ClassVar[str] = "semaphore"
+    holder_type: ClassVar[str] = "Semaphore"
+    takes_minimum_hold: ClassVar[bool] = False
+    direct: ClassVar[bool] = False
+    alerts_left_to_watcher: ClassVar[bool] = True
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def params(self, lock_name: str, row_name: str, timing: Timing) -> dict[str, object]:
+        return {"semaphore": lock_name, "permits": self.count}
+
+    def migrated(self, statements: Statements) -> bool:
+        return statements.acquire_permit is not None
+
+    def acquire_statement(self, statements: Statements, name: str) -> Statement:
+        if statements.acquire_permit is None:
+            raise self.missing(name, statements, "semaphores' table and columns")
+        return statements.acquire_permit
+
+    def stray_cleanup(self, statements: Statements) -> Statement | None:
+        return statements.cleanup_permit
+
+    def read(self, row: Sequence[object] | None, instance_id: str) -> PermitReply:
+        return read_acquire(row, instance_id, self.count)
+
+    def refusal(self, reply: PermitReply, table: str, name: str) -> PermitsMismatchError | None:
+        stored = reply.stored_permits
+        if stored is None or stored == self.count:
+            return None
+        return PermitsMismatchError(
+            f"semaphore {name!r} has {stored} permits in table {table}, but this Semaphore says "
+            f"permits={self.count}: use permits={stored}, or change it for everyone with "
+            f"LockTable.set_permits({name!r}, {self.count})",
+            semaphore=name,
+            permits=self.count,
+            stored_permits=stored,
+        )
+
+    def again_at_once(self, reply: PermitReply) -> bool:
+        return reply.retry_at_once(self.count)
+
+    def changed_meanwhile(self, sqlstate: str | None) -> bool:
+        # A permit row named its semaphore with an N an administrator changed meanwhile.
+        return sqlstate == FOREIGN_KEY_VIOLATION
+
+    def permit_of(self, row: str | None) -> int | None:
+        number = "" if row is None else row.rpartition(SEPARATOR)[2]
+        return int(number) if number.isdigit() else None
+
+    def still_busy(self, name: str, holder: str | None, held: int | None, waited: float) -> str:
+        held_now = self.count if held is None else held
+        return f"semaphore {name!r} has no permit free: {held_now} of {self.count} held after {waited:g}s"
+
+    def not_held(self, name: str, instance_id: str) -> str:
+        return f"semaphore {name!r}: no permit is held by instance {instance_id!r}"
+
+    def already_held(self, name: str, instance_id: str) -> str:
+        return (
+            f"this Semaphore already holds or is acquiring a permit of semaphore {name!r} "
+            f"(instance_id {instance_id!r}); use a separate Semaphore per concurrent holder"
+        )
 
 
 class Semaphore(Holder):
@@ -73,7 +148,7 @@ class Semaphore(Holder):
         if name is None:
             raise TypeError("Semaphore() needs a name: Semaphore(dsn, 'partner-api', permits=3)")
         count = check_permit_count(name, permits)
-        self._setup(name, client_for(dsn, pool, async_pool, client), Settings.from_arguments(locals()), permits=count)
+        self._setup(name, client_for(dsn, pool, async_pool, client), Settings.from_arguments(locals()), Permits(count))
 
     @property
     def name(self) -> str:
@@ -83,7 +158,8 @@ class Semaphore(Holder):
     @property
     def permits(self) -> int:
         """How many holders the semaphore allows at once, as this Semaphore declares it."""
-        return self._permits or 0
+        assert isinstance(self._kind, Permits)  # set by __init__
+        return self._kind.count
 
     @property
     def permit(self) -> int | None:
@@ -91,7 +167,7 @@ class Semaphore(Holder):
         hold = self._lock.hold
         if hold is None or not self._lock.held:
             return None
-        return int(hold.row_name.rpartition(SEPARATOR)[2])
+        return self._kind.permit_of(hold.row_name)
 
     def __repr__(self) -> str:
         return (
@@ -103,7 +179,7 @@ class Semaphore(Holder):
         """A Semaphore of another name (see `Siblings`), on the same client, with the same permits and settings."""
         permits = check_permit_count(lock_name, self.permits)
         settings = self._settings.replace(watch=False)  # watch=True watches its own semaphore only
-        return Semaphore._made(lock_name, self.client, settings, instance_id=self.instance_id, permits=permits)
+        return Semaphore._made(lock_name, self.client, settings, Permits(permits), instance_id=self.instance_id)
 
 
 BUILT_ON_IT.semaphore = Semaphore

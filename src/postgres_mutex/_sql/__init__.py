@@ -11,9 +11,11 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
   lock's fence check;
 - `_sql.lock`: the lock's statements for one table of one shape
   (`Statements`, `TableShape`), and LISTEN for its releases;
+- `_sql.kinds`: what each kind of lock adds to `Statements`, registered by its part;
 - `_sql.history`: how a hold can end and the parts of the lock statements
   that write the history, and its read;
-- `_sql.permits`: what semaphores add (their permits are rows of the lock table);
+- `_sql.permits`: what semaphores add (each permit is a row of the lock table);
+- `_sql.rwlocks`: what read/write locks add (each holder is a row, each lock a gate);
 - `_sql.rows`: what a row's name says it holds (a mutex, a permit, a read/write lock's mode);
 - `_sql.wake`: whom a release wakes (one registered process), and the listener's registration;
 - `_sql.schema`: creating, inspecting and migrating the tables;
@@ -21,6 +23,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
   beat's state, APScheduler's ledger).
 """
 
+from . import permits, rwlocks  # noqa: F401  (imported for their kinds' statements: `_sql.kinds`)
 from .history import HISTORY_ENDINGS
 from .integrations import (
     APSCHEDULER_RUNS,
@@ -32,8 +35,7 @@ from .integrations import (
 )
 from .lock import CURRENT, CURRENT_WITH_HISTORY, LEGACY, Statements, TableShape, listen, unlisten
 from .names import Names
-from .permits import SEPARATOR
-from .rows import RowOf, row_of
+from .rows import SEPARATOR, RowOf, row_of, rw_row_name
 from .schema import create_history, create_table, history_retention, inspect_table, migrate_steps, pages_have_room
 from .statement import Statement, end_session_left_behind, session_setup
 from .wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, unregister
@@ -68,6 +70,7 @@ __all__ = [
     "pass_on",
     "register",
     "row_of",
+    "rw_row_name",
     "session_setup",
     "unlisten",
     "unregister",

@@ -10,10 +10,14 @@ itself is created and its retention set by the schema statements.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from psycopg import sql
 
-from .names import Names
 from .statement import Statement, statement
+
+if TYPE_CHECKING:
+    from .names import Names
 
 HISTORY_ENDINGS = (
     "released",

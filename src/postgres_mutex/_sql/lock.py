@@ -22,10 +22,9 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
-from . import permits as permits_sql
-from . import rwlocks as rwlocks_sql
 from . import sessions
 from .history import acquire_history, heartbeat_alerts, hold_ended, read_history
+from .kinds import added
 from .names import Names
 from .statement import Statement, render, statement
 from .wake import after_release
@@ -75,7 +74,15 @@ class Statements:
     any value is the one it would make for each. A heartbeat carries an array
     of holds (up to a few hundred): planned for its length each time, since a
     kept plan guesses ten rows whatever the array holds.
+
+    Each kind of lock but the mutex adds its own (`_sql.kinds`): None where the table lacks its columns.
     """
+
+    acquire_permit: Statement | None
+    cleanup_permit: Statement | None
+    set_permits: Statement | None
+    acquire_read: Statement | None
+    acquire_write: Statement | None
 
     def __init__(self, names: Names, shape: TableShape) -> None:
         self.names = names
@@ -108,16 +115,8 @@ class Statements:
         self.writers_waiting: Statement | None = _writers_waiting(names) if shape.rwlocks else None
         self.force_release = _force_release(names, shape)
         self.history = read_history(names) if shape.history else None
-        # Semaphores need the permit columns, and tokens and sessions, which every migration adds before them.
-        permits = shape.semaphores and shape.tokens and shape.sessions
-        history = shape.history
-        self.acquire_permit = permits_sql.acquire_permit(names, history=history) if permits else None
-        self.cleanup_permit = permits_sql.cleanup_permit(names, history=history) if permits else None
-        self.set_permits = permits_sql.set_permits(names, history=history) if permits else None
-        # Read/write locks need tokens and sessions too, which every migration adds before them.
-        rw = shape.rwlocks and shape.tokens and shape.sessions
-        self.acquire_read = rwlocks_sql.acquire_read(names, history=history) if rw else None
-        self.acquire_write = rwlocks_sql.acquire_write(names, history=history) if rw else None
+        for attribute, made in added(names, shape).items():
+            setattr(self, attribute, made)
 
 
 def _acquire(names: Names, shape: TableShape) -> Statement:

@@ -137,7 +137,7 @@ SELECT (SELECT token FROM mine),
 
         One channel per lock, so waiters are woken only by their own lock; a
         mutex, a semaphore and a read/write lock of one name (``kind``, in the
-        words of `_state.events.kind_of`) have one each, so a release that wakes one
+        words of `_state.kind.LockKind.noun`) have one each, so a release that wakes one
         waiter never wakes a waiter of another kind, who could not use it. A
         digest keeps it under the 63-byte identifier limit whatever the names.
         """

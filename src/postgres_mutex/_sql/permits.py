@@ -16,18 +16,21 @@ exist.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from psycopg import sql
 
 from . import sessions
 from .history import acquire_permit_history, hold_ended
-from .names import Names
+from .kinds import adds
 from .statement import Statement, statement
 from .wake import WAKE_ALL, after_release
 
-_NOTHING = sql.SQL("")
+if TYPE_CHECKING:
+    from .lock import TableShape
+    from .names import Names
 
-SEPARATOR = "\x1f"
-"""Between a semaphore's name and a permit's number in a permit row's ``lock_name`` (``chr(31)`` in SQL)."""
+_NOTHING = sql.SQL("")
 
 
 def acquire_permit(names: Names, *, history: bool) -> Statement:
@@ -204,3 +207,15 @@ SELECT (SELECT permits FROM previous), (SELECT count(*) FROM released)::int,
             ended=hold_ended(names) if history else _NOTHING,
         ),
     )
+
+
+@adds
+def _statements(names: Names, shape: TableShape) -> dict[str, Statement | None]:
+    """A semaphore's statements for a table of ``shape``."""
+    # The permit columns, and tokens and sessions, which every migration adds before them.
+    ready = shape.semaphores and shape.tokens and shape.sessions
+    return {
+        "acquire_permit": acquire_permit(names, history=shape.history) if ready else None,
+        "cleanup_permit": cleanup_permit(names, history=shape.history) if ready else None,
+        "set_permits": set_permits(names, history=shape.history) if ready else None,
+    }

@@ -11,9 +11,12 @@ which it is: the table's reads and its history read it from there.
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
-from .permits import SEPARATOR
+SEPARATOR = "\x1f"
+"""Between a lock's name and what its row holds of it (a permit's number, a mode) in a row's ``lock_name``
+(``chr(31)`` in SQL)."""
 
 
 class RowOf(NamedTuple):
@@ -38,3 +41,13 @@ def row_of(lock_name: str) -> RowOf:
     if rest.startswith("r"):
         return RowOf(rwlock=owner, mode="read")
     return RowOf()
+
+
+def rw_row_name(lock_name: str, instance_id: str, mode: str) -> str:
+    """The ``lock_name`` of a read/write lock's row (`_sql.rwlocks`): one writer's, or each reader's own.
+
+    A reader's carries a digest of its instance id: distinct per holder, and short enough to fit.
+    """
+    if mode == "write":
+        return f"{lock_name}{SEPARATOR}w"
+    return f"{lock_name}{SEPARATOR}r{hashlib.sha256(instance_id.encode()).hexdigest()[:12]}"

@@ -27,12 +27,18 @@ once it passes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from psycopg import sql
 
 from . import sessions
 from .history import acquire_rw_history
-from .names import Names
+from .kinds import adds
 from .statement import Statement, statement
+
+if TYPE_CHECKING:
+    from .lock import TableShape
+    from .names import Names
 
 _GATE = """WITH gate_made AS (
   INSERT INTO {rwlocks} (name, mode) VALUES (%(rwlock)s, {first_mode})
@@ -245,3 +251,14 @@ def acquire_write(names: Names, *, history: bool = False) -> Statement:
         preparable=True,
         marks=True,
     )
+
+
+@adds
+def _statements(names: Names, shape: TableShape) -> dict[str, Statement | None]:
+    """A read/write lock's statements for a table of ``shape``."""
+    # The gates' table and columns, and tokens and sessions, which every migration adds before them.
+    ready = shape.rwlocks and shape.tokens and shape.sessions
+    return {
+        "acquire_read": acquire_read(names, history=shape.history) if ready else None,
+        "acquire_write": acquire_write(names, history=shape.history) if ready else None,
+    }

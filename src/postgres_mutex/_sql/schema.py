@@ -11,12 +11,16 @@ retried step are harmless.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from psycopg import sql
 
 from .history import FAMILY, HISTORY_ENDINGS
-from .names import Names
 from .sessions import COLUMNS as SESSION_COLUMNS
 from .statement import Statement, render, schema_change, statement
+
+if TYPE_CHECKING:
+    from .names import Names
 
 FILLFACTOR = sql.Literal(50)
 """How full the lock table's pages are filled: half, so a heartbeat's new row version fits on its page.

@@ -6,7 +6,6 @@ the lock flows, they do no I/O and own their retries and deadlines.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -14,22 +13,11 @@ from .. import _sql
 from .._base.clock import now
 from .._sql import SEPARATOR, Names, Statement, Statements, TableShape
 from ..errors import DatabaseError, OperationTimeout, SchemaError, phrase
-from .rules import (
-    CANCELLED,
-    LOCK_NOT_AVAILABLE,
-    PRIVILEGE,
-    SERIALIZATION_FAILURE,
-    UNDEFINED_COLUMN,
-    AcquireResult,
-    Outcome,
-    observe,
-    rw_row_name,
-)
-from .settings import BRIEF_WAIT
-from .steps import Execute, Flow, Pause, Result, Shape
+from .failures import CANCELLED, LOCK_NOT_AVAILABLE, PRIVILEGE, SERIALIZATION_FAILURE, UNDEFINED_COLUMN
+from .steps import BRIEF_WAIT, Execute, Flow, Pause, Result, Shape
 
 if TYPE_CHECKING:
-    from .locks import LockState
+    pass
 
 T = TypeVar("T")
 
@@ -242,33 +230,6 @@ def _change_schema(statement: Statement, timeout: float, action: str, give_up_at
             pause = min(pause * 2, 1.0)
 
 
-def holders(
-    names: Names,
-    lock_names: frozenset[str] | None,
-    timeout: float,
-    *,
-    alert_threshold: float,
-    stale_threshold: float,
-) -> Flow[list[Any]]:
-    """Every held lock (or those named) with its holder and ages by the server's clock: one query."""
-    statements: Statements = yield Shape(names, timeout)
-    reply = yield Execute(
-        statements.holders,
-        {"lock_names": None if lock_names is None else sorted(lock_names)},
-        timeout,
-        f"read of the lock table {names.table_name}",
-    )
-    seen = observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
-    rwlocks = sorted({held.rwlock for held in seen if held.rwlock is not None})
-    if not rwlocks or statements.writers_waiting is None:
-        return seen
-    gates = yield Execute(
-        statements.writers_waiting, {"rwlocks": rwlocks}, timeout, f"read of the lock table {names.table_name}"
-    )
-    waiting = {str(row[0]) for row in gates.rows}
-    return [held if held.rwlock is None else replace(held, writer_waiting=held.rwlock in waiting) for held in seen]
-
-
 def read_history(
     names: Names,
     timeout: float,
@@ -337,10 +298,10 @@ def force_release(
         channel = names.channel(lock_name, "read/write lock")
         if writer:
             action = f"forced release of the writer of read/write lock {lock_name!r}"
-            lock_name = rw_row_name(lock_name, "", "write")
+            lock_name = _sql.rw_row_name(lock_name, "", "write")
         else:
             action = f"forced release of reader {reader!r} of read/write lock {lock_name!r}"
-            lock_name = rw_row_name(lock_name, reader or "", "read")
+            lock_name = _sql.rw_row_name(lock_name, reader or "", "read")
     deadline = now() + timeout
     while True:
         left = max(deadline - now(), _LEAST_TRY)
@@ -389,8 +350,8 @@ def force_release(
 _CHECK_VIOLATION = "23514"
 
 
-def set_permits(names: Names, semaphore: str, permits: int, timeout: float) -> Flow[tuple[int | None, int]]:
-    """Change a semaphore's N (`_sql.permits.set_permits`); (the previous N or None, holders released).
+def set_permits(names: Names, semaphore: str, count: int, timeout: float) -> Flow[tuple[int | None, int]]:
+    """Change a semaphore's N to ``count`` (`_sql.permits.set_permits`); (the previous N or None, holders released).
 
     Sent again while a row it must change is locked by a fenced transaction,
     or while a permit taken with the old N meanwhile makes the check refuse
@@ -415,7 +376,7 @@ def set_permits(names: Names, semaphore: str, permits: int, timeout: float) -> F
                 statements.set_permits,
                 {
                     "semaphore": semaphore,
-                    "permits": permits,
+                    "permits": count,
                     "channel": names.channel(semaphore, "semaphore"),
                     "ended_how": "force_released",
                     "alert_seconds": None,
@@ -447,23 +408,3 @@ def _server_words(exc: DatabaseError) -> str:
     diag = getattr(cause, "diag", None)
     primary = getattr(diag, "message_primary", None)
     return str(primary) if primary else str(exc)
-
-
-def tokens_appeared(lock: LockState, result: AcquireResult, timeout: float) -> Flow[AcquireResult]:
-    """The table was migrated while this process used it without tokens: use its new shape from now on.
-
-    A fresh row took its token from the column's default. A row taken over
-    kept the previous hold's, which must not name this one: it gets a new
-    token (or none, if that fails: fencing then says the hold has none).
-    """
-    taken_over = result.outcome is not Outcome.ACQUIRED
-    token = None if taken_over else result.token
-    try:
-        statements: Statements = yield Shape(lock.names, timeout, fresh=True)
-        if taken_over and statements.retoken is not None:
-            params = {**lock.params(), "acquired_at": result.acquired_at}
-            reply = yield Execute(statements.retoken, params, timeout, lock.describe("acquire"))
-            token = None if reply.row is None else reply.row[0]
-    except DatabaseError:
-        pass  # the hold stands; only its token is unknown
-    return replace(result, token=token)

@@ -17,20 +17,32 @@ from opentelemetry.trace import Span
 
 from .._observe.hooks import ExtendedMetricsHook, LockObservation
 from .._observe.tracing import MODE, OUTCOME, PERMIT, AttributeValue, mark_error, set_outcome
-from .._sql import SEPARATOR
 from ..errors import LockNotHeldError
-from .rules import DISCONNECTED, AcquireResult, Outcome, reclaim_reason
+from ..metric_names import RECLAIM_REASONS
+from .kind import MUTEX, LockKind
+from .outcome import AcquireResult, Outcome
 
 logger = logging.getLogger("postgres_mutex")
 
 LostCallback = Callable[[LockNotHeldError], object]
 
+STALE, DISCONNECTED = RECLAIM_REASONS
+"""Why a row was taken over from another instance: silent past ``stale_threshold``; or its holder opted in
+to ``reclaim_disconnected_after``, its database session had ended and its heartbeat was older than that."""
 
-def kind_of(semaphore: bool, rw_mode: str | None) -> str:
-    """What is held, in the words messages use: a lock, a semaphore, a read/write lock (a holder with a mode)."""
-    if rw_mode is not None:
+
+def reclaim_reason(result: AcquireResult, stale_threshold: float) -> str:
+    """Why ``result`` (a reclaim) took the row: a heartbeat younger than ``stale_threshold`` in the statement's
+    snapshot can only have been reclaimed for a disconnected session (a row only gets younger meanwhile)."""
+    age = result.heartbeat_age
+    return DISCONNECTED if age is not None and age < stale_threshold else STALE
+
+
+def noun_of(seen: LockObservation) -> str:
+    """What a row seen holds, in the words messages use (`LockKind.noun`): a lock, a semaphore, a read/write lock."""
+    if seen.mode is not None:
         return "read/write lock"
-    return "semaphore" if semaphore else "lock"
+    return "lock" if seen.semaphore is None else "semaphore"
 
 
 class ModeKeyword(TypedDict, total=False):
@@ -43,17 +55,13 @@ def mode_keyword(mode: str | None) -> ModeKeyword:
     return {} if mode is None else {"mode": mode}
 
 
-_HOLDER_TYPES = {"lock": "Mutex", "semaphore": "Semaphore", "read/write lock": "RWLock"}
-"""What holds each kind of lock, as a program makes it."""
-
-
-def describe(kind: str, name: str, *, permit: int | None = None, rw_mode: str | None = None) -> str:
+def describe(noun: str, name: str, *, permit: int | None = None, mode: str | None = None) -> str:
     """What is held, as log lines name it: ``lock 'job'``, ``semaphore 'api' (permit 2)``,
     ``read/write lock 'catalogue' (read)``; never a row's name, with its separator."""
-    said = f"{kind} {name!r}"
+    said = f"{noun} {name!r}"
     if permit is not None:
         return f"{said} (permit {permit})"
-    return said if rw_mode is None else f"{said} ({rw_mode})"
+    return said if mode is None else f"{said} ({mode})"
 
 
 class LockEvents:
@@ -72,7 +80,6 @@ class LockEvents:
         "on_doubt",
         "on_lost",
         "permit",
-        "rw_mode",
         "stale_threshold",
         "told_unnamed",
     )
@@ -86,12 +93,10 @@ class LockEvents:
         on_lost: LostCallback | None,
         alert_threshold: float,
         stale_threshold: float,
-        permits: int | None = None,
-        rw_mode: str | None = None,
+        kind: LockKind = MUTEX,
     ) -> None:
         self.lock_name = lock_name
-        self.kind = kind_of(permits is not None, rw_mode)
-        self.rw_mode = rw_mode
+        self.kind = kind
         self.permit: int | None = None
         """The permit the semaphore's last hold took (its row's number), for log lines."""
         self.instance_id = instance_id
@@ -105,11 +110,12 @@ class LockEvents:
 
     @property
     def what(self) -> str:
-        return describe(self.kind, self.lock_name, permit=self.permit, rw_mode=self.rw_mode)
+        return describe(self.kind.noun, self.lock_name, permit=self.permit, mode=self.kind.mode)
 
     def span_mode(self) -> dict[str, AttributeValue]:
         """The span attribute of a read/write lock's holder: its mode (none for any other)."""
-        return {} if self.rw_mode is None else {MODE: self.rw_mode}
+        mode = self.kind.mode
+        return {} if mode is None else {MODE: mode}
 
     # -- acquiring -------------------------------------------------------------
 
@@ -133,9 +139,8 @@ class LockEvents:
 
     def acquired(self, span: Span, result: AcquireResult, *, expected_own_row: bool, row: str | None = None) -> None:
         """Acquired; ``row``: the ``lock_name`` of the row won, whose number is a semaphore's permit."""
-        if self.kind == "semaphore" and row is not None:
-            number = row.rpartition(SEPARATOR)[2]
-            self.permit = int(number) if number.isdigit() else None
+        if row is not None:
+            self.permit = self.kind.permit_of(row)
         _event(span, result.outcome.value, holder=result.holder, token=result.token)
         if result.outcome is Outcome.RECLAIMED:
             assert result.holder is not None
@@ -164,21 +169,21 @@ class LockEvents:
                 token=result.token,
                 reason=reason,
                 # The mode of the hold taken over, as the reply names it: a writer takes over dead readers.
-                **mode_keyword(None if self.rw_mode is None else result.holder_mode or self.rw_mode),
+                **mode_keyword(None if self.kind.mode is None else result.holder_mode or self.kind.mode),
             )
         elif result.outcome is Outcome.REACQUIRED and not expected_own_row:
             logger.warning(
                 "%s already carried this %s's instance_id %r; took it back. "
                 "A restarted process reusing its id, or an id shared by two live processes?",
                 self.what,
-                _HOLDER_TYPES[self.kind],
+                self.kind.holder_type,
                 self.instance_id,
             )
         elif logger.isEnabledFor(logging.DEBUG):  # `what` is made for the record alone
             logger.debug("acquired %s (instance_id %r)", self.what, self.instance_id)
         if span.is_recording() and result.token is not None:
             span.set_attribute("postgres_mutex.token", result.token)
-        if span.is_recording() and self.kind == "semaphore" and self.permit is not None:
+        if span.is_recording() and self.permit is not None:
             span.set_attribute(PERMIT, self.permit)
         self.hook.acquired(self.lock_name, instance_id=self.instance_id, token=result.token)
 
@@ -193,10 +198,10 @@ class LockEvents:
 
     def waiting(self) -> None:
         """A blocking acquire waits for a release (the waiters gauge counts it until `stopped_waiting`)."""
-        self.hook.waiting(self.lock_name, instance_id=self.instance_id, **mode_keyword(self.rw_mode))
+        self.hook.waiting(self.lock_name, instance_id=self.instance_id, **mode_keyword(self.kind.mode))
 
     def stopped_waiting(self) -> None:
-        self.hook.stopped_waiting(self.lock_name, instance_id=self.instance_id, **mode_keyword(self.rw_mode))
+        self.hook.stopped_waiting(self.lock_name, instance_id=self.instance_id, **mode_keyword(self.kind.mode))
 
     def alert(
         self, holder: str, seconds_since_heartbeat: float, span: Span | None = None, *, mode: str | None = None
@@ -204,7 +209,7 @@ class LockEvents:
         """A contender found ``holder`` silent; ``mode``: the mode it holds, for a read/write lock."""
         if span is not None:
             _event(span, "alert", holder=holder, heartbeat_age=seconds_since_heartbeat, name="postgres_mutex.alert")
-        what = describe(self.kind, self.lock_name, rw_mode=mode)
+        what = describe(self.kind.noun, self.lock_name, mode=mode)
         report_alert(self.hook, what, self.lock_name, holder, seconds_since_heartbeat, self.alert_threshold, mode)
 
     def acquire_ended(self, span: Span, outcome: str, *, attempts: int, waited: float, holder: str | None) -> None:
@@ -361,8 +366,7 @@ class WatcherEvents:
     def alert(self, seen: LockObservation) -> None:
         """``seen``'s holder is silent: told under the name users gave (a semaphore's or read/write lock's,
         not its row's), with its permit or mode."""
-        kind = kind_of(seen.semaphore is not None, seen.mode)
-        what = describe(kind, seen.name, permit=seen.permit, rw_mode=seen.mode)
+        what = describe(noun_of(seen), seen.name, permit=seen.permit, mode=seen.mode)
         report_alert(
             self.hook, what, seen.name, seen.holder, seen.seconds_since_heartbeat, self.alert_threshold, seen.mode
         )

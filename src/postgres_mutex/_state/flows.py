@@ -11,27 +11,15 @@ Nothing here does I/O. The heartbeat's flows are in `_state.heartbeat_flows`, th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._base.clock import now
-from .._observe.tracing import INSTANCE_ID, LOCK_NAME, AttributeValue, Tracing
-from .._sql import Statement, Statements
+from .._observe.tracing import AttributeValue, Tracing
 from ..errors import DatabaseError, LockAcquisitionTimeout, OperationTimeout, SchemaError, phrase
-from .admin_flows import tokens_appeared
+from .failures import CANCELLED, SERIALIZATION_FAILURE, SHAPE_CHANGED
 from .locks import LEASE_EXPIRED, NOT_HELD, Hold, HoldStatus, LockState
-from .rules import (
-    CANCELLED,
-    FOREIGN_KEY_VIOLATION,
-    RW_LOST_RACE,
-    SERIALIZATION_FAILURE,
-    SHAPE_CHANGED,
-    AcquireResult,
-    Outcome,
-    acquire_statement,
-    permits_mismatch,
-    read_acquire,
-)
+from .outcome import AcquireResult, Outcome
 from .steps import (
     Cleanup,
     Execute,
@@ -49,6 +37,9 @@ from .steps import (
     WaitForRelease,
 )
 
+if TYPE_CHECKING:
+    from .._sql import Statement, Statements
+
 T = TypeVar("T")
 
 
@@ -60,8 +51,8 @@ _MIN_STATEMENT_TIMEOUT = 0.1
 _CLEANUP_LOOK = 0.01  # seconds between looks at a clean-up on the wire (rare: after an interrupted statement)
 _LOST_RACE_PAUSE = 0.05  # seconds at most before a read/write lock's next attempt after a race lost
 
-# At most so many of a semaphore's attempts are sent again at once (`PermitReply.retry_at_once`).
-_QUICK_PERMIT_RETRIES = 5
+# At most so many attempts are sent again at once when the reply says it may win (`LockKind.again_at_once`).
+_QUICK_RETRIES = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +187,8 @@ class _Attempts:
         self.stopped = False
         self.statements: Statements | None = None if first is None else first.statements
         self.quick_retry_spent = False
-        self.quick_permit_retries = 0
-        self.held_permits: int | None = None  # a semaphore's, at the last attempt
+        self.quick_retries = 0
+        self.held: int | None = None  # how many rows of the lock were held, at the last attempt
 
     def until_done(self, owner: object) -> Flow[Hold | None]:
         lock = self.lock
@@ -228,9 +219,7 @@ class _Attempts:
                                 and not self.statements.shape.sessions
                             ):
                                 lock.events.sessions_unnamed(lock.names.table_name)
-                        if (lock.permits is not None and self.statements.acquire_permit is None) or (
-                            lock.rw_mode is not None and self.statements.acquire_read is None
-                        ):
+                        if not lock.kind.migrated(self.statements):
                             self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
                         if self.hold_at_least is not None and not self.statements.shape.holds:
                             self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
@@ -238,11 +227,9 @@ class _Attempts:
                                 raise no_minimum_hold(lock)
                         params = lock.params()
                         params["hold_seconds"] = self.hold_at_least
-                        if lock.rw_mode is not None:
-                            # Only a writer that will wait claims the lock ahead of new readers.
-                            params["waiting"] = self.blocking
+                        lock.kind.acquiring(params, blocking=self.blocking)
                         reply = yield Execute(
-                            acquire_statement(self.statements, lock.permits, lock.lock_name, lock.rw_mode),
+                            lock.kind.acquire_statement(self.statements, lock.lock_name),
                             params,
                             statement_timeout,
                             lock.describe("acquire"),
@@ -266,19 +253,14 @@ class _Attempts:
                     lock.attempt_unanswered(statement_timeout)
                     raise
 
-                read = read_acquire(reply.row, lock.instance_id, lock.permits, wide=lock.rw_mode is not None)
-                result, row_name, self.held_permits = read.result, read.row_name, read.held
-                if lock.rw_mode is not None:
-                    if read.stored_permits == 1 and self.quick_permit_retries < _QUICK_PERMIT_RETRIES:
-                        # Another reader was opening the gate this one found closed: it is open now.
-                        self.quick_permit_retries += 1
-                        lock.attempt_contended(result.holder)
-                        continue
-                elif read.stored_permits not in (None, lock.permits):
+                read = lock.kind.read(reply.row, lock.instance_id)
+                result, row_name, self.held = read.result, read.row_name, read.held
+                refused = lock.kind.refusal(read, lock.names.table_name, lock.lock_name)
+                if refused is not None:
                     lock.attempt_contended(None)
-                    raise permits_mismatch(lock.names.table_name, lock.lock_name, lock.permits, read.stored_permits)
-                if read.retry_at_once(lock.permits) and self.quick_permit_retries < _QUICK_PERMIT_RETRIES:
-                    self.quick_permit_retries += 1
+                    raise refused
+                if lock.kind.again_at_once(read) and self.quick_retries < _QUICK_RETRIES:
+                    self.quick_retries += 1
                     lock.attempt_contended(result.holder)
                     continue
                 assert self.statements is not None  # inspected by this attempt, or given with the first
@@ -307,7 +289,7 @@ class _Attempts:
                     return None
                 if _passed(self.deadline):
                     raise LockAcquisitionTimeout(
-                        lock.still_busy(result.holder, self.held_permits, self._waited()),
+                        lock.still_busy(result.holder, self.held, self._waited()),
                         self.timeout,
                         lock_name=lock.lock_name,
                         holder=result.holder,
@@ -385,7 +367,7 @@ class _Attempts:
         lock, span = self.lock, self.span
         # A read/write lock's race lost between its check and its write: a constraint refused the
         # statement, so nothing was written. That is "busy", not a failure (`_sql.rwlocks`).
-        lost_race = lock.rw_mode is not None and exc.sqlstate in RW_LOST_RACE
+        lost_race = lock.kind.lost_race(exc.sqlstate)
         if lost_race and self.blocking:
             yield Pause(_until(self.deadline, min(lock.timing.poll_interval, _LOST_RACE_PAUSE)))
             return True  # the next attempt's reply, contended or not, meets the deadline's check
@@ -397,8 +379,8 @@ class _Attempts:
             lock.events.contended(span, busy, alert=False)
             yield from self._leave_nothing_behind()
             return False
-        if exc.sqlstate == FOREIGN_KEY_VIOLATION and lock.permits is not None and not self.quick_retry_spent:
-            # The semaphore's N was changed while this attempt ran: the next one reads the new N.
+        if lock.kind.changed_meanwhile(exc.sqlstate) and not self.quick_retry_spent:
+            # What the lock is (a semaphore's N) was changed while this attempt ran: the next one reads it.
             self.quick_retry_spent = True
             return True
         if exc.sqlstate in SHAPE_CHANGED and not self.quick_retry_spent:
@@ -515,11 +497,7 @@ def _acquire_attributes(lock: LockState, blocking: bool, timeout: float | None) 
     extra: dict[str, AttributeValue] = {"postgres_mutex.blocking": blocking}
     if timeout is not None:
         extra["postgres_mutex.timeout"] = timeout
-    return span_attributes(lock, **extra)
-
-
-def span_attributes(lock: LockState, **extra: AttributeValue) -> dict[str, AttributeValue]:
-    return {LOCK_NAME: lock.lock_name, INSTANCE_ID: lock.instance_id, **lock.events.span_mode(), **extra}
+    return lock.span_attributes(**extra)
 
 
 # -- release -------------------------------------------------------------------
@@ -557,7 +535,7 @@ def release(
             settled = True
             raise lock.not_held_error(NOT_HELD)
         yield Forget(hold)
-        with tracing.span("postgres_mutex.release", lambda: span_attributes(lock)) as span:
+        with tracing.span("postgres_mutex.release", lambda: lock.span_attributes()) as span:
             if hold.status is HoldStatus.HELD:
                 # Its lease ran out before anyone noticed: that is a loss, reported once.
                 lost = lock.lose(hold, LEASE_EXPIRED)
@@ -674,7 +652,7 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
     if cleanup.row_name is not None:
         params["lock_name"] = cleanup.row_name
     stray = cleanup.acquired_at is None
-    stray_statement = statements.cleanup_permit if lock.permits is not None else None
+    stray_statement = lock.kind.stray_cleanup(statements)
     result: Result = yield Execute(
         (stray_statement or statements.cleanup) if stray else statements.release,
         params,
@@ -688,3 +666,23 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
     if conclusive and stray:
         lock.stray_row_cleaned(cleanup.generation)
     return conclusive
+
+
+def tokens_appeared(lock: LockState, result: AcquireResult, timeout: float) -> Flow[AcquireResult]:
+    """The table was migrated while this process used it without tokens: use its new shape from now on.
+
+    A fresh row took its token from the column's default. A row taken over
+    kept the previous hold's, which must not name this one: it gets a new
+    token (or none, if that fails: fencing then says the hold has none).
+    """
+    taken_over = result.outcome is not Outcome.ACQUIRED
+    token = None if taken_over else result.token
+    try:
+        statements: Statements = yield Shape(lock.names, timeout, fresh=True)
+        if taken_over and statements.retoken is not None:
+            params = {**lock.params(), "acquired_at": result.acquired_at}
+            reply = yield Execute(statements.retoken, params, timeout, lock.describe("acquire"))
+            token = None if reply.row is None else reply.row[0]
+    except DatabaseError:
+        pass  # the hold stands; only its token is unknown
+    return replace(result, token=token)

@@ -9,17 +9,17 @@ client's event thread. Nothing here does I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from .._base.clock import now
 from .._observe.tracing import AttributeValue, Tracing, mark_error, set_outcome
-from .._sql import Statement, Statements
 from ..errors import DatabaseError, LockNotHeldError
-from .flows import span_attributes
+from .failures import SHAPE_CHANGED
 from .locks import ROW_GONE, Hold, LockState
-from .rules import SHAPE_CHANGED
-from .settings import BRIEF_WAIT
-from .steps import Execute, Flow, Shape, Tell
+from .steps import BRIEF_WAIT, Execute, Flow, Shape, Tell
+
+if TYPE_CHECKING:
+    from .._sql import Statement, Statements
 
 T = TypeVar("T")
 
@@ -76,7 +76,7 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
     """
     attributes: dict[str, AttributeValue] = {"postgres_mutex.locks": len(holds)}
     if len(holds) == 1:
-        attributes.update(span_attributes(holds[0].lock))
+        attributes.update(holds[0].lock.span_attributes())
     links = [hold.span_context for hold in holds[:32]]
     with tracing.span("postgres_mutex.heartbeat", attributes, links=links) as span:
         action = holds[0].lock.describe("heartbeat") if len(holds) == 1 else f"heartbeat of {len(holds)} locks"

@@ -46,14 +46,16 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanContext
 
 from .._base.clock import now
+from .._observe.tracing import INSTANCE_ID, LOCK_NAME, AttributeValue
 from ..errors import LockAlreadyHeldError, LockNotHeldError
-from .events import LockEvents, kind_of
-from .rules import AlertGate, rw_row_name, writer_claim_seconds
-from .settings import Timing
+from .alerts import AlertGate
+from .kind import MUTEX, LockKind
 
 if TYPE_CHECKING:
     from .._observe.tracing import Tracing
     from .._sql import Names
+    from .events import LockEvents
+    from .settings import Timing
 
 LEASE_EXPIRED = "its lease ran out: no heartbeat succeeded for stale_threshold - heartbeat_interval"
 ROW_GONE = "its row was deleted or taken over by another instance"
@@ -119,7 +121,7 @@ class Hold:
     ) -> None:
         self.lock = lock
         self.row_name = lock.lock_name if row_name is None else row_name
-        """The ``lock_name`` of its row: the lock's own, or a semaphore's permit (`_sql.permits`)."""
+        """The ``lock_name`` of its row: the lock's own, or the one its kind chose (a semaphore's permit)."""
         self.acquired_at = acquired_at
         self.token = token
         self.renewed_at = sent_at
@@ -166,12 +168,12 @@ class Hold:
 
 
 class LockState:
-    """One Mutex's lock (or one Semaphore's permits): its identity, settings, how its events are told, and its
-    current hold.
+    """One holder's lock: its identity, its kind, settings, how its events are told, and its current hold.
 
-    A semaphore's (``permits`` is its N) is held by a row per permit, whose ``lock_name`` each hold carries:
-    statements address the hold's row by it, while names, metrics, spans and the wake-up channel are the
-    semaphore's own.
+    What differs with what is held (a mutex, a semaphore's permit, a read/write lock's mode) is its
+    `LockKind`'s to say. A hold's row may be named otherwise than the lock (a semaphore's is a row per
+    permit), and each hold carries its row's ``lock_name``: statements address the hold's row by it, while
+    names, metrics, spans and the wake-up channel are the lock's own.
     """
 
     def __init__(
@@ -184,20 +186,17 @@ class LockState:
         events: LockEvents,
         tracing: Tracing,
         state_lock: StateLock,
-        permits: int | None = None,
-        rw_mode: str | None = None,
+        kind: LockKind = MUTEX,
     ) -> None:
-        self.permits = permits
-        self.rw_mode = rw_mode
-        """For a read/write lock's holder: the mode it holds, ``"read"`` or ``"write"`` (`_sql.rwlocks`)."""
-        self.kind = kind_of(permits is not None, rw_mode)
+        self.kind = kind
+        """What is held, and all that differs with it (`LockKind`)."""
         self.names = names
         self.tracing = tracing
         self.lock_name = lock_name
         self.instance_id = instance_id
         self.timing = timing
         self.events = events
-        self.channel = names.channel(lock_name, self.kind)
+        self.channel = names.channel(lock_name, kind.noun)
         self.alert_gate = AlertGate(timing.alert_threshold)
         self._lock = state_lock
         self.phase = Phase.IDLE
@@ -237,7 +236,7 @@ class LockState:
     @property
     def row_name(self) -> str:
         """The ``lock_name`` of the row an acquire writes, when known before it: a read/write lock's is."""
-        return self.lock_name if self.rw_mode is None else rw_row_name(self.lock_name, self.instance_id, self.rw_mode)
+        return self.kind.row_name(self.lock_name, self.instance_id)
 
     def params(self) -> dict[str, object]:
         hold = self.hold
@@ -252,37 +251,22 @@ class LockState:
             "alert_seconds": self.timing.alert_threshold,
             "hold_seconds": None,  # an acquire's minimum hold, which the acquire sets
         }
-        if self.permits is not None:
-            params["semaphore"] = self.lock_name
-            params["permits"] = self.permits
-        if self.rw_mode is not None:
-            params["rwlock"] = self.lock_name
-            params["row_name"] = self.row_name
-            params["waiting"] = False
-            params["waiting_seconds"] = writer_claim_seconds(self.timing)
+        params.update(self.kind.params(self.lock_name, self.row_name, self.timing))
         return params
+
+    def span_attributes(self, **extra: AttributeValue) -> dict[str, AttributeValue]:
+        """What a span of an operation on it carries: the lock's name, the instance, the mode held, ``extra``."""
+        return {LOCK_NAME: self.lock_name, INSTANCE_ID: self.instance_id, **self.events.span_mode(), **extra}
 
     def describe(self, verb: str) -> str:
         return f"{verb} of {self.kind} {self.lock_name!r} (instance_id {self.instance_id!r})"
 
     def still_busy(self, holder: str | None, held: int | None, waited: float) -> str:
-        """Why a blocking acquire timed out, in the words of what this is: a lock, or a semaphore's permits."""
-        if self.rw_mode is not None:
-            by = holder or "another instance"
-            return f"read/write lock {self.lock_name!r} not granted for {self.rw_mode} after {waited:g}s (held by {by})"
-        if self.permits is None:
-            return f"lock {self.lock_name!r} still held by {holder or 'another instance'} after {waited:g}s"
-        held_now = self.permits if held is None else held
-        return f"semaphore {self.lock_name!r} has no permit free: {held_now} of {self.permits} held after {waited:g}s"
+        """Why a blocking acquire timed out, in the words of what this is (its kind's)."""
+        return self.kind.still_busy(self.lock_name, holder, held, waited)
 
     def not_held_error(self, reason: str) -> LockNotHeldError:
-        said = (
-            f"lock {self.lock_name!r} is not held by instance {self.instance_id!r}"
-            if self.permits is None
-            else f"semaphore {self.lock_name!r}: no permit is held by instance {self.instance_id!r}"
-        )
-        if self.rw_mode is not None:
-            said = f"read/write lock {self.lock_name!r} is not held for {self.rw_mode} by instance {self.instance_id!r}"
+        said = self.kind.not_held(self.lock_name, self.instance_id)
         return LockNotHeldError(
             f"{said}: {reason}",
             lock_name=self.lock_name,
@@ -300,21 +284,8 @@ class LockState:
         stores it, and the caller still ends its own acquire, and only its own.
         """
         with self._lock:
-            if self.phase is not Phase.IDLE and self.rw_mode is not None:
-                raise LockAlreadyHeldError(
-                    f"this RWLock already holds or is acquiring read/write lock {self.lock_name!r} for {self.rw_mode} "
-                    f"(instance_id {self.instance_id!r}); use a separate RWLock per concurrent holder"
-                )
-            if self.phase is not Phase.IDLE and self.permits is not None:
-                raise LockAlreadyHeldError(
-                    f"this Semaphore already holds or is acquiring a permit of semaphore {self.lock_name!r} "
-                    f"(instance_id {self.instance_id!r}); use a separate Semaphore per concurrent holder"
-                )
             if self.phase is not Phase.IDLE:
-                raise LockAlreadyHeldError(
-                    f"this Mutex already holds or is acquiring lock {self.lock_name!r} "
-                    f"(instance_id {self.instance_id!r}); use a separate Mutex per concurrent holder"
-                )
+                raise LockAlreadyHeldError(self.kind.already_held(self.lock_name, self.instance_id))
             self.phase = Phase.ACQUIRING
             self.generation += 1
             self.acquirer = acquirer

@@ -75,30 +75,30 @@ def check_lock_name(value: object, argument: str) -> str:
     return name
 
 
-def check_permit_count(name: object, permits: object) -> int:
+def check_permit_count(name: object, count: object) -> int:
     """A Semaphore's number of permits, and its name checked to fit its permits' rows.
 
     A permit's row is named after the semaphore, the unit separator and the
     permit's number, in the table's 64 characters: the name must leave room.
     """
-    if isinstance(permits, bool) or not isinstance(permits, int):
-        raise TypeError(f"permits must be an int, not {type(permits).__name__}")
-    if not 1 <= permits <= 1_000_000:
-        raise InvalidArgument("{permits} must be from 1 to 1000000, got {value!r}", value=permits)
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"permits must be an int, not {type(count).__name__}")
+    if not 1 <= count <= 1_000_000:
+        raise InvalidArgument("{permits} must be from 1 to 1000000, got {value!r}", value=count)
     if name is not None:
         check_name(name, "name")
-        room = MAX_NAME_LENGTH - 1 - len(str(permits - 1))
+        room = MAX_NAME_LENGTH - 1 - len(str(count - 1))
         if len(name) > room:  # type: ignore[arg-type]
             raise InvalidArgument(
                 "a semaphore's name must be at most {room} characters long with {permits}={n} (its permits' rows "
                 "add a separator and the permit's number to it in a 64-character column), got {length}",
                 room=room,
-                n=permits,
+                n=count,
                 length=len(name),  # type: ignore[arg-type]
             )
         if SEPARATOR in name:  # type: ignore[operator]
             raise InvalidArgument("a semaphore's name must not contain the unit separator character (\\x1f)")
-    return permits
+    return count
 
 
 def check_names(value: object, argument: str) -> frozenset[str] | None:
@@ -411,11 +411,6 @@ def default_operation_timeout(heartbeat_interval: float, stale_threshold: float)
     window = stale_threshold - 2 * heartbeat_interval
     with_retries = (window - 2 * retry_pause(heartbeat_interval)) / 3
     return min(DEFAULT_OPERATION_TIMEOUT, max(with_retries, window / 4))
-
-
-BRIEF_WAIT = 0.25
-"""How long a heartbeat waits for a row another session holds locked (once it found it so), and a
-forced release in each of its tries: brief, so the client's other statements are not held up."""
 
 
 def check_hold_at_least(value: object, timing: Timing) -> float | None:

@@ -11,14 +11,20 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._base.clock import now
-from .._sql import Names, Statement
 from ..errors import LockNotHeldError
-from .locks import Hold, LockState
+
+if TYPE_CHECKING:
+    from .._sql import Names, Statement
+    from .locks import Hold, LockState
 
 T = TypeVar("T")
+
+BRIEF_WAIT = 0.25
+"""How long a heartbeat waits for a row another session holds locked (once it found it so), and a
+forced release in each of its tries: brief, so the client's other statements are not held up."""
 
 
 # -- the steps a flow asks for ---------------------------------------------------
