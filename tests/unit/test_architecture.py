@@ -122,13 +122,12 @@ MUTEX_PARTS = {
         "candidacy",
         "closing",
         "closing_async",
-        "own_watch",
         "siblings",
         "singleton",
         "singleton_async",
     )
 }
-"""What `_kinds.mutex` is made of: an election's side, closing, its own watcher, its decorators."""
+"""What `_kinds.mutex` is made of: an election's side, closing, its decorators."""
 
 HOLDER = {"_kinds.holder", "_kinds.holder_methods", "_kinds.holder_methods_async"}
 """What every holder (Mutex, Semaphore, an RWLock's modes) is made of."""

@@ -31,10 +31,10 @@ from .._state.settings import (
 )
 from ..client import MutexClient, client_for, core_of
 from ..errors import InvalidArgument
+from ..watcher import OwnLockWatch
 from .candidacy import Candidacy
 from .holder_methods import HolderMethods
 from .holder_methods_async import AsyncHolderMethods
-from .own_watch import OwnLockWatch
 from .siblings import Siblings
 from .singleton import singleton_decorator
 from .singleton_async import singleton_decorator_async

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .._io.core import ClientCore
     from .._state.locks import LockState
     from ..client import MutexClient
-    from .own_watch import OwnLockWatch
+    from ..watcher import OwnLockWatch
     from .siblings import Siblings
 
 
