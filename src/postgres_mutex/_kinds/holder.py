@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-    from .._io.core import ClientCore
+    from ..client import ClientCore
     from ..watcher import StaleWatcher
 
 

@@ -19,8 +19,7 @@ from ..errors import InvalidArgument
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from .._io.core import ClientCore
-    from ..client import MutexClient
+    from ..client import ClientCore, MutexClient
 
 
 @dataclass(frozen=True)
