@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._base.clock import now
-from ._io.connections import check_connection_args, connect_defaults, describe_dsn, dsn_or_environment
+from ._base.connections import check_connection_args, connect_defaults, describe_dsn, dsn_or_environment
 from ._io.engine import Engine
 from ._io.engine_async import AsyncEngine
 from ._io.host import EngineHost, Shapes

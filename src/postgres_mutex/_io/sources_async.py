@@ -19,8 +19,8 @@ from psycopg import pq
 
 from .. import _sql
 from .._base.clock import now
-from .connections import FAILURES, ServerSession, closed_while_idle, discard, unusable
-from .watchdog import Cutter
+from .._base.connections import FAILURES, ServerSession, closed_while_idle, discard, unusable
+from .._base.watchdog import Cutter
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
