@@ -19,9 +19,9 @@ its lifetime::
     client.close()
 
 What a client is made of is `ClientCore`, here too: the engines per flavour,
-the `Session` (heartbeat groups, leases, the event thread) and the
-`EngineHost` it hands to each engine, every lock state made on it (for close,
-exit and fork). `Mutex`, `LockTable`, `Election` and `StaleWatcher` use its
+the `Session` (heartbeat groups, leases, the event thread), every lock
+state made on it (for close, exit and fork); it is the `EngineHost` of each
+engine it makes. `Mutex`, `LockTable`, `Election` and `StaleWatcher` use its
 declared interface (`core_of`), never the client's private attributes.
 """
 
@@ -39,7 +39,7 @@ from ._base.clock import now
 from ._base.connections import check_connection_args, connect_defaults, describe_dsn, dsn_or_environment
 from ._io.engine import Engine
 from ._io.engine_async import AsyncEngine
-from ._io.host import EngineHost, Shapes
+from ._io.host import Shapes
 from ._io.shared import SharedClients, track
 from ._observe.tracing import Tracing, database_attributes
 from ._state import flows, steps
@@ -281,14 +281,7 @@ class ClientCore:
 
     def _start_session(self) -> None:
         self.session = Session()
-        self.host = EngineHost(
-            session=self.session,
-            shapes=Shapes(self.session.state_lock),
-            redactor=self.redactor,
-            operation_timeout=self.operation_timeout,
-            connect_kwargs=self._connect_kwargs,
-            adopt_cleanup=self._adopt_cleanup,
-        )
+        self.shapes = Shapes(self.session.state_lock)
 
     @property
     def state_lock(self) -> StateLock:
@@ -358,7 +351,7 @@ class ClientCore:
             if self._engine is None:
                 if not self.has_sync:
                     raise WrongFlavour("only an async_pool was given: use the *_async methods, or pass pool= as well")
-                self._engine = Engine(self.host, dsn=self.dsn, pool=self.pool)
+                self._engine = Engine(self, dsn=self.dsn, pool=self.pool)
             return self._engine
 
     def engine_async(self) -> AsyncEngine:
@@ -374,7 +367,7 @@ class ClientCore:
                 raise WrongFlavour("only a (sync) pool was given: use the sync methods, or pass async_pool= as well")
             # A loop that ended (a previous asyncio.run) left its engine behind: close its connections.
             stale = [self._async_engines.pop(old) for old in list(self._async_engines) if old.is_closed()]
-            engine = self._async_engines[loop] = AsyncEngine(self.host, dsn=self.dsn, pool=self.async_pool)
+            engine = self._async_engines[loop] = AsyncEngine(self, dsn=self.dsn, pool=self.async_pool)
         for old_engine in stale:
             cleanups = old_engine.take_cleanups()
             old_engine.abandon()
@@ -405,9 +398,9 @@ class ClientCore:
         if self.closed:
             raise MutexError("this MutexClient is closed: create a new one")
 
-    # -- what the engines get from it (through the host) -----------------------------
+    # -- what the engines get from it (it is their `EngineHost`) ---------------------
 
-    def _connect_kwargs(self, role: str) -> dict[str, Any]:
+    def connect_kwargs(self, role: str) -> dict[str, Any]:
         """How the engines connect; ``application_name`` says what the connection is for, and whose it is.
 
         ``postgres-mutex <host>:<pid>`` (or ``postgres-mutex listener ...``): a
@@ -418,7 +411,7 @@ class ClientCore:
         name = f"{role} {socket.gethostname() or 'host'}:{os.getpid()}"
         return connect_defaults(self.dsn, application_name=name, operation_timeout=self.operation_timeout)
 
-    def _adopt_cleanup(self, cleanup: steps.Cleanup) -> None:
+    def adopt_cleanup(self, cleanup: steps.Cleanup) -> None:
         """A clean-up whose engine closed: the sync engine takes it, or it waits for exit."""
         engine = self._engine if self.has_sync and not self.closed else None
         if engine is not None and not engine.closed:
