@@ -111,7 +111,7 @@ GRAPH = {module: imports_of(module) for module in MODULES}
 
 ENGINES = {
     f"_io.{part}{flavour}"
-    for part in ("engine", "heartbeat", "listener", "sources", "acquisition")
+    for part in ("engine", "heartbeat", "listener", "sources", "interrupt", "acquisition")
     for flavour in ("", "_async")
 }
 """The engine, in its parts: the hand-written async modules and the sync ones generated from them."""

@@ -40,8 +40,9 @@ from .._state.locks import HeartbeatGroup, Hold
 from .._state.rules import READ_ONLY, SHAPE_CHANGED, classify_failure
 from ..errors import DatabaseError, SchemaError, phrase
 from .heartbeat import HeartbeatWorker
+from .interrupt import interrupt
 from .listener import Listener, Subscription
-from .sources import OwnConnection, PooledConnection, interrupt
+from .sources import OwnConnection, PooledConnection
 
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool

@@ -46,8 +46,9 @@ from .._state.locks import HeartbeatGroup, Hold
 from .._state.rules import READ_ONLY, SHAPE_CHANGED, classify_failure
 from ..errors import DatabaseError, SchemaError, phrase
 from .heartbeat_async import HeartbeatWorker
+from .interrupt_async import interrupt
 from .listener_async import Listener, Subscription
-from .sources_async import OwnConnection, PooledConnection, interrupt
+from .sources_async import OwnConnection, PooledConnection
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool

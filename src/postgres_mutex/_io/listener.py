@@ -36,7 +36,7 @@ from .._base.clock import MAX_SLICE, now
 from .._base.connections import FAILURES, discard
 from .._base.watchdog import Cutter
 from .._state.events import Defects
-from .sources import interrupt
+from .interrupt import interrupt
 
 if TYPE_CHECKING:
     from .host import EngineHost

@@ -34,7 +34,7 @@ from .._base.clock import MAX_SLICE, now
 from .._base.connections import FAILURES, discard
 from .._base.watchdog import Cutter
 from .._state.events import Defects
-from .sources_async import interrupt
+from .interrupt_async import interrupt
 
 if TYPE_CHECKING:
     from .host import EngineHost
