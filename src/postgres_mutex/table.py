@@ -17,7 +17,7 @@ from ._state.settings import DEFAULT_OPERATION_TIMEOUT, check_operation_timeout
 from ._table.base import ForcedRelease, HoldRecord, PermitsChanged
 from ._table.methods import TableMethods
 from ._table.methods_async import AsyncTableMethods
-from .client import BUILT_ON_IT, MutexClient, core_of, shared_client
+from .client import BUILT_ON_IT, MutexClient, client_for, core_of
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
@@ -47,12 +47,8 @@ class LockTable(AsyncTableMethods, TableMethods):
         self._timeout = (
             DEFAULT_OPERATION_TIMEOUT if operation_timeout is None else check_operation_timeout(operation_timeout)
         )
-        if client is None:
-            client = shared_client(dsn, pool, async_pool)
-        elif dsn is not None or pool is not None or async_pool is not None:
-            raise ValueError("pass either client or dsn/pool/async_pool, not both")
-        self._client = client
-        self._core = core_of(client)
+        self._client = client_for(dsn, pool, async_pool, client)
+        self._core = core_of(self._client)
 
 
 BUILT_ON_IT.table = LockTable
