@@ -94,7 +94,7 @@ def _readme_section(name: str, page_dir: str, indent: str) -> str:
 
 
 def _cli_help(command: str) -> str:
-    from postgres_mutex._cli import main
+    from postgres_mutex.cli import main
 
     out = io.StringIO()
     previous = os.environ.get("COLUMNS")

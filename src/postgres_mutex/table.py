@@ -10,10 +10,17 @@ generated (`_table.methods`); what both share is `_table.base`'s.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from ._sql import Names
+from ._state.settings import DEFAULT_OPERATION_TIMEOUT, check_operation_timeout
 from ._table.base import ForcedRelease, HoldRecord, PermitsChanged
 from ._table.methods import TableMethods
 from ._table.methods_async import AsyncTableMethods
-from .client import BUILT_ON_IT
+from .client import BUILT_ON_IT, MutexClient, client_for, core_of
+
+if TYPE_CHECKING:
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 __all__ = ["ForcedRelease", "HoldRecord", "LockTable", "PermitsChanged"]
 
@@ -25,6 +32,23 @@ class LockTable(AsyncTableMethods, TableMethods):
     shared client for the DSN (or pool), or on ``client``; each must finish
     within ``operation_timeout`` seconds.
     """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        pool: ConnectionPool[Any] | None = None,
+        async_pool: AsyncConnectionPool[Any] | None = None,
+        client: MutexClient | None = None,
+        table: str = "mutex_lock",
+        operation_timeout: float | None = None,
+    ) -> None:
+        self._names = Names(table)
+        self._timeout = (
+            DEFAULT_OPERATION_TIMEOUT if operation_timeout is None else check_operation_timeout(operation_timeout)
+        )
+        self._client = client_for(dsn, pool, async_pool, client)
+        self._core = core_of(self._client)
 
 
 BUILT_ON_IT.table = LockTable

@@ -3,7 +3,7 @@
 Contenders alert when they find a holder silent past ``alert_threshold``, but
 a nightly job nobody else is waiting for has no contender. A watcher reads the
 lock table every ``interval`` seconds — one query, ages computed with the
-server's clock (`LockTable.holders`) — and:
+server's clock (what `LockTable.holders` reads) — and:
 
 - fires the hook's ``alert`` once per stale episode (re-armed when the holder
   heartbeats again or changes), within ``alert_threshold + interval`` of the
@@ -16,7 +16,8 @@ server's clock (`LockTable.holders`) — and:
 
 Run it as a thread (`start` / `stop`) in sync code, as a task (`run`) in
 async code, or switch it on for one Mutex's own lock with ``Mutex(...,
-watch=True)`` (for every holder of a Semaphore or an RWLock with theirs).
+watch=True)`` (for every holder of a Semaphore or an RWLock with theirs):
+the Mutex then runs one (`OwnLockWatch`).
 
 A semaphore's or read/write lock's holders are rows of their own: each is
 judged on its own, and told under the name the program gave (with its permit,
@@ -33,15 +34,26 @@ from typing import TYPE_CHECKING, Any
 
 from ._base.acompat import Event
 from ._observe.hooks import LockObservation, guard
+from ._sql import Names
+from ._state import rules
 from ._state.events import WatcherEvents
 from ._state.rules import AlertGate, WatchAlerts
-from ._state.settings import check_names, check_seconds, check_thresholds
+from ._state.settings import (
+    DEFAULT_OPERATION_TIMEOUT,
+    check_names,
+    check_operation_timeout,
+    check_seconds,
+    check_thresholds,
+)
 from .client import MutexClient, core_of, shared_client
 from .errors import DatabaseError
-from .table import LockTable
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    from ._state import steps
+    from ._state.locks import LockState
+    from ._state.settings import Settings
 
 __all__ = ["StaleWatcher"]
 
@@ -82,7 +94,11 @@ class StaleWatcher:
         else:
             self._owns_attachment = False
         self._client = client
-        self._table = LockTable(client=client, table=table, operation_timeout=operation_timeout)
+        self._core = core_of(client)
+        self._names = Names(table)
+        self._timeout = (
+            DEFAULT_OPERATION_TIMEOUT if operation_timeout is None else check_operation_timeout(operation_timeout)
+        )
         self._alert_threshold, self._stale_threshold = alert, stale
         self._alerts = WatchAlerts(alert, dict(_shared_gates or {}))
         self._events = WatcherEvents(
@@ -113,9 +129,7 @@ class StaleWatcher:
     def check(self) -> list[LockObservation]:
         """Read the table once now, alerting and reporting as a tick does. Raises `DatabaseError`."""
         try:
-            observations = self._table.holders(
-                self._lock_names, alert_threshold=self._alert_threshold, stale_threshold=self._stale_threshold
-            )
+            observations = self._core.engine().run(self._read())
         except DatabaseError as exc:
             self._failed(exc)
             raise
@@ -124,13 +138,21 @@ class StaleWatcher:
     async def check_async(self) -> list[LockObservation]:
         """Async `check`."""
         try:
-            observations = await self._table.holders_async(
-                self._lock_names, alert_threshold=self._alert_threshold, stale_threshold=self._stale_threshold
-            )
+            observations = await self._core.engine_async().run(self._read())
         except DatabaseError as exc:
             self._failed(exc)
             raise
         return self._saw(observations)
+
+    def _read(self) -> steps.Flow[list[LockObservation]]:
+        """One read of the table: the held locks watched, judged against this watcher's thresholds."""
+        return rules.holders(
+            self._names,
+            self._lock_names,
+            self._timeout,
+            alert_threshold=self._alert_threshold,
+            stale_threshold=self._stale_threshold,
+        )
 
     def _failed(self, error: DatabaseError) -> None:
         # Reported before `healthy` turns false: whoever sees it false finds the failure reported.
@@ -186,7 +208,7 @@ class StaleWatcher:
             with contextlib.suppress(RuntimeError):  # its loop is closed: the task is gone already
                 task.get_loop().call_soon_threadsafe(task.cancel)
         if thread is not None and thread is not threading.current_thread():
-            thread.join(self._table_timeout() + 1.0 if timeout is None else timeout)
+            thread.join(self._client.operation_timeout + 1.0 if timeout is None else timeout)
 
     def run(self) -> None:
         """Watch in the calling thread until `stop` (from another thread or a signal handler), as
@@ -231,16 +253,86 @@ class StaleWatcher:
         self._healthy = None
         self._events.stopped()
 
-    def _table_timeout(self) -> float:
-        return self._client.operation_timeout
-
     def close(self) -> None:
         """Stop, and let go of the client (the last user of a shared client closes its connections)."""
         self.stop()
         if self._owns_attachment:
             self._owns_attachment = False
-            core_of(self._client).detach()
+            self._core.detach()
 
     async def aclose(self) -> None:
         """Async `close`."""
         self.close()
+
+
+class LeftToTheWatcher(AlertGate):
+    """The alert gate of a contender whose lock's holders a watcher of its own judges: it never alerts.
+
+    A semaphore's or read/write lock's holders are rows of their own, each judged by the watcher, once per
+    episode; a contender sees one of them at a time, and alerting too would tell the same silence twice.
+    """
+
+    def should_alert(self, holder: str | None, heartbeat_age: float | None) -> bool:
+        return False
+
+
+class OwnLockWatch:
+    """``Mutex(..., watch=True)``: a watcher of the Mutex's own lock, through its own hook.
+
+    It uses the Mutex's client and shares its alert gate (one alert per
+    episode, whether a contender or the watcher saw it first), and starts with
+    the Mutex, so that a process that only watches its lock is alerted too: a
+    thread if the client has a sync path, else a task of the running loop (with
+    only an ``async_pool`` and no running loop, at the first ``acquire_async``).
+
+    A Semaphore's (an RWLock's) watches every holder of the semaphore (the
+    read/write lock), each alerted on once per episode by the watcher alone
+    (`LeftToTheWatcher`), under the name users gave it, with its permit (mode).
+    """
+
+    def __init__(self, client: MutexClient, lock: LockState, settings: Settings) -> None:
+        timing = settings.timing
+        shared = {lock.lock_name: lock.alert_gate}
+        if lock.kind.alerts_left_to_watcher:
+            self.leave_alerts_of(lock)
+            shared = {}
+        self.watcher = StaleWatcher(
+            client=client,
+            table=settings.table,
+            lock_names=[lock.lock_name],
+            alert_threshold=timing.alert_threshold,
+            stale_threshold=timing.stale_threshold,
+            # Its contenders leave the alerts of a semaphore's or read/write lock's holders to it: it looks
+            # at least twice between a holder's alert and its reclaim, so the alert comes first.
+            interval=min(5.0, timing.alert_threshold / 2, (timing.stale_threshold - timing.alert_threshold) / 2),
+            metrics=settings.metrics,
+            _shared_gates=shared,
+        )
+
+        self._in_thread = False
+
+    @staticmethod
+    def leave_alerts_of(lock: LockState) -> None:
+        """Leave the alerts on ``lock``'s holders to this watcher: its contenders no longer alert."""
+        lock.alert_gate = LeftToTheWatcher(lock.timing.alert_threshold)
+
+    def start_at_creation(self, has_sync: bool) -> None:
+        if has_sync:
+            self.start_sync()
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # the first acquire_async starts it, on its loop
+        self.start_async()
+
+    def start_sync(self) -> None:
+        self._in_thread = True
+        self.watcher.start()
+
+    def start_async(self) -> None:
+        if not self._in_thread:  # one watcher is enough: the thread watches for async code too
+            self.watcher.start_task()
+
+    def stop(self) -> None:
+        self.watcher.stop()

@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import re
 import signal
 import sys
 import threading
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
-from .. import HoldRecord, LockObservation, LockTable
+from ..table import HoldRecord, LockTable
 from ._common import UsageError, dsn, duration, print_columns, say
+
+if TYPE_CHECKING:
+    from .. import LockObservation
 
 
 def _table(args: argparse.Namespace) -> LockTable:
@@ -154,27 +157,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     print(f"table {table.name} {'now has' if changed else 'already had'} {what}")
     _integrations_ready(args)
     return 0
-
-
-_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def since(text: str) -> datetime | timedelta:
-    """``--since``: an ISO 8601 moment (without a zone: this machine's), or an age such as 90s, 15m, 2h, 7d.
-
-    An age counts back from now by the server's clock, as every age here does.
-    """
-    relative = _RELATIVE.match(text.strip())
-    if relative:
-        return timedelta(seconds=float(relative.group(1)) * _UNIT_SECONDS[relative.group(2)])
-    try:
-        moment = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a moment or an age: {text!r} (examples: 2026-12-02T03:00, 2026-12-02 03:00+00:00, 90s, 15m, 2h, 7d)"
-        ) from None
-    return moment if moment.tzinfo is not None else moment.astimezone()
 
 
 def cmd_history(args: argparse.Namespace) -> int:

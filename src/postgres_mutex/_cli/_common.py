@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
 from typing import NoReturn, TextIO
 
 from ..errors import Phrase
@@ -19,6 +21,9 @@ EXIT_UNAVAILABLE = 69
 """PostgreSQL could not be used (unreachable, table missing, privilege missing): EX_UNAVAILABLE."""
 EXIT_USAGE = 2
 """Bad arguments."""
+
+MAX_RESTART_DELAY = 60.0
+"""The longest back-off between restarts of a command that keeps failing (``run --restart``)."""
 
 
 class UsageError(Exception):
@@ -154,3 +159,24 @@ def print_columns(lines: list[tuple[str, ...]]) -> None:
     widths = [max(len(line[column]) for line in lines) for column in range(len(lines[0]))]
     for line in lines:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def since(text: str) -> datetime | timedelta:
+    """``--since``: an ISO 8601 moment (without a zone: this machine's), or an age such as 90s, 15m, 2h, 7d.
+
+    An age counts back from now by the server's clock, as every age here does.
+    """
+    relative = _RELATIVE.match(text.strip())
+    if relative:
+        return timedelta(seconds=float(relative.group(1)) * _UNIT_SECONDS[relative.group(2)])
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a moment or an age: {text!r} (examples: 2026-12-02T03:00, 2026-12-02 03:00+00:00, 90s, 15m, 2h, 7d)"
+        ) from None
+    return moment if moment.tzinfo is not None else moment.astimezone()

@@ -5,21 +5,19 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .. import __version__
-from ._admin import cmd_history, cmd_init, cmd_migrate, cmd_permits, cmd_release, cmd_status, cmd_watch, since
 from ._common import (
     EXIT_BUSY,
     EXIT_LOST,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
+    MAX_RESTART_DELAY,
     Parser,
     exit_code,
     permit_number,
     positive_int,
     seconds,
+    since,
 )
-from ._demo import cmd_demo
-from ._run import MAX_RESTART_DELAY, cmd_run
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,7 +55,6 @@ def parser() -> argparse.ArgumentParser:
         description="A distributed mutex on the PostgreSQL you already run.",
         epilog="Run 'postgres-mutex COMMAND --help' for each command's options and examples.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
 
     def add(name: str, summary: str, examples: str, parents: Sequence[Parser]) -> Parser:
@@ -161,7 +158,6 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--instance-id", help="this holder's id in the table (default: <hostname>-<random>)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
-    run.set_defaults(handler=cmd_run)
 
     status = add(
         "status",
@@ -185,7 +181,6 @@ def parser() -> argparse.ArgumentParser:
         help="a holder silent this many seconds shows as 'reclaimable' (default 600; use your Mutexes' "
         "stale_threshold)",
     )
-    status.set_defaults(handler=cmd_status)
 
     watch = add(
         "watch",
@@ -208,7 +203,6 @@ def parser() -> argparse.ArgumentParser:
         default=600.0,
         help="a holder silent this many seconds counts as reclaimable (default 600; use your Mutexes' stale_threshold)",
     )
-    watch.set_defaults(handler=cmd_watch)
 
     history_options = Parser(add_help=False)
     group = history_options.add_argument_group("history")
@@ -238,22 +232,20 @@ def parser() -> argparse.ArgumentParser:
         help="also APScheduler's ledger (default mutex_apscheduler_runs)",
     )
 
-    init = add(
+    add(
         "init",
         "Create the lock table (and the tables the integrations asked for) if it does not exist.",
         "  postgres-mutex init\n  postgres-mutex init --history --history-retention 604800\n"
         "  postgres-mutex init --celery-beat --apscheduler",
         [connection, history_options, integration_options],
     )
-    init.set_defaults(handler=cmd_init)
 
-    migrate = add(
+    add(
         "migrate",
         "Add fencing tokens (and, with --history, a history) to a lock table; online, idempotent, as its owner.",
         "  postgres-mutex migrate\n  postgres-mutex migrate --table ops.mutex_lock\n  postgres-mutex migrate --history",
         [connection, history_options, integration_options],
     )
-    migrate.set_defaults(handler=cmd_migrate)
 
     history = add(
         "history",
@@ -270,7 +262,6 @@ def parser() -> argparse.ArgumentParser:
     )
     history.add_argument("--limit", type=positive_int, default=100, help="at most this many holds (default 100)")
     history.add_argument("--json", action="store_true", help="machine-readable output")
-    history.set_defaults(handler=cmd_history)
 
     release = add(
         "release",
@@ -297,7 +288,6 @@ def parser() -> argparse.ArgumentParser:
         help="release only this reader of read/write lock NAME (its holder in status)",
     )
     release.add_argument("--force", action="store_true", help="required: confirms the holder is gone")
-    release.set_defaults(handler=cmd_release)
 
     permits = add(
         "permits",
@@ -313,7 +303,6 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="required when holders of permits N and up would be released (they learn it at their next heartbeat)",
     )
-    permits.set_defaults(handler=cmd_permits)
 
     demo = add(
         "demo",
@@ -324,5 +313,5 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--dsn", help="use this server instead of a throwaway one")
     demo.add_argument("--workers", type=int, default=3, choices=range(2, 9), metavar="N", help="2 to 8 (default 3)")
     demo.add_argument("-v", "--verbose", action="store_true", help=argparse.SUPPRESS)
-    demo.set_defaults(handler=cmd_demo, table="mutex_lock", operation_timeout=None)
+    demo.set_defaults(table="mutex_lock", operation_timeout=None)
     return parser

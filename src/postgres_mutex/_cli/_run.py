@@ -15,13 +15,10 @@ from types import FrameType
 
 from .. import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, Mutex, RWLock, Semaphore
 from ..errors import DatabaseError
-from ._common import UsageError, command_env, dsn, duration, say
+from ._common import MAX_RESTART_DELAY, UsageError, command_env, dsn, duration, say
 from ._supervisor import FORWARDED, Supervisor
 
 logger = logging.getLogger("postgres_mutex")
-
-MAX_RESTART_DELAY = 60.0
-"""The longest back-off between restarts of a command that keeps failing."""
 
 
 class Interrupted(BaseException):

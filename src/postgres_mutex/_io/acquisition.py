@@ -19,13 +19,13 @@ from psycopg.rows import tuple_row
 
 from .._base.acompat import current_owner, to_the_end
 from .._base.clock import now
+from .._base.connections import FAILURES
+from .._base.watchdog import Cutter
 from .._observe.tracing import NO_SPAN, NO_SPAN_CONTEXT
 from .._state import flows, steps
 from .._state.locks import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, HoldStatus, LockState, Phase
 from .._state.rules import AcquireResult, Outcome, read_acquire
 from ..errors import DatabaseError, LockNotHeldError, MutexError, OperationTimeout, SchemaError, phrase
-from .connections import FAILURES
-from .watchdog import Cutter
 
 if TYPE_CHECKING:
     from .engine import Engine

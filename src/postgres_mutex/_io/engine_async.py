@@ -38,16 +38,17 @@ from psycopg.rows import tuple_row
 from .. import _sql
 from .._base.acompat import AEvent, AGate, asleep, auncancellable
 from .._base.clock import now
+from .._base.connections import FAILURES, ServerSession
+from .._base.watchdog import Cutter
 from .._sql import Names, Statements
 from .._state import steps
 from .._state.locks import HeartbeatGroup, Hold
 from .._state.rules import READ_ONLY, SHAPE_CHANGED, classify_failure
 from ..errors import DatabaseError, SchemaError, phrase
-from .connections import FAILURES, ServerSession
 from .heartbeat_async import HeartbeatWorker
+from .interrupt_async import interrupt
 from .listener_async import Listener, Subscription
-from .sources_async import OwnConnection, PooledConnection, interrupt
-from .watchdog import Cutter
+from .sources_async import OwnConnection, PooledConnection
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool

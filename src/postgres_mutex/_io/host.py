@@ -1,15 +1,14 @@
 """`EngineHost`: what an engine needs of the client that made it, declared in one typed place.
 
-The engines (sync and async) never name the client: the client builds a
-host and hands it to each engine it makes. Everything an engine shares with
-its client and its sibling engines is here, and nothing else is.
+The engines (sync and async) never name the client: the client's core is
+their host, and hands itself to each engine it makes. Everything an engine
+shares with its client and its sibling engines is declared here, and
+nothing else is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._sql import Statements
 
@@ -54,9 +53,8 @@ class Shapes:
         return had_history and not has_history
 
 
-@dataclass(frozen=True)
-class EngineHost:
-    """The client's side of its engines: one per client, shared by all of them."""
+class EngineHost(Protocol):
+    """The client's side of its engines: one per client (its core), shared by all of them."""
 
     session: Session
     """The lease of the client's holds: heartbeat groups, lease expiry, the event thread."""
@@ -65,12 +63,16 @@ class EngineHost:
     """What masks the DSN's password in every message an engine raises or logs."""
     operation_timeout: float
     """The deadline of the client's own statements (and of an engine's shutdown)."""
-    connect_kwargs: Callable[[str], dict[str, Any]]
-    """How an engine connects, given what the connection is for (its ``application_name``)."""
-    adopt_cleanup: Callable[[Cleanup], None]
-    """Where a clean-up goes when its engine closes before it could run."""
 
     @property
     def state_lock(self) -> StateLock:
         """The client's state lock: every change to a lock state, a hold or a group happens under it."""
-        return self.session.state_lock
+        ...
+
+    def connect_kwargs(self, role: str) -> dict[str, Any]:
+        """How an engine connects, given what the connection is for (its ``application_name``)."""
+        ...
+
+    def adopt_cleanup(self, cleanup: Cleanup) -> None:
+        """Where a clean-up goes when its engine closes before it could run."""
+        ...

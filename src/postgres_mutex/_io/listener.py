@@ -33,10 +33,10 @@ from psycopg import pq
 from .. import _sql
 from .._base.acompat import Event, Waker, Worker, sleep, uncancellable
 from .._base.clock import MAX_SLICE, now
+from .._base.connections import FAILURES, discard
+from .._base.watchdog import Cutter
 from .._state.events import Defects
-from .connections import FAILURES, discard
-from .sources import interrupt
-from .watchdog import Cutter
+from .interrupt import interrupt
 
 if TYPE_CHECKING:
     from .host import EngineHost

@@ -31,10 +31,10 @@ from psycopg import pq
 from .. import _sql
 from .._base.acompat import AEvent, AWaker, AWorker, asleep, auncancellable
 from .._base.clock import MAX_SLICE, now
+from .._base.connections import FAILURES, discard
+from .._base.watchdog import Cutter
 from .._state.events import Defects
-from .connections import FAILURES, discard
-from .sources_async import interrupt
-from .watchdog import Cutter
+from .interrupt_async import interrupt
 
 if TYPE_CHECKING:
     from .host import EngineHost

@@ -1,4 +1,4 @@
-"""Where an engine's statements get a connection: its own (dsn mode) or a pool's, and how one is interrupted.
+"""Where an engine's statements get a connection: its own (dsn mode) or a pool's.
 
 In dsn mode the engine opens its statement connection on first use, checks
 one that sat idle before using it (the server may have closed it), and
@@ -15,12 +15,11 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import pq
 
 from .. import _sql
 from .._base.clock import now
-from .connections import FAILURES, ServerSession, closed_while_idle, discard, unusable
-from .watchdog import Cutter
+from .._base.connections import FAILURES, ServerSession, closed_while_idle, discard, unusable
+from .._base.watchdog import Cutter
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -29,25 +28,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("postgres_mutex")
 
-# The longest wait for the server to take a cancel request for an interrupted statement.
-_CANCEL_TIMEOUT = 1.0
-
 # A connection idle for longer than this is checked before use: did the server close it?
 _IDLE_CHECK = 0.5
-
-
-async def interrupt(conn: psycopg.AsyncConnection[Any], cutter: Cutter, timeout: float) -> None:
-    """Stop a statement the caller gave up on: on the server first, then on the socket.
-
-    Left alone, it could go on waiting on the server (behind another session's
-    row lock, say) and land later: an orphan row, or a lock taken by nobody.
-    A cancel request (bounded, and skipped when the network is known dead)
-    stops it there; the connection is then cut and replaced either way.
-    """
-    if not cutter.fired and conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
-        with contextlib.suppress(Exception):
-            await conn.cancel_safe(timeout=min(_CANCEL_TIMEOUT, timeout))
-    cutter.cut()
 
 
 class _CutSessions:

@@ -31,9 +31,9 @@ from .._state.settings import (
 )
 from ..client import MutexClient, client_for, core_of
 from ..errors import InvalidArgument
+from ..watcher import OwnLockWatch
 from .holder_methods import HolderMethods
 from .holder_methods_async import AsyncHolderMethods
-from .own_watch import OwnLockWatch
 from .siblings import Siblings
 from .singleton import singleton_decorator
 from .singleton_async import singleton_decorator_async
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-    from .._io.core import ClientCore
     from .._state.steps import StopSignal
+    from ..client import ClientCore
     from ..watcher import StaleWatcher
 
 

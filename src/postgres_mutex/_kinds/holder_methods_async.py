@@ -20,10 +20,9 @@ if TYPE_CHECKING:
 
     import psycopg
 
-    from .._io.core import ClientCore
     from .._state.locks import LockState
-    from ..client import MutexClient
-    from .own_watch import OwnLockWatch
+    from ..client import ClientCore, MutexClient
+    from ..watcher import OwnLockWatch
     from .siblings import Siblings
 
 

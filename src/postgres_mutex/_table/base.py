@@ -13,21 +13,13 @@ from typing import TYPE_CHECKING, Any
 from .._observe.hooks import LockObservation
 from .._sql import APSCHEDULER_RUNS, CELERY_BEAT_STATE, Names, row_of
 from .._state import admin_flows, rules, steps
-from .._state.settings import (
-    DEFAULT_OPERATION_TIMEOUT,
-    check_name,
-    check_names,
-    check_operation_timeout,
-    check_seconds,
-    check_thresholds,
-)
-from ..client import MutexClient, core_of, shared_client
+from .._state.settings import check_name, check_names, check_seconds, check_thresholds
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+    from ..client import ClientCore, MutexClient
 
 
 @dataclass(frozen=True)
@@ -91,28 +83,13 @@ class HoldRecord:
 
 
 class TableBase:
-    """A lock table's name, timeout and client, and the flows its methods run (see `LockTable`)."""
+    """A lock table's name, timeout and client (`LockTable` sets them), and the flows its methods run."""
 
-    def __init__(
-        self,
-        dsn: str | None = None,
-        *,
-        pool: ConnectionPool[Any] | None = None,
-        async_pool: AsyncConnectionPool[Any] | None = None,
-        client: MutexClient | None = None,
-        table: str = "mutex_lock",
-        operation_timeout: float | None = None,
-    ) -> None:
-        self._names = Names(table)
-        self._timeout = (
-            DEFAULT_OPERATION_TIMEOUT if operation_timeout is None else check_operation_timeout(operation_timeout)
-        )
-        if client is None:
-            client = shared_client(dsn, pool, async_pool)
-        elif dsn is not None or pool is not None or async_pool is not None:
-            raise ValueError("pass either client or dsn/pool/async_pool, not both")
-        self._client = client
-        self._core = core_of(client)
+    _names: Names
+    _timeout: float
+    """The deadline of each of its statements."""
+    _client: MutexClient
+    _core: ClientCore
 
     @property
     def name(self) -> str:

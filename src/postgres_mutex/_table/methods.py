@@ -58,7 +58,7 @@ class TableMethods(TableBase):
         try:
             return self._core.engine().run(flow)
         finally:
-            self._core.host.shapes.forget(self.name)
+            self._core.shapes.forget(self.name)
 
     def migrate(
         self,
@@ -88,7 +88,7 @@ class TableMethods(TableBase):
         try:
             return self._core.engine().run(flow)
         finally:
-            self._core.host.shapes.forget(self.name)
+            self._core.shapes.forget(self.name)
 
     def has_tokens(self) -> bool:
         """Whether the table has the token column (False also if it does not exist)."""

@@ -56,7 +56,7 @@ class AsyncTableMethods(TableBase):
         try:
             return await self._core.engine_async().run(flow)
         finally:
-            self._core.host.shapes.forget(self.name)
+            self._core.shapes.forget(self.name)
 
     async def migrate_async(
         self,
@@ -86,7 +86,7 @@ class AsyncTableMethods(TableBase):
         try:
             return await self._core.engine_async().run(flow)
         finally:
-            self._core.host.shapes.forget(self.name)
+            self._core.shapes.forget(self.name)
 
     async def has_tokens_async(self) -> bool:
         """Whether the table has the token column (False also if it does not exist)."""

@@ -29,8 +29,8 @@ import struct
 import threading
 import weakref
 
-from .._base.acompat import start_thread
-from .._base.clock import now, slice_until
+from .acompat import start_thread
+from .clock import now, slice_until
 
 logger = logging.getLogger("postgres_mutex")
 

@@ -20,9 +20,9 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
-from .._base.acompat import ready_to_read
-from .._base.secrets import Redactor
 from ..errors import InvalidArgument
+from .acompat import ready_to_read
+from .secrets import Redactor
 
 FAILURES = (psycopg.Error, OSError)
 """What a failing psycopg call can raise: its own errors (pool errors derive
