@@ -146,12 +146,14 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False) -> Stateme
 
     ``plain``: for a holder that names no session and asks for no minimum
     hold (``reclaim_disconnected_after`` and ``hold_at_least`` unset), on a
-    table with tokens and no history: the same decisions, with three bound
-    values instead of seven, and the INSERT's row answered alone when it
+    table with tokens and no history: the same decisions, with three values
+    bound instead of seven (four where rows name sessions: the caller's own
+    session, never reclaimed from), and the INSERT's row answered alone when it
     won, so the common case costs the server little more than the INSERT;
     the reads and the take-over run only when a row was in the way (`_PLAIN`).
     """
     tokens = shape.tokens
+    written: Mapping[str, sql.Composable]
     if not shape.sessions:
         written = dict.fromkeys(sessions.written_by_acquire(), _NOTHING)
     elif plain:

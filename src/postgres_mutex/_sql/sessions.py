@@ -64,7 +64,7 @@ def written_by_acquire() -> dict[str, sql.Composable]:
     }
 
 
-UNNAMED_BY_ACQUIRE = {
+UNNAMED_BY_ACQUIRE: dict[str, sql.Composable] = {
     "session_columns": sql.SQL(", session_key, session_hold, reclaim_after"),
     "session_values": sql.SQL(", NULL, now(), NULL"),
     "session_update": sql.SQL(
