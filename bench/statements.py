@@ -41,12 +41,13 @@ class LibraryStatements:
 def library_statements(table: str, lock_name: str) -> LibraryStatements:
     names = Names(table)
     statements = Statements(names, CURRENT)
-    acquire, release = statements.acquire.bare, statements.release.bare
+    # What a Mutex without a minimum hold or reclaim_disconnected_after sends: the plain pair.
+    sent_acquire = statements.acquire_plain or statements.acquire
+    sent_release = statements.release_plain or statements.release
+    acquire, release = sent_acquire.bare, sent_release.bare
     if acquire is None or release is None:
         raise RuntimeError("the library's acquire and release are no longer preparable statements")
-    return LibraryStatements(
-        statements.acquire.text, statements.release.text, acquire, release, names.channel(lock_name)
-    )
+    return LibraryStatements(sent_acquire.text, sent_release.text, acquire, release, names.channel(lock_name))
 
 
 def params(texts: LibraryStatements, lock_name: str, instance_id: str, *, prefixed: bool) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -429,3 +430,28 @@ async def test_cancelling_a_blocked_acquire_leaves_no_row(
         assert holder_id() == holder.instance_id
     async with waiter.acquire_async(timeout=5) as acquired:
         assert acquired, "the cancelled waiter's Mutex is usable again"
+
+
+def test_an_uncontended_cycle_sends_two_statements_binding_only_what_they_read(
+    make_mutex: Callable[..., Mutex], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mutex = make_mutex()
+    with mutex.acquire() as acquired:  # the connection's first statements set its session up
+        assert acquired
+    sent: list[list[str]] = []
+    execute = psycopg.Cursor.execute
+
+    def recording(self: psycopg.Cursor[Any], query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if isinstance(query, str) and "mutex_lock" in query:
+            sent.append(sorted(set(re.findall(r"%\((\w+)\)s", query))))
+        return execute(self, query, params, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", recording)
+    with mutex.acquire() as acquired:
+        assert acquired
+    assert len(sent) == 2, f"one statement to acquire, one to release: {sent}"
+    acquire, release = sent
+    # What each costs the client follows what it binds: the minimum hold and the session's
+    # key are not bound by a holder that asks for neither.
+    assert acquire == ["_session_key", "instance_id", "lock_name", "stale_seconds"]
+    assert release == ["acquired_at", "channel", "instance_id", "lock_name"]

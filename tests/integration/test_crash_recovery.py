@@ -127,3 +127,36 @@ def test_a_forked_child_refuses_an_explicit_instance_id_it_would_share(dsn: str,
     assert "MutexError" in report["child_error"]
     assert "forked child would share" in report["child_error"]
     assert report["parent_held_after_child_exit"] is True
+
+
+def test_a_stale_row_in_the_way_of_a_prompt_acquire_is_reclaimed_told_and_tokens_still_grow(
+    make_mutex: Callable[..., Mutex],
+    admin: Any,
+    lock_name: str,
+    metrics: RecordingMetrics,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A row left by a holder that vanished long ago (its heartbeat past stale_threshold), as a crashed
+    # process leaves it: an uncontended-looking acquire finds it in the way of its INSERT.
+    admin.execute(
+        "INSERT INTO mutex_lock (lock_name, instance_id, last_heartbeat, acquired_at) "
+        "VALUES (%s, 'vanished', now() - interval '1 hour', now() - interval '1 hour')",
+        (lock_name,),
+    )
+    found = admin.execute("SELECT token FROM mutex_lock WHERE lock_name = %s", (lock_name,)).fetchone()
+    assert found is not None
+    left_token = found[0]
+    contender = make_mutex(metrics=metrics)
+    with contender.acquire() as acquired:
+        assert acquired, "a stale row is reclaimed by a non-blocking acquire too"
+        reclaimed_token = contender.token
+    assert [call["previous_holder"] for call in metrics.named("stale_reclaimed")] == ["vanished"]
+    told = [r.getMessage() for r in caplog.records if r.name == "postgres_mutex" and r.levelname == "WARNING"]
+    assert any("reclaimed lock" in message and "'vanished'" in message for message in told), told
+    assert admin.execute("SELECT count(*) FROM mutex_lock WHERE lock_name = %s", (lock_name,)).fetchone() == (0,)
+    with contender.acquire() as again:  # nothing in the way now: a fresh row
+        assert again
+        fresh_token = contender.token
+    assert isinstance(reclaimed_token, int)
+    assert isinstance(fresh_token, int)
+    assert left_token < reclaimed_token < fresh_token, "fencing tokens grow across the reclaim and after it"

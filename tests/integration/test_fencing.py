@@ -586,6 +586,8 @@ def test_which_statements_wait_for_a_transaction_holding_the_lock_row(
         # The row is stale: a reclaim would take it over, if the row lock let it.
         reclaim = {"lock_name": lock_name, "instance_id": "rival", "stale_seconds": 3.0}
         assert passes(statements.acquire.text, reclaim) is reclaim_passes
+        assert statements.acquire_plain is not None  # what a prompt acquire sends: its take-over waits alike
+        assert passes(statements.acquire_plain.text, reclaim) is reclaim_passes
         assert passes("DELETE FROM mutex_lock WHERE lock_name = %(lock_name)s", {"lock_name": lock_name}) is (
             delete_passes
         )

@@ -125,6 +125,22 @@ def test_a_hold_longer_than_its_minimum_is_released_at_once(
         assert got
 
 
+def test_a_minimum_asked_by_one_acquire_is_kept_whatever_the_same_mutex_held_before(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    mutex = make_mutex(stale_threshold=STALE)
+    with mutex.acquire() as acquired:  # no minimum: the row goes with the release
+        assert acquired
+    assert admin.execute("SELECT count(*) FROM mutex_lock WHERE lock_name = %s", (lock_name,)).fetchone() == (0,)
+    with mutex.acquire(hold_at_least=MINIMUM) as acquired:
+        assert acquired
+    with make_mutex().acquire() as got:
+        assert not got, "released, but within the minimum its acquire asked for"
+    assert admin.execute("SELECT hold_until > now() FROM mutex_lock WHERE lock_name = %s", (lock_name,)).fetchone() == (
+        True,
+    )
+
+
 async def test_the_async_acquire_takes_a_minimum_too(amake_mutex: Callable[..., Mutex]) -> None:
     first, other = amake_mutex(stale_threshold=STALE), amake_mutex()
     async with first.acquire_async(hold_at_least=MINIMUM) as acquired:

@@ -127,11 +127,26 @@ class Acquisition:
                 )
             if lock.timing.reclaim_disconnected_after is not None and not statements.shape.sessions:
                 lock.events.sessions_unnamed(lock.names.table_name)
+            plain = statements.acquire_plain
+            if plain is not None and lock.timing.reclaim_disconnected_after is None:
+                # No session to name and no minimum hold: the statement that binds only what it reads.
+                op = steps.Execute(
+                    plain,
+                    {
+                        "lock_name": lock.lock_name,
+                        "instance_id": lock.instance_id,
+                        "stale_seconds": lock.timing.stale_threshold,
+                    },
+                    timeout,
+                    lock.describe("acquire"),
+                )
+            else:
+                op = steps.Execute(statements.acquire, lock.params(), timeout, lock.describe("acquire"))
             possible_before = lock.attempt_sent()
             attempts = 1
             reply: steps.Result | DatabaseError
             try:
-                reply = engine.send(steps.Execute(statements.acquire, lock.params(), timeout, lock.describe("acquire")))
+                reply = engine.send(op)
             except DatabaseError as exc:
                 reply = exc
             except BaseException:
@@ -153,6 +168,7 @@ class Acquisition:
                         owner=owner,
                         span_context=NO_SPAN_CONTEXT,
                         row_name=read.row_name,
+                        plain=True,
                     )
                     lock.events.acquired(NO_SPAN, result, expected_own_row=possible_before, row=read.row_name)
                     engine.keep(hold)
@@ -231,7 +247,20 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
             flowed = True
             return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser)))
         engine.host.session.forget(hold)
-        op = steps.Execute(statements.release, lock.params(), lock.timing.operation_timeout, lock.describe("release"))
+        plain = statements.release_plain
+        if plain is not None and hold.plain:
+            # No minimum hold to keep the row for: a DELETE of it, binding only what it reads.
+            params = {
+                "lock_name": hold.row_name,
+                "instance_id": lock.instance_id,
+                "acquired_at": hold.acquired_at,
+                "channel": lock.channel,
+            }
+            op = steps.Execute(plain, params, lock.timing.operation_timeout, lock.describe("release"))
+        else:
+            op = steps.Execute(
+                statements.release, lock.params(), lock.timing.operation_timeout, lock.describe("release")
+            )
         try:
             result = engine.send(op)
         except DatabaseError as exc:

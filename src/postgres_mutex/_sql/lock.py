@@ -88,6 +88,11 @@ class Statements:
         self.names = names
         self.shape = shape
         self.acquire = _acquire(names, shape)
+        # The common case's pair: a holder that names no session and asks for no minimum hold, on a table
+        # without a history (which every acquire and release writes to).
+        plain = shape.tokens and not shape.history
+        self.acquire_plain: Statement | None = _acquire(names, shape, plain=True) if plain else None
+        self.release_plain: Statement | None = _release_plain(names) if plain else None
         self.heartbeat, self.heartbeat_waiting = _heartbeats(names, shape, _BY_HOLD)
         self.heartbeat_by_token: tuple[Statement, Statement] | None = (
             _heartbeats(names, shape, _BY_TOKEN) if shape.tokens else None
@@ -119,7 +124,7 @@ class Statements:
             setattr(self, attribute, made)
 
 
-def _acquire(names: Names, shape: TableShape) -> Statement:
+def _acquire(names: Names, shape: TableShape, *, plain: bool = False) -> Statement:
     """One statement decides everything an acquire needs.
 
     - ``current`` reads the holder and its heartbeat age (for `contended` and
@@ -137,11 +142,24 @@ def _acquire(names: Names, shape: TableShape) -> Statement:
       later hold of ours;
     - every acquisition draws a new token from the sequence when it writes
       the row, so it is greater than any token issued before.
+
+    ``plain``: for a holder that names no session and asks for no minimum
+    hold (``reclaim_disconnected_after`` and ``hold_at_least`` unset), on a
+    table with tokens and no history: the same decisions, with three values
+    bound instead of seven (four where rows name sessions: the caller's own
+    session, never reclaimed from), and the INSERT's row answered alone when it
+    won, so the common case costs the server little more than the INSERT;
+    the reads and the take-over run only when a row was in the way (`_PLAIN`).
     """
     tokens = shape.tokens
-    written = (
-        sessions.written_by_acquire() if shape.sessions else dict.fromkeys(sessions.written_by_acquire(), _NOTHING)
-    )
+    written: Mapping[str, sql.Composable]
+    if not shape.sessions:
+        written = dict.fromkeys(sessions.written_by_acquire(), _NOTHING)
+    elif plain:
+        written = sessions.UNNAMED_BY_ACQUIRE
+    else:
+        written = sessions.written_by_acquire()
+    hold = _minimum_hold(shape, plain=plain)
     return statement(
         names.table_name,
         "acquire",
@@ -169,14 +187,9 @@ def _acquire(names: Names, shape: TableShape) -> Statement:
               {hold_passed}){released_over})
   RETURNING existing.acquired_at, {taken_token} AS token
 ){history}
-SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
-            WHEN EXISTS (SELECT 1 FROM taken) THEN {was_released} END,
-       current.instance_id, current.heartbeat_age,
-       COALESCE((SELECT acquired_at FROM inserted), (SELECT acquired_at FROM taken)),
-       COALESCE((SELECT token FROM inserted), (SELECT token FROM taken))
-  FROM (VALUES (1)) AS one (x)
-  LEFT JOIN current ON true"""
+{answer}"""
         ).format(
+            answer=(_PLAIN if plain else _ANSWER).format(was_released=hold["was_released"]),
             table=names.table,
             token_column=sql.SQL(", token") if tokens else _NOTHING,
             new_token=sql.SQL(", nextval({})").format(names.sequence_text) if tokens else _NOTHING,
@@ -186,20 +199,49 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
             # then inspects the table again.
             inserted_token=sql.SQL("fresh.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("fresh")),
             taken_token=sql.SQL("existing.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("existing")),
-            history=acquire_history(names) if shape.history else _NOTHING,
-            marker=sessions.MARKER if shape.sessions else _NOTHING,
+            history=acquire_history(names) if shape.history and not plain else _NOTHING,
+            marker=sessions.MARKER if shape.sessions and not plain else _NOTHING,
             disconnected=sql.SQL("\n          OR {}").format(sessions.disconnected("existing"))
             if shape.sessions
             else _NOTHING,
             **written,
-            **_minimum_hold(shape),
+            **hold,
         ),
         preparable=True,
         marks=shape.sessions,
     )
 
 
-def _minimum_hold(shape: TableShape) -> dict[str, sql.Composable]:
+_ANSWER = sql.SQL(
+    """SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
+            WHEN EXISTS (SELECT 1 FROM taken) THEN {was_released} END,
+       current.instance_id, current.heartbeat_age,
+       COALESCE((SELECT acquired_at FROM inserted), (SELECT acquired_at FROM taken)),
+       COALESCE((SELECT token FROM inserted), (SELECT token FROM taken))
+  FROM (VALUES (1)) AS one (x)
+  LEFT JOIN current ON true"""
+)
+"""The acquire's one row: ``(won, holder, heartbeat_age, acquired_at, token)`` (`_state.rules.interpret_acquire`)."""
+
+_PLAIN = sql.SQL(
+    """SELECT true, NULL::varchar, NULL::float8, acquired_at, token FROM inserted
+UNION ALL
+SELECT CASE WHEN EXISTS (SELECT 1 FROM taken) THEN {was_released} END,
+       current.instance_id, current.heartbeat_age,
+       (SELECT acquired_at FROM taken), (SELECT token FROM taken)
+  FROM (VALUES (1)) AS one (x)
+  LEFT JOIN current ON true
+ WHERE NOT EXISTS (SELECT 1 FROM inserted)"""
+)
+"""`_ANSWER` in two halves, of which one answers: the inserted row's, alone, or (only when a row was in the way,
+a condition the server checks once, before either half runs) the snapshot's holder and the take-over's.
+
+``taken`` is skipped the same way (its ``NOT EXISTS (SELECT 1 FROM inserted)``), so a won INSERT costs no
+read of the row and no UPDATE. A holder the snapshot showed is not answered with the inserted row: that
+holder released meanwhile, and `interpret_acquire` reads an inserted row as a plain acquire anyway."""
+
+
+def _minimum_hold(shape: TableShape, *, plain: bool = False) -> dict[str, sql.Composable]:
     """The acquire's parts for a minimum hold (``hold_until``; nothing on a table without that column).
 
     The acquire writes ``hold_until`` (``%(hold_seconds)s`` from now; NULL
@@ -211,6 +253,7 @@ def _minimum_hold(shape: TableShape) -> dict[str, sql.Composable]:
     (stale or disconnected alike): a killed holder keeps its minimum too. A
     released row past ``hold_until`` is free: taken as a fresh acquire is,
     with no reclaim to tell (``was_released``: the acquire's first column).
+    ``plain``: an acquire without a minimum writes NULL, unbound.
     """
     if not shape.holds:
         return {
@@ -222,7 +265,7 @@ def _minimum_hold(shape: TableShape) -> dict[str, sql.Composable]:
             "released_over": _NOTHING,
             "was_released": sql.SQL("false"),
         }
-    hold_until = sql.SQL("now() + make_interval(secs => %(hold_seconds)s::float8)")
+    hold_until = sql.SQL("NULL") if plain else sql.SQL("now() + make_interval(secs => %(hold_seconds)s::float8)")
     return {
         "released": _RELEASED.format(row=sql.SQL("hold_until")),
         "hold_column": sql.SQL(", hold_until"),
@@ -347,6 +390,26 @@ def _release(names: Names, shape: TableShape, what: str, *, scope: sql.Composabl
 SELECT pg_notify(%(channel)s, {payload}) FROM released"""
         ).format(table=names.table, scope=scope, ended=_ended(names, shape), payload=after_release("released")),
         preparable=preparable,
+    )
+
+
+def _release_plain(names: Names) -> Statement:
+    """`_release` as a bare DELETE, for a hold acquired without a minimum hold on a table without a history.
+
+    Such a hold's row has no ``hold_until`` to keep it for (its acquire wrote
+    NULL), and no history row to end: the row goes, and the same
+    notification as `_release`'s wakes the lock's waiters, from the DELETE's
+    own ``RETURNING``, one row per row deleted.
+    """
+    return statement(
+        names.table_name,
+        "release",
+        sql.SQL(
+            """DELETE FROM {table} AS released
+ WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s AND acquired_at = %(acquired_at)s
+RETURNING pg_notify(%(channel)s, {payload})"""
+        ).format(table=names.table, payload=after_release("released")),
+        preparable=True,
     )
 
 

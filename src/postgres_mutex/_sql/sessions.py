@@ -64,6 +64,20 @@ def written_by_acquire() -> dict[str, sql.Composable]:
     }
 
 
+UNNAMED_BY_ACQUIRE: dict[str, sql.Composable] = {
+    "session_columns": sql.SQL(", session_key, session_hold, reclaim_after"),
+    "session_values": sql.SQL(", NULL, now(), NULL"),
+    "session_update": sql.SQL(
+        """,
+         session_key = NULL,
+         session_hold = now(),
+         reclaim_after = NULL"""
+    ),
+}
+"""`written_by_acquire` for a holder that names no session (no ``reclaim_disconnected_after``): the same
+values, written without the parameter or the key."""
+
+
 def disconnected(row: str) -> sql.Composable:
     """Whether ``row``'s holder may be reclaimed early: it opted in, its heartbeat is older than its own
     ``reclaim_after``, and its session is gone. The session is asked last, and only then (a CASE: the

@@ -276,6 +276,7 @@ class _Attempts:
                         owner=owner,
                         span_context=self.span.get_span_context(),
                         row_name=row_name,
+                        plain=self.hold_at_least is None,
                     )
                     lock.events.acquired(self.span, result, expected_own_row=possible_before, row=row_name)
                     yield Keep(hold)

@@ -99,6 +99,7 @@ class Hold:
         "lock",
         "owner",
         "paused",
+        "plain",
         "reason",
         "renewed_at",
         "row_name",
@@ -118,8 +119,11 @@ class Hold:
         owner: object,
         span_context: SpanContext | None,
         row_name: str | None = None,
+        plain: bool = False,
     ) -> None:
         self.lock = lock
+        self.plain = plain
+        """Acquired without a minimum hold: its row has no ``hold_until``, and its release may delete it outright."""
         self.row_name = lock.lock_name if row_name is None else row_name
         """The ``lock_name`` of its row: the lock's own, or the one its kind chose (a semaphore's permit)."""
         self.acquired_at = acquired_at
@@ -361,6 +365,7 @@ class LockState:
         owner: object,
         span_context: SpanContext | None,
         row_name: str | None = None,
+        plain: bool = False,
     ) -> Hold:
         with self._lock:
             hold = Hold(
@@ -371,6 +376,7 @@ class LockState:
                 owner=owner,
                 span_context=span_context,
                 row_name=row_name,
+                plain=plain,
             )
             self.hold = hold
             self.phase = Phase.HOLDING
