@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._base.clock import now
 from ._base.connections import check_connection_args, connect_defaults, describe_dsn, dsn_or_environment
+from ._io import heartbeat, heartbeat_async
 from ._io.engine import Engine
 from ._io.engine_async import AsyncEngine
 from ._io.host import Shapes
@@ -351,7 +352,7 @@ class ClientCore:
             if self._engine is None:
                 if not self.has_sync:
                     raise WrongFlavour("only an async_pool was given: use the *_async methods, or pass pool= as well")
-                self._engine = Engine(self, dsn=self.dsn, pool=self.pool)
+                self._engine = Engine(self, dsn=self.dsn, pool=self.pool, heartbeats=heartbeat.HeartbeatWorker)
             return self._engine
 
     def engine_async(self) -> AsyncEngine:
@@ -367,7 +368,9 @@ class ClientCore:
                 raise WrongFlavour("only a (sync) pool was given: use the sync methods, or pass async_pool= as well")
             # A loop that ended (a previous asyncio.run) left its engine behind: close its connections.
             stale = [self._async_engines.pop(old) for old in list(self._async_engines) if old.is_closed()]
-            engine = self._async_engines[loop] = AsyncEngine(self, dsn=self.dsn, pool=self.async_pool)
+            engine = self._async_engines[loop] = AsyncEngine(
+                self, dsn=self.dsn, pool=self.async_pool, heartbeats=heartbeat_async.HeartbeatWorker
+            )
         for old_engine in stale:
             cleanups = old_engine.take_cleanups()
             old_engine.abandon()

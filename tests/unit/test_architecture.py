@@ -138,8 +138,8 @@ SQL = {module for module in MODULES if layer_of(module) == "_sql"}
 def test_the_reader_finds_every_module_and_what_it_imports() -> None:
     # The checks below mean something only if the graph is the real one.
     assert {"client", "_state.session", "_io.host", "_io.engine_async", "_kinds.mutex"} <= set(MODULES)
-    assert {"_io.engine_async", "_io.shared"} <= GRAPH["client"]
-    assert {"_state.steps", "_sql", "_base.connections", "_io.heartbeat_async"} <= GRAPH["_io.engine_async"]
+    assert {"_io.engine_async", "_io.shared", "_io.heartbeat_async"} <= GRAPH["client"]
+    assert {"_state.steps", "_sql", "_base.connections", "_io.listener_async"} <= GRAPH["_io.engine_async"]
     assert {"_sql.lock", "_sql.names"} <= GRAPH["_sql"]
     assert "__init__" in GRAPH["_cli._run"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
@@ -39,7 +39,6 @@ from .._state import steps
 from .._state.locks import HeartbeatGroup, Hold
 from .._state.rules import READ_ONLY, SHAPE_CHANGED, classify_failure
 from ..errors import DatabaseError, SchemaError, phrase
-from .heartbeat import HeartbeatWorker
 from .interrupt import interrupt
 from .listener import Listener, Subscription
 from .sources import OwnConnection, PooledConnection
@@ -47,6 +46,7 @@ from .sources import OwnConnection, PooledConnection
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
 
+    from .heartbeat import HeartbeatWorker
     from .host import EngineHost
 
 logger = logging.getLogger("postgres_mutex")
@@ -74,9 +74,21 @@ _LAST_STATEMENT = 0.05
 
 
 class Engine:
-    """Runs the flows of one client's callers: their connections, heartbeats, listener and clean-ups."""
+    """Runs the flows of one client's callers: their connections, heartbeats, listener and clean-ups.
 
-    def __init__(self, host: EngineHost, *, dsn: str | None, pool: ConnectionPool[Any] | None) -> None:
+    Its host (the client's core) hands it what runs its heartbeats and clean-ups (``heartbeats``, which
+    makes `_io.heartbeat`'s worker for it): the worker drives the engine, and the engine only
+    hands it holds and clean-ups, so neither is built on the other.
+    """
+
+    def __init__(
+        self,
+        host: EngineHost,
+        *,
+        dsn: str | None,
+        pool: ConnectionPool[Any] | None,
+        heartbeats: Callable[[Engine], HeartbeatWorker],
+    ) -> None:
         self.host = host
         self._source: OwnConnection | PooledConnection
         if dsn is not None:
@@ -88,7 +100,7 @@ class Engine:
             self._listener = None
         self._gate = Gate()
         self.closed = False
-        self._heartbeats = HeartbeatWorker(self)
+        self._heartbeats = heartbeats(self)
         self.deadline: float | None = None
         """When set (by the release at interpreter exit), no statement waits past it."""
 

@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
@@ -45,7 +45,6 @@ from .._state import steps
 from .._state.locks import HeartbeatGroup, Hold
 from .._state.rules import READ_ONLY, SHAPE_CHANGED, classify_failure
 from ..errors import DatabaseError, SchemaError, phrase
-from .heartbeat_async import HeartbeatWorker
 from .interrupt_async import interrupt
 from .listener_async import Listener, Subscription
 from .sources_async import OwnConnection, PooledConnection
@@ -53,6 +52,7 @@ from .sources_async import OwnConnection, PooledConnection
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
 
+    from .heartbeat_async import HeartbeatWorker
     from .host import EngineHost
 
 logger = logging.getLogger("postgres_mutex")
@@ -80,9 +80,21 @@ _LAST_STATEMENT = 0.05
 
 
 class AsyncEngine:
-    """Runs the flows of one client's callers: their connections, heartbeats, listener and clean-ups."""
+    """Runs the flows of one client's callers: their connections, heartbeats, listener and clean-ups.
 
-    def __init__(self, host: EngineHost, *, dsn: str | None, pool: AsyncConnectionPool[Any] | None) -> None:
+    Its host (the client's core) hands it what runs its heartbeats and clean-ups (``heartbeats``, which
+    makes `_io.heartbeat_async`'s worker for it): the worker drives the engine, and the engine only
+    hands it holds and clean-ups, so neither is built on the other.
+    """
+
+    def __init__(
+        self,
+        host: EngineHost,
+        *,
+        dsn: str | None,
+        pool: AsyncConnectionPool[Any] | None,
+        heartbeats: Callable[[AsyncEngine], HeartbeatWorker],
+    ) -> None:
         self.host = host
         self._source: OwnConnection | PooledConnection
         if dsn is not None:
@@ -94,7 +106,7 @@ class AsyncEngine:
             self._listener = None
         self._gate = AGate()
         self.closed = False
-        self._heartbeats = HeartbeatWorker(self)
+        self._heartbeats = heartbeats(self)
         self.deadline: float | None = None
         """When set (by the release at interpreter exit), no statement waits past it."""
 

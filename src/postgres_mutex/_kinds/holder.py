@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, Self, TypeVar, overload
 
 from .._io.acquisition import Acquisition
 from .._io.acquisition_async import AsyncAcquisition
@@ -31,7 +31,6 @@ from .._state.settings import (
 )
 from ..client import MutexClient, client_for, core_of
 from ..errors import InvalidArgument
-from ..watcher import OwnLockWatch
 from .holder_methods import HolderMethods
 from .holder_methods_async import AsyncHolderMethods
 from .siblings import Siblings
@@ -44,7 +43,7 @@ if TYPE_CHECKING:
 
     from .._state.steps import StopSignal
     from ..client import ClientCore
-    from ..watcher import StaleWatcher
+    from ..watcher import OwnLockWatch, StaleWatcher
 
 
 P = ParamSpec("P")
@@ -64,6 +63,9 @@ class Holder(AsyncHolderMethods, HolderMethods):
     """Its options, checked, as its constructor was given them: its siblings are made of them too."""
     _kind: LockKind
     """What it holds (a mutex, a `Semaphore`'s permit, a read/write lock's mode), and all that differs with it."""
+    _watched_by: ClassVar[type[OwnLockWatch]]
+    """What ``watch=True`` runs on the holders of its lock, named by each kind (Mutex, Semaphore, an
+    RWLock's modes): the holder they share uses a watch, it does not make one of its own accord."""
 
     def __init__(
         self,
@@ -146,7 +148,7 @@ class Holder(AsyncHolderMethods, HolderMethods):
         self._siblings = Siblings(self, self._new_sibling)
         self._watch: OwnLockWatch | None = None
         if settings.watch:
-            self._watch = OwnLockWatch(client, self._lock, settings)
+            self._watch = self._watched_by(client, self._lock, settings)
             self._watch.start_at_creation(core.has_sync)
 
     # -- introspection -------------------------------------------------------------

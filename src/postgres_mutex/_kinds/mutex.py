@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .._state.settings import check_lock_name
 from ..client import BUILT_ON_IT
+from ..watcher import OwnLockWatch
 from .holder import Holder
 
 
@@ -52,6 +53,8 @@ class Mutex(Holder):
 
     Raises `TypeError` or `ValueError`, naming the argument, on bad input.
     """
+
+    _watched_by = OwnLockWatch
 
     def __repr__(self) -> str:
         return (

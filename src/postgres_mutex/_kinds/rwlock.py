@@ -26,6 +26,7 @@ from .._state.outcome import PermitReply, read_acquire
 from .._state.settings import Settings, check_name, default_instance_id
 from ..client import BUILT_ON_IT, MutexClient, client_for
 from ..errors import InvalidArgument, LockNotHeldError
+from ..watcher import OwnLockWatch
 from .holder import Holder
 
 if TYPE_CHECKING:
@@ -148,6 +149,8 @@ class _Modes:
 
 class _ModeHolder(Holder):
     """One mode of an `RWLock`: what its ``read`` or ``write`` blocks hold."""
+
+    _watched_by = OwnLockWatch
 
     def __init__(
         self, mode: str, name: str, client: MutexClient, settings: Settings, *, instance_id: str, modes: _Modes

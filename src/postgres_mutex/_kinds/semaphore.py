@@ -21,6 +21,7 @@ from .._state.outcome import PermitReply, read_acquire
 from .._state.settings import Settings, check_permit_count
 from ..client import BUILT_ON_IT, MutexClient, client_for
 from ..errors import PermitsMismatchError
+from ..watcher import OwnLockWatch
 from .holder import Holder
 
 if TYPE_CHECKING:
@@ -122,6 +123,8 @@ class Semaphore(Holder):
     A semaphore's name leaves room for its permits' numbers in the table's
     64 characters: at most 62 characters with 10 permits, say.
     """
+
+    _watched_by = OwnLockWatch
 
     def __init__(
         self,

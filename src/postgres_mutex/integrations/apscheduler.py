@@ -28,7 +28,9 @@ from apscheduler.executors.base import run_job
 from apscheduler.executors.pool import ThreadPoolExecutor
 from psycopg import sql
 
-from postgres_mutex import Mutex, MutexClient, MutexError, SchemaError
+from postgres_mutex.client import MutexClient
+from postgres_mutex.errors import MutexError, SchemaError
+from postgres_mutex.mutex import Mutex
 
 from . import in_setup_words
 

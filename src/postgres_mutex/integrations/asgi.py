@@ -24,7 +24,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from postgres_mutex import Election, Leadership, MutexError
+from postgres_mutex.election import Election, Leadership
+from postgres_mutex.errors import MutexError
 
 from . import in_setup_words
 

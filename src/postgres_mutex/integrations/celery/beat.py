@@ -24,7 +24,9 @@ from celery.beat import PersistentScheduler, Scheduler
 from celery.utils.time import maybe_make_aware
 from psycopg import sql
 
-from postgres_mutex import Election, Leadership, LockNotHeldError, MutexClient, MutexError, SchemaError
+from postgres_mutex.client import MutexClient
+from postgres_mutex.election import Election, Leadership
+from postgres_mutex.errors import LockNotHeldError, MutexError, SchemaError
 
 from .. import in_setup_words
 

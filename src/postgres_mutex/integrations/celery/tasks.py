@@ -25,7 +25,9 @@ from typing import Any, ClassVar, Literal
 from celery import Task, signals
 from celery.exceptions import Reject
 
-from postgres_mutex import Mutex, MutexClient, MutexError
+from postgres_mutex.client import MutexClient
+from postgres_mutex.errors import MutexError
+from postgres_mutex.mutex import Mutex
 
 __all__ = ["SKIPPED", "TASK_DEFAULTS", "SingletonTask", "TaskAlreadyRunning", "close_clients", "current_mutex"]
 

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from psycopg import conninfo
 
-from postgres_mutex import Mutex
+from postgres_mutex.mutex import Mutex
 
 __all__ = ["database_dsn", "history_wanted", "lock_settings", "mutex"]
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
-from postgres_mutex import MutexError
+from postgres_mutex.errors import MutexError
 
 from .. import in_setup_words
 from .settings import mutex

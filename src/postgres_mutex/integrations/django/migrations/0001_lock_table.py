@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from django.db import migrations
 
-from postgres_mutex import MutexClient
+from postgres_mutex.client import MutexClient
 
 from ..settings import database_dsn, history_wanted, lock_settings
 
