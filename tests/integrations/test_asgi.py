@@ -126,12 +126,18 @@ def test_one_replica_leads_and_a_killed_or_stopped_leader_is_replaced(replicas: 
     assert replicas.procs["b"].wait(timeout=20) in (0, -signal.SIGTERM)
     assert handover < POLL_INTERVAL + 3.0, "the release woke c: it did not wait for a poll or a reclaim"
 
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT replica, count(DISTINCT pid), count(DISTINCT token), min(at), max(at) FROM asgi_ticks"
-            " WHERE election = %s GROUP BY replica ORDER BY min(at)",
-            (replicas.election,),
-        ).fetchall()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+
+        def ticks() -> list[tuple[Any, ...]]:
+            return conn.execute(
+                "SELECT replica, count(DISTINCT pid), count(DISTINCT token), min(at), max(at) FROM asgi_ticks"
+                " WHERE election = %s GROUP BY replica ORDER BY min(at)",
+                (replicas.election,),
+            ).fetchall()
+
+        # c answers ready as it begins to lead, a moment before its work has connected and ticked.
+        wait_until(lambda: len(ticks()) == 3, timeout=10, interval=0.05)
+        rows = ticks()
     # The work ran on one process at a time, one term per replica, in the order leadership passed.
     assert [(replica, pids, terms) for replica, pids, terms, _, _ in rows] == [("a", 1, 1), ("b", 1, 1), ("c", 1, 1)]
     assert rows[0][4] < rows[1][3]
