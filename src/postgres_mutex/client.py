@@ -346,7 +346,7 @@ class ClientCore:
 
     def engine(self) -> Engine:
         """The engine of sync code (threads)."""
-        with self.state_lock:
+        with self.session.state_lock:  # `state_lock`, read without the property: once per statement
             if self.closed:
                 raise MutexError("this MutexClient is closed: create a new one")
             if self._engine is None:

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import psycopg
 import pytest
 
+import postgres_mutex
 from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, LockNotHeldError, Mutex
 from postgres_mutex.client import core_of
 from tests.support.fixtures import (
@@ -455,3 +460,46 @@ def test_an_uncontended_cycle_sends_two_statements_binding_only_what_they_read(
     # key are not bound by a holder that asks for neither.
     assert acquire == ["_session_key", "instance_id", "lock_name", "stale_seconds"]
     assert release == ["acquired_at", "channel", "instance_id", "lock_name"]
+
+
+def test_an_uncontended_cycle_runs_little_python_of_the_librarys_own(
+    make_mutex: Callable[..., Mutex], caplog: pytest.LogCaptureFixture
+) -> None:
+    # What a cycle costs the client beyond its two statements is the library's own Python: its
+    # calls (psycopg's and the standard library's aside) stay few, with no hook, span or DEBUG log.
+    caplog.set_level(logging.INFO, logger="postgres_mutex")
+    mutex = make_mutex()
+    for _ in range(3):  # the connection's first statements set its session up and prepare
+        with mutex.acquire() as acquired:
+            assert acquired
+    library = str(Path(postgres_mutex.__file__).resolve().parent)
+    calls = 0
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(library):
+            calls += 1
+
+    cycles = 10
+    sys.setprofile(profile)
+    try:
+        for _ in range(cycles):
+            with mutex.acquire() as acquired:
+                assert acquired
+    finally:
+        sys.setprofile(None)
+    assert calls / cycles <= 60, f"{calls / cycles:g} calls of the library's own per cycle"
+
+
+def test_an_uncontended_cycle_still_says_at_debug_what_it_did(
+    make_mutex: Callable[..., Mutex], caplog: pytest.LogCaptureFixture
+) -> None:
+    mutex = make_mutex()
+    with mutex.acquire() as acquired:  # the table's shape is known from here on: the next cycle is the plain one
+        assert acquired
+    caplog.set_level(logging.DEBUG, logger="postgres_mutex")
+    with mutex.acquire() as acquired:
+        assert acquired
+    said = [record.getMessage() for record in caplog.records]
+    assert f"acquired lock {mutex.lock_name!r} (instance_id {mutex.instance_id!r})" in said
+    assert f"released lock {mutex.lock_name!r} (instance_id {mutex.instance_id!r})" in said

@@ -307,9 +307,12 @@ def test_a_shared_client_going_idle_never_closes_its_connection_under_a_statemen
     engine = core_of(last.client).engine()
     source = engine._source
     assert isinstance(source, OwnConnection)
-    with engine._gate.turn(False, 1.0):  # a statement has the connection
+    engine._gate.enter(False, 1.0)  # a statement has the connection
+    try:
         last.close()
         assert source._conn is not None, "closed under the statement"
+    finally:
+        engine._gate.leave()
     last = Mutex(last.dsn, lock_name, **FAST)  # type: ignore[arg-type]
     last.close()  # nothing uses the connection now: the client idles
     assert source._conn is None

@@ -31,7 +31,17 @@ def current_owner() -> object:
     # asyncio.current_task raises without one: twice per sync lock cycle.
     loop = asyncio._get_running_loop()
     task = None if loop is None else asyncio.current_task(loop)
-    return task if task is not None else threading.current_thread()
+    if task is not None:
+        return task
+    # The thread, as the thread itself keeps it: read in C (`threading.current_thread` is Python).
+    try:
+        return _this_thread.owner
+    except AttributeError:
+        owner = _this_thread.owner = threading.current_thread()
+        return owner
+
+
+_this_thread = threading.local()
 
 
 # -- events ----------------------------------------------------------------------------
@@ -141,9 +151,15 @@ class AGate:
             False: collections.deque(),
         }
 
-    def turn(self, urgent: bool, seconds: float) -> _ATurn:
-        """The connection, for the ``async with`` block this is entered by (a statement of ``seconds`` at most)."""
-        return _ATurn(self, urgent)
+    async def enter(self, urgent: bool, seconds: float) -> None:
+        """Take the connection for one statement (of ``seconds`` at most); give it back with `leave`.
+
+        Plain calls rather than a context manager's object: one turn is taken per statement.
+        """
+        if self._busy:
+            await self._wait(urgent)
+        else:
+            self._busy = True  # one loop: nothing runs between the check and this
 
     def try_enter(self) -> bool:
         """Take the connection only if nobody has it or waits for it; give it back with `leave`."""
@@ -182,8 +198,14 @@ class Gate:
     again at once (an acquire polling) queues behind those already waiting
     (the release of the lock it polls for, say).
 
+    A turn is its thread's: a thread runs one statement at a time, so the
+    thread names the turn, and `leave` gives back the calling thread's turn
+    only (none if it was taken back and passed on). No object is made per
+    turn: the uncontended `enter` and `leave` are a few stores under a bare
+    `threading.Lock`, whose acquire and release are single C calls.
+
     A turn whose holder never gave it back is taken back: an exception a
-    signal handler raised just as the holder's block ended can skip the
+    signal handler raised just as the holder's statement ended can skip the
     giving back, and nothing else would. Its holder can no longer be using
     the connection when it asks for another turn (a thread runs one
     statement at a time), nor once its statement's bound has passed (the
@@ -194,94 +216,86 @@ class Gate:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._busy = False
-        self._holder: object = None
         self._holder_thread = 0
         self._holder_until = 0.0
-        self._instant = _Turn(self, urgent=False, seconds=0.0)
-        """`try_enter`'s turn: an instant's, with no statement."""
-        self._waiting: dict[bool, collections.deque[tuple[threading.Lock, _Turn, int]]] = {
+        self._waiting: dict[bool, collections.deque[tuple[threading.Lock, int, float]]] = {
             True: collections.deque(),
             False: collections.deque(),
         }
 
-    def turn(self, urgent: bool, seconds: float) -> _Turn:
-        """The connection, for the ``with`` block this is entered by (a statement of ``seconds`` at most)."""
-        return _Turn(self, urgent, seconds)
+    def enter(self, urgent: bool, seconds: float) -> None:
+        """Take the connection for one statement (of ``seconds`` at most); give it back with `leave`."""
+        me = threading.get_ident()
+        turn: threading.Lock | None = None
+        try:
+            with self._lock:
+                if not self._busy or self._left_behind(me):
+                    # `_give`, inline: one statement at a time mostly finds the gate free.
+                    self._busy = True
+                    self._holder_thread = me
+                    self._holder_until = now() + seconds + _HELD_BEYOND_STATEMENT
+                    return
+                turn = threading.Lock()
+                turn.acquire()
+                self._waiting[urgent].append((turn, me, seconds))
+            # Released by _pass_on when it is this thread's turn.
+            while not turn.acquire(timeout=_LOOK_AGAIN):
+                with self._lock:
+                    if self._left_behind(me):
+                        self._pass_on()
+        except BaseException:
+            # Interrupted (a signal handler's exception) before the statement began: out of the
+            # queue if it waits there, else the turn passes on if it was given.
+            self._give_back(me, turn)
+            raise
 
     def try_enter(self) -> bool:
         """Take the connection only if nobody has it or waits for it, for an instant; give it back with `leave`."""
         with self._lock:
             if self._busy and now() <= self._holder_until:
                 return False
-            self._give(self._instant, threading.get_ident())
+            self._give(threading.get_ident(), 0.0)
             return True
 
     def leave(self) -> None:
-        """Give back what `try_enter` took."""
-        self._leave(self._instant)
-
-    def _enter(self, who: _Turn) -> None:
+        """Give back the calling thread's turn (`enter`'s or `try_enter`'s); nothing if it was taken back."""
         me = threading.get_ident()
         with self._lock:
-            if not self._busy:
-                # `_give`, inline: one statement at a time mostly finds the gate free.
-                self._busy = True
-                self._holder = who
-                self._holder_thread = me
-                self._holder_until = now() + who.seconds + _HELD_BEYOND_STATEMENT
-                return
-            if self._left_behind(me):
-                self._give(who, me)
-                return
-            turn = threading.Lock()
-            turn.acquire()
-            self._waiting[who.urgent].append((turn, who, me))
-        # Released by _pass_on when it is this thread's turn.
-        while not turn.acquire(timeout=_LOOK_AGAIN):
-            with self._lock:
-                if self._left_behind(me):
+            if self._holder_thread == me:  # else it was taken back, and passed on already
+                if self._waiting[True] or self._waiting[False]:
                     self._pass_on()
+                else:
+                    self._busy = False
+                    self._holder_thread = 0
 
     def _left_behind(self, asking: int) -> bool:
         """Whether the turn's holder can no longer be using the connection, though it never gave the turn back."""
         return self._holder_thread == asking or now() > self._holder_until
 
-    def _give(self, who: _Turn, thread: int) -> None:
+    def _give(self, thread: int, seconds: float) -> None:
         self._busy = True
-        self._holder = who
         self._holder_thread = thread
-        self._holder_until = now() + who.seconds + _HELD_BEYOND_STATEMENT
+        self._holder_until = now() + seconds + _HELD_BEYOND_STATEMENT
 
-    def _give_back(self, who: _Turn) -> None:
-        """``who`` was interrupted: out of the queue if it waits there, else its turn passes on if it had it."""
+    def _give_back(self, thread: int, turn: threading.Lock | None) -> None:
+        """``thread`` was interrupted: out of the queue if it waits there, else its turn passes on if it had it."""
         with self._lock:
             for queue in self._waiting.values():
                 for waiting in queue:
-                    if waiting[1] is who:
+                    if waiting[0] is turn:
                         queue.remove(waiting)
                         return
-            if self._holder is who:
+            if self._holder_thread == thread:
                 self._pass_on()
-
-    def _leave(self, who: _Turn) -> None:
-        with self._lock:
-            if self._holder is who:  # else it was taken back, and passed on already
-                if self._waiting[True] or self._waiting[False]:
-                    self._pass_on()
-                else:
-                    self._busy = False
-                    self._holder = None
-                    self._holder_thread = 0
 
     def _pass_on(self) -> None:
         for queue in (self._waiting[True], self._waiting[False]):
             if queue:
-                turn, who, thread = queue.popleft()
-                self._give(who, thread)
+                turn, thread, seconds = queue.popleft()
+                self._give(thread, seconds)
                 turn.release()  # the gate stays busy: it is theirs now
                 return
         self._busy = False
-        self._holder = None
         self._holder_thread = 0
 
 
@@ -290,46 +304,6 @@ class Gate:
 # two seconds, a cancel request's second).
 _LOOK_AGAIN = 0.05
 _HELD_BEYOND_STATEMENT = 3.0
-
-
-class _ATurn:
-    # A plain class, not a generator-based context manager: one is entered per statement.
-    __slots__ = ("_gate", "_urgent")
-
-    def __init__(self, gate: AGate, urgent: bool) -> None:
-        self._gate = gate
-        self._urgent = urgent
-
-    async def __aenter__(self) -> None:
-        gate = self._gate
-        if gate._busy:
-            await gate._wait(self._urgent)
-        else:
-            gate._busy = True  # one loop: nothing runs between the check and this
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._gate.leave()
-
-
-class _Turn:
-    __slots__ = ("_gate", "seconds", "urgent")
-
-    def __init__(self, gate: Gate, urgent: bool, seconds: float) -> None:
-        self._gate = gate
-        self.urgent = urgent
-        self.seconds = seconds
-
-    def __enter__(self) -> None:
-        try:
-            self._gate._enter(self)
-        except BaseException:
-            # Let in, then interrupted before the block began (a signal handler's exception):
-            # the block's exit will not run, so the turn is passed on here.
-            self._gate._give_back(self)
-            raise
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._gate._leave(self)
 
 
 # -- background workers ----------------------------------------------------------------

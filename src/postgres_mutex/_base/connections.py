@@ -96,7 +96,13 @@ def unusable(conn: psycopg.BaseConnection[Any]) -> bool:
     timeout) leaves the connection with a command in flight; it cannot be
     trusted with the next one, so it is discarded.
     """
-    return conn.closed or conn.broken or conn.pgconn.transaction_status != pq.TransactionStatus.IDLE
+    # `closed` and `broken` alike read the status BAD (a broken connection is closed): read once.
+    pgconn = conn.pgconn
+    return pgconn.status == BAD or pgconn.transaction_status != IDLE
+
+
+BAD = pq.ConnStatus.BAD
+IDLE = pq.TransactionStatus.IDLE
 
 
 def discard(conn: psycopg.BaseConnection[Any]) -> None:
@@ -116,9 +122,11 @@ class ServerSession:
     forgotten with the connection: a new connection starts a new session.
     """
 
-    __slots__ = ("direct", "key", "pooler_told", "retired", "timeout_ms")
+    __slots__ = ("backend_pid", "direct", "key", "pooler_told", "retired", "timeout_ms")
 
-    def __init__(self) -> None:
+    def __init__(self, backend_pid: int) -> None:
+        self.backend_pid = backend_pid
+        """The server process of the connection (read once: psycopg's ``info`` is a new object each time)."""
         self.key = secrets.randbits(63) or 1
         """The session's key: a holder that opts in to ``reclaim_disconnected_after`` names its session by it
         (`_sql.sessions`); the first statement that writes it takes it as a session-level advisory lock."""

@@ -24,7 +24,7 @@ from .._base.watchdog import Cutter
 from .._observe.tracing import NO_SPAN, NO_SPAN_CONTEXT
 from .._state import flows, steps
 from .._state.locks import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, HoldStatus, LockState, Phase
-from .._state.rules import AcquireResult, Outcome, read_acquire
+from .._state.rules import AcquireResult, Outcome, interpret_acquire
 from ..errors import DatabaseError, LockNotHeldError, MutexError, OperationTimeout, SchemaError, phrase
 
 if TYPE_CHECKING:
@@ -130,23 +130,14 @@ class Acquisition:
             plain = statements.acquire_plain
             if plain is not None and lock.timing.reclaim_disconnected_after is None:
                 # No session to name and no minimum hold: the statement that binds only what it reads.
-                op = steps.Execute(
-                    plain,
-                    {
-                        "lock_name": lock.lock_name,
-                        "instance_id": lock.instance_id,
-                        "stale_seconds": lock.timing.stale_threshold,
-                    },
-                    timeout,
-                    lock.describe("acquire"),
-                )
+                statement, params = plain, lock.plain_acquire_params
             else:
-                op = steps.Execute(statements.acquire, lock.params(), timeout, lock.describe("acquire"))
+                statement, params = statements.acquire, lock.params()
             possible_before = lock.attempt_sent()
             attempts = 1
             reply: steps.Result | DatabaseError
             try:
-                reply = engine.send(op)
+                reply = engine.send(statement, params, timeout, lock.acquire_action)
             except DatabaseError as exc:
                 reply = exc
             except BaseException:
@@ -154,23 +145,19 @@ class Acquisition:
                 lock.attempt_unanswered(timeout)
                 raise
             if isinstance(reply, steps.Result):
-                read = read_acquire(reply.row, lock.instance_id, None)
-                result = read.result
-                if (
-                    result.outcome.acquired
-                    and result.acquired_at is not None
-                    and (statements.shape.tokens or result.token is None)
-                ):
+                # A direct kind's reply: a mutex's five columns (`read_acquire` without a count).
+                result = interpret_acquire(reply.rows[0] if reply.rows else None, lock.instance_id)
+                # A reply that won carries its acquired_at (a contended one never does).
+                if result.acquired_at is not None and (statements.shape.tokens or result.token is None):
                     hold = lock.won(
                         acquired_at=result.acquired_at,
                         token=result.token,
                         sent_at=reply.sent_at,
                         owner=owner,
                         span_context=NO_SPAN_CONTEXT,
-                        row_name=read.row_name,
                         plain=True,
                     )
-                    lock.events.acquired(NO_SPAN, result, expected_own_row=possible_before, row=read.row_name)
+                    lock.events.acquired(NO_SPAN, result, expected_own_row=possible_before)
                     engine.keep(hold)
                     outcome = "reclaimed" if result.outcome is Outcome.RECLAIMED else "acquired"
                     return hold
@@ -250,19 +237,19 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
         plain = statements.release_plain
         if plain is not None and hold.plain:
             # No minimum hold to keep the row for: a DELETE of it, binding only what it reads.
-            params = {
-                "lock_name": hold.row_name,
-                "instance_id": lock.instance_id,
-                "acquired_at": hold.acquired_at,
-                "channel": lock.channel,
-            }
-            op = steps.Execute(plain, params, lock.timing.operation_timeout, lock.describe("release"))
-        else:
-            op = steps.Execute(
-                statements.release, lock.params(), lock.timing.operation_timeout, lock.describe("release")
+            statement, params = (
+                plain,
+                {
+                    "lock_name": hold.row_name,
+                    "instance_id": lock.instance_id,
+                    "acquired_at": hold.acquired_at,
+                    "channel": lock.channel,
+                },
             )
+        else:
+            statement, params = statements.release, lock.params()
         try:
-            result = engine.send(op)
+            result = engine.send(statement, params, lock.timing.operation_timeout, lock.release_action)
         except DatabaseError as exc:
             flowed = True
             return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=exc))

@@ -25,7 +25,6 @@ on goes on running there.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -150,17 +149,18 @@ class AsyncEngine:
                 flow.close()
 
     async def execute(self, op: steps.Execute) -> steps.Result:
+        timeout = op.timeout
         if self.deadline is not None:
             # At exit: no statement may outlast the exit's budget.
-            op = dataclasses.replace(op, timeout=max(min(op.timeout, self.deadline - now()), _LAST_STATEMENT))
+            timeout = max(min(timeout, self.deadline - now()), _LAST_STATEMENT)
         cleanup = op.stray_row
         if cleanup is None:
-            return await self.send(op)
+            return await self.send(op.statement, op.params, timeout, op.action, op.urgent)
         # A clean-up of any row carrying our id must never cross an acquire of the same
         # Mutex: it takes its turn as it is sent (`send`), and gives it back once answered.
         # Cut off, it keeps the turn until it can no longer land.
         try:
-            result = await self.send(op)
+            result = await self.send(op.statement, op.params, timeout, op.action, op.urgent, op)
         except DatabaseError as exc:
             if not exc.outcome_unknown:
                 cleanup.lock.give_back_cleanup_turn(op)
@@ -168,10 +168,20 @@ class AsyncEngine:
         cleanup.lock.give_back_cleanup_turn(op)
         return result
 
-    async def send(self, op: steps.Execute) -> steps.Result:
-        """Run ``op`` as it is: no exit budget applied, no clean-up turn taken (`execute` does both).
+    async def send(
+        self,
+        statement: _sql.Statement,
+        params: Mapping[str, object],
+        timeout: float,
+        action: str,
+        urgent: bool = False,
+        cleanup_op: steps.Execute | None = None,
+    ) -> steps.Result:
+        """Run ``statement`` as it is: no exit budget applied, no clean-up turn taken (`execute` does both).
 
-        For a statement that needs neither: an acquire's or a release's, while the process is not exiting.
+        For a statement that needs neither (an acquire's or a release's, while the process is not
+        exiting), sent with its parts rather than an `steps.Execute`: one object fewer per statement.
+        ``cleanup_op``: the clean-up of a stray row this statement is (`steps.Execute.stray_row`).
         """
         source = self._source
         connect_retryable = source.connected_before
@@ -181,51 +191,62 @@ class AsyncEngine:
         lost = True
         try:
             asked_at = now()
-            async with (
-                self._gate.turn(op.urgent, op.timeout),
-                source.connection(op.timeout, asked_at) as (conn, cutter),
-            ):
-                cleanup = op.stray_row
-                if cleanup is not None and not cleanup.lock.take_cleanup_turn(cleanup.generation, op, op.timeout):
-                    raise steps.CleanupSuperseded  # an acquire began while it waited for the connection
-                sent = True
-                try:
-                    cutter.arm(op.timeout)
-                    work = _statement(conn, op, source.session, source.cursor)
-                    on_cancel = functools.partial(interrupt, conn, cutter, op.timeout)  # sync: pass
-                    return await auncancellable(work, on_cancel)  # sync: return work
-                except FAILURES as exc:
-                    # As the statement left it, before the connection is put away.
-                    lost = conn.closed or conn.broken
-                    sqlstate = getattr(exc, "sqlstate", None)
-                    if sqlstate == READ_ONLY:
-                        # On a read-only node (a standby after a failover): only a
-                        # new connection can reach the primary.
-                        source.replace()
-                    elif sqlstate in SHAPE_CHANGED:
-                        # A table or column the statements name is gone (the history
-                        # dropped, say): inspect the table again before the next one.
-                        self.host.shapes.forget(op.statement.table)
-                    raise
-                except BaseException:
-                    # Interrupted mid-statement: a signal handler's exception (a job
-                    # runner's timeout, SIGTERM), or the caller was cancelled.
-                    await interrupt(conn, cutter, op.timeout)
-                    raise
-                finally:
-                    # Whatever was armed, even if an exception landed before its ticket was kept.
-                    cutter.disarm_all()
+            # async-only
+            # A task is interrupted only where it awaits (`AGate.enter` passes a turn on itself).
+            await self._gate.enter(urgent, timeout)
+            # end async-only
+            try:
+                # sync-only
+                # # Inside the try: a signal handler's exception landing as the turn is taken, or just
+                # # after, still has it given back (`leave` gives back this thread's turn, if it has one).
+                # self._gate.enter(urgent, timeout)
+                # end sync-only
+                async with source.connection(timeout, asked_at) as (conn, cutter):
+                    if cleanup_op is not None:
+                        cleanup = cleanup_op.stray_row
+                        assert cleanup is not None
+                        if not cleanup.lock.take_cleanup_turn(cleanup.generation, cleanup_op, timeout):
+                            raise steps.CleanupSuperseded  # an acquire began while it waited for the connection
+                    sent = True
+                    try:
+                        cutter.arm(timeout)
+                        work = _statement(conn, statement, params, timeout, action, source.session, source.cursor)
+                        on_cancel = functools.partial(interrupt, conn, cutter, timeout)  # sync: pass
+                        return await auncancellable(work, on_cancel)  # sync: return work
+                    except FAILURES as exc:
+                        # As the statement left it, before the connection is put away.
+                        lost = conn.closed or conn.broken
+                        sqlstate = getattr(exc, "sqlstate", None)
+                        if sqlstate == READ_ONLY:
+                            # On a read-only node (a standby after a failover): only a
+                            # new connection can reach the primary.
+                            source.replace()
+                        elif sqlstate in SHAPE_CHANGED:
+                            # A table or column the statements name is gone (the history
+                            # dropped, say): inspect the table again before the next one.
+                            self.host.shapes.forget(statement.table)
+                        raise
+                    except BaseException:
+                        # Interrupted mid-statement: a signal handler's exception (a job
+                        # runner's timeout, SIGTERM), or the caller was cancelled.
+                        await interrupt(conn, cutter, timeout)
+                        raise
+                    finally:
+                        # Whatever was armed, even if an exception landed before its ticket was kept.
+                        cutter.disarm_all()
+            finally:
+                self._gate.leave()
         except FAILURES as exc:
             error = classify_failure(
                 exc,
-                action=op.action,
-                table=op.statement.table,
+                action=action,
+                table=statement.table,
                 sent=sent,
                 timed_out=cutter is not None and cutter.fired,
                 connection_lost=lost,
                 connect_retryable=connect_retryable,
                 redact=self.host.redactor.redact,
-                timeout=op.timeout,
+                timeout=timeout,
             )
             shown = self.host.redactor.shown_cause(exc)
             if shown is not None:
@@ -332,18 +353,24 @@ class AsyncEngine:
 
 async def _statement(
     conn: psycopg.AsyncConnection[Any],
-    op: steps.Execute,
+    statement: _sql.Statement,
+    params: Mapping[str, object],
+    timeout: float,
+    action: str,
     session: ServerSession | None,
     cursor: psycopg.AsyncCursor[Any] | None,
 ) -> steps.Result:
-    timeout_ms = max(1, int(_server_deadline(op.timeout) * 1000))
-    bound = op.params
-    if op.statement.marks:
+    # How long the server may run it: less than the client's ``timeout``, by a margin.
+    timeout_ms = max(1, int((timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))) * 1000))
+    bound = params
+    if statement.marks:
         # The session key of this connection (none for a pool's: its sessions are the application's),
         # and the process id it was given, which tells a direct connection from a pooler's.
-        key = None if session is None else session.key
-        bound = {**bound, "_session_key": key, "_backend_pid": conn.info.backend_pid}
-    bare = op.statement.bare
+        if session is None:
+            bound = {**bound, "_session_key": None, "_backend_pid": conn.info.backend_pid}
+        else:
+            bound = {**bound, "_session_key": session.key, "_backend_pid": session.backend_pid}
+    bare = statement.bare
     settling = False
     if session is not None and bare is not None:
         kept = session.timeout_ms
@@ -356,20 +383,23 @@ async def _statement(
                 await cursor.execute(bare, bound, prepare=True)
             except psycopg.errors.FeatureNotSupported:
                 return await _unprepared(cursor, bound, bare, session)
-            return await _result(cursor, sent_at)
+            # `_result`, inline: the common statement's reply read with no call of the library's.
+            pgresult = cursor.pgresult
+            rows = await cursor.fetchall() if pgresult is not None and pgresult.status == _TUPLES_OK else ()
+            return _new_result(steps.Result, (cursor.rowcount, tuple(rows), sent_at))
         # A connection's first lock statement asks whether it reaches PostgreSQL
         # directly and, if so, sets the session up; a statement whose deadline the
         # session's does not fit sets it again. Either way in the statement's own
         # message, which carries its settings for its transaction: no extra round trip.
         settling = session.direct is not False
-    text = op.statement.text
+    text = statement.text
     if settling:
         text += "; " + _sql.session_setup(conn.info.backend_pid, timeout_ms)
-    params = {**bound, "_server_timeout_ms": timeout_ms}
+    bound = {**bound, "_server_timeout_ms": timeout_ms}
     # Rows as tuples whatever the row factory of a pool's connections (dict_row, say).
     cursor = psycopg.AsyncClientCursor(conn, row_factory=tuple_row)
     sent_at = now()
-    await cursor.execute(text, params)
+    await cursor.execute(text, bound)
     if settling and session is not None:
         results = [await _result(cursor, sent_at)]
         while cursor.nextset():
@@ -377,30 +407,25 @@ async def _statement(
         answer, result = results[-1], results[-2]
         session.direct = answer.rows[0][0] is True
         session.timeout_ms = timeout_ms if session.direct else None
-        _tell_pooler(op, session)
+        _tell_pooler(action, params, session)
         return result
     if session is not None and session.direct is False:
-        _tell_pooler(op, session)
+        _tell_pooler(action, params, session)
     # The settings that precede the statement answer first: its own result is the last.
     while cursor.nextset():
         pass
     return await _result(cursor, sent_at)
 
 
-def _server_deadline(timeout: float) -> float:
-    """How long the server may run a statement whose client deadline is ``timeout``: less, by a margin."""
-    return timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))
-
-
-def _tell_pooler(op: steps.Execute, session: ServerSession) -> None:
+def _tell_pooler(action: str, params: Mapping[str, object], session: ServerSession) -> None:
     """Say once per connection that a hold with ``reclaim_disconnected_after`` falls back behind a pooler."""
-    if session.direct is False and not session.pooler_told and op.params.get("reclaim_seconds") is not None:
+    if session.direct is False and not session.pooler_told and params.get("reclaim_seconds") is not None:
         session.pooler_told = True
         logger.warning(
             "%s: this connection goes through a pooler (PgBouncer?), whose server sessions are not this "
             "process's: reclaim_disconnected_after cannot name one, so the hold is not reclaimed early "
             "(it is reclaimed after stale_threshold, as without the option)",
-            op.action,
+            action,
         )
 
 
@@ -423,9 +448,14 @@ async def _unprepared(
 
 async def _result(cursor: psycopg.AsyncCursor[Any], sent_at: float) -> steps.Result:
     result = cursor.pgresult
-    rows = await cursor.fetchall() if result is not None and result.status == pq.ExecStatus.TUPLES_OK else []
-    return steps.Result(cursor.rowcount, tuple(rows), sent_at)
+    rows = await cursor.fetchall() if result is not None and result.status == _TUPLES_OK else ()
+    return _new_result(steps.Result, (cursor.rowcount, tuple(rows), sent_at))
 
+
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
+
+_new_result = tuple.__new__
+"""Makes a `steps.Result` (a named tuple) from its three fields in one C call, where its ``__new__`` is Python."""
 
 _WAITS = object()
 """What `_Steps.perform_now` returns for a step that must wait."""

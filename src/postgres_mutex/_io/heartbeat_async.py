@@ -43,6 +43,8 @@ class HeartbeatWorker:
         self._engine = engine
         self._host = engine.host
         self.groups = engine.host.session.groups_of(engine)
+        self._state_lock = engine.host.state_lock
+        """The host's state lock, read once (a property of the host): its session's, as ``groups`` are."""
         self._cleanups: list[steps.Cleanup] = []
         self._wake = AEvent()
         self._worker: AWorker | None = None
@@ -53,14 +55,15 @@ class HeartbeatWorker:
         lock = hold.lock
         # One statement for the holds that share a table, an interval and what their heartbeats report.
         key = (lock.names.table_name, lock.timing.heartbeat_interval, lock.timing.alert_threshold, id(lock.tracing))
-        with self._host.state_lock:
+        with self._state_lock:
             group = self.groups.get(key)
             new_group = group is None
             if group is None:
                 group = self.groups[key] = HeartbeatGroup(key, lock.timing.heartbeat_interval, lock.tracing)
             group.holds[hold] = None
             hold.group = group
-            self._start_worker()
+            if self._worker is None:  # `_start_worker`'s first look, inline: a worker mostly runs
+                self._start_worker()
         self._host.session.kept(hold)
         if new_group:
             self._wake.set()  # its first heartbeat may be due before the worker would look again
@@ -88,8 +91,12 @@ class HeartbeatWorker:
     def _start_worker(self) -> None:
         # Under the state lock: the worker decides to end under it too. One
         # that could not start (at interpreter exit) is tried again next time.
-        if (self._worker is None or not self._worker.running) and not self._engine.closed:
-            self._worker = AWorker(self._background, name="postgres-mutex-heartbeat")
+        # The worker clears ``_worker`` (under the state lock) however it ends: one that is set runs, and
+        # is not asked (a thread's is_alive is a few calls, on every acquire).
+        if self._worker is None and not self._engine.closed:
+            worker = AWorker(self._background, name="postgres-mutex-heartbeat")
+            if worker.running:
+                self._worker = worker
 
     async def _background(self) -> None:
         """Renew the holds and delete left rows until there is nothing left to do."""

@@ -8,6 +8,7 @@ nothing else is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._sql import Statements
@@ -31,9 +32,8 @@ class Shapes:
         self._state_lock = state_lock
         self._statements: dict[str, Statements] = {}
         self._with_history: set[str] = set()
-
-    def get(self, table: str) -> Statements | None:
-        return self._statements.get(table)
+        self.get: Callable[[str], Statements | None] = self._statements.get
+        """The statements for ``table``, if inspected: the dict's own ``get`` (asked twice per lock cycle)."""
 
     def forget(self, table: str) -> None:
         """The table changed (migrated, or a column it names is gone): inspect it again before its next use."""

@@ -18,7 +18,7 @@ import psycopg
 
 from .. import _sql
 from .._base.clock import now
-from .._base.connections import FAILURES, ServerSession, closed_while_idle, discard, unusable
+from .._base.connections import BAD, FAILURES, IDLE, ServerSession, closed_while_idle, discard, unusable
 from .._base.watchdog import Cutter
 
 if TYPE_CHECKING:
@@ -120,7 +120,9 @@ class OwnConnection:
         return self
 
     async def __aenter__(self) -> tuple[psycopg.AsyncConnection[Any], Cutter]:
-        conn, cutter = await self._open(self._timeout)
+        conn, cutter = self._conn, self._cutter
+        if conn is None or cutter is None or now() - self._used_at > _IDLE_CHECK:
+            conn, cutter = await self._open(self._timeout)
         self._replace = False
         self._in_use = conn, cutter
         return conn, cutter
@@ -130,7 +132,15 @@ class OwnConnection:
         self._used_at = now()
         if cutter.fired:
             self._cut_sessions.note(self._backend_pid)
-        if cutter.fired or self._replace or unusable(conn) or (self.session is not None and self.session.retired):
+        # `unusable`, inline: read after every statement.
+        pgconn = conn.pgconn
+        if (
+            cutter.fired
+            or self._replace
+            or pgconn.status == BAD
+            or pgconn.transaction_status != IDLE
+            or (self.session is not None and self.session.retired)
+        ):
             self._drop()
 
     async def _open(self, timeout: float) -> tuple[psycopg.AsyncConnection[Any], Cutter]:
@@ -153,7 +163,7 @@ class OwnConnection:
             self._connect_failed = None
             self._conn, self._cutter = conn, Cutter(conn.fileno())
             self._backend_pid = conn.info.backend_pid
-            self.session = ServerSession()
+            self.session = ServerSession(self._backend_pid)
             self.cursor = conn.cursor()
             self.connected_before = True
             try:

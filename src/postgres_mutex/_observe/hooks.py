@@ -345,6 +345,11 @@ class _Silent:
         return _nothing
 
 
+def silent(hook: ExtendedMetricsHook) -> bool:
+    """Whether ``hook`` is the one of a Mutex without a hook (`guard` of None): no call of it does anything."""
+    return isinstance(hook, _Silent)
+
+
 def guard(hook: object | None) -> ExtendedMetricsHook:
     """``hook`` wrapped so that each call is checked by name (by the type checker) and can never raise.
 

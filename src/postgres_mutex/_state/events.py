@@ -15,14 +15,16 @@ from typing import TypedDict
 
 from opentelemetry.trace import Span
 
-from .._observe.hooks import ExtendedMetricsHook, LockObservation
-from .._observe.tracing import MODE, OUTCOME, PERMIT, AttributeValue, mark_error, set_outcome
+from .._observe.hooks import ExtendedMetricsHook, LockObservation, silent
+from .._observe.tracing import MODE, NO_SPAN, OUTCOME, PERMIT, AttributeValue, mark_error, set_outcome
 from ..errors import LockNotHeldError
 from ..metric_names import RECLAIM_REASONS
 from .kind import MUTEX, LockKind
 from .outcome import AcquireResult, Outcome
 
 logger = logging.getLogger("postgres_mutex")
+
+_ACQUIRED = Outcome.ACQUIRED
 
 LostCallback = Callable[[LockNotHeldError], object]
 
@@ -80,6 +82,7 @@ class LockEvents:
         "on_doubt",
         "on_lost",
         "permit",
+        "quiet",
         "stale_threshold",
         "told_unnamed",
     )
@@ -101,6 +104,9 @@ class LockEvents:
         """The permit the semaphore's last hold took (its row's number), for log lines."""
         self.instance_id = instance_id
         self.hook = hook
+        self.quiet = silent(hook)
+        """No hook listens: an event told on no span (`NO_SPAN`) and logged at DEBUG alone may be skipped
+        whole when DEBUG is off (an uncontended cycle's acquired, acquire_ended and released)."""
         self.on_lost = on_lost
         self.alert_threshold = alert_threshold
         self.stale_threshold = stale_threshold
@@ -141,6 +147,8 @@ class LockEvents:
         """Acquired; ``row``: the ``lock_name`` of the row won, whose number is a semaphore's permit."""
         if row is not None:
             self.permit = self.kind.permit_of(row)
+        if self.quiet and span is NO_SPAN and result.outcome is _ACQUIRED and not logger.isEnabledFor(logging.DEBUG):
+            return  # nobody listens: the hook is a no-op, no span records, the log line would be dropped
         _event(span, result.outcome.value, holder=result.holder, token=result.token)
         if result.outcome is Outcome.RECLAIMED:
             assert result.holder is not None
@@ -214,6 +222,8 @@ class LockEvents:
 
     def acquire_ended(self, span: Span, outcome: str, *, attempts: int, waited: float, holder: str | None) -> None:
         """How a whole acquire ended: acquired, reclaimed, contended, timeout, error or cancelled."""
+        if self.quiet and span is NO_SPAN:
+            return  # nothing to record it on, nobody to tell
         set_outcome(
             span,
             outcome,
@@ -294,6 +304,8 @@ class LockEvents:
     # -- releasing -------------------------------------------------------------
 
     def released(self, span: Span, *, deleted: bool) -> None:
+        if self.quiet and span is NO_SPAN and not logger.isEnabledFor(logging.DEBUG):
+            return  # nobody listens (see `acquired`)
         set_outcome(span, "released" if deleted else "not_found")
         if deleted:
             if logger.isEnabledFor(logging.DEBUG):  # `what` is made for the record alone

@@ -52,6 +52,8 @@ from .alerts import AlertGate
 from .kind import MUTEX, LockKind
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from .._observe.tracing import Tracing
     from .._sql import Names
     from .events import LockEvents
@@ -221,6 +223,18 @@ class LockState:
         """The stray row's clean-up on the wire, if any: an acquire waits for it, so the two never cross."""
         self._cleanup_until = 0.0
         """When that clean-up can no longer land, whether or not its sender is still there to say so."""
+        self._name_itself()
+
+    def _name_itself(self) -> None:
+        """What an uncontended cycle sends and says, made once (and again when the instance_id changes)."""
+        self.acquire_action = self.describe("acquire")
+        self.release_action = self.describe("release")
+        self.plain_acquire_params: Mapping[str, object] = {
+            "lock_name": self.lock_name,
+            "instance_id": self.instance_id,
+            "stale_seconds": self.timing.stale_threshold,
+        }
+        """The parameters of an acquire's plain statement (`_sql.Statements.acquire_plain`)."""
 
     # -- queries ---------------------------------------------------------------
 
@@ -551,6 +565,7 @@ class LockState:
         self.hold = None
         self.stray_row_possible = False
         self.instance_id = instance_id  # a read/write lock's row_name follows it
+        self._name_itself()
         self.events.instance_id = instance_id
         self.alert_gate = type(self.alert_gate)(self.timing.alert_threshold)  # a watcher's to alert, if it was
         self._cleanup_sender = None

@@ -173,7 +173,9 @@ class _EventThread:
         self._ensure()
 
     def ensure(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
+        # The thread clears ``_thread`` however it ends (`_run`): one that is set runs, and is not
+        # asked (is_alive is a few calls, and a hold is kept on every acquire).
+        if self._thread is None:
             self._ensure()
 
     def stop(self) -> None:
@@ -202,6 +204,16 @@ class _EventThread:
                     logger.exception("a postgres-mutex callback failed")
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # However it ended (stopped, its session gone, a defect): the next `ensure` starts another.
+            with self._lock:
+                thread = self._thread
+                if thread is not None and thread.ident == threading.get_ident():
+                    self._thread = None
+
+    def _serve(self) -> None:
         idle_since: float | None = None
         due: float | None = None
         looked_at = 0.0

@@ -11,7 +11,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from .._base.clock import now
 from ..errors import LockNotHeldError
@@ -53,8 +53,9 @@ class CleanupSuperseded(Exception):
     """A clean-up was not sent: an acquire began after it, and takes the row back itself."""
 
 
-@dataclass(frozen=True, slots=True)
-class Result:
+class Result(NamedTuple):
+    """What a statement answered. A named tuple: the engine makes one per statement, in one C call."""
+
     rowcount: int
     rows: tuple[tuple[Any, ...], ...] = ()
     sent_at: float = 0.0
