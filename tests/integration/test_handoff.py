@@ -23,6 +23,8 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore, _sql
+from postgres_mutex._base import clock
+from postgres_mutex._io.listener import Listener
 from postgres_mutex._io.listener_async import MOST_REGISTERED
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
@@ -247,6 +249,38 @@ def test_a_release_reaches_no_process_that_stopped_waiting(dsn: str, pg: Postgre
     finally:
         proxy.close()
     assert delivered == 0, f"{delivered} releases were delivered to a process that no longer waits"
+
+
+def test_a_waiting_thread_is_woken_by_the_release_itself_not_by_the_listener_thread(
+    make_mutex: Callable[..., Mutex], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocked ``acquire()`` reads its listener's socket itself: the release's notification wakes it with no
+    other thread in between, so a listener thread held up (here, three seconds at each read) delays nothing."""
+    real = Listener._drain
+
+    def slow_in_the_listener_thread(self: Listener, conn: Any) -> None:
+        if threading.current_thread().name == "postgres-mutex-listener":
+            time.sleep(3.0)
+        real(self, conn)
+
+    monkeypatch.setattr(Listener, "_drain", slow_in_the_listener_thread)
+    holder, waiter = make_mutex(), make_mutex(poll_interval=60.0)  # only a wake-up hands the lock over in time
+    got: list[float] = []
+    with holder.acquire():
+        thread = threading.Thread(target=lambda: got.append(_acquire_and_release(waiter)), daemon=True)
+        thread.start()
+        wait_until(lambda: listens(waiter) and _is_waiting(waiter), timeout=10)
+        released_at = time.monotonic()
+    thread.join(20.0)
+    assert got, "the waiter got the lock"
+    assert got[0] - released_at < 1.0, f"woken {got[0] - released_at:.2f}s after the release"
+
+
+def _is_waiting(mutex: Mutex) -> bool:
+    """``mutex``'s blocked acquire sleeps until woken: its two attempts made, one thread reads the socket."""
+    listener = core_of(mutex.client).engine().listener
+    reading = getattr(listener, "_reader", None)
+    return reading is None or reading.busy_until() > clock.now()
 
 
 def _acquire_and_release(mutex: Mutex) -> float:

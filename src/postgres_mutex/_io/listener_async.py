@@ -97,6 +97,8 @@ class Listener:
         # Each registered channel's slot's channel, and the lock's channel it stands for.
         self._slot_channels: dict[str, str] = {}
         self._reader = AReader(self._waker)
+        # The connection a waiter found failed (`_drain_here`), which the listener's thread replaces.
+        self._failed: psycopg.AsyncConnection[Any] | None = None
         # Channels whose wake-up no waiter of this process could use: passed on by the worker.
         self._passing: list[str] = []
         self._backend_pid: int | None = None
@@ -129,7 +131,7 @@ class Listener:
     async def wait(self, subscription: Subscription, timeout: float) -> None:
         """Wait until ``subscription``'s waiter is woken (`Subscription.released`) or ``timeout`` passes."""
         conn = self._conn
-        fd = None if conn is None or conn.closed or self._closed else conn.fileno()
+        fd = None if conn is None or conn is self._failed or conn.closed or self._closed else conn.fileno()
         read = await self._reader.wait(subscription.released, fd, functools.partial(self._drain_here, conn), timeout)
         if (read and len(self._subscriptions) > 1) or self._conn is not conn:
             # Other waiters' releases arrive meanwhile: the listener reads the socket again.
@@ -260,7 +262,7 @@ class Listener:
                     failures, reported_at = 0, None
                     wait = MAX_SLICE
                     busy_until = self._reader.busy_until()
-                    if busy_until > now():
+                    if busy_until > now() and self._failed is not conn:
                         # A waiter reads the socket: this waits for a wake-up only, until that waiter's turn ends.
                         await self._waker.wait_readable(None, min(wait, busy_until - now()), self._drain_none)
                     else:
@@ -345,6 +347,8 @@ class Listener:
         try:
             self._drain(conn)
         except Exception:
+            # Not read again by a waiter: the listener's thread finds the failure and reconnects.
+            self._failed = conn
             self._waker.wake()
             return False
         return True

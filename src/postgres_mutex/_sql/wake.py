@@ -4,16 +4,17 @@ A process's listener that LISTENs on a lock's channel also *registers* there:
 on its own connection it takes the lowest free of `SLOTS` slots, a
 session-level advisory lock ``(slot key, slot)`` held exclusively, and the
 channel's ``(key, 0)`` shared (someone waits); and it LISTENs on the slot's
-channel too (`slot_channel`). A release notifies the lowest taken slot's
-channel: only that process hears it, and it wakes one of its waiters, so a
+channel too (`slot_channel`). A release notifies one taken slot's channel
+(`_taken_slot`): only that process hears it, and it wakes one of its waiters, so a
 release costs one attempt and one delivery across the fleet, not one per
 process (`after_release`). A release that finds nobody registered notifies
 the lock's own channel with `WAKE_EACH_PROCESS`: every listener wakes one
 waiter of its own, as when a listener could not register.
 
-Finding the slot costs a release a probe per slot below it (a try and an
-unlock of a shared lock, each one entry of one lock-manager partition), and
-the first question, whether ``(key, 0)`` is free, spares even that when
+Finding the slot costs a release a probe of each of the first `CHOSEN_AMONG`
+slots (a try and an unlock of a shared lock, each one entry of one
+lock-manager partition), more only if none of those is taken, and the first
+question, whether ``(key, 0)`` is free, spares even that when
 nobody waits: no scan of ``pg_locks``, which takes every partition's lock.
 
 Advisory locks need no privilege and no table, end with their session (a
@@ -49,6 +50,9 @@ WAKE_EACH_PROCESS = ""
 SLOTS = 128
 """The most processes registered on one lock's channel at once; the others LISTEN on the lock's own channel."""
 
+CHOSEN_AMONG = 8
+"""A release looks at this many slots from the first, and chooses one taken among them at random."""
+
 _KEY = sql.SQL("(hashtext({channel}) & 2147483647)")
 """The channel's advisory-lock key (the first of two int4 keys): the same in every session of a server."""
 
@@ -62,19 +66,26 @@ def slot_channel(channel: str, slot: int) -> str:
 
 
 def _taken_slot(channel: sql.Composable) -> sql.Composable:
-    """The lowest slot another session holds, as text (NULL if none).
+    """A slot another session holds, as text (NULL if none): one of the first `CHOSEN_AMONG` slots, at random,
+    else the lowest beyond.
 
     A slot is free if a shared lock on it can be had; that lock is let go at
     once, so a release keeps no lock entry for the slots it looked at. The
     session's own slot (a listener passing a wake-up on) counts as free.
+    Chosen at random, not lowest first: a process back to wait takes the
+    lowest free slot, and would be woken before those waiting longer.
     """
     key = _SLOT_KEY.format(channel=channel)
+    taken = sql.SQL(
+        "CASE WHEN pg_try_advisory_lock_shared({key}, slot) THEN NOT pg_advisory_unlock_shared({key}, slot) "
+        "ELSE true END"
+    ).format(key=key)
     return sql.SQL(
-        """(SELECT slot::text FROM generate_series(1, {slots}) AS slot
-     WHERE CASE WHEN pg_try_advisory_lock_shared({key}, slot) THEN NOT pg_advisory_unlock_shared({key}, slot)
-                ELSE true END
-     LIMIT 1)"""
-    ).format(slots=sql.Literal(SLOTS), key=key)
+        """coalesce((SELECT slot FROM generate_series(1, {among}) AS slot WHERE {taken} ORDER BY random() LIMIT 1),
+              (SELECT slot FROM generate_series({beyond}, {slots}) AS slot WHERE {taken} LIMIT 1))::text"""
+    ).format(
+        among=sql.Literal(CHOSEN_AMONG), beyond=sql.Literal(CHOSEN_AMONG + 1), slots=sql.Literal(SLOTS), taken=taken
+    )
 
 
 def _wake_one(channel: sql.Composable) -> sql.Composable:
