@@ -57,6 +57,7 @@ RENAMES = {
     "AGate": "Gate",
     "AWorker": "Worker",
     "AWaker": "Waker",
+    "AReader": "Reader",
     "asleep": "sleep",
     "aacquire_lock": "acquire_lock",
     "auncancellable": "uncancellable",

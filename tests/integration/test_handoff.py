@@ -23,10 +23,12 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore, _sql
+from postgres_mutex._base import clock
+from postgres_mutex._io.listener import Listener
 from postgres_mutex._io.listener_async import MOST_REGISTERED
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
-from tests.support.fixtures import channel_of, process_listens, wait_until
+from tests.support.fixtures import channel_of, listens, process_listens, wait_until
 from tests.support.postgres_server import PostgresServer
 
 # Long enough that no waiter polls and no heartbeat goes out while the hand-offs run:
@@ -60,9 +62,12 @@ def test_round_trips_per_hand_off_do_not_grow_with_the_waiters(
 
 
 # Per waiter with a client of its own: its two connections' start-up, its two attempts, its
-# listener's registration and unregistration, its acquire and its release: 11 measured with
-# 10 clients and with 20. Every client woken by every release measured 14.8 a waiter with 10.
-PER_CLIENT = 12
+# listener's registration and unregistration (two round trips: its slot given back once the
+# releases that chose it committed, then UNLISTEN at once), its acquire and its release, and a
+# wake-up passed on when a release chose it as it left: 12.6 to 13.2 measured with 10 clients
+# and with 20. Every client woken by every release measured 14.8 a waiter with 10 (with one
+# round trip fewer per unregistration).
+PER_CLIENT = 14
 
 
 @pytest.mark.parametrize("permits", [None, 3], ids=["mutex", "semaphore-of-3"])
@@ -171,10 +176,11 @@ def test_a_change_of_the_number_of_permits_reaches_every_waiter(dsn: str, admin:
 def test_a_wake_up_no_waiter_of_the_process_can_use_is_passed_on(
     dsn: str, admin: psycopg.Connection[Any], schema: None
 ) -> None:
-    """A release named a process whose waiter has just left: another process's waiter is woken instead.
+    """A release chose a process whose waiter was leaving: another process's waiter is woken instead.
 
-    The release is made by hand (the row deleted, then a notification naming
-    the process that left), so nothing else can wake the waiter left behind
+    The release is made by hand (the row deleted and the leaving process's
+    slot notified, in a transaction held open while that process unregisters,
+    as a release's would be), so nothing else can wake the waiter left behind
     before its poll, a minute away.
     """
     name = f"handoff-{uuid.uuid4().hex[:10]}"
@@ -183,16 +189,20 @@ def test_a_wake_up_no_waiter_of_the_process_can_use_is_passed_on(
     async def scenario(holder: Mutex) -> float:
         async with MutexClient(dsn) as leaving, MutexClient(dsn) as staying:
             left = asyncio.create_task(_try(leaving.mutex(name, **QUIET), timeout=2.0))
-            await asyncio.to_thread(wait_until, lambda: len(_registered_pids(dsn, channel)) == 1, timeout=30)
-            (leaving_pid,) = _registered_pids(dsn, channel)
+            await asyncio.to_thread(wait_until, lambda: len(_slots(dsn, channel)) == 1, timeout=30)
+            ((slot, leaving_pid),) = _slots(dsn, channel).items()
             stays = asyncio.create_task(_try(staying.mutex(name, **QUIET), timeout=30.0))
-            await asyncio.to_thread(wait_until, lambda: len(_registered_pids(dsn, channel)) == 2, timeout=30)
-            assert await left is None, "the leaving waiter timed out"
-            # It unregistered, and still hears its channel for a moment.
-            await asyncio.to_thread(wait_until, lambda: leaving_pid not in _registered_pids(dsn, channel), timeout=30)
-            admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (name,))
-            told = time.monotonic()
-            admin.execute("SELECT pg_notify(%s, %s)", (channel, str(leaving_pid)))
+            await asyncio.to_thread(wait_until, lambda: len(_slots(dsn, channel)) == 2, timeout=30)
+            with psycopg.connect(dsn) as releasing:
+                releasing.execute("SELECT pg_advisory_xact_lock_shared(hashtext(%s) & 2147483647, -1)", (channel,))
+                releasing.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (name,))
+                releasing.execute("SELECT pg_notify(%s, '')", (f"{channel}_{slot}",))
+                assert await left is None, "the leaving waiter timed out"
+                # It gave its slot back, and waits for this release to commit before it stops listening.
+                await asyncio.to_thread(
+                    wait_until, lambda: leaving_pid not in _slots(dsn, channel).values(), timeout=30
+                )
+                told = time.monotonic()
             acquired_at = await stays
             assert acquired_at is not None
             return acquired_at - told
@@ -202,6 +212,81 @@ def test_a_wake_up_no_waiter_of_the_process_can_use_is_passed_on(
         assert holder.acquire().__enter__()
         waited = asyncio.run(scenario(holder))
     assert waited < 20.0, "the wake-up was not passed on: the waiter slept until its poll"
+
+
+def test_a_release_reaches_no_process_that_stopped_waiting(dsn: str, pg: PostgresServer, schema: None) -> None:
+    """Once a process's last waiter of a lock left, no release of that lock is delivered to it (its
+    listener is not woken for nothing), while another process still waits there and is woken."""
+    name = f"handoff-{uuid.uuid4().hex[:10]}"
+    proxy = FaultProxy(pg.host, pg.port)
+    counted_dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
+    try:
+        with MutexClient(dsn) as client, MutexClient(counted_dsn) as left_client:
+            holder, other = client.mutex(name, **QUIET), MutexClient(dsn)
+            try:
+                assert holder.acquire().__enter__()
+                leaving = left_client.mutex(name, **QUIET)
+                with pytest.raises(LockAcquisitionTimeout):
+                    leaving.acquire(timeout=0.5).__enter__()
+                listener = core_of(left_client).engine().listener
+                assert listener is not None
+                wait_until(lambda: not listener.listening, timeout=10)
+                before = proxy.notifications
+                got: list[float] = []
+                waiting = other.mutex(name, **QUIET)
+                waiter = threading.Thread(target=lambda: got.append(_acquire_and_release(waiting)), daemon=True)
+                waiter.start()
+                wait_until(lambda: listens(waiting), timeout=10)
+                holder.release()
+                waiter.join(20.0)
+                assert got, "the waiter still waiting was woken"
+                for _ in range(3):  # released with nobody waiting: every listening process is told
+                    with holder.acquire():
+                        pass
+                delivered = proxy.notifications - before
+            finally:
+                other.close()
+    finally:
+        proxy.close()
+    assert delivered == 0, f"{delivered} releases were delivered to a process that no longer waits"
+
+
+def test_a_waiting_thread_is_woken_by_the_release_itself_not_by_the_listener_thread(
+    make_mutex: Callable[..., Mutex], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocked ``acquire()`` reads its listener's socket itself: the release's notification wakes it with no
+    other thread in between, so a listener thread held up (here, three seconds at each read) delays nothing."""
+    real = Listener._drain
+
+    def slow_in_the_listener_thread(self: Listener, conn: Any) -> None:
+        if threading.current_thread().name == "postgres-mutex-listener":
+            time.sleep(3.0)
+        real(self, conn)
+
+    monkeypatch.setattr(Listener, "_drain", slow_in_the_listener_thread)
+    holder, waiter = make_mutex(), make_mutex(poll_interval=60.0)  # only a wake-up hands the lock over in time
+    got: list[float] = []
+    with holder.acquire():
+        thread = threading.Thread(target=lambda: got.append(_acquire_and_release(waiter)), daemon=True)
+        thread.start()
+        wait_until(lambda: listens(waiter) and _is_waiting(waiter), timeout=10)
+        released_at = time.monotonic()
+    thread.join(20.0)
+    assert got, "the waiter got the lock"
+    assert got[0] - released_at < 1.0, f"woken {got[0] - released_at:.2f}s after the release"
+
+
+def _is_waiting(mutex: Mutex) -> bool:
+    """``mutex``'s blocked acquire sleeps until woken: its two attempts made, one thread reads the socket."""
+    listener = core_of(mutex.client).engine().listener
+    reading = getattr(listener, "_reader", None)
+    return reading is None or reading.busy_until() > clock.now()
+
+
+def _acquire_and_release(mutex: Mutex) -> float:
+    with mutex.acquire(timeout=20.0) as got:
+        assert got
+        return time.monotonic()
 
 
 async def _try(mutex: Mutex | Semaphore, *, timeout: float) -> float | None:
@@ -215,14 +300,19 @@ async def _try(mutex: Mutex | Semaphore, *, timeout: float) -> float | None:
 
 
 def _registered_pids(dsn: str, channel: str) -> set[int]:
-    """The backend pids of the listeners registered on ``channel``."""
+    """The backend pids of the listeners registered on ``channel`` (each holds a slot there)."""
+    return set(_slots(dsn, channel).values())
+
+
+def _slots(dsn: str, channel: str) -> dict[int, int]:
+    """The slots taken on ``channel``, and the backend pid of the listener holding each."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT objid::int FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted "
-            "AND objid <> 0 AND classid = (hashtext(%s) & 2147483647)::oid",
+            "SELECT objid::int, pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted "
+            "AND mode = 'ExclusiveLock' AND classid = (hashtext(%s || '#') & 2147483647)::oid",
             (channel,),
         ).fetchall()
-    return {row[0] for row in rows}
+    return {row[0]: row[1] for row in rows}
 
 
 def test_a_mutex_and_a_semaphore_of_one_name_wake_only_their_own_waiters(dsn: str, schema: None) -> None:

@@ -67,6 +67,7 @@ class FaultProxy:
         self._links: list[_Link] = []
         self._silent = False
         self._ready_for_query = 0
+        self._notifications = 0
         self._sent: dict[str, int] = {}
         self._accepted = 0
         self._running = True
@@ -77,6 +78,12 @@ class FaultProxy:
         """Round trips completed through the proxy so far."""
         with self._lock:
             return self._ready_for_query
+
+    @property
+    def notifications(self) -> int:
+        """Notifications (of a LISTENed channel) the server delivered through the proxy so far."""
+        with self._lock:
+            return self._notifications
 
     def sent(self, kind: str) -> int:
         """Messages of type ``kind`` (one letter) the clients sent through the proxy so far."""
@@ -232,15 +239,18 @@ class FaultProxy:
     def _count(self, link: _Link, data: bytes) -> None:
         # Server messages: 1-byte type, 4-byte length (including itself), body.
         buf = link.down_buffer + data
-        seen = 0
+        seen = notified = 0
         while len(buf) >= 5:
             length = int.from_bytes(buf[1:5], "big")
             if len(buf) < 1 + length:
                 break
             if buf[0:1] == b"Z":
                 seen += 1
+            elif buf[0:1] == b"A":
+                notified += 1
             buf = buf[1 + length :]
         link.down_buffer = buf
-        if seen:
+        if seen or notified:
             with self._lock:
                 self._ready_for_query += seen
+                self._notifications += notified

@@ -158,14 +158,15 @@ def process_listens(
     """Another process's release listener has LISTENed on ``lock_name``'s channel, as pg_stat_activity shows.
 
     The listener connection's last statement stays visible there while it idles: the LISTEN, alone or
-    with the process's registration on the channel.
+    the process's registration on the channel (which LISTENs there).
     """
     query = (
         "SELECT 1 FROM pg_stat_activity WHERE application_name LIKE 'postgres-mutex listener%%' "
-        "AND (query = %(listen)s OR position(%(listen)s || ';' IN query) > 0)"
+        "AND (query = %(listen)s OR position(%(listen)s || ';' IN query) > 0 OR position(%(registers)s IN query) > 0)"
     )
-    listen = f'LISTEN "{channel_of(lock_name, table, kind)}"'
-    return admin.execute(query, {"listen": listen}).fetchone() is not None
+    channel = channel_of(lock_name, table, kind)
+    listen, registers = f'LISTEN "{channel}"', f"format('LISTEN %I', '{channel}')"
+    return admin.execute(query, {"listen": listen, "registers": registers}).fetchone() is not None
 
 
 def listener_reconnected(caplog: pytest.LogCaptureFixture) -> bool:

@@ -527,23 +527,35 @@ class AWaker:
     def wake(self) -> None:
         self._event.set()
 
-    async def wait_readable(self, fd: int, timeout: float) -> bool:
-        """Wait until ``fd`` is readable, `wake` is called, or ``timeout`` passes; True if ``fd`` is readable."""
-        loop = asyncio.get_running_loop()
-        readable = asyncio.Event()
-        loop.add_reader(fd, readable.set)
-        try:
-            if not self._event.is_set():
-                waits = [asyncio.ensure_future(readable.wait()), asyncio.ensure_future(self._event.wait())]
+    async def wait_readable(self, fd: int | None, timeout: float, drain: Callable[[], None]) -> None:
+        """Wait until `wake` is called or ``timeout`` passes; whenever ``fd`` is readable meanwhile, ``drain`` it.
+
+        ``drain`` runs in the event loop's own callback for the socket: what it
+        wakes (a waiter's event) runs next, with no turn of this task between.
+        What it raises ends the wait and is raised here.
+        """
+        failed: list[Exception] = []
+        if fd is not None and not self._event.is_set():
+            loop = asyncio.get_running_loop()
+
+            def readable() -> None:
                 try:
-                    await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for waiting in waits:
-                        waiting.cancel()
-        finally:
-            loop.remove_reader(fd)
+                    drain()
+                except Exception as exc:
+                    failed.append(exc)
+                    loop.remove_reader(fd)
+                    self._event.set()
+
+            loop.add_reader(fd, readable)
+            try:
+                await self._event.wait(timeout)
+            finally:
+                loop.remove_reader(fd)
+        elif not self._event.is_set():
+            await self._event.wait(timeout)
         self._event.clear()
-        return readable.is_set()
+        if failed:
+            raise failed[0]
 
     def close(self) -> None:
         pass
@@ -561,14 +573,158 @@ class Waker:
         with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
             os.write(self._write, b"\0")
 
-    def wait_readable(self, fd: int, timeout: float) -> bool:
-        ready = ready_to_read((fd, self._read), timeout)
+    def wait_readable(self, fd: int | None, timeout: float, drain: Callable[[], None]) -> None:
+        ready = ready_to_read((self._read,) if fd is None else (fd, self._read), timeout)
         if self._read in ready:
             with contextlib.suppress(OSError):
                 os.read(self._read, 4096)
-        return fd in ready
+        if fd is not None and fd in ready:
+            drain()
 
     def close(self) -> None:
         for fd in (self._read, self._write):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+# -- a waiter's wait for its wake-up -------------------------------------------------------
+
+
+class AReader:
+    """How a waiting task waits for a release: on its event, which the loop's callback for the
+    listener's socket sets (`AWaker.wait_readable`), with no turn of the listener task between."""
+
+    def __init__(self, waker: AWaker) -> None:
+        pass
+
+    def busy_until(self) -> float:
+        """Until when a waiter reads the listener's socket (0: nobody does): tasks never do."""
+        return 0.0
+
+    def using(self) -> contextlib.nullcontext[None]:
+        """The listener's connection, for the listener's own use: a task's is never shared."""
+        return contextlib.nullcontext()
+
+    async def wait(self, released: AEvent, fd: int | None, drain: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``released`` is set or ``timeout`` passes; False: the listener read the socket, not this."""
+        await released.wait(timeout)
+        return False
+
+    def poke(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Baton:
+    """Who may use the listener's connection at this instant: its thread or a waiter reading its socket.
+
+    A holder keeps it for a drain of the socket or one statement of the
+    listener's; a holder that never gave it back (an exception a signal
+    handler raised just after it was taken) is passed over after
+    `_BATON_HELD_AT_MOST`, the longest any holder keeps it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def try_take(self) -> threading.Lock | None:
+        lock = self._lock
+        return lock if lock.acquire(blocking=False) else None
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        if not lock.acquire(timeout=_BATON_HELD_AT_MOST):
+            self._lock = threading.Lock()  # left behind: a new one, the old one is nobody's
+            self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        with contextlib.suppress(RuntimeError):
+            self._lock.release()
+
+
+_BATON_HELD_AT_MOST = 5.0
+
+
+class Reader:
+    """How a waiting thread waits for a release: reading the listener's socket itself, if no other waiter does.
+
+    A notification then wakes the very thread that waits for it: no listener
+    thread in between, which would wake first and then wake it. One waiter
+    reads at a time (the others wait on their events, which whoever reads
+    sets); the listener's thread leaves the socket to it meanwhile, and keeps
+    the connection for its own statements (`using`). A reader's turn ends
+    with its wait at the latest, whatever was raised into it.
+    """
+
+    def __init__(self, waker: Waker) -> None:
+        self._waker = waker
+        self._guard = threading.Lock()
+        self._until = 0.0
+        self._baton = _Baton()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def busy_until(self) -> float:
+        """Until when a waiter reads the listener's socket (past: nobody does)."""
+        return self._until
+
+    def using(self) -> _Baton:
+        return self._baton
+
+    def wait(self, released: Event, fd: int | None, drain: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``released`` is set or ``timeout`` passes, reading the socket ``fd`` meanwhile if no other
+        waiter does; ``drain`` reads it (False: the connection failed). True if this waiter read it."""
+        deadline = now() + timeout
+        with self._guard:
+            taken = fd is not None and self._until < now()
+            if taken:
+                self._until = deadline
+        if not taken:
+            released.wait(timeout)
+            return False
+        try:
+            # The listener's thread may be waiting on the socket too: it leaves it to this waiter.
+            self._waker.wake()
+            while not released.is_set():
+                left = deadline - now()
+                if left <= 0:
+                    break
+                assert fd is not None
+                ready = ready_to_read((fd, self._read), min(left, MAX_SLICE))
+                if self._read in ready:
+                    with contextlib.suppress(OSError):
+                        os.read(self._read, 4096)
+                if fd in ready:
+                    baton = self._baton.try_take()
+                    if baton is None:
+                        # The listener's thread has the connection: it hands out what it reads.
+                        released.wait(min(left, _BATON_BUSY))
+                        continue
+                    try:
+                        ok = drain()
+                    finally:
+                        with contextlib.suppress(RuntimeError):
+                            baton.release()
+                    if not ok:
+                        break
+        finally:
+            self._until = 0.0
+        return True
+
+    def poke(self) -> None:
+        """End a reading waiter's wait on the socket, to look at its event again."""
+        if self._until:
+            with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+                os.write(self._write, b"\0")
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+_BATON_BUSY = 0.002
+"""How long a reading waiter waits on its event while the listener's thread has the connection."""

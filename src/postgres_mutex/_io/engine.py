@@ -20,6 +20,7 @@ on goes on running there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -509,14 +510,18 @@ class _Steps:
             self._subscription = listener.subscribe(op.channel)
             return self._subscription.confirmed.wait(op.timeout)
         assert isinstance(op, steps.WaitForRelease)
-        subscription = self._subscription
-        # A release wakes the wait, and so does a stop (an election's), set from any thread.
-        wake = Event() if subscription is None else subscription.released
-        with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
-            wake.wait(op.seconds)
-        if subscription is None:
-            wake.clear()
-        # Else the next attempt clears it (`Listener.take_wake`): a release announced between
+        subscription, listener = self._subscription, engine.listener
+        if subscription is None or listener is None:
+            # A stop (an election's), set from any thread, ends the wait.
+            wake = Event()
+            with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
+                wake.wait(op.seconds)
+            return None
+        # A release wakes the wait, and so does a stop.
+        stop = op.stop
+        with contextlib.nullcontext() if stop is None else stop.waking(functools.partial(listener.wake, subscription)):
+            listener.wait(subscription, op.seconds)
+        # The next attempt clears the wake-up (`Listener.take_wake`): a release announced between
         # this wait's end and that attempt must still end the wait after it.
         return None
 

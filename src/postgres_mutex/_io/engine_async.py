@@ -521,14 +521,18 @@ class _Steps:
             self._subscription = listener.subscribe(op.channel)
             return await self._subscription.confirmed.wait(op.timeout)
         assert isinstance(op, steps.WaitForRelease)
-        subscription = self._subscription
-        # A release wakes the wait, and so does a stop (an election's), set from any thread.
-        wake = AEvent() if subscription is None else subscription.released
-        with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
-            await wake.wait(op.seconds)
-        if subscription is None:
-            wake.clear()
-        # Else the next attempt clears it (`Listener.take_wake`): a release announced between
+        subscription, listener = self._subscription, engine.listener
+        if subscription is None or listener is None:
+            # A stop (an election's), set from any thread, ends the wait.
+            wake = AEvent()
+            with contextlib.nullcontext() if op.stop is None else op.stop.waking(wake.set):
+                await wake.wait(op.seconds)
+            return None
+        # A release wakes the wait, and so does a stop.
+        stop = op.stop
+        with contextlib.nullcontext() if stop is None else stop.waking(functools.partial(listener.wake, subscription)):
+            await listener.wait(subscription, op.seconds)
+        # The next attempt clears the wake-up (`Listener.take_wake`): a release announced between
         # this wait's end and that attempt must still end the wait after it.
         return None
 

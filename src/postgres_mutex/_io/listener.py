@@ -6,16 +6,22 @@ A waiter subscribes to its lock's channel and is told when a release is
 notified there, so it tries again at once rather than at its next poll.
 Each notification frees one hold (a mutex, or one permit of a semaphore), so
 it wakes one waiter, the longest subscribed among those not yet woken. The
-listener registers the process on each channel it LISTENs on, and a release
-names one registered process in its payload (`_sql.wake`): only that one
-wakes a waiter, so a release costs one attempt across the fleet, not one per
-waiter nor one per process (no thundering herd). A notification that names
-nobody (no process could register) wakes one waiter of each process. A
-waiter that leaves without trying after its wake-up passes it on
+listener registers the process on each channel it LISTENs on, in a slot that
+has a channel of its own, and a release notifies one registered process's
+slot (`_sql.wake`): only that one hears it and wakes a waiter, so a release
+costs one attempt and one delivery across the fleet, not one per waiter nor
+one per process (no thundering herd). A notification on the lock's own
+channel (nobody could register) wakes one waiter of each process. A waiter
+that leaves without trying after its wake-up passes it on
 (`Listener.wake_one`), to another process if none of this one's can use it.
 A notification with the payload `WAKE_ALL` (a change of a semaphore's N,
 which may free many permits at once) wakes every waiter, and so does a lost
-connection. The connection is opened for the first waiter and closed a while
+connection. Once the last waiter of a lock leaves, the listener stops
+LISTENing on its channels at once: later releases wake none of its process.
+
+A notification reaches its waiter with nobody in between: the waiter reads
+the socket itself while it waits, or is woken by the callback that reads it
+(`Reader` says which). The connection is opened for the first waiter and closed a while
 after the last one; through a transaction-mode pooler nothing it sends is
 prepared. While it is down, waiters poll; a listener that keeps failing is
 reported.
@@ -31,7 +37,7 @@ import psycopg
 from psycopg import pq
 
 from .. import _sql
-from .._base.acompat import Event, Waker, Worker, sleep, uncancellable
+from .._base.acompat import Event, Reader, Waker, Worker, sleep, uncancellable
 from .._base.clock import MAX_SLICE, now
 from .._base.connections import FAILURES, discard
 from .._base.watchdog import Cutter
@@ -45,6 +51,7 @@ logger = logging.getLogger("postgres_mutex")
 
 # How long the listener keeps its connection once nobody waits: waiters come
 # in bursts, and each new connection costs the first waiter of a burst a moment.
+# It LISTENs on nothing meanwhile, so no release wakes it.
 _LISTENER_LINGER = 10.0
 
 # A listener that fails this many times in a row is a fault to report (one
@@ -52,10 +59,6 @@ _LISTENER_LINGER = 10.0
 # while it goes on failing, the report repeats at most every _LISTENER_REPORT_EVERY.
 _LISTENER_FAILURES_REPORTED = 3
 _LISTENER_REPORT_EVERY = 60.0
-
-# How long the listener still LISTENs on a channel once it unregistered there: a release
-# that chose this process just before then is still heard, and its wake-up passed on.
-_UNREGISTERED_LINGER = 2.0
 
 # The most channels a listener registers on at once: each registration holds two entries of
 # the server's shared lock table (64 per connection by default, for the whole server). A
@@ -91,10 +94,13 @@ class Listener:
         self._worker: Worker | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self._listening: set[str] = set()
-        # The channels listened on where this process is registered (at most MOST_REGISTERED).
-        self._registered: set[str] = set()
-        # Channels unregistered but still LISTENed on, until when (`_UNREGISTERED_LINGER`).
-        self._lingering: dict[str, float] = {}
+        # The channels listened on where this process is registered (at most MOST_REGISTERED): their slots.
+        self._registered: dict[str, int] = {}
+        # Each registered channel's slot's channel, and the lock's channel it stands for.
+        self._slot_channels: dict[str, str] = {}
+        self._reader = Reader(self._waker)
+        # The connection a waiter found failed (`_drain_here`), which the listener's thread replaces.
+        self._failed: psycopg.Connection[Any] | None = None
         # Channels whose wake-up no waiter of this process could use: passed on by the worker.
         self._passing: list[str] = []
         self._backend_pid: int | None = None
@@ -121,9 +127,22 @@ class Listener:
 
     @property
     def listening(self) -> frozenset[str]:
-        """The channels the connection LISTENs on and is registered on right now (both end shortly after the
-        last waiter leaves)."""
+        """The channels the connection LISTENs on right now (each until its last waiter leaves)."""
         return frozenset(self._listening)
+
+    def wait(self, subscription: Subscription, timeout: float) -> None:
+        """Wait until ``subscription``'s waiter is woken (`Subscription.released`) or ``timeout`` passes."""
+        conn = self._conn
+        fd = None if conn is None or conn is self._failed or conn.closed or self._closed else conn.fileno()
+        read = self._reader.wait(subscription.released, fd, functools.partial(self._drain_here, conn), timeout)
+        if (read and len(self._subscriptions) > 1) or self._conn is not conn:
+            # Other waiters' releases arrive meanwhile: the listener reads the socket again.
+            self._waker.wake()
+
+    def wake(self, subscription: Subscription) -> None:
+        """Wake ``subscription``'s waiter from any thread (an election's stop, say), wherever it waits."""
+        subscription.released.set()
+        self._reader.poke()
 
     def wake_one(self, channel: str) -> None:
         """Wake the longest waiting subscriber of ``channel`` not woken yet: one hold was freed.
@@ -146,7 +165,7 @@ class Listener:
                 chosen.woken = True
         if chosen is None:
             return False
-        chosen.released.set()
+        self.wake(chosen)
         return True
 
     def take_wake(self, subscription: Subscription) -> bool:
@@ -161,20 +180,23 @@ class Listener:
         return woken
 
     def _released(self, channel: str, payload: str) -> None:
+        chosen = self._slot_channels.get(channel)
+        if chosen is not None:
+            # This process alone was told (its slot's channel): one waiter here, else another process's.
+            self.wake_one(chosen)
+            return
         if payload == _sql.WAKE_EACH_PROCESS:
             # Every process was told: one waiter here tries, and nothing is passed on.
             self._wake_here(channel)
             return
         if payload != _sql.WAKE_ALL:
-            if payload == str(self._backend_pid):
-                self.wake_one(channel)
-            return
+            return  # another process's (named by a release of an earlier version)
         with self._host.state_lock:
             waiting = list(self._subscriptions.get(channel, ()))
             for subscription in waiting:
                 subscription.woken = True
         for subscription in waiting:
-            subscription.released.set()
+            self.wake(subscription)
 
     def _wake_everyone(self) -> None:
         # The connection was lost: a release may have gone unheard. Every waiter retries now.
@@ -183,10 +205,10 @@ class Listener:
             for subscription in waiting:
                 subscription.woken = True
         for subscription in waiting:
-            subscription.released.set()
+            self.wake(subscription)
 
     def _run(self) -> None:
-        listening, registered, lingering = self._listening, self._registered, self._lingering
+        listening, registered, slot_channels = self._listening, self._registered, self._slot_channels
         cutter: Cutter | None = None
         failures = 0
         reported_at: float | None = None
@@ -196,7 +218,7 @@ class Listener:
                 with self._host.state_lock:
                     wanted = set(self._subscriptions)
                     passing, self._passing = self._passing, []
-                    if wanted or listening or lingering or passing:
+                    if wanted or listening or passing:
                         idle_since = None
                     elif idle_since is None:
                         idle_since = now()
@@ -212,36 +234,41 @@ class Listener:
                         self._backend_pid = self._conn.info.backend_pid
                         listening.clear()
                         registered.clear()
-                        lingering.clear()
+                        slot_channels.clear()
                         if failures:
                             self._wake_everyone()
                     conn, pid = self._conn, self._conn.info.backend_pid
                     for channel in passing:
                         self._execute(conn, cutter, _sql.pass_on(channel))
-                    for channel in sorted(wanted - listening):
-                        # Still LISTENed on if it lingers: registered again only.
-                        listened = lingering.pop(channel, None) is not None
-                        if len(registered) < MOST_REGISTERED:
-                            self._execute(conn, cutter, _sql.register(channel, pid, listened=listened))
-                            registered.add(channel)
-                        elif not listened:
-                            self._execute(conn, cutter, _sql.listen(channel))
-                        listening.add(channel)
                     for channel in sorted(listening - wanted):
-                        if channel in registered:
-                            self._execute(conn, cutter, _sql.unregister(channel, pid))
-                            registered.discard(channel)
+                        # Nobody of this process waits there now: no release should wake it. A release
+                        # that chose its slot first is heard still, and passed on (`_sql.wake.unregister`).
+                        slot = registered.get(channel)
+                        if slot is not None:
+                            self._execute(conn, cutter, _sql.unregister(channel, slot))
+                        self._execute(conn, cutter, _sql.stop_listening(channel, slot))
                         listening.discard(channel)
-                        lingering[channel] = now() + _UNREGISTERED_LINGER
-                    for channel, until in sorted(lingering.items()):
-                        if until <= now():
-                            self._execute(conn, cutter, _sql.unlisten(channel))
-                            del lingering[channel]
+                        if slot is not None:
+                            del registered[channel], slot_channels[_sql.slot_channel(channel, slot)]
+                    for channel in sorted(wanted - listening):
+                        if len(registered) < MOST_REGISTERED:
+                            row = self._execute(conn, cutter, _sql.register(channel, pid))
+                            listening.add(channel)
+                            if row is not None and row[0] is not None:
+                                registered[channel] = row[0]
+                                slot_channels[_sql.slot_channel(channel, row[0])] = channel
+                        else:
+                            self._execute(conn, cutter, _sql.listen(channel))
+                            listening.add(channel)
                     self._confirm(listening)
                     failures, reported_at = 0, None
-                    wait = min([MAX_SLICE, *(until - now() for until in lingering.values())])
-                    if self._waker.wait_readable(conn.fileno(), max(wait, 0.0)):
-                        self._drain(conn)
+                    wait = MAX_SLICE
+                    busy_until = self._reader.busy_until()
+                    if busy_until > now() and self._failed is not conn:
+                        # A waiter reads the socket: this waits for a wake-up only, until that waiter's turn ends.
+                        self._waker.wait_readable(None, min(wait, busy_until - now()), self._drain_none)
+                    else:
+                        self._waker.wait_readable(conn.fileno(), wait, functools.partial(self._drain_now, conn))
                 except Exception as exc:
                     with self._host.state_lock:
                         # Not sent, or perhaps not: sent again once connected (twice costs one attempt).
@@ -281,22 +308,52 @@ class Listener:
                 cutter.close()
             self._drop()
 
-    def _execute(self, conn: psycopg.Connection[Any], cutter: Cutter, text: str) -> None:
+    def _execute(self, conn: psycopg.Connection[Any], cutter: Cutter, text: str) -> tuple[Any, ...] | None:
+        """Run ``text`` (one or more statements); the first row of the last that answers rows, if any."""
         timeout = self._host.operation_timeout
-        ticket = cutter.arm(timeout)
-        try:
-            # Never prepared (psycopg prepares a statement it has run five times): behind a
-            # transaction-mode pooler a prepared statement would stay on a server connection
-            # other clients share, and collide with theirs.
-            uncancellable(conn.execute(text, prepare=False), functools.partial(interrupt, conn, cutter, timeout))
-        finally:
-            cutter.disarm(ticket)
+        with self._reader.using():
+            ticket = cutter.arm(timeout)
+            try:
+                # Never prepared (psycopg prepares a statement it has run five times): behind a
+                # transaction-mode pooler a prepared statement would stay on a server connection
+                # other clients share, and collide with theirs.
+                cursor = uncancellable(
+                    conn.execute(text, prepare=False), functools.partial(interrupt, conn, cutter, timeout)
+                )
+                row = None
+                while True:
+                    if cursor.description:
+                        row = cursor.fetchone()
+                    if not cursor.nextset():
+                        return row
+            finally:
+                cutter.disarm(ticket)
 
     def _confirm(self, listening: set[str]) -> None:
         with self._host.state_lock:
             heard = [sub for channel in listening for sub in self._subscriptions.get(channel, ())]
         for subscription in heard:
             subscription.confirmed.set()
+
+    def _drain_now(self, conn: psycopg.Connection[Any]) -> None:
+        with self._reader.using():
+            self._drain(conn)
+
+    def _drain_none(self) -> None:
+        pass
+
+    def _drain_here(self, conn: psycopg.Connection[Any] | None) -> bool:
+        """A waiter's read of the socket (`Reader`); False if the connection failed (its thread then looks)."""
+        if conn is None or self._conn is not conn:
+            return False
+        try:
+            self._drain(conn)
+        except Exception:
+            # Not read again by a waiter: the listener's thread finds the failure and reconnects.
+            self._failed = conn
+            self._waker.wake()
+            return False
+        return True
 
     def _drain(self, conn: psycopg.Connection[Any]) -> None:
         pgconn = conn.pgconn
@@ -309,7 +366,9 @@ class Listener:
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            discard(conn)
+            self._reader.poke()  # a waiter reading its socket stops
+            with self._reader.using():  # and is not reading it as it closes
+                discard(conn)
 
     def close(self) -> None:
         self._closed = True
@@ -320,6 +379,7 @@ class Listener:
             worker.join(self._host.operation_timeout + 1.0)
         self._drop()
         self._waker.close()
+        self._reader.close()
 
     def abandon(self) -> None:
         self._closed = True

@@ -17,7 +17,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
 - `_sql.permits`: what semaphores add (each permit is a row of the lock table);
 - `_sql.rwlocks`: what read/write locks add (each holder is a row, each lock a gate);
 - `_sql.rows`: what a row's name says it holds (a mutex, a permit, a read/write lock's mode);
-- `_sql.wake`: whom a release wakes (one registered process), and the listener's registration;
+- `_sql.wake`: whom a release wakes (one registered process, on its slot's channel), and the listener's registration;
 - `_sql.schema`: creating, inspecting and migrating the tables;
 - `_sql.integrations`: the tables the framework integrations keep (Celery
   beat's state, APScheduler's ledger).
@@ -38,7 +38,7 @@ from .names import Names
 from .rows import SEPARATOR, RowOf, row_of, rw_row_name
 from .schema import create_history, create_table, history_retention, inspect_table, migrate_steps, pages_have_room
 from .statement import Statement, end_session_left_behind, session_setup
-from .wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, unregister
+from .wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, slot_channel, stop_listening, unregister
 
 __all__ = [
     "APSCHEDULER_RUNS",
@@ -72,6 +72,8 @@ __all__ = [
     "row_of",
     "rw_row_name",
     "session_setup",
+    "slot_channel",
+    "stop_listening",
     "unlisten",
     "unregister",
 ]

@@ -4,8 +4,7 @@ Each lock operation is a single statement, so it costs one round trip, and
 every time comparison uses the server's ``now()``: no client clock is ever
 consulted, so clock skew between instances cannot corrupt the lock. The
 release and the wake-up of waiters are one statement too: ``pg_notify`` on
-the lock's channel, which waiters LISTEN on, naming the one process to wake
-(`_sql.wake`).
+the channel of the one process to wake, which LISTENs there (`_sql.wake`).
 
 Tables come in shapes: the README's five columns; the same plus a ``token``
 column (fencing tokens) fed by a sequence named after the table; and, for
@@ -387,8 +386,8 @@ def _release(names: Names, shape: TableShape, what: str, *, scope: sql.Composabl
    WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
 ){ended}
-SELECT pg_notify(%(channel)s, {payload}) FROM released"""
-        ).format(table=names.table, scope=scope, ended=_ended(names, shape), payload=after_release("released")),
+SELECT {notify} FROM released"""
+        ).format(table=names.table, scope=scope, ended=_ended(names, shape), notify=after_release("released")),
         preparable=preparable,
     )
 
@@ -447,14 +446,14 @@ def _release_keeping_minimum(names: Names, shape: TableShape) -> Statement:
 ), released AS (
   SELECT * FROM deleted UNION ALL SELECT * FROM kept
 ){ended}
-SELECT pg_notify(%(channel)s, {payload})::text FROM deleted
+SELECT {notify}::text FROM deleted
 UNION ALL
 SELECT NULL::text FROM kept"""
         ).format(
             table=names.table,
             mine=mine,
             ended=_ended(names, shape),
-            payload=after_release("deleted"),
+            notify=after_release("deleted"),
         ),
         preparable=True,
     )
@@ -555,12 +554,12 @@ def _force_release(names: Names, shape: TableShape) -> Statement:
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat,
             EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {token} AS token
 ){ended}
-SELECT instance_id, heartbeat_age, token, pg_notify(%(channel)s, {payload})::text FROM released"""
+SELECT instance_id, heartbeat_age, token, {notify}::text FROM released"""
         ).format(
             table=names.table,
             token=_token_or_null(shape),
             ended=_ended(names, shape),
-            payload=after_release("released"),
+            notify=after_release("released"),
         ),
     )
 

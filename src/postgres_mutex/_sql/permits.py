@@ -161,10 +161,8 @@ def cleanup_permit(names: Names, *, history: bool) -> Statement:
    WHERE locked = 1 AND semaphore = %(semaphore)s AND instance_id = %(instance_id)s
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
 ){ended}
-SELECT pg_notify(%(channel)s, {payload}) FROM released"""
-        ).format(
-            table=names.table, ended=hold_ended(names) if history else _NOTHING, payload=after_release("released")
-        ),
+SELECT {notify} FROM released"""
+        ).format(table=names.table, ended=hold_ended(names) if history else _NOTHING, notify=after_release("released")),
     )
 
 

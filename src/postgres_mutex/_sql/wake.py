@@ -1,32 +1,41 @@
-"""Who a release wakes: one waiting process of the fleet, named in the notification, not every one.
+"""Who a release wakes: one waiting process of the fleet, on a channel of its own, not every one.
 
 A process's listener that LISTENs on a lock's channel also *registers* there:
-on its own connection it takes two session-level advisory locks keyed by the
-channel, ``(key, 0)`` shared (someone waits) and ``(key, its backend pid)``
-exclusive (this process waits). A release reads the registered pids from
-``pg_locks`` and puts one, chosen at random, in the notification's payload:
-only that process's listener wakes one of its waiters, so a release costs one
-attempt across the fleet, not one per process (`WAKE_ONE`). A release that
-finds nobody registered sends an empty payload, and every listener wakes one
+on its own connection it takes the lowest free of `SLOTS` slots, a
+session-level advisory lock ``(slot key, slot)`` held exclusively, and the
+channel's ``(key, 0)`` shared (someone waits); and it LISTENs on the slot's
+channel too (`slot_channel`). A release notifies one taken slot's channel
+(`_taken_slot`): only that process hears it, and it wakes one of its waiters, so a
+release costs one attempt and one delivery across the fleet, not one per
+process (`after_release`). A release that finds nobody registered notifies
+the lock's own channel with `WAKE_EACH_PROCESS`: every listener wakes one
 waiter of its own, as when a listener could not register.
+
+Finding the slot costs a release a probe of each of the first `CHOSEN_AMONG`
+slots (a try and an unlock of a shared lock, each one entry of one
+lock-manager partition), more only if none of those is taken, and the first
+question, whether ``(key, 0)`` is free, spares even that when
+nobody waits: no scan of ``pg_locks``, which takes every partition's lock.
 
 Advisory locks need no privilege and no table, end with their session (a
 process that exits or is killed leaves no registration behind), and are per
 database. A listener registers only on a direct connection (``pg_backend_pid()``
 is the process id the connection was given): behind a pooler a session-level
-lock could outlive the client on a shared server session. Each registration
-holds two entries of the server's shared lock table, so a listener registers
-on a bounded number of channels (`_io.listener_async.MOST_REGISTERED`) and
-LISTENs on the rest only. The release's first question, whether ``(key, 0)``
-is free, costs one lock-table probe and spares it ``pg_locks`` when nobody
-waits.
+lock could outlive the client on a shared server session. A process that stops
+waiting on a lock unregisters and stops LISTENing at once, so later releases
+reach none of its connections. In between it waits for the releases that may
+have chosen its slot to commit (each holds ``(key, -1)`` shared while it
+chooses, `unregister` takes it exclusively), so their notifications reach it
+before it stops hearing them, and it passes them on.
 
 A registered process woken when none of its waiters can use the wake-up (all
-left, or all already woken) passes it on (`pass_on`): the freed hold may be
-free, and nobody else was told.
+already woken, or the last one just left) passes it on (`pass_on`): the freed
+hold may be free, and nobody else was told.
 """
 
 from __future__ import annotations
+
+import re
 
 from psycopg import sql
 
@@ -38,25 +47,49 @@ WAKE_ALL = "*"
 WAKE_EACH_PROCESS = ""
 """The payload of a notification that wakes one waiter in each listening process (nobody registered)."""
 
+SLOTS = 128
+"""The most processes registered on one lock's channel at once; the others LISTEN on the lock's own channel."""
+
+CHOSEN_AMONG = 8
+"""A release looks at this many slots from the first, and chooses one taken among them at random."""
+
 _KEY = sql.SQL("(hashtext({channel}) & 2147483647)")
 """The channel's advisory-lock key (the first of two int4 keys): the same in every session of a server."""
 
+_SLOT_KEY = sql.SQL("(hashtext({channel} || '#') & 2147483647)")
+"""The key of the channel's slots, each the second int4 key under it."""
 
-def _registered(channel: sql.Composable, *, others_only: bool) -> sql.Composable:
-    """One registered process's backend pid, as text, chosen at random (NULL if none)."""
+
+def slot_channel(channel: str, slot: int) -> str:
+    """The channel a process registered in ``slot`` of ``channel`` LISTENs on: what wakes it alone."""
+    return f"{channel}_{slot}"
+
+
+def _taken_slot(channel: sql.Composable) -> sql.Composable:
+    """A slot another session holds, as text (NULL if none): one of the first `CHOSEN_AMONG` slots, at random,
+    else the lowest beyond.
+
+    A slot is free if a shared lock on it can be had; that lock is let go at
+    once, so a release keeps no lock entry for the slots it looked at. The
+    session's own slot (a listener passing a wake-up on) counts as free.
+    Chosen at random, not lowest first: a process back to wait takes the
+    lowest free slot, and would be woken before those waiting longer.
+    """
+    key = _SLOT_KEY.format(channel=channel)
+    taken = sql.SQL(
+        "CASE WHEN pg_try_advisory_lock_shared({key}, slot) THEN NOT pg_advisory_unlock_shared({key}, slot) "
+        "ELSE true END"
+    ).format(key=key)
     return sql.SQL(
-        """(SELECT objid::text FROM pg_locks
-     WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND objid <> 0{others}
-       AND classid = {key}::oid AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-     ORDER BY random() LIMIT 1)"""
+        """coalesce((SELECT slot FROM generate_series(1, {among}) AS slot WHERE {taken} ORDER BY random() LIMIT 1),
+              (SELECT slot FROM generate_series({beyond}, {slots}) AS slot WHERE {taken} LIMIT 1))::text"""
     ).format(
-        key=_KEY.format(channel=channel),
-        others=sql.SQL(" AND objid <> pg_backend_pid()::oid") if others_only else sql.SQL(""),
+        among=sql.Literal(CHOSEN_AMONG), beyond=sql.Literal(CHOSEN_AMONG + 1), slots=sql.Literal(SLOTS), taken=taken
     )
 
 
-def wake_one(channel: sql.Composable) -> sql.Composable:
-    """The payload that wakes one waiter of the fleet: a registered process's pid, or `WAKE_EACH_PROCESS`.
+def _wake_one(channel: sql.Composable) -> sql.Composable:
+    """The channel whose notification wakes one waiter of the fleet: a registered process's slot's, else the lock's.
 
     Asks first whether anyone registered: the exclusive try succeeds only if
     nobody holds ``(key, 0)``, and then holds it to the end of the statement's
@@ -64,63 +97,113 @@ def wake_one(channel: sql.Composable) -> sql.Composable:
     its waiter's next attempt sees this release.
     """
     return sql.SQL(
-        """CASE WHEN pg_try_advisory_xact_lock({key}, 0) THEN {each}
-            ELSE coalesce({registered}, {each}) END"""
-    ).format(
-        key=_KEY.format(channel=channel),
-        each=sql.Literal(WAKE_EACH_PROCESS),
-        registered=_registered(channel, others_only=False),
-    )
+        """CASE WHEN pg_try_advisory_xact_lock({key}, 0) THEN {channel}
+            WHEN {choosing} IS NULL THEN {channel}
+            ELSE coalesce({channel} || '_' || {taken}, {channel}) END"""
+    ).format(key=_KEY.format(channel=channel), channel=channel, choosing=_choosing(channel), taken=_taken_slot(channel))
+
+
+def _choosing(channel: sql.Composable) -> sql.Composable:
+    """Held while a slot is chosen, to the end of the transaction that notifies it (never NULL).
+
+    Shared, and only tried: releases never wait for each other, nor for a
+    process unregistering (whose slot, let go already, is not chosen).
+    """
+    return sql.SQL("pg_try_advisory_xact_lock_shared({key}, -1)").format(key=_KEY.format(channel=channel))
 
 
 def after_release(row: str) -> sql.Composable:
-    """The payload of the notification of a release of ``row`` (a ``RETURNING`` of the deleted row), whose
-    statement's parameter ``channel`` names the lock's channel.
+    """The notification of a release of ``row`` (a ``RETURNING`` of the deleted row), whose statement's
+    parameter ``channel`` names the lock's channel.
 
     A mutex's or a permit's release frees one hold: it wakes one waiter of
-    the fleet (`wake_one`). A read/write lock's (its row's name says so,
+    the fleet (`_wake_one`). A read/write lock's (its row's name says so,
     `_sql.rows`) wakes one waiter of each process: its waiters wait in two
     modes, and one chosen without regard to mode could be a reader the
     waiting writer's gate keeps out while the writer is not told.
     """
-    return sql.SQL("CASE WHEN {row}.lock_name ~ (chr(31) || '[rw]') THEN {each} ELSE {one} END").format(
-        row=sql.Identifier(row), each=sql.Literal(WAKE_EACH_PROCESS), one=wake_one(sql.Placeholder("channel"))
-    )
+    channel = sql.SQL("{}::text").format(sql.Placeholder("channel"))
+    return sql.SQL(
+        "pg_notify(CASE WHEN {row}.lock_name ~ (chr(31) || '[rw]') THEN {channel} ELSE {one} END, {each})"
+    ).format(row=sql.Identifier(row), channel=channel, one=_wake_one(channel), each=sql.Literal(WAKE_EACH_PROCESS))
 
 
-def register(channel: str, backend_pid: int, *, listened: bool) -> str:
-    """LISTEN on ``channel`` (unless ``listened`` already) and register this process there, if its connection
-    is direct: one round trip. ``backend_pid``: the process id the connection was given."""
+def register(channel: str, backend_pid: int) -> str:
+    """LISTEN on ``channel`` and, if the connection is direct, take a slot there and LISTEN on its channel: one
+    round trip, whose last row is the slot taken (NULL: not registered, all taken or behind a pooler).
+    ``backend_pid``: the process id the connection was given.
+
+    One transaction: a release that chooses the slot before it commits is not
+    heard, and is made up for by the waiters' attempt once they listen
+    (`_state.flows`).
+    """
+    if not _PLAIN.fullmatch(channel):
+        raise ValueError(f"not a lock's channel: {channel!r}")  # it is written into the block's text
     return render(
         sql.SQL(
-            "{listen}SELECT pg_advisory_lock_shared({key}, 0), pg_advisory_lock({key}, pg_backend_pid()) "
-            "WHERE pg_backend_pid() = {pid}"
+            """BEGIN; DO $register$DECLARE taken int; BEGIN
+  EXECUTE format('LISTEN %I', {channel});
+  IF pg_backend_pid() = {pid} THEN
+    SELECT slot INTO taken FROM generate_series(1, {slots}) AS slot
+     WHERE pg_try_advisory_lock({slot_key}, slot) LIMIT 1;
+    IF taken IS NOT NULL THEN
+      EXECUTE format('LISTEN %I', {channel} || '_' || taken);
+      PERFORM pg_advisory_lock_shared({key}, 0);
+    END IF;
+  END IF;
+  PERFORM set_config('postgres_mutex.slot', coalesce(taken::text, ''), true);
+END$register$; SELECT nullif(current_setting('postgres_mutex.slot'), '')::int; COMMIT"""
         ).format(
-            # Committed before the locks are taken: a release that names this process once it
-            # is registered finds it listening (a LISTEN counts from its transaction's commit).
-            listen=sql.SQL("") if listened else sql.SQL("BEGIN; LISTEN {}; COMMIT; ").format(sql.Identifier(channel)),
+            channel=sql.Literal(channel),
             key=_KEY.format(channel=sql.Literal(channel)),
+            slot_key=_SLOT_KEY.format(channel=sql.Literal(channel)),
+            slots=sql.Literal(SLOTS),
             pid=sql.Literal(backend_pid),
         )
     )
 
 
-def unregister(channel: str, backend_pid: int) -> str:
-    """End this process's registration on ``channel``; it still LISTENs, to pass on a wake-up it gets late."""
+_PLAIN = re.compile(r"[a-z0-9_]{1,60}")
+"""What a lock's channel is made of (`Names.channel`): safe to write into a DO block's text."""
+
+
+def unregister(channel: str, slot: int) -> str:
+    """Give the slot on ``channel`` back, once the releases that may have chosen it have committed.
+
+    Their notifications reach the listener before its next statement (the
+    server delivers them as the connection goes idle), which is `stop_listening`.
+    """
     return render(
         sql.SQL(
-            "SELECT pg_advisory_unlock_shared({key}, 0), pg_advisory_unlock({key}, pg_backend_pid()) "
-            "WHERE pg_backend_pid() = {pid}"
-        ).format(key=_KEY.format(channel=sql.Literal(channel)), pid=sql.Literal(backend_pid))
+            "SELECT pg_advisory_unlock({slot_key}, {slot}), pg_advisory_unlock_shared({key}, 0), "
+            "pg_advisory_xact_lock({key}, -1)"
+        ).format(
+            slot_key=_SLOT_KEY.format(channel=sql.Literal(channel)),
+            slot=sql.Literal(slot),
+            key=_KEY.format(channel=sql.Literal(channel)),
+        )
     )
+
+
+def stop_listening(channel: str, slot: int | None) -> str:
+    """Stop hearing ``channel`` (and the slot's channel, given back already): no release wakes this process."""
+    unlisten = sql.SQL("UNLISTEN {}").format(sql.Identifier(channel))
+    if slot is None:
+        return render(unlisten)
+    return render(sql.SQL("{}; UNLISTEN {}").format(unlisten, sql.Identifier(slot_channel(channel, slot))))
 
 
 def pass_on(channel: str) -> str:
     """Hand a wake-up this process cannot use to another registered process (else to every process)."""
+    literal = sql.SQL("{}::text").format(sql.Literal(channel))
     return render(
-        sql.SQL("SELECT pg_notify({channel}, coalesce({registered}, {each}))").format(
-            channel=sql.Literal(channel),
-            registered=_registered(sql.Literal(channel), others_only=True),
+        sql.SQL(
+            "SELECT pg_notify(CASE WHEN {choosing} IS NULL THEN {channel} "
+            "ELSE coalesce({channel} || '_' || {taken}, {channel}) END, {each})"
+        ).format(
+            channel=literal,
+            choosing=_choosing(literal),
+            taken=_taken_slot(literal),
             each=sql.Literal(WAKE_EACH_PROCESS),
         )
     )
