@@ -233,7 +233,7 @@ class Gate:
                     # `_give`, inline: one statement at a time mostly finds the gate free.
                     self._busy = True
                     self._holder_thread = me
-                    self._holder_until = now() + seconds + _HELD_BEYOND_STATEMENT
+                    self._holder_until = now() + _TURN_BOUNDS * seconds + _HELD_BEYOND_STATEMENT
                     return
                 turn = threading.Lock()
                 turn.acquire()
@@ -275,7 +275,7 @@ class Gate:
     def _give(self, thread: int, seconds: float) -> None:
         self._busy = True
         self._holder_thread = thread
-        self._holder_until = now() + seconds + _HELD_BEYOND_STATEMENT
+        self._holder_until = now() + _TURN_BOUNDS * seconds + _HELD_BEYOND_STATEMENT
 
     def _give_back(self, thread: int, turn: threading.Lock | None) -> None:
         """``thread`` was interrupted: out of the queue if it waits there, else its turn passes on if it had it."""
@@ -300,9 +300,12 @@ class Gate:
 
 
 # How often a thread waiting for the connection looks whether its holder left without giving it
-# back, and how long past its statement's deadline a holder may keep it (a connect's floor of
-# two seconds, a cancel request's second).
+# back, and how long a holder may keep it: a turn may open the connection, end the server
+# processes of statements cut off before, and send its statement, each within the statement's
+# bound; then a connect's floor of two seconds, a cancel request's second. Taken back sooner, a
+# turn still in use would share the connection with the next one.
 _LOOK_AGAIN = 0.05
+_TURN_BOUNDS = 3
 _HELD_BEYOND_STATEMENT = 3.0
 
 

@@ -62,22 +62,32 @@ class _CutSessions:
     def end(self, conn: psycopg.Connection[Any], cutter: Cutter, timeout: float) -> None:
         """End those processes from ``conn``, within ``timeout``; failing to (a missing privilege) is no error."""
         # Each is forgotten only once ended (or found not ours to end): an exception raised
-        # into this (a signal handler's) leaves the rest to the next connection.
-        while self._left:
-            pid, cut_at = self._left[0]
-            ticket = cutter.arm(timeout)
+        # into this (a signal handler's) leaves the rest to the next connection. All of them
+        # within one ``timeout``: the connection's turn allows this one bound (see `Gate`).
+        deadline = now() + timeout
+        while self._left and (left := deadline - now()) > 0:
+            entry = self._left[0]
+            pid, cut_at = entry
+            ticket = cutter.arm(left)
             try:
                 conn.execute(
-                    _sql.end_session_left_behind(pid, conn.info.backend_pid, now() - cut_at, max(1, int(timeout * 500)))
+                    _sql.end_session_left_behind(pid, conn.info.backend_pid, now() - cut_at, max(1, int(left * 500)))
                 )
-                del self._left[0]
+                self._forget(entry)
             except FAILURES as exc:
                 if cutter.fired or unusable(conn):
                     raise
-                del self._left[0]
+                self._forget(entry)
                 logger.debug("could not end the server process %s of a connection cut off mid-statement: %s", pid, exc)
             finally:
                 cutter.disarm(ticket)
+
+    def _forget(self, entry: tuple[int, float]) -> None:
+        # Not contextlib.suppress: its Python frames are where a signal's exception could land.
+        try:  # noqa: SIM105
+            self._left.remove(entry)
+        except ValueError:
+            pass  # forgotten meanwhile by another connection's clean-up
 
 
 class OwnConnection:
