@@ -406,8 +406,8 @@ def _release_plain(names: Names) -> Statement:
         sql.SQL(
             """DELETE FROM {table} AS released
  WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s AND acquired_at = %(acquired_at)s
-RETURNING pg_notify(%(channel)s, {payload})"""
-        ).format(table=names.table, payload=after_release("released")),
+RETURNING {notify}"""
+        ).format(table=names.table, notify=after_release("released")),
         preparable=True,
     )
 
