@@ -681,14 +681,17 @@ class Reader:
         """Wait until ``released`` is set or ``timeout`` passes, reading the socket ``fd`` meanwhile if no other
         waiter does; ``drain`` reads it (False: the connection failed). True if this waiter read it."""
         deadline = now() + timeout
-        with self._guard:
-            taken = fd is not None and self._until < now()
-            if taken:
-                self._until = deadline
-        if not taken:
-            released.wait(timeout)
-            return False
+        taken = False
         try:
+            # Taken inside the try: an exception landing just after (a signal handler's) still gives
+            # the socket back to the listener's thread, which would otherwise leave it until the deadline.
+            with self._guard:
+                taken = fd is not None and self._until < now()
+                if taken:
+                    self._until = deadline
+            if not taken:
+                released.wait(timeout)
+                return False
             # The listener's thread may be waiting on the socket too: it leaves it to this waiter.
             self._waker.wake()
             while not released.is_set():
@@ -714,7 +717,8 @@ class Reader:
                     if not ok:
                         break
         finally:
-            self._until = 0.0
+            if taken:
+                self._until = 0.0
         return True
 
     def poke(self) -> None:

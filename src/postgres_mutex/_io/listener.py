@@ -29,6 +29,7 @@ reported.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -133,7 +134,11 @@ class Listener:
     def wait(self, subscription: Subscription, timeout: float) -> None:
         """Wait until ``subscription``'s waiter is woken (`Subscription.released`) or ``timeout`` passes."""
         conn = self._conn
-        fd = None if conn is None or conn is self._failed or conn.closed or self._closed else conn.fileno()
+        fd = None
+        if conn is not None and conn is not self._failed and not conn.closed and not self._closed:
+            # Closed by the listener's thread meanwhile: the waiter waits on its event alone.
+            with contextlib.suppress(psycopg.OperationalError):
+                fd = conn.fileno()
         read = self._reader.wait(subscription.released, fd, functools.partial(self._drain_here, conn), timeout)
         if (read and len(self._subscriptions) > 1) or self._conn is not conn:
             # Other waiters' releases arrive meanwhile: the listener reads the socket again.
