@@ -24,7 +24,15 @@ import pytest
 from chaos.conftest import Chaos
 from chaos.harness import ALERT, HEARTBEAT, LEASE, STALE, Events
 from postgres_mutex import DatabaseError, LockNotHeldError, Mutex
-from tests.support.fixtures import FAST, LISTENER_LOST, channel_of, listens, read_held, start_worker, wait_until
+from tests.support.fixtures import (
+    FAST,
+    LISTENER_LOST,
+    listens,
+    read_held,
+    release_channels,
+    start_worker,
+    wait_until,
+)
 from tests.support.postgres_server import PostgresServer
 
 # How late a heartbeat may come on a busy machine: bounds "not before the threshold" checks.
@@ -381,9 +389,11 @@ def test_10_a_waiter_partitioned_during_the_release_acquires_after_the_heal(
     def contended(who: str) -> int:
         return sum(1 for e in chaos.events.named("contended") if e.fields["instance_id"] == who)
 
-    # The test hears the release's notification on a direct connection of its own.
+    # The test hears the release's notification on a direct connection of its own, on whichever
+    # channel the release chooses (the waiter's slot's, as it registered there).
     with psycopg.connect(chaos.pg.dsn(), autocommit=True) as ears:
-        ears.execute(f'LISTEN "{channel_of(chaos.lock_name)}"')
+        for channel in release_channels(chaos.lock_name):
+            ears.execute(f'LISTEN "{channel}"')
         with chaos.sections.holding(holder, "holder"):
             thread = threading.Thread(target=wait)
             thread.start()

@@ -24,6 +24,7 @@ import pytest
 from postgres_mutex import LockNotHeldError, Mutex, MutexClient
 from postgres_mutex._kinds.holder import Holder  # what Mutex, Semaphore and RWLock holders share
 from postgres_mutex._sql import Names
+from postgres_mutex._sql.wake import SLOTS, slot_channel
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
 from tests.support.postgres_server import PASSWORD, PostgresServer, configured_server, local_server
@@ -139,6 +140,13 @@ def channel_of(lock_name: str, table: str = "mutex_lock", kind: str = "lock") ->
     """The NOTIFY channel a release of ``lock_name`` is announced on (``kind``: "semaphore",
     "read/write lock" for those)."""
     return Names(table).channel(lock_name, kind)
+
+
+def release_channels(lock_name: str, table: str = "mutex_lock", kind: str = "lock") -> list[str]:
+    """Every NOTIFY channel a release of ``lock_name`` may be announced on: the lock's own (nobody
+    registered), and the channel of each slot a waiting process registers in (the one it wakes)."""
+    channel = channel_of(lock_name, table, kind)
+    return [channel, *(slot_channel(channel, slot) for slot in range(1, SLOTS + 1))]
 
 
 def listens(mutex: Holder, *, engine: Any = None) -> bool:
