@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from postgres_mutex import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, LockTable, Mutex, MutexClient
+from postgres_mutex.client import core_of
 from postgres_mutex.errors import InvalidArgument
 from tests.support.fixtures import ROOT, RecordingMetrics, freeze, read_line, thaw, wait_until
 from tests.support.postgres_server import PostgresServer
@@ -273,6 +275,30 @@ def test_an_outage_longer_than_the_option_puts_the_holder_in_doubt_before_anyone
     finally:
         holder.close()
         contender.close()
+
+
+def test_a_block_that_ends_on_seeing_its_hold_in_doubt_is_still_told_the_doubt(
+    dsn: str, lock_name: str, schema: None
+) -> None:
+    """The block sees by the clock that its hold is in doubt (``held`` turns False) and ends, before
+    the thread that tells doubts got round to it: the release tells it, once. Another instance may
+    take the lock over while the release's reply is slow; the doubt is the holder's notice."""
+    holder_metrics = RecordingMetrics()
+    holder = Mutex(dsn, lock_name, metrics=holder_metrics, **OPTIONS)
+    busy = threading.Event()
+    try:
+        with holder.acquire():
+            freeze(holder)  # no heartbeat from now on: in doubt at reclaim_disconnected_after - heartbeat
+            # The thread that tells doubts is kept busy meanwhile: only the block sees the doubt.
+            core_of(holder.client).session.post(lambda: busy.wait(RECLAIM + 10))
+            wait_until(lambda: not holder.held, timeout=RECLAIM + 2)
+        assert holder_metrics.named("hold_in_doubt") == [], "not told before the event thread is free"
+        busy.set()
+        wait_until(lambda: holder_metrics.named("hold_in_doubt"), timeout=5)
+        assert len(holder_metrics.named("hold_in_doubt")) == 1
+    finally:
+        busy.set()
+        holder.close()
 
 
 def test_an_election_leader_in_doubt_steps_down_before_another_may_take_over(

@@ -72,12 +72,26 @@ class Session:
             self._events.ensure()
 
     def forget(self, hold: Hold) -> None:
-        """Stop renewing ``hold`` (released, lost, or being released)."""
+        """Stop renewing ``hold`` (released, lost, or being released).
+
+        A hold released while in doubt, before the event thread told it so, is told now: from here
+        on the event thread no longer looks at it, and the doubt is the holder's notice that
+        another instance may take the lock over before the release's reply comes.
+        """
         with self.state_lock:
             group = hold.group
             if group is not None:
                 group.holds.pop(hold, None)
                 hold.group = None
+            untold = (
+                hold.status is HoldStatus.ENDED
+                and not hold.doubt_told
+                and hold.doubt_deadline <= now() < hold.lease_deadline
+            )
+            if untold:
+                hold.doubt_told = True
+        if untold:
+            self._events.post(hold.lock.events.in_doubt)
 
     def post(self, report: Callable[[], object]) -> None:
         """Run ``report`` on the event thread: user callbacks, in order, off the heartbeat."""
