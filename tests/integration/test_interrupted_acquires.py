@@ -243,7 +243,8 @@ def _points(subject: Subject) -> int:
     finally:
         sys.settrace(None)
     acquisition.__exit__(None, None, None)
-    assert counter.seen > 50, "the count saw the library run"
+    # A few dozen at least, whichever Python counts them (3.12 sees fewer than 3.11 on the same path).
+    assert counter.seen > 20, "the count saw the library run"
     return counter.seen
 
 
