@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar, overload
 
 from .._io.acquisition import Acquisition
 from .._io.acquisition_async import AsyncAcquisition
-from .._sql import SEPARATOR, rw_row_name
 from .._state.events import LostCallback
 from .._state.failures import RW_LOST_RACE
 from .._state.kind import LockKind
 from .._state.outcome import PermitReply, read_acquire
+from .._state.rows import SEPARATOR, rw_row_name
 from .._state.settings import Settings, check_name, default_instance_id
 from ..client import BUILT_ON_IT, MutexClient, client_for
 from ..errors import InvalidArgument, LockNotHeldError

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._sql import SEPARATOR
 from .._state.events import LostCallback
 from .._state.failures import FOREIGN_KEY_VIOLATION
 from .._state.kind import LockKind
 from .._state.outcome import PermitReply, read_acquire
+from .._state.rows import SEPARATOR
 from .._state.settings import Settings, check_permit_count
 from ..client import BUILT_ON_IT, MutexClient, client_for
 from ..errors import PermitsMismatchError

@@ -16,7 +16,6 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
   that write the history, and its read;
 - `_sql.permits`: what semaphores add (each permit is a row of the lock table);
 - `_sql.rwlocks`: what read/write locks add (each holder is a row, each lock a gate);
-- `_sql.rows`: what a row's name says it holds (a mutex, a permit, a read/write lock's mode);
 - `_sql.wake`: whom a release wakes (one registered process, on its slot's channel), and the listener's registration;
 - `_sql.schema`: creating, inspecting and migrating the tables;
 - `_sql.integrations`: the tables the framework integrations keep (Celery
@@ -35,7 +34,6 @@ from .integrations import (
 )
 from .lock import CURRENT, CURRENT_WITH_HISTORY, LEGACY, Statements, TableShape, listen, unlisten
 from .names import Names
-from .rows import SEPARATOR, RowOf, row_of, rw_row_name
 from .schema import create_history, create_table, history_retention, inspect_table, migrate_steps, pages_have_room
 from .statement import Statement, end_session_left_behind, session_setup
 from .wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, slot_channel, stop_listening, unregister
@@ -49,11 +47,9 @@ __all__ = [
     "HISTORY_ENDINGS",
     "INTEGRATIONS",
     "LEGACY",
-    "SEPARATOR",
     "WAKE_ALL",
     "WAKE_EACH_PROCESS",
     "Names",
-    "RowOf",
     "Statement",
     "Statements",
     "TableShape",
@@ -69,8 +65,6 @@ __all__ = [
     "pages_have_room",
     "pass_on",
     "register",
-    "row_of",
-    "rw_row_name",
     "session_setup",
     "slot_channel",
     "stop_listening",

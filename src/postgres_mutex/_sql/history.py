@@ -37,7 +37,7 @@ by the clean-up); force_released (an operator's ``release --force``)."""
 
 
 FAMILY = sql.SQL("split_part(lock_name, chr(31), 1)")
-"""The lock a history row's hold was of: its ``lock_name`` up to the unit separator (`_sql.rows`), so one
+"""The lock a history row's hold was of: its ``lock_name`` up to the unit separator (`_state.rows`), so one
 lock's name finds its mutex's holds, or its every permit's, reader's and writer's; the history's index is on
 it (`_sql.schema.create_history`)."""
 

@@ -118,7 +118,7 @@ def after_release(row: str) -> sql.Composable:
 
     A mutex's or a permit's release frees one hold: it wakes one waiter of
     the fleet (`_wake_one`). A read/write lock's (its row's name says so,
-    `_sql.rows`) wakes one waiter of each process: its waiters wait in two
+    `_state.rows`) wakes one waiter of each process: its waiters wait in two
     modes, and one chosen without regard to mode could be a reader the
     waiting writer's gate keeps out while the writer is not told.
     """

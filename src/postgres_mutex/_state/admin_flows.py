@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _sql
 from .._base.clock import now
-from .._sql import SEPARATOR, Names, Statement, Statements, TableShape
+from .._sql import Names, Statement, Statements, TableShape
 from ..errors import DatabaseError, OperationTimeout, SchemaError, phrase
 from .failures import CANCELLED, LOCK_NOT_AVAILABLE, PRIVILEGE, SERIALIZATION_FAILURE, UNDEFINED_COLUMN
+from .rows import SEPARATOR, rw_row_name
 from .steps import BRIEF_WAIT, Execute, Flow, Pause, Result, Shape
 
 if TYPE_CHECKING:
@@ -298,10 +299,10 @@ def force_release(
         channel = names.channel(lock_name, "read/write lock")
         if writer:
             action = f"forced release of the writer of read/write lock {lock_name!r}"
-            lock_name = _sql.rw_row_name(lock_name, "", "write")
+            lock_name = rw_row_name(lock_name, "", "write")
         else:
             action = f"forced release of reader {reader!r} of read/write lock {lock_name!r}"
-            lock_name = _sql.rw_row_name(lock_name, reader or "", "read")
+            lock_name = rw_row_name(lock_name, reader or "", "read")
     deadline = now() + timeout
     while True:
         left = max(deadline - now(), _LEAST_TRY)

@@ -15,7 +15,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from .._observe.hooks import LockObservation
-from .._sql import row_of, rw_row_name
 from .alerts import AlertGate, WatchAlerts
 from .failures import (
     CANCELLED,
@@ -28,6 +27,7 @@ from .failures import (
     classify_failure,
 )
 from .outcome import AcquireResult, Outcome, PermitReply, interpret_acquire, read_acquire
+from .rows import row_of, rw_row_name
 from .steps import Execute, Flow, Shape
 
 if TYPE_CHECKING:

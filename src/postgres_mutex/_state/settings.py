@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._sql import SEPARATOR, Names
+from .._sql import Names
 from ..errors import InvalidArgument
+from .rows import SEPARATOR
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -61,7 +62,7 @@ def check_lock_name(value: object, argument: str) -> str:
     """A mutex's (or an election's) name: `check_name`, and without the unit separator.
 
     The rows of semaphores' permits and of read/write locks' holders are
-    named after their lock and that character (`_sql.rows`): a mutex of such
+    named after their lock and that character (`_state.rows`): a mutex of such
     a name could share a row with one of them, and hold it or take it over.
     """
     name = check_name(value, argument)

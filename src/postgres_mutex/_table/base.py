@@ -11,8 +11,9 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .._observe.hooks import LockObservation
-from .._sql import APSCHEDULER_RUNS, CELERY_BEAT_STATE, Names, row_of
+from .._sql import APSCHEDULER_RUNS, CELERY_BEAT_STATE, Names
 from .._state import admin_flows, rules, steps
+from .._state.rows import row_of
 from .._state.settings import check_name, check_names, check_seconds, check_thresholds
 from ..errors import InvalidArgument
 
