@@ -123,7 +123,4 @@ class ElectionMethods:
         retrying cannot cure.
         """
         every = check_seconds(interval, "interval")
-        yield from self._leaders.watch(every, self._stopped, self._campaign.wait)
-
-    def _stopped(self) -> bool:
-        return self._campaign.stop_requested
+        yield from self._leaders.watch(every, lambda: self._campaign.stop_requested, self._campaign.wait)

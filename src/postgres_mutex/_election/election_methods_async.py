@@ -139,12 +139,9 @@ class AsyncElectionMethods:
         """
         every = check_seconds(interval, "interval")
         # async-only
-        async for leader in self._leaders_async.watch_async(every, self._stopped, asyncio.sleep):
-            yield leader
+        async for found in self._leaders_async.watch_async(every, lambda: self._campaign.stop_requested, asyncio.sleep):
+            yield found
         # end async-only
         # sync-only
-        # yield from self._leaders.watch(every, self._stopped, self._campaign.wait)
+        # yield from self._leaders.watch(every, lambda: self._campaign.stop_requested, self._campaign.wait)
         # end sync-only
-
-    def _stopped(self) -> bool:
-        return self._campaign.stop_requested
