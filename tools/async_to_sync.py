@@ -3,7 +3,8 @@
 Every ``_X_async.py`` module of the package has its sync twin ``_X.py``
 generated (`PAIRS`): the engine and its parts, `LockTable`'s methods, what a
 holder does with the database, the Mutex's decorators, what its closing does
-with the lock, and the reads of an election's leader.
+with the lock, an RWLock's methods, and an Election's run, close and reads of
+its leader.
 
 The async module is the one written by hand; the sync one is derived from it
 token by token, so the two cannot drift apart:
@@ -63,6 +64,7 @@ RENAMES = {
     "auncancellable": "uncancellable",
     "ato_the_end": "to_the_end",
     "asynccontextmanager": "contextmanager",
+    "AbstractAsyncContextManager": "AbstractContextManager",
     "__aenter__": "__enter__",
     "__aexit__": "__exit__",
     "aclose": "close",

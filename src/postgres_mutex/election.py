@@ -44,13 +44,12 @@ read by `_election.leader`; their public names are imported from here.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import threading
-from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._election.campaign import AsyncLead, Campaign, Lead
+from ._election.campaign import Campaign
+from ._election.election_methods import ElectionMethods
+from ._election.election_methods_async import AsyncElectionMethods
 from ._election.leader import Leader
 from ._election.leader_reader import LeaderReader
 from ._election.leader_reader_async import AsyncLeaderReader
@@ -73,7 +72,7 @@ if TYPE_CHECKING:
 __all__ = ["Election", "Flag", "Leader", "Leadership"]
 
 
-class Election:
+class Election(AsyncElectionMethods, ElectionMethods):
     """A leader election among the processes that run it with the same name, on one lock of the lock table.
 
     Takes the `Mutex`'s options (connection: ``dsn``, ``pool``,
@@ -192,67 +191,7 @@ class Election:
         state = "stopped" if self.stopped else "leading" if self.leading else "not leading"
         return f"<Election name={self.name!r} instance_id={self.instance_id!r} {state}>"
 
-    # -- campaigning -----------------------------------------------------------------
-
-    def run(self, lead: Lead) -> None:
-        """Campaign, call ``lead(leadership)`` during each term, and campaign again; until `stop`.
-
-        ``lead`` runs in the calling thread. When it returns, the term is
-        given up: the lock is released and the candidate campaigns again
-        after a short pause (so another candidate, woken by the release,
-        takes over first). When it raises, the error is logged and counted,
-        the lock released, and the candidate waits ``failure_backoff``
-        (doubling, up to ``max_failure_backoff``) before campaigning again.
-        When the term must end (lost, `stop`, `resign`), `Leadership.ended`
-        is set and ``lead`` must return within ``grace_period``.
-
-        Returns once stopped, at once if it is waiting for the lock, or as
-        soon as ``lead`` returns. Raises `DatabaseError` for a failure that
-        waiting cannot cure (a missing table, a missing privilege), and
-        `MutexError` if this Election is running already. KeyboardInterrupt
-        (or any exception a signal handler raises) ends the term, releases
-        the lock and propagates.
-        """
-        if not callable(lead):
-            raise TypeError(f"lead must be callable, not {type(lead).__name__}")
-        if inspect.iscoroutinefunction(lead):
-            raise TypeError("lead is a coroutine function: use 'await election.run_async(lead)'")
-        self._enter()
-        try:
-            self._campaign.run(lead)
-        finally:
-            self._leave()
-            if self._close_when_done:
-                self._mutex.close()
-            self._running.release()
-            self._close_if_asked_meanwhile()
-
-    async def run_async(self, lead: AsyncLead) -> None:
-        """Async `run`: ``lead`` is a coroutine function, run as a task of its own.
-
-        When the term must end (lost, `stop`, `resign`), that task is
-        cancelled and `Leadership.ended` is set; it must finish within
-        ``grace_period``. Cancelling the task awaiting `run_async` ends the
-        term the same way, releases the lock, and stops campaigning.
-        """
-        if not callable(lead):
-            raise TypeError(f"lead must be callable, not {type(lead).__name__}")
-        self._enter()
-        try:
-            await self._campaign.run_async(lead)
-        finally:
-            self._leave()
-            if self._close_when_done:
-                await self._mutex.aclose()
-            self._running.release()
-            if self._close_when_done and self._running.acquire(blocking=False):
-                # close() came after the check above, and found the run still going.
-                try:
-                    await self._mutex.aclose()
-                finally:
-                    self._running.release()
-
-    # -- what run and run_async share ------------------------------------------------
+    # -- what run and run_async share (their own are `AsyncElectionMethods` and its twin) -----
 
     def _enter(self) -> None:
         if not self._running.acquire(blocking=False):
@@ -264,14 +203,6 @@ class Election:
         relay, self._relay = self._relay, None
         if relay is not None:
             relay.close(self._mutex.config.operation_timeout)
-
-    def _close_if_asked_meanwhile(self) -> None:
-        # close() came after run's own check, and found the run still going: close now.
-        if self._close_when_done and self._running.acquire(blocking=False):
-            try:
-                self._mutex.close()
-            finally:
-                self._running.release()
 
     def _on_lost(self, error: LockNotHeldError) -> None:
         """The Mutex lost its lock (on the client's event thread): tell the term it belongs to, at once."""
@@ -307,75 +238,3 @@ class Election:
         if relay is None or not relay.send(Relay.RESIGN):
             self._campaign.resign_now()
         return True
-
-    def close(self) -> None:
-        """`stop`, then close the Mutex underneath; safe to call while `run` runs.
-
-        A run still in progress closes it itself once ``lead`` has returned
-        and the lock is released, so closing never releases the lock under a
-        running ``lead``.
-        """
-        self._close_when_done = True  # before stop(): a run ending meanwhile sees it
-        self.stop()
-        if self._running.acquire(blocking=False):  # no run in progress: close now
-            try:
-                self._mutex.close()
-            finally:
-                self._running.release()
-
-    async def aclose(self) -> None:
-        """Async `close`."""
-        self._close_when_done = True
-        self.stop()
-        if self._running.acquire(blocking=False):
-            try:
-                await self._mutex.aclose()
-            finally:
-                self._running.release()
-
-    def __enter__(self) -> Election:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Election:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    # -- who leads -------------------------------------------------------------------
-
-    def leader(self) -> Leader | None:
-        """Who leads now, from the lock table (one query, the server's clock), or None.
-
-        Any process can ask, candidate or not. A holder silent past
-        ``stale_threshold`` is no leader (it has given up its lease, or is
-        dead), so None is returned for it. Raises `DatabaseError` if the table
-        cannot be read.
-        """
-        return self._leaders.read()
-
-    async def leader_async(self) -> Leader | None:
-        """Async `leader`."""
-        return await self._leaders_async.read_async()
-
-    def watch_leader(self, interval: float = 1.0) -> Iterator[Leader | None]:
-        """Yield the leader (or None) now, then again each time it changes, reading every ``interval`` seconds.
-
-        For followers that cache the leader's address. A change is a new
-        instance or a new term (token); a read that fails on a transient
-        error is logged and retried at the next interval. Ends after `stop`
-        (within ``interval``). Raises `DatabaseError` for a failure that
-        retrying cannot cure.
-        """
-        every = check_seconds(interval, "interval")
-        yield from self._leaders.watch(every, lambda: self._campaign.stop_requested, self._campaign.wait)
-
-    async def watch_leader_async(self, interval: float = 1.0) -> AsyncIterator[Leader | None]:
-        """Async `watch_leader`."""
-        every = check_seconds(interval, "interval")
-        leaders = self._leaders_async.watch_async(every, lambda: self._campaign.stop_requested, asyncio.sleep)
-        async for leader in leaders:
-            yield leader

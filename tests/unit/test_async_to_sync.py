@@ -35,6 +35,11 @@ def test_code_loses_its_keywords_and_takes_the_sync_names() -> None:
     assert sync_of(source) == "def fence(conn: Connection) -> None:\n    conn.execute('SELECT 1')\n"
 
 
+def test_a_context_manager_type_takes_its_sync_name() -> None:
+    source = "def fenced_async(conn: AsyncConnection) -> AbstractAsyncContextManager[int]: ...\n"
+    assert sync_of(source) == "def fenced(conn: Connection) -> AbstractContextManager[int]: ...\n"
+
+
 def test_docstrings_and_comments_take_the_sync_names_and_phrases() -> None:
     source = (
         "class AsyncAcquisition:\n"

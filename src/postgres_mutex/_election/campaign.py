@@ -342,6 +342,12 @@ class Campaign:
             term.end("resigned", _RESIGNED)
 
 
+def refuse_async_lead(lead: object) -> None:
+    """`Election.run` calls ``lead`` in its thread: a coroutine function's work would never run."""
+    if inspect.iscoroutinefunction(lead):
+        raise TypeError("lead is a coroutine function: use 'await election.run_async(lead)'")
+
+
 def _discard(awaitable: object) -> None:
     """Close a coroutine that will never be awaited, so Python does not warn about it."""
     close = getattr(awaitable, "close", None)

@@ -12,9 +12,8 @@ other mode exist.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar, overload
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._io.acquisition import Acquisition
 from .._io.acquisition_async import AsyncAcquisition
@@ -28,18 +27,16 @@ from ..client import BUILT_ON_IT, MutexClient, client_for
 from ..errors import InvalidArgument, LockNotHeldError
 from ..watcher import OwnLockWatch
 from .holder import Holder
+from .rwlock_methods import RWLockMethods
+from .rwlock_methods_async import AsyncRWLockMethods
 
 if TYPE_CHECKING:
-    import psycopg
     from opentelemetry.trace import TracerProvider
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
     from .._sql import Statement, Statements
     from .._state.settings import Timing
     from ..watcher import StaleWatcher
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 MAX_RWLOCK_NAME = 50
 """A reader's row adds a separator, ``r`` and a 12-character digest to the name, in 64 characters."""
@@ -128,9 +125,9 @@ class _Modes:
         self.name = name
         self.last: str | None = None
         """The mode last asked for."""
-        self._holders: dict[str, weakref.ref[_ModeHolder]] = {}
+        self._holders: dict[str, weakref.ref[ModeHolder]] = {}
 
-    def add(self, holder: _ModeHolder) -> None:
+    def add(self, holder: ModeHolder) -> None:
         self._holders[holder.mode] = weakref.ref(holder)
 
     def entering(self, mode: str) -> None:
@@ -147,7 +144,7 @@ class _Modes:
         self.last = mode
 
 
-class _ModeHolder(Holder):
+class ModeHolder(Holder):
     """One mode of an `RWLock`: what its ``read`` or ``write`` blocks hold."""
 
     _watched_by = OwnLockWatch
@@ -185,11 +182,11 @@ class _ModeHolder(Holder):
         self._modes.entering(self.mode)
         return super().acquire_async(blocking=blocking, timeout=timeout, hold_at_least=hold_at_least)
 
-    def _new_sibling(self, lock_name: str) -> _ModeHolder:
+    def _new_sibling(self, lock_name: str) -> ModeHolder:
         raise InvalidArgument("an RWLock's holders take no other name: make an RWLock for {value!r}", value=lock_name)
 
 
-class RWLock:
+class RWLock(AsyncRWLockMethods, RWLockMethods):
     """A distributed read/write lock: any number of readers of ``name``, or one writer, never both.
 
     ``RWLock(dsn, "catalogue")`` takes every option of `Mutex`.
@@ -255,10 +252,10 @@ class RWLock:
         # One identity for both modes; chosen by the user or not, as the settings say.
         identity = settings.instance_id or default_instance_id()
         self._modes = _Modes(name)
-        self._reader = _ModeHolder("read", name, connected, settings, instance_id=identity, modes=self._modes)
+        self._reader = ModeHolder("read", name, connected, settings, instance_id=identity, modes=self._modes)
         # The reader's watcher sees the holders of either mode: the writer shares it rather than run its own.
         unwatched = settings.replace(watch=False)
-        self._writer = _ModeHolder("write", name, connected, unwatched, instance_id=identity, modes=self._modes)
+        self._writer = ModeHolder("write", name, connected, unwatched, instance_id=identity, modes=self._modes)
         self._writer.watch_with(self._reader)
 
     # -- introspection -------------------------------------------------------------
@@ -318,7 +315,7 @@ class RWLock:
         return last.last_holder
 
     @property
-    def _last(self) -> _ModeHolder | None:
+    def _last(self) -> ModeHolder | None:
         """The mode last asked for: whose fence says why it is not held, when neither is."""
         last = self._modes.last
         return None if last is None else self._writer if last == "write" else self._reader
@@ -326,147 +323,13 @@ class RWLock:
     def __repr__(self) -> str:
         return f"<RWLock name={self.name!r} instance_id={self.instance_id!r} table={self.table!r} mode={self.mode}>"
 
-    def _held(self) -> _ModeHolder | None:
+    def _held(self) -> ModeHolder | None:
         for holder in (self._writer, self._reader):
             if holder.held:
                 return holder
         return None
 
-    # -- acquire ---------------------------------------------------------------------
-
-    def read(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
-        """Hold the lock for reading for the ``with`` block; yields whether it was acquired (see `Mutex.acquire`)."""
-        return self._reader.acquire(blocking=blocking, timeout=timeout)
-
-    def write(self, blocking: bool | None = None, timeout: float | None = None) -> Acquisition:
-        """Hold the lock alone, for writing, for the ``with`` block; yields whether it was acquired."""
-        return self._writer.acquire(blocking=blocking, timeout=timeout)
-
-    def read_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
-        """Async `read`; blocking by default. Cancelling the task releases the lock."""
-        return self._reader.acquire_async(blocking=blocking, timeout=timeout)
-
-    def write_async(self, blocking: bool = True, timeout: float | None = None) -> AsyncAcquisition:
-        """Async `write`; blocking by default. Cancelling the task releases the lock."""
-        return self._writer.acquire_async(blocking=blocking, timeout=timeout)
-
-    # -- decorators ------------------------------------------------------------------
-
-    @overload
-    def read_singleton(self, func: Callable[P, R], /) -> Callable[P, R | None]: ...
-
-    @overload
-    def read_singleton(
-        self, *, blocking: bool | None = None, timeout: float | None = None
-    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
-
-    def read_singleton(
-        self, func: Callable[..., Any] | None = None, *, blocking: bool | None = None, timeout: float | None = None
-    ) -> Any:
-        """Decorate a function to run only while holding the lock for reading (see `Mutex.singleton`).
-
-        Each call holds it for reading for the call, with `read`'s
-        ``blocking`` and ``timeout``: while a writer holds it or waits, the
-        function does not run and the call returns None (blocking with a
-        ``timeout``, it raises `LockAcquisitionTimeout` instead). Readers
-        elsewhere run meanwhile; in this process, one RWLock holds once at a
-        time, so a call made while it reads (another call, a ``with`` block)
-        returns None too, and one made while it writes raises
-        `InvalidArgument`, as `read` does: use an RWLock per concurrent
-        caller. Also usable bare: ``@rw.read_singleton``.
-        """
-        return (
-            self._reader.singleton(func)
-            if func is not None
-            else self._reader.singleton(blocking=blocking, timeout=timeout)
-        )
-
-    @overload
-    def write_singleton(self, func: Callable[P, R], /) -> Callable[P, R | None]: ...
-
-    @overload
-    def write_singleton(
-        self, *, blocking: bool | None = None, timeout: float | None = None
-    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
-
-    def write_singleton(
-        self, func: Callable[..., Any] | None = None, *, blocking: bool | None = None, timeout: float | None = None
-    ) -> Any:
-        """Decorate a function to run only while holding the lock alone, for writing (see `read_singleton`).
-
-        While anyone else reads or writes, the function does not run and the
-        call returns None, unless ``blocking``: a waiting writer keeps new
-        readers out until it gets in. Also usable bare: ``@rw.write_singleton``.
-        """
-        return (
-            self._writer.singleton(func)
-            if func is not None
-            else self._writer.singleton(blocking=blocking, timeout=timeout)
-        )
-
-    @overload
-    def read_singleton_async(self, func: Callable[P, Awaitable[R]], /) -> Callable[P, Awaitable[R | None]]: ...
-
-    @overload
-    def read_singleton_async(
-        self, *, blocking: bool = True, timeout: float | None = None
-    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]: ...
-
-    def read_singleton_async(
-        self,
-        func: Callable[..., Any] | None = None,
-        *,
-        blocking: bool = True,
-        timeout: float | None = None,
-    ) -> Any:
-        """Async `read_singleton` for coroutine functions; blocking by default, like `read_async`."""
-        return (
-            self._reader.singleton_async(func)
-            if func is not None
-            else self._reader.singleton_async(blocking=blocking, timeout=timeout)
-        )
-
-    @overload
-    def write_singleton_async(self, func: Callable[P, Awaitable[R]], /) -> Callable[P, Awaitable[R | None]]: ...
-
-    @overload
-    def write_singleton_async(
-        self, *, blocking: bool = True, timeout: float | None = None
-    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]: ...
-
-    def write_singleton_async(
-        self,
-        func: Callable[..., Any] | None = None,
-        *,
-        blocking: bool = True,
-        timeout: float | None = None,
-    ) -> Any:
-        """Async `write_singleton` for coroutine functions; blocking by default, like `write_async`."""
-        return (
-            self._writer.singleton_async(func)
-            if func is not None
-            else self._writer.singleton_async(blocking=blocking, timeout=timeout)
-        )
-
-    # -- fencing ---------------------------------------------------------------------
-
-    def fence(self, conn: psycopg.Connection[Any]) -> int:
-        """`Mutex.fence` for the mode held: `LockNotHeldError` if neither is, or the hold is no longer current."""
-        return self._holding().fence(conn)
-
-    async def fence_async(self, conn: psycopg.AsyncConnection[Any]) -> int:
-        """Async `fence`, on an `AsyncConnection`."""
-        return await self._holding().fence_async(conn)
-
-    def fenced(self, conn: psycopg.Connection[Any]) -> AbstractContextManager[int]:
-        """`Mutex.fenced` for the mode held: a transaction on ``conn``, fenced first; yields the token."""
-        return self._holding().fenced(conn)
-
-    def fenced_async(self, conn: psycopg.AsyncConnection[Any]) -> AbstractAsyncContextManager[int]:
-        """Async `fenced`."""
-        return self._holding().fenced_async(conn)
-
-    def _holding(self) -> _ModeHolder:
+    def _holding(self) -> ModeHolder:
         held = self._held()
         if held is not None:
             return held
@@ -478,26 +341,6 @@ class RWLock:
             instance_id=self.instance_id,
             reason="this RWLock holds neither mode",
         )
-
-    def release(self) -> None:
-        """Release the mode held (see `Mutex.release`)."""
-        self._holding().release()
-
-    async def release_async(self) -> None:
-        """Async `release`."""
-        await self._holding().release_async()
-
-    # -- shutdown ------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Release what is held and let go of the client (see `Mutex.close`)."""
-        self._reader.close()
-        self._writer.close()
-
-    async def aclose(self) -> None:
-        """Async `close`."""
-        await self._reader.aclose()
-        await self._writer.aclose()
 
 
 BUILT_ON_IT.rwlock = RWLock
