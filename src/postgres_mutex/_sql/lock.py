@@ -220,7 +220,7 @@ _ANSWER = sql.SQL(
   FROM (VALUES (1)) AS one (x)
   LEFT JOIN current ON true"""
 )
-"""The acquire's one row: ``(won, holder, heartbeat_age, acquired_at, token)`` (`_state.rules.interpret_acquire`)."""
+"""The acquire's one row: ``(won, holder, heartbeat_age, acquired_at, token)`` (`_state.outcome.interpret_acquire`)."""
 
 _PLAIN = sql.SQL(
     """SELECT true, NULL::varchar, NULL::float8, acquired_at, token FROM inserted
