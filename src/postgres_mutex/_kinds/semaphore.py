@@ -92,11 +92,8 @@ class Permits(LockKind):
     def not_held(self, name: str, instance_id: str) -> str:
         return f"semaphore {name!r}: no permit is held by instance {instance_id!r}"
 
-    def already_held(self, name: str, instance_id: str) -> str:
-        return (
-            f"this Semaphore already holds or is acquiring a permit of semaphore {name!r} "
-            f"(instance_id {instance_id!r}); use a separate Semaphore per concurrent holder"
-        )
+    def one_hold(self, name: str) -> str:
+        return f"a permit of semaphore {name!r}"
 
 
 class Semaphore(Holder):
