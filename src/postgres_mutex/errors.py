@@ -47,6 +47,10 @@ __all__ = [
 class MutexError(Exception):
     """Base class of every error postgres-mutex raises on purpose."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt as it is, not by its constructor (which reads a lone argument as 0.1.0's lock name).
+        return (_rebuilt, (type(self), self.args, self.__dict__))
+
 
 PgMutexError = MutexError
 """The name 0.1.0 gave `MutexError`; kept so programs written for it keep working."""
@@ -80,10 +84,6 @@ class LockNotHeldError(MutexError):
         self.instance_id = instance_id
         self.reason = reason or "this Mutex does not hold the lock"
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuilt as it is: its constructor reads a lone argument as 0.1.0's lock name.
-        return (_rebuilt, (type(self), self.args, self.__dict__))
-
 
 class LockAcquisitionTimeout(MutexError, TimeoutError):
     """A blocking acquire did not get the lock within its ``timeout``.
@@ -109,9 +109,6 @@ class LockAcquisitionTimeout(MutexError, TimeoutError):
         self.holder = holder
         self.timeout = timeout
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuilt, (type(self), self.args, self.__dict__))
-
 
 class LockAlreadyHeldError(MutexError):
     """This Mutex already holds (or is acquiring) its lock.
@@ -136,9 +133,6 @@ class PermitsMismatchError(MutexError, ValueError):
         self.semaphore = semaphore
         self.permits = permits
         self.stored_permits = stored_permits
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuilt, (type(self), self.args, self.__dict__))
 
 
 class DatabaseError(MutexError):
