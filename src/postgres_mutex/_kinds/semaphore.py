@@ -1,7 +1,7 @@
 """`Semaphore`: at most N holders at once, across the fleet, with every guarantee of `Mutex`.
 
 A Semaphore is a sibling of `Mutex` (both are `Holder`s) whose lock has N permits: each hold is one permit, a
-row of the lock table of its own (`_sql.permits`), so the client's one
+row of the lock table of its own (`_sql.semaphores`), so the client's one
 heartbeat statement renews it with the mutexes' holds, and its lease, doubt,
 early reclaim, fencing, history and ``on_lost`` are the mutex's, unchanged.
 The acquire, the waiting (woken by any release of a permit of the same
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class Permits(LockKind):
-    """A semaphore's kind: one of its ``count`` permits, each a row of its own (`_sql.permits`)."""
+    """A semaphore's kind: one of its ``count`` permits, each a row of its own (`_sql.semaphores`)."""
 
     noun: ClassVar[str] = "semaphore"
     holder_type: ClassVar[str] = "Semaphore"

@@ -261,7 +261,7 @@ def writers_waiting(locks: Sequence[WatchedLock]) -> dict[str, int]:
 
 
 def permits_in_use(locks: Sequence[WatchedLock]) -> dict[str, int]:
-    """Per semaphore watched, how many of its permits are held."""
+    """Per semaphore watched, how many of its rows are held."""
     counts: dict[str, int] = {}
     for lock in locks:
         if lock.observation.semaphore is not None:
@@ -318,7 +318,7 @@ class LockTableView:
                 self._up = None
 
     def _drop(self, watched: frozenset[str] | None) -> None:
-        # Kept by row: a semaphore's permits (a read/write lock's holds) are rows of their own, each watched
+        # Kept by row: a semaphore's holds (a read/write lock's too) are rows of their own, each watched
         # under the semaphore's (read/write lock's) name.
         if watched is None:
             self._locks.clear()

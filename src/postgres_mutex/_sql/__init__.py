@@ -14,7 +14,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
 - `_sql.kinds`: what each kind of lock adds to `Statements`, registered by its part;
 - `_sql.history`: how a hold can end and the parts of the lock statements
   that write the history, and its read;
-- `_sql.permits`: what semaphores add (each permit is a row of the lock table);
+- `_sql.semaphores`: what semaphores add (each permit is a row of the lock table);
 - `_sql.rwlocks`: what read/write locks add (each holder is a row, each lock a gate);
 - `_sql.rows`: what a row's name says it holds (a mutex, a permit, a read/write lock's mode);
 - `_sql.wake`: whom a release wakes (one registered process, on its slot's channel), and the listener's registration;
@@ -23,7 +23,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
   beat's state, APScheduler's ledger).
 """
 
-from . import permits, rwlocks  # noqa: F401  (imported for their kinds' statements: `_sql.kinds`)
+from . import rwlocks, semaphores  # noqa: F401  (imported for their kinds' statements: `_sql.kinds`)
 from .history import HISTORY_ENDINGS
 from .integrations import (
     APSCHEDULER_RUNS,

@@ -41,7 +41,7 @@ class TableShape:
     """The columns that name a holder's session (``session_key``, ``session_hold``, ``reclaim_after``):
     a holder whose session ended may be reclaimed before ``stale_threshold``."""
     semaphores: bool = False
-    """The semaphores' table (``<table>_semaphores``) and the permit columns and constraints (`_sql.permits`)."""
+    """The semaphores' table (``<table>_semaphores``) and the permit columns and constraints (`_sql.semaphores`)."""
     rwlocks: bool = False
     """The read/write locks' gates (``<table>_rwlocks``) and the columns and constraints of their rows
     (`_sql.rwlocks`)."""

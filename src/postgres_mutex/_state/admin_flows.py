@@ -389,7 +389,7 @@ _CHECK_VIOLATION = "23514"
 
 
 def set_permits(names: Names, semaphore: str, count: int, timeout: float) -> Flow[tuple[int | None, int]]:
-    """Change a semaphore's N to ``count`` (`_sql.permits.set_permits`); (the previous N or None, holders released).
+    """Change a semaphore's N to ``count`` (`_sql.semaphores.set_permits`); (the previous N or None, holders released).
 
     Sent again (`_while_rows_locked`) while a row it must change is locked, or
     while a row taken with the old N meanwhile makes the check refuse the change.
