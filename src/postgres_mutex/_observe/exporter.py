@@ -278,44 +278,24 @@ class LockTableView:
         self._lock = threading.Lock()
 
     def tell(self, call: Call) -> None:
-        """A watcher's hook call (`observed`, `watcher_failed`, `watcher_stopped`), by its arguments."""
+        """A watcher's hook call (`observed`, `watcher_failed`, `watcher_stopped`), by its arguments.
+
+        A stopped watcher's locks are no longer exported, rather than frozen.
+        """
         watched = cast("frozenset[str] | None", call.get("watched"))
-        if "observations" in call:
-            self.update(
-                cast("Sequence[LockObservation]", call["observations"]),
-                watched=watched,
-                alert_threshold=cast(float, call["alert_threshold"]),
-                stale_threshold=cast(float, call["stale_threshold"]),
-            )
-        elif "error" in call:
-            self.failed()
-        else:
-            self.forget(watched)
-
-    def update(
-        self,
-        observations: Sequence[LockObservation],
-        *,
-        watched: frozenset[str] | None,
-        alert_threshold: float,
-        stale_threshold: float,
-    ) -> None:
         with self._lock:
-            self._drop(watched)
-            for observation in observations:
-                self._locks[observation.lock_name] = WatchedLock(observation, alert_threshold, stale_threshold)
-            self._up = True
-
-    def failed(self) -> None:
-        with self._lock:
-            self._up = False
-
-    def forget(self, watched: frozenset[str] | None) -> None:
-        """A watcher stopped: stop exporting what it saw, rather than freeze it."""
-        with self._lock:
-            self._drop(watched)
-            if not self._locks:
-                self._up = None
+            if "observations" in call:
+                self._drop(watched)
+                alert, stale = cast(float, call["alert_threshold"]), cast(float, call["stale_threshold"])
+                for seen in cast("Sequence[LockObservation]", call["observations"]):
+                    self._locks[seen.lock_name] = WatchedLock(seen, alert, stale)
+                self._up = True
+            elif "error" in call:
+                self._up = False
+            else:
+                self._drop(watched)
+                if not self._locks:
+                    self._up = None
 
     def _drop(self, watched: frozenset[str] | None) -> None:
         # Kept by row: a semaphore's holds (a read/write lock's too) are rows of their own, each watched
