@@ -33,9 +33,9 @@ from .integrations import (
     create_integration_table,
     integration_table_exists,
 )
-from .lock import CURRENT, CURRENT_WITH_HISTORY, LEGACY, Statements, TableShape, listen, unlisten
+from .lock import CURRENT, Statements, TableShape, listen, unlisten
 from .names import Names
-from .rows import SEPARATOR, RowOf, row_of, rw_row_name
+from .rows import SEPARATOR, row_of, rw_row_name
 from .schema import create_history, create_table, history_retention, inspect_table, migrate_steps, pages_have_room
 from .statement import Statement, end_session_left_behind, session_setup
 from .wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, slot_channel, stop_listening, unregister
@@ -44,16 +44,13 @@ __all__ = [
     "APSCHEDULER_RUNS",
     "CELERY_BEAT_STATE",
     "CURRENT",
-    "CURRENT_WITH_HISTORY",
     "GRANTS",
     "HISTORY_ENDINGS",
     "INTEGRATIONS",
-    "LEGACY",
     "SEPARATOR",
     "WAKE_ALL",
     "WAKE_EACH_PROCESS",
     "Names",
-    "RowOf",
     "Statement",
     "Statements",
     "TableShape",

@@ -49,9 +49,7 @@ class TableShape:
     """The ``hold_until`` column: a holder may ask for a minimum hold, and a row released before it stays."""
 
 
-LEGACY = TableShape(tokens=False)
 CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True, holds=True)
-CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True, sessions=True, semaphores=True, rwlocks=True, holds=True)
 
 _NOTHING = sql.SQL("")
 
