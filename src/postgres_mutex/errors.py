@@ -9,6 +9,7 @@ whose ``arguments`` say which)::
     ├── LockNotHeldError          the lock was lost, or this Mutex never held it
     ├── LockAcquisitionTimeout    a blocking acquire ran out of time (also TimeoutError)
     ├── LockAlreadyHeldError      acquire on a Mutex that already holds its lock
+    ├── PermitsMismatchError      a Semaphore's permits= differs from its semaphore's (also ValueError)
     └── DatabaseError             PostgreSQL could not be reached or refused a statement
         ├── OperationTimeout      a statement passed its deadline (also TimeoutError)
         └── SchemaError           the table is missing, or the role may not use or create it
