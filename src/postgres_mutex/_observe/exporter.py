@@ -122,7 +122,11 @@ class ExporterHook(ExtendedMetricsHook):
 
     def __init__(self) -> None:
         self.view = LockTableView()
-        self._holds = {action.metric: HeldLocks() for _, action in ON_CALL if isinstance(action, Hold)}
+        self._holds: dict[names.MetricName, set[tuple[tuple[str, ...], str]]] = {
+            action.metric: set() for _, action in ON_CALL if isinstance(action, Hold)
+        }
+        """What each instance of this process holds (a lock, a candidacy, a lead), per `Hold` gauge."""
+        self._holds_lock = threading.Lock()
         self._on_call: dict[str, list[Action]] = {}
         for method, action in ON_CALL:
             self._on_call.setdefault(method, []).append(action)
@@ -150,8 +154,14 @@ class ExporterHook(ExtendedMetricsHook):
                 case Hold(metric, delta):
                     labels = labels_of(metric, call)
                     key = (tuple(labels.values()), str(call["instance_id"]))
-                    held = self._holds[metric]
-                    if held.add(key) if delta > 0 else held.discard(key):
+                    with self._holds_lock:
+                        held = self._holds[metric]
+                        moved = (key in held) != (delta > 0)
+                        if delta > 0:
+                            held.add(key)
+                        else:
+                            held.discard(key)
+                    if moved:
                         self._level(metric, labels, delta)
 
 
@@ -177,26 +187,6 @@ def _applying(method: str) -> Callable[..., None]:
 
 for _method in HOOK_METHODS:
     setattr(ExporterHook, _method, _applying(_method))
-
-
-class HeldLocks:
-    """What each instance of this process holds (a lock, a candidacy, a lead), for a `Hold` gauge."""
-
-    def __init__(self) -> None:
-        self._held: set[tuple[tuple[str, ...], str]] = set()
-        self._lock = threading.Lock()
-
-    def add(self, key: tuple[tuple[str, ...], str]) -> bool:
-        with self._lock:
-            new = key not in self._held
-            self._held.add(key)
-            return new
-
-    def discard(self, key: tuple[tuple[str, ...], str]) -> bool:
-        with self._lock:
-            present = key in self._held
-            self._held.discard(key)
-            return present
 
 
 @dataclass(frozen=True)
