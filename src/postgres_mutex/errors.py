@@ -9,6 +9,7 @@ whose ``arguments`` say which)::
     ├── LockNotHeldError          the lock was lost, or this Mutex never held it
     ├── LockAcquisitionTimeout    a blocking acquire ran out of time (also TimeoutError)
     ├── LockAlreadyHeldError      acquire on a Mutex that already holds its lock
+    ├── PermitsMismatchError      a Semaphore's permits= differs from its semaphore's (also ValueError)
     └── DatabaseError             PostgreSQL could not be reached or refused a statement
         ├── OperationTimeout      a statement passed its deadline (also TimeoutError)
         └── SchemaError           the table is missing, or the role may not use or create it
@@ -47,6 +48,10 @@ __all__ = [
 class MutexError(Exception):
     """Base class of every error postgres-mutex raises on purpose."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt as it is, not by its constructor (which reads a lone argument as 0.1.0's lock name).
+        return (_rebuilt, (type(self), self.args, self.__dict__))
+
 
 PgMutexError = MutexError
 """The name 0.1.0 gave `MutexError`; kept so programs written for it keep working."""
@@ -80,10 +85,6 @@ class LockNotHeldError(MutexError):
         self.instance_id = instance_id
         self.reason = reason or "this Mutex does not hold the lock"
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuilt as it is: its constructor reads a lone argument as 0.1.0's lock name.
-        return (_rebuilt, (type(self), self.args, self.__dict__))
-
 
 class LockAcquisitionTimeout(MutexError, TimeoutError):
     """A blocking acquire did not get the lock within its ``timeout``.
@@ -109,9 +110,6 @@ class LockAcquisitionTimeout(MutexError, TimeoutError):
         self.holder = holder
         self.timeout = timeout
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuilt, (type(self), self.args, self.__dict__))
-
 
 class LockAlreadyHeldError(MutexError):
     """This Mutex already holds (or is acquiring) its lock.
@@ -136,9 +134,6 @@ class PermitsMismatchError(MutexError, ValueError):
         self.semaphore = semaphore
         self.permits = permits
         self.stored_permits = stored_permits
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuilt, (type(self), self.args, self.__dict__))
 
 
 class DatabaseError(MutexError):

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 from ._base.acompat import Event
 from ._observe.hooks import LockObservation, guard
 from ._sql import Names
-from ._state import rules
+from ._state import admin_flows
+from ._state.alerts import AlertGate, WatchAlerts
 from ._state.events import WatcherEvents
-from ._state.rules import AlertGate, WatchAlerts
 from ._state.settings import (
     DEFAULT_OPERATION_TIMEOUT,
     check_names,
@@ -146,7 +146,7 @@ class StaleWatcher:
 
     def _read(self) -> steps.Flow[list[LockObservation]]:
         """One read of the table: the held locks watched, judged against this watcher's thresholds."""
-        return rules.holders(
+        return admin_flows.holders(
             self._names,
             self._lock_names,
             self._timeout,

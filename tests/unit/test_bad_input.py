@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from postgres_mutex import Election, LockAcquisitionTimeout, LockNotHeldError, LockTable, Mutex, RWLock, Semaphore
-from postgres_mutex.errors import InvalidArgument
+from postgres_mutex.errors import InvalidArgument, PermitsMismatchError, SchemaError, phrase
 from postgres_mutex.watcher import StaleWatcher
 from tests.support.fixtures import ROOT
 
@@ -398,6 +398,8 @@ def test_default_instance_ids_are_unique_and_readable() -> None:
         LockAcquisitionTimeout("lock 'x' still held by b after 5s", 5.0, lock_name="x", holder="b"),
         LockNotHeldError("lock 'x' is not held: its lease ran out", lock_name="x", instance_id="a", reason="lease"),
         LockNotHeldError("job"),
+        PermitsMismatchError("semaphore 'x' has 2 permits", semaphore="x", permits=3, stored_permits=2),
+        SchemaError(phrase("run {LockTable.migrate()} on {table}", table="locks"), sqlstate="42P01"),
     ],
 )
 def test_errors_cross_process_boundaries_as_they_are(error: Exception) -> None:

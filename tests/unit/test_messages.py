@@ -5,7 +5,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from postgres_mutex._state.rules import classify_failure
+from postgres_mutex._state.failures import classify_failure
 
 
 def test_a_host_from_pghost_that_does_not_resolve_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,10 @@ import pytest
 
 from postgres_mutex import DatabaseError, OperationTimeout, SchemaError
 from postgres_mutex._base.secrets import Redactor
-from postgres_mutex._state.rules import AlertGate, Outcome, classify_failure, interpret_acquire, observe, read_acquire
+from postgres_mutex._state.admin_flows import observe
+from postgres_mutex._state.alerts import AlertGate
+from postgres_mutex._state.failures import classify_failure
+from postgres_mutex._state.outcome import Outcome, interpret_acquire, read_acquire
 from postgres_mutex._state.settings import Timing
 
 ME = "host-me"

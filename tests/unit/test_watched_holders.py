@@ -6,7 +6,8 @@ from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
 
-from postgres_mutex._state.rules import observe, rw_row_name
+from postgres_mutex._state.admin_flows import observe
+from postgres_mutex._state.rows import rw_row_name
 from postgres_mutex.prometheus import PrometheusMetrics
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -22,7 +22,7 @@ from .._base.watchdog import Cutter
 from .._observe.tracing import NO_SPAN, NO_SPAN_CONTEXT
 from .._state import flows, steps
 from .._state.locks import LEASE_EXPIRED, RELEASED_ELSEWHERE, Hold, HoldStatus, LockState, Phase
-from .._state.rules import AcquireResult, Outcome, interpret_acquire
+from .._state.outcome import AcquireResult, Outcome, interpret_acquire
 from ..errors import DatabaseError, LockNotHeldError, MutexError, OperationTimeout, SchemaError, phrase
 
 if TYPE_CHECKING:

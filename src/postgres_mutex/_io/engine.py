@@ -36,8 +36,8 @@ from .._base.connections import FAILURES, ServerSession
 from .._base.watchdog import Cutter
 from .._sql import Names, Statements
 from .._state import steps
+from .._state.failures import READ_ONLY, SHAPE_CHANGED, classify_failure
 from .._state.locks import HeartbeatGroup, Hold
-from .._state.rules import READ_ONLY, SHAPE_CHANGED, classify_failure
 from ..errors import DatabaseError, SchemaError, phrase
 from .interrupt import interrupt
 from .listener import Listener, Subscription

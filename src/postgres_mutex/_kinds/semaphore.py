@@ -1,7 +1,7 @@
 """`Semaphore`: at most N holders at once, across the fleet, with every guarantee of `Mutex`.
 
 A Semaphore is a sibling of `Mutex` (both are `Holder`s) whose lock has N permits: each hold is one permit, a
-row of the lock table of its own (`_sql.permits`), so the client's one
+row of the lock table of its own (`_sql.semaphores`), so the client's one
 heartbeat statement renews it with the mutexes' holds, and its lease, doubt,
 early reclaim, fencing, history and ``on_lost`` are the mutex's, unchanged.
 The acquire, the waiting (woken by any release of a permit of the same
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class Permits(LockKind):
-    """A semaphore's kind: one of its ``count`` permits, each a row of its own (`_sql.permits`)."""
+    """A semaphore's kind: one of its ``count`` permits, each a row of its own (`_sql.semaphores`)."""
 
     noun: ClassVar[str] = "semaphore"
     holder_type: ClassVar[str] = "Semaphore"
@@ -92,11 +92,8 @@ class Permits(LockKind):
     def not_held(self, name: str, instance_id: str) -> str:
         return f"semaphore {name!r}: no permit is held by instance {instance_id!r}"
 
-    def already_held(self, name: str, instance_id: str) -> str:
-        return (
-            f"this Semaphore already holds or is acquiring a permit of semaphore {name!r} "
-            f"(instance_id {instance_id!r}); use a separate Semaphore per concurrent holder"
-        )
+    def one_hold(self, name: str) -> str:
+        return f"a permit of semaphore {name!r}"
 
 
 class Semaphore(Holder):

@@ -122,7 +122,11 @@ class ExporterHook(ExtendedMetricsHook):
 
     def __init__(self) -> None:
         self.view = LockTableView()
-        self._holds = {action.metric: HeldLocks() for _, action in ON_CALL if isinstance(action, Hold)}
+        self._holds: dict[names.MetricName, set[tuple[tuple[str, ...], str]]] = {
+            action.metric: set() for _, action in ON_CALL if isinstance(action, Hold)
+        }
+        """What each instance of this process holds (a lock, a candidacy, a lead), per `Hold` gauge."""
+        self._holds_lock = threading.Lock()
         self._on_call: dict[str, list[Action]] = {}
         for method, action in ON_CALL:
             self._on_call.setdefault(method, []).append(action)
@@ -150,8 +154,14 @@ class ExporterHook(ExtendedMetricsHook):
                 case Hold(metric, delta):
                     labels = labels_of(metric, call)
                     key = (tuple(labels.values()), str(call["instance_id"]))
-                    held = self._holds[metric]
-                    if held.add(key) if delta > 0 else held.discard(key):
+                    with self._holds_lock:
+                        held = self._holds[metric]
+                        moved = (key in held) != (delta > 0)
+                        if delta > 0:
+                            held.add(key)
+                        else:
+                            held.discard(key)
+                    if moved:
                         self._level(metric, labels, delta)
 
 
@@ -177,26 +187,6 @@ def _applying(method: str) -> Callable[..., None]:
 
 for _method in HOOK_METHODS:
     setattr(ExporterHook, _method, _applying(_method))
-
-
-class HeldLocks:
-    """What each instance of this process holds (a lock, a candidacy, a lead), for a `Hold` gauge."""
-
-    def __init__(self) -> None:
-        self._held: set[tuple[tuple[str, ...], str]] = set()
-        self._lock = threading.Lock()
-
-    def add(self, key: tuple[tuple[str, ...], str]) -> bool:
-        with self._lock:
-            new = key not in self._held
-            self._held.add(key)
-            return new
-
-    def discard(self, key: tuple[tuple[str, ...], str]) -> bool:
-        with self._lock:
-            present = key in self._held
-            self._held.discard(key)
-            return present
 
 
 @dataclass(frozen=True)
@@ -261,7 +251,7 @@ def writers_waiting(locks: Sequence[WatchedLock]) -> dict[str, int]:
 
 
 def permits_in_use(locks: Sequence[WatchedLock]) -> dict[str, int]:
-    """Per semaphore watched, how many of its permits are held."""
+    """Per semaphore watched, how many of its rows are held."""
     counts: dict[str, int] = {}
     for lock in locks:
         if lock.observation.semaphore is not None:
@@ -278,47 +268,27 @@ class LockTableView:
         self._lock = threading.Lock()
 
     def tell(self, call: Call) -> None:
-        """A watcher's hook call (`observed`, `watcher_failed`, `watcher_stopped`), by its arguments."""
+        """A watcher's hook call (`observed`, `watcher_failed`, `watcher_stopped`), by its arguments.
+
+        A stopped watcher's locks are no longer exported, rather than frozen.
+        """
         watched = cast("frozenset[str] | None", call.get("watched"))
-        if "observations" in call:
-            self.update(
-                cast("Sequence[LockObservation]", call["observations"]),
-                watched=watched,
-                alert_threshold=cast(float, call["alert_threshold"]),
-                stale_threshold=cast(float, call["stale_threshold"]),
-            )
-        elif "error" in call:
-            self.failed()
-        else:
-            self.forget(watched)
-
-    def update(
-        self,
-        observations: Sequence[LockObservation],
-        *,
-        watched: frozenset[str] | None,
-        alert_threshold: float,
-        stale_threshold: float,
-    ) -> None:
         with self._lock:
-            self._drop(watched)
-            for observation in observations:
-                self._locks[observation.lock_name] = WatchedLock(observation, alert_threshold, stale_threshold)
-            self._up = True
-
-    def failed(self) -> None:
-        with self._lock:
-            self._up = False
-
-    def forget(self, watched: frozenset[str] | None) -> None:
-        """A watcher stopped: stop exporting what it saw, rather than freeze it."""
-        with self._lock:
-            self._drop(watched)
-            if not self._locks:
-                self._up = None
+            if "observations" in call:
+                self._drop(watched)
+                alert, stale = cast(float, call["alert_threshold"]), cast(float, call["stale_threshold"])
+                for seen in cast("Sequence[LockObservation]", call["observations"]):
+                    self._locks[seen.lock_name] = WatchedLock(seen, alert, stale)
+                self._up = True
+            elif "error" in call:
+                self._up = False
+            else:
+                self._drop(watched)
+                if not self._locks:
+                    self._up = None
 
     def _drop(self, watched: frozenset[str] | None) -> None:
-        # Kept by row: a semaphore's permits (a read/write lock's holds) are rows of their own, each watched
+        # Kept by row: a semaphore's holds (a read/write lock's too) are rows of their own, each watched
         # under the semaphore's (read/write lock's) name.
         if watched is None:
             self._locks.clear()

@@ -174,7 +174,7 @@ def read_history(names: Names) -> Statement:
     """The history, newest first: every hold of a lock (or of all), since a moment.
 
     A lock's holds are those of its rows: the mutex's one, a semaphore's
-    permits, a read/write lock's readers and writer (`FAMILY`); ``row``
+    numbered ones, a read/write lock's readers and writer (`FAMILY`); ``row``
     narrows them to one row's.
     """
     return statement(

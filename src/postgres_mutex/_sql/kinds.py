@@ -1,7 +1,7 @@
 """What each kind of lock adds to a table's statements: registered by its part of `_sql`, read by `Statements`.
 
-A mutex's statements are `Statements`' own (`_sql.lock`). Another kind (a semaphore's permits,
-`_sql.permits`; a read/write lock's modes, `_sql.rwlocks`) registers, with `adds`, the function that
+A mutex's statements are `Statements`' own (`_sql.lock`). Another kind (a semaphore's,
+`_sql.semaphores`; a read/write lock's modes, `_sql.rwlocks`) registers, with `adds`, the function that
 makes its statements for a table of a given shape: `Statements` sets each one it returns as an
 attribute of its own, None where the table lacks what the kind needs (its migration not run yet). The
 package imports every part of `_sql`, so every kind is registered before a `Statements` is made; and

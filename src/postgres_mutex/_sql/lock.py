@@ -41,7 +41,7 @@ class TableShape:
     """The columns that name a holder's session (``session_key``, ``session_hold``, ``reclaim_after``):
     a holder whose session ended may be reclaimed before ``stale_threshold``."""
     semaphores: bool = False
-    """The semaphores' table (``<table>_semaphores``) and the permit columns and constraints (`_sql.permits`)."""
+    """The semaphores' table (``<table>_semaphores``) and the permit columns and constraints (`_sql.semaphores`)."""
     rwlocks: bool = False
     """The read/write locks' gates (``<table>_rwlocks``) and the columns and constraints of their rows
     (`_sql.rwlocks`)."""
@@ -49,9 +49,7 @@ class TableShape:
     """The ``hold_until`` column: a holder may ask for a minimum hold, and a row released before it stays."""
 
 
-LEGACY = TableShape(tokens=False)
 CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True, holds=True)
-CURRENT_WITH_HISTORY = TableShape(tokens=True, history=True, sessions=True, semaphores=True, rwlocks=True, holds=True)
 
 _NOTHING = sql.SQL("")
 
@@ -220,7 +218,7 @@ _ANSWER = sql.SQL(
   FROM (VALUES (1)) AS one (x)
   LEFT JOIN current ON true"""
 )
-"""The acquire's one row: ``(won, holder, heartbeat_age, acquired_at, token)`` (`_state.rules.interpret_acquire`)."""
+"""The acquire's one row: ``(won, holder, heartbeat_age, acquired_at, token)`` (`_state.outcome.interpret_acquire`)."""
 
 _PLAIN = sql.SQL(
     """SELECT true, NULL::varchar, NULL::float8, acquired_at, token FROM inserted

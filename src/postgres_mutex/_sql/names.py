@@ -86,7 +86,7 @@ class Names:
         self.history_by_lock = sql.Identifier(_derived(self.parts, "_history_by_lock")[-1])
         self.history_by_expiry = sql.Identifier(_derived(self.parts, "_history_by_expiry")[-1])
         self.history_open = sql.Identifier(_derived(self.parts, "_history_open")[-1])
-        # Semaphores: the table of their declared permits, and what ties the permit rows to it.
+        # Semaphores: the table of their declared sizes, and what ties the permit rows to it.
         self.semaphores_parts = _derived(self.parts, "_semaphores")
         self.semaphores = sql.Identifier(*self.semaphores_parts)
         self.semaphores_text = sql.Literal(render(self.semaphores))

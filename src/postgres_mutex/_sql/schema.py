@@ -274,6 +274,25 @@ def history_retention(names: Names, retention_seconds: float) -> Statement:
     )
 
 
+def _add_constraints_once(names: Names, first: str, constraints: list[sql.Composable]) -> sql.Composable:
+    """ALTER TABLE ... ADD ``constraints`` unless the one named ``first`` exists.
+
+    ADD CONSTRAINT has no IF NOT EXISTS: asked first, so the step can be run again.
+    """
+    return sql.SQL(
+        """DO $migrate$ BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = {table_text}::regclass AND conname = {first}) THEN
+    ALTER TABLE {table} ADD {constraints};
+  END IF;
+END $migrate$"""
+    ).format(
+        table_text=sql.Literal(render(names.table)),
+        first=sql.Literal(first),
+        constraints=sql.SQL(", ADD ").join(constraints),
+        table=names.table,
+    )
+
+
 def migrate_steps(names: Names) -> list[Statement]:
     """Add the token column, the session columns, what semaphores and read/write locks need and the minimum
     hold's column to an existing table, online, one short step at a time.
@@ -330,19 +349,7 @@ def migrate_steps(names: Names) -> list[Statement]:
         ),
         step(
             "tie each permit row to its semaphore",
-            # ADD CONSTRAINT has no IF NOT EXISTS: asked first, so the step can be run again.
-            sql.SQL(
-                """DO $migrate$ BEGIN
-  IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = {table_text}::regclass AND conname = {declared}) THEN
-    ALTER TABLE {table} ADD {constraints};
-  END IF;
-END $migrate$"""
-            ).format(
-                table_text=sql.Literal(render(names.table)),
-                declared=sql.Literal(names.permit_declared),
-                constraints=sql.SQL(", ADD ").join(_permit_constraints(names)),
-                table=names.table,
-            ),
+            _add_constraints_once(names, names.permit_declared, _permit_constraints(names)),
         ),
         step("index the permits, one row each", _permit_index(names)),
         step("create the read/write locks' gates", _create_rwlocks(names)),
@@ -354,18 +361,7 @@ END $migrate$"""
         ),
         step(
             "tie each read/write lock's row to its gate",
-            sql.SQL(
-                """DO $migrate$ BEGIN
-  IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = {table_text}::regclass AND conname = {gated}) THEN
-    ALTER TABLE {table} ADD {constraints};
-  END IF;
-END $migrate$"""
-            ).format(
-                table_text=sql.Literal(render(names.table)),
-                gated=sql.Literal(names.rw_gated),
-                constraints=sql.SQL(", ADD ").join(_rw_constraints(names)),
-                table=names.table,
-            ),
+            _add_constraints_once(names, names.rw_gated, _rw_constraints(names)),
         ),
         step("index the writers, one per read/write lock", _rw_writer_index(names)),
         step(

@@ -6,19 +6,19 @@ the lock flows, they do no I/O and own their retries and deadlines.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from .. import _sql
 from .._base.clock import now
+from .._observe.hooks import LockObservation
 from .._sql import Names, Statement, Statements, TableShape
 from ..errors import DatabaseError, OperationTimeout, SchemaError, phrase
 from .failures import CANCELLED, LOCK_NOT_AVAILABLE, PRIVILEGE, SERIALIZATION_FAILURE, UNDEFINED_COLUMN
-from .rows import SEPARATOR, rw_row_name
+from .rows import SEPARATOR, row_of, rw_row_name
 from .steps import BRIEF_WAIT, Execute, Flow, Pause, Result, Shape
-
-if TYPE_CHECKING:
-    pass
 
 T = TypeVar("T")
 
@@ -28,7 +28,6 @@ T = TypeVar("T")
 # Errors two sessions creating the same objects at once can get: the loser
 # sees the winner's catalog rows once it commits; one more try sees them exist.
 _CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})
-_LOCK_NOT_AVAILABLE = "55P03"
 
 # Between a forced release's tries: the client's other statements (heartbeats) go first.
 _FORCED_RELEASE_PAUSE = 0.02
@@ -218,7 +217,7 @@ def _change_schema(statement: Statement, timeout: float, action: str, give_up_at
             yield Execute(statement, {}, timeout, action)
             return
         except DatabaseError as exc:
-            retry = exc.sqlstate in _CONCURRENT_CREATE or exc.sqlstate == _LOCK_NOT_AVAILABLE or exc.transient
+            retry = exc.sqlstate in _CONCURRENT_CREATE or exc.sqlstate == LOCK_NOT_AVAILABLE or exc.transient
             if not retry or now() >= give_up_at:
                 if exc.sqlstate == PRIVILEGE:
                     raise SchemaError(
@@ -229,6 +228,74 @@ def _change_schema(statement: Statement, timeout: float, action: str, give_up_at
                 raise
             yield Pause(min(pause, max(0.0, give_up_at - now())))
             pause = min(pause * 2, 1.0)
+
+
+# -- who holds what ----------------------------------------------------------------------
+
+
+def holders(
+    names: Names,
+    lock_names: frozenset[str] | None,
+    timeout: float,
+    *,
+    alert_threshold: float,
+    stale_threshold: float,
+) -> Flow[list[LockObservation]]:
+    """Every held lock (or those named) with its holder and ages by the server's clock: one query."""
+    statements: Statements = yield Shape(names, timeout)
+    reply = yield Execute(
+        statements.holders,
+        {"lock_names": None if lock_names is None else sorted(lock_names)},
+        timeout,
+        f"read of the lock table {names.table_name}",
+    )
+    seen = observe(reply.rows, alert_threshold=alert_threshold, stale_threshold=stale_threshold)
+    rwlocks = sorted({held.rwlock for held in seen if held.rwlock is not None})
+    if not rwlocks or statements.writers_waiting is None:
+        return seen
+    gates = yield Execute(
+        statements.writers_waiting, {"rwlocks": rwlocks}, timeout, f"read of the lock table {names.table_name}"
+    )
+    waiting = {str(row[0]) for row in gates.rows}
+    return [held if held.rwlock is None else replace(held, writer_waiting=held.rwlock in waiting) for held in seen]
+
+
+def observe(
+    rows: Sequence[Sequence[object]], *, alert_threshold: float, stale_threshold: float
+) -> list[LockObservation]:
+    """Turn the holders query's rows into observations, with the thresholds applied."""
+    observations = []
+    for lock_name, holder, age, held_for, _acquired_at, token, session_alive, reclaim_after, *more in rows:
+        writer_waits, held_until = (*more, None)[:2]
+        heartbeat_age = float(age)  # type: ignore[arg-type]
+        seconds_held = float(held_for)  # type: ignore[arg-type]
+        if isinstance(held_until, datetime):
+            # Released before its minimum hold ended: nobody heartbeats it, and it is no longer held for
+            # anything (its row's stamps are the minimum's end). Not silent, not reclaimable: kept.
+            heartbeat_age = seconds_held = 0.0
+        after = None if reclaim_after is None else float(reclaim_after)  # type: ignore[arg-type]
+        disconnected = session_alive is False and after is not None and heartbeat_age >= after
+        row = row_of(str(lock_name))  # a permit's, or a read/write lock's holder's
+        observations.append(
+            LockObservation(
+                lock_name=str(lock_name),
+                holder=str(holder),
+                seconds_since_heartbeat=heartbeat_age,
+                seconds_held=seconds_held,
+                alerting=heartbeat_age >= alert_threshold,
+                reclaimable=heartbeat_age >= stale_threshold or disconnected,
+                token=None if token is None else int(token),  # type: ignore[call-overload]
+                session_alive=None if session_alive is None else bool(session_alive),
+                reclaim_disconnected_after=after,
+                semaphore=row.semaphore,
+                permit=row.permit,
+                rwlock=row.rwlock,
+                mode=row.mode,
+                writer_waiting=None if row.mode is None or writer_waits is None else bool(writer_waits),
+                held_until=held_until if isinstance(held_until, datetime) else None,
+            )
+        )
+    return observations
 
 
 def read_history(
@@ -283,10 +350,7 @@ def force_release(
     and the release wakes the semaphore's waiters. With ``writer``, or
     ``reader`` (an instance id), it is a read/write lock's: the row is its
     writer's, or that reader's, and the release wakes the lock's waiters.
-
-    A row a fenced transaction holds locked is waited for up to ``timeout``,
-    in brief waits with the connection free between them, so that the
-    heartbeats of the same client (a holder in this process) go on meanwhile.
+    A row a fenced transaction holds locked is waited for (`_while_rows_locked`).
     """
     statements: Statements = yield Shape(names, timeout)
     channel = names.channel(lock_name)
@@ -303,45 +367,19 @@ def force_release(
         else:
             action = f"forced release of reader {reader!r} of read/write lock {lock_name!r}"
             lock_name = rw_row_name(lock_name, reader or "", "read")
-    deadline = now() + timeout
-    while True:
-        left = max(deadline - now(), _LEAST_TRY)
-        try:
-            reply: Result = yield Execute(
-                statements.force_release,
-                {
-                    "lock_name": lock_name,
-                    "channel": channel,
-                    "ended_how": "force_released",
-                    "alert_seconds": None,  # the table does not know the holders' thresholds
-                    # At most half the statement's time, so the lock wait, not the
-                    # statement's own deadline, is what ends a try behind a locked row.
-                    "lock_timeout_ms": max(1, int(min(BRIEF_WAIT, left / 2) * 1000)),
-                },
-                left,
-                action,
-            )
-            break
-        except DatabaseError as exc:
-            # CANCELLED too: the server's deadline for the statement can still end
-            # a try that waited on the row (a slow server, the last try's sliver).
-            if exc.sqlstate not in (LOCK_NOT_AVAILABLE, CANCELLED):
-                raise
-            if deadline - now() <= 0:
-                raise OperationTimeout(
-                    f"{action} did not finish within operation_timeout ({timeout:g}s): another session kept the "
-                    "lock's row locked (the holder's fenced transaction, or SELECT ... FOR UPDATE); nothing was "
-                    "deleted",
-                    transient=True,
-                    sqlstate=exc.sqlstate,
-                ) from exc
-            if not (yield Pause(_FORCED_RELEASE_PAUSE)):
-                raise DatabaseError(
-                    f"{action} stopped: the client was closed while the lock's row was locked by another "
-                    "session; nothing was deleted",
-                    transient=False,
-                    sqlstate=exc.sqlstate,
-                ) from exc
+    reply = yield from _while_rows_locked(
+        statements.force_release,
+        {
+            "lock_name": lock_name,
+            "channel": channel,
+            "ended_how": "force_released",
+            "alert_seconds": None,  # the table does not know the holders' thresholds
+        },
+        timeout,
+        action,
+        given_up="another session kept the lock's row locked (the holder's fenced transaction, or SELECT ... "
+        "FOR UPDATE); nothing was deleted",
+    )
     if reply.row is None:
         return None
     holder, age, token, _ = reply.row
@@ -352,11 +390,10 @@ _CHECK_VIOLATION = "23514"
 
 
 def set_permits(names: Names, semaphore: str, count: int, timeout: float) -> Flow[tuple[int | None, int]]:
-    """Change a semaphore's N to ``count`` (`_sql.permits.set_permits`); (the previous N or None, holders released).
+    """Change a semaphore's N to ``count`` (`_sql.semaphores.set_permits`); (the previous N or None, holders released).
 
-    Sent again while a row it must change is locked by a fenced transaction,
-    or while a permit taken with the old N meanwhile makes the check refuse
-    the change, until ``timeout``: in brief tries, as `force_release` does.
+    Sent again (`_while_rows_locked`) while a row it must change is locked, or
+    while a row taken with the old N meanwhile makes the check refuse the change.
     """
     statements: Statements = yield Shape(names, timeout)
     if statements.set_permits is None:
@@ -369,39 +406,68 @@ def set_permits(names: Names, semaphore: str, count: int, timeout: float) -> Flo
             )
         )
     action = f"change of the permits of semaphore {semaphore!r}"
+    reply = yield from _while_rows_locked(
+        statements.set_permits,
+        {
+            "semaphore": semaphore,
+            "permits": count,
+            "channel": names.channel(semaphore, "semaphore"),
+            "ended_how": "force_released",
+            "alert_seconds": None,
+        },
+        timeout,
+        action,
+        given_up="its rows stayed locked by another session (a holder's fenced transaction), or the semaphore "
+        "kept being taken with the old number; nothing was changed",
+        also=(_CHECK_VIOLATION, SERIALIZATION_FAILURE),
+    )
+    assert reply.row is not None
+    previous, released, _, _ = reply.row
+    return (None if previous is None else int(previous)), int(released)
+
+
+def _while_rows_locked(
+    statement: Statement,
+    params: dict[str, object],
+    timeout: float,
+    action: str,
+    *,
+    given_up: str,
+    also: tuple[str, ...] = (),
+) -> Flow[Result]:
+    """Send ``statement`` again, in brief tries, while a row it must change is locked, until ``timeout``.
+
+    A try waits on the row at most half its time, so the lock wait, not the
+    statement's own deadline, is what ends it; between tries the connection is
+    free, so the heartbeats of the same client (a holder in this process) go on.
+    ``also`` names the other failures worth another try; ``given_up`` says why
+    the last one failed.
+    """
     deadline = now() + timeout
     while True:
         left = max(deadline - now(), _LEAST_TRY)
         try:
-            reply: Result = yield Execute(
-                statements.set_permits,
-                {
-                    "semaphore": semaphore,
-                    "permits": count,
-                    "channel": names.channel(semaphore, "semaphore"),
-                    "ended_how": "force_released",
-                    "alert_seconds": None,
-                    "lock_timeout_ms": max(1, int(min(BRIEF_WAIT, left / 2) * 1000)),
-                },
-                left,
-                action,
-            )
-            break
+            wait_ms = max(1, int(min(BRIEF_WAIT, left / 2) * 1000))
+            result: Result = yield Execute(statement, {**params, "lock_timeout_ms": wait_ms}, left, action)
+            return result
         except DatabaseError as exc:
-            if exc.sqlstate not in (LOCK_NOT_AVAILABLE, CANCELLED, _CHECK_VIOLATION, SERIALIZATION_FAILURE):
+            # CANCELLED too: the server's deadline for the statement can still end
+            # a try that waited on the row (a slow server, the last try's sliver).
+            if exc.sqlstate not in (LOCK_NOT_AVAILABLE, CANCELLED, *also):
                 raise
             if deadline - now() <= 0:
                 raise OperationTimeout(
-                    f"{action} did not finish within operation_timeout ({timeout:g}s): its rows stayed locked "
-                    "by another session (a holder's fenced transaction), or permits kept being taken with the "
-                    "old number; nothing was changed",
+                    f"{action} did not finish within operation_timeout ({timeout:g}s): {given_up}",
                     transient=True,
                     sqlstate=exc.sqlstate,
                 ) from exc
-            yield Pause(_FORCED_RELEASE_PAUSE)
-    assert reply.row is not None
-    previous, released, _, _ = reply.row
-    return (None if previous is None else int(previous)), int(released)
+            if not (yield Pause(_FORCED_RELEASE_PAUSE)):
+                raise DatabaseError(
+                    f"{action} stopped: the client was closed while another session held its rows locked; "
+                    "nothing was done",
+                    transient=False,
+                    sqlstate=exc.sqlstate,
+                ) from exc
 
 
 def _server_words(exc: DatabaseError) -> str:

@@ -117,10 +117,14 @@ class LockKind:
     def not_held(self, name: str, instance_id: str) -> str:
         return f"lock {name!r} is not held by instance {instance_id!r}"
 
+    def one_hold(self, name: str) -> str:
+        """What one holder object holds of ``name`` at a time, as messages say it."""
+        return f"{self.noun} {name!r}"
+
     def already_held(self, name: str, instance_id: str) -> str:
         return (
-            f"this Mutex already holds or is acquiring lock {name!r} "
-            f"(instance_id {instance_id!r}); use a separate Mutex per concurrent holder"
+            f"this {self.holder_type} already holds or is acquiring {self.one_hold(name)} "
+            f"(instance_id {instance_id!r}); use a separate {self.holder_type} per concurrent holder"
         )
 
 

@@ -69,7 +69,7 @@ def interpret_acquire(row: Sequence[object] | None, instance_id: str) -> Acquire
 
 @dataclass(frozen=True, slots=True)
 class PermitReply:
-    """What a semaphore's acquire statement (`_sql.permits.acquire_permit`) said."""
+    """What a semaphore's acquire statement (`_sql.semaphores.acquire_permit`) said."""
 
     result: AcquireResult
     row_name: str | None
@@ -77,10 +77,10 @@ class PermitReply:
     stored_permits: int | None
     """The semaphore's N in the table: None if another session was declaring it at that moment."""
     held: int
-    """How many permits were held in the statement's snapshot."""
+    """How many of its rows were held in the statement's snapshot."""
 
     def retry_at_once(self, count: int | None) -> bool:
-        """Nothing won, yet there is reason to try again without waiting (for a semaphore of ``count`` permits):
+        """Nothing won, yet there is reason to try again without waiting (for a semaphore of size ``count``):
         it was being declared, or another contender won the free permit this one chose while others were free."""
         if count is None or self.result.outcome.acquired:
             return False
@@ -90,7 +90,7 @@ class PermitReply:
 def read_acquire(
     row: Sequence[object] | None, instance_id: str, count: int | None, *, wide: bool = False
 ) -> PermitReply:
-    """Read a mutex's acquire row (`interpret_acquire`) or, with ``count`` (a semaphore's number of permits) or
+    """Read a mutex's acquire row (`interpret_acquire`) or, with ``count`` (a semaphore's size) or
     ``wide`` (a read/write lock's), the same five columns, then the row's ``lock_name``, the stored N (for a
     read/write lock: 1 to try again at once) and how many rows were held; a read/write lock's, then the mode of
     the holder shown."""

@@ -2,7 +2,7 @@
 
 A mutex's row is named after the lock. A semaphore's permit is a row named
 after the semaphore, the unit separator and the permit's number
-(`_sql.permits`); a read/write lock's writer is a row named after the lock,
+(`_sql.semaphores`); a read/write lock's writer is a row named after the lock,
 the separator and ``w``, and each reader's after the lock, the separator,
 ``r`` and a digest of its instance id (`_sql.rwlocks`). No mutex name holds
 the separator (`_state.settings.check_name` refuses it), so a row's name alone says

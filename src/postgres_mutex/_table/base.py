@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._observe.hooks import LockObservation
 from .._sql import APSCHEDULER_RUNS, CELERY_BEAT_STATE, Names
-from .._state import admin_flows, rules, steps
+from .._state import admin_flows, steps
 from .._state.rows import row_of
 from .._state.settings import check_name, check_names, check_seconds, check_thresholds
 from ..errors import InvalidArgument
@@ -105,7 +105,7 @@ class TableBase:
     ) -> steps.Flow[list[LockObservation]]:
         alert, stale = check_thresholds(alert_threshold, stale_threshold)
         names = check_names(lock_names, "lock_names")
-        return rules.holders(self._names, names, self._timeout, alert_threshold=alert, stale_threshold=stale)
+        return admin_flows.holders(self._names, names, self._timeout, alert_threshold=alert, stale_threshold=stale)
 
     def _history(
         self, lock_name: str | None, since: datetime | timedelta | None, limit: int
