@@ -7,8 +7,13 @@ trip on the caller's connection, that a hold is still the lock's current one.
 
 from __future__ import annotations
 
+# async-only
+import asyncio
+
+# end async-only
 import logging
 from collections.abc import Callable
+from logging import DEBUG
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -74,7 +79,20 @@ class AsyncAcquisition:
         if self._entered:
             raise MutexError("this acquisition was entered already: call acquire() again for another one")
         self._entered = True
-        engine = self._engine()
+        # The engine of the lock's last acquire, while it stays open (and serves this loop): resolved
+        # once, not per acquire. Else resolved anew, refusing as the user must be refused (a closed
+        # client; a forked child, whose locks forget it: `LockState.reset_after_fork`).
+        lock = self._lock
+        # async-only
+        engine = lock.async_engine
+        if engine is None or engine.closed or engine.host.closed or engine.loop is not asyncio.get_running_loop():
+            engine = lock.async_engine = self._engine()
+        # end async-only
+        # sync-only
+        # engine = lock.engine
+        # if engine is None or engine.closed or engine.host.closed:
+        #     engine = lock.engine = self._engine()
+        # end sync-only
         self._engine_in_use = engine
         try:
             self._hold = await self._acquire(engine)
@@ -116,8 +134,11 @@ class AsyncAcquisition:
         result: AcquireResult | None = None
         attempts = 0
         try:
-            budget = flows.budget(lock, blocking=self._blocking, timeout=self._timeout, started=started)
-            timeout = flows.statement_timeout(lock, budget)
+            # `flows.budget` and `flows.statement_timeout`, their common case inline: a non-blocking
+            # acquire's first statement (or a wait with no limit's) gets one operation_timeout.
+            timeout = lock.timing.operation_timeout
+            if self._blocking and self._timeout is not None:
+                timeout = flows.statement_timeout(lock, started + self._timeout)
             if lock.cleanup_maybe_on_the_wire:
                 flowed = True
                 return await engine.run(
@@ -155,7 +176,10 @@ class AsyncAcquisition:
                         span_context=NO_SPAN_CONTEXT,
                         plain=True,
                     )
-                    lock.events.acquired(NO_SPAN, result, expected_own_row=possible_before)
+                    events = lock.events
+                    if not events.quiet or result.outcome is not Outcome.ACQUIRED or logger.isEnabledFor(DEBUG):
+                        # Else skipped as `LockEvents.acquired` would skip it: no hook, no span, no log line.
+                        events.acquired(NO_SPAN, result, expected_own_row=possible_before)
                     engine.keep(hold)
                     outcome = "reclaimed" if result.outcome is Outcome.RECLAIMED else "acquired"
                     return hold
@@ -166,7 +190,7 @@ class AsyncAcquisition:
             outcome = "error"
             raise
         finally:
-            if not flowed:
+            if not flowed and not lock.events.quiet:  # else `acquire_ended` tells nobody
                 lock.events.acquire_ended(
                     NO_SPAN,
                     outcome,
@@ -199,7 +223,12 @@ class AsyncAcquisition:
                 engine = self._engine()  # refuses as it would have at entry (a closed client, say)
             # Run to its end even if the caller is cancelled again meanwhile: no row left behind.
             if exc_type is None:
+                # async-only
                 await ato_the_end(_release(engine, lock, current_owner()))
+                # end async-only
+                # sync-only
+                # _release(engine, lock, current_owner())  # a thread runs it to its end as it is
+                # end sync-only
                 return
             try:
                 await ato_the_end(_release(engine, lock, current_owner()))
@@ -257,7 +286,9 @@ async def _release(engine: AsyncEngine, lock: LockState, caller: object) -> bool
             return await engine.run(
                 flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=result)
             )
-        lock.events.released(NO_SPAN, deleted=True)
+        events = lock.events
+        if not events.quiet or logger.isEnabledFor(DEBUG):  # else `released` tells nobody
+            events.released(NO_SPAN, deleted=True)
         return True
     finally:
         # Whichever way it ended, and wherever an exception landed: the hold it began to release

@@ -101,6 +101,9 @@ class Engine:
         self._gate = Gate()
         self.closed = False
         self._heartbeats = heartbeats(self)
+        self.keep: Callable[[Hold], None] = self._heartbeats.keep
+        """Renew a hold from now on, with the other holds of its table and interval: the worker's own
+        method, called with no step of ours between (once per acquire)."""
         self.deadline: float | None = None
         """When set (by the release at interpreter exit), no statement waits past it."""
 
@@ -286,10 +289,6 @@ class Engine:
     def groups(self) -> dict[object, HeartbeatGroup]:
         """The engine's heartbeat groups (the session's record of them)."""
         return self._heartbeats.groups
-
-    def keep(self, hold: Hold) -> None:
-        """Renew ``hold`` from now on, with the other holds of its table and interval."""
-        self._heartbeats.keep(hold)
 
     def schedule(self, cleanup: steps.Cleanup) -> None:
         """Delete a row that may remain, in the background, as soon as the database answers."""

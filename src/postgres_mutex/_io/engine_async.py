@@ -24,6 +24,10 @@ on goes on running there.
 
 from __future__ import annotations
 
+# async-only
+import asyncio
+
+# end async-only
 import contextlib
 import functools
 import logging
@@ -106,6 +110,13 @@ class AsyncEngine:
         self._gate = AGate()
         self.closed = False
         self._heartbeats = heartbeats(self)
+        self.keep: Callable[[Hold], None] = self._heartbeats.keep
+        """Renew a hold from now on, with the other holds of its table and interval: the worker's own
+        method, called with no step of ours between (once per acquire)."""
+        # async-only
+        self.loop = asyncio.get_running_loop()
+        """The event loop it serves: an acquire on another loop resolves that loop's engine."""
+        # end async-only
         self.deadline: float | None = None
         """When set (by the release at interpreter exit), no statement waits past it."""
 
@@ -297,10 +308,6 @@ class AsyncEngine:
     def groups(self) -> dict[object, HeartbeatGroup]:
         """The engine's heartbeat groups (the session's record of them)."""
         return self._heartbeats.groups
-
-    def keep(self, hold: Hold) -> None:
-        """Renew ``hold`` from now on, with the other holds of its table and interval."""
-        self._heartbeats.keep(hold)
 
     def schedule(self, cleanup: steps.Cleanup) -> None:
         """Delete a row that may remain, in the background, as soon as the database answers."""

@@ -41,7 +41,7 @@ import enum
 import math
 import threading
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanContext
 
@@ -132,9 +132,8 @@ class Hold:
         self.token = token
         self.renewed_at = sent_at
         """When the last acquire or heartbeat statement that succeeded for it was sent."""
-        self.lease_deadline = sent_at + lock.timing.lease
-        doubt = lock.timing.doubt
-        self.doubt_deadline = math.inf if doubt is None else sent_at + doubt
+        self.lease_deadline = sent_at + lock.lease
+        self.doubt_deadline = sent_at + lock.doubt
         """When it turns in doubt without a successful heartbeat (never, for a holder that did not opt in)."""
         self.doubt_told = False
         """Its doubt was reported (it is reported once, and its end once)."""
@@ -223,6 +222,17 @@ class LockState:
         """The stray row's clean-up on the wire, if any: an acquire waits for it, so the two never cross."""
         self._cleanup_until = 0.0
         """When that clean-up can no longer land, whether or not its sender is still there to say so."""
+        self.lease = timing.lease
+        """How long a hold is held after the last statement that renewed it was sent (`Timing.lease`)."""
+        doubt = timing.doubt
+        self.doubt = math.inf if doubt is None else doubt
+        """How long a hold is trusted after it, if its holder opted in to reclaim_disconnected_after, else
+        infinity. Both read once here: the settings compute them, and every acquire reads them."""
+        self.engine: Any = None
+        """The sync engine this lock's last acquire ran on, kept for the next: resolved once, as long as it
+        stays open (see `_io.acquisition_async`); forgotten in a forked child, whose engines are its own."""
+        self.async_engine: Any = None
+        """Likewise for the last async acquire: an event loop's engine, kept while it is that loop's."""
         self._name_itself()
 
     def _name_itself(self) -> None:
@@ -565,6 +575,7 @@ class LockState:
         self.hold = None
         self.stray_row_possible = False
         self.instance_id = instance_id  # a read/write lock's row_name follows it
+        self.engine = self.async_engine = None  # the parent's: an acquire resolves the child's own
         self._name_itself()
         self.events.instance_id = instance_id
         self.alert_gate = type(self.alert_gate)(self.timing.alert_threshold)  # a watcher's to alert, if it was
