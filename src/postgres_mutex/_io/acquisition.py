@@ -130,7 +130,7 @@ class Acquisition:
             timeout = lock.timing.operation_timeout
             if self._blocking and self._timeout is not None:
                 timeout = flows.statement_timeout(lock, started + self._timeout)
-            if lock.cleanup_maybe_on_the_wire:
+            if lock.cleanup_sender is not None:  # `cleanup_maybe_on_the_wire`, read without its call
                 flowed = True
                 return engine.run(
                     self._flow(owner, flows.FirstAttempt(generation, started, statements, timeout, False, None))

@@ -218,7 +218,7 @@ class LockState:
         """Who began the current (or last) acquire: only it ends that acquire (`abort_acquire`, `abandon_acquire`)."""
         self.releaser: object = None
         """Who began the release under way: only it ends it (`end_release`)."""
-        self._cleanup_sender: object = None
+        self.cleanup_sender: object = None
         """The stray row's clean-up on the wire, if any: an acquire waits for it, so the two never cross."""
         self._cleanup_until = 0.0
         """When that clean-up can no longer land, whether or not its sender is still there to say so."""
@@ -539,15 +539,15 @@ class LockState:
         with self._lock:
             if generation != self.generation:
                 return False
-            self._cleanup_sender = sender
+            self.cleanup_sender = sender
             self._cleanup_until = now() + 2 * seconds
             return True
 
     def give_back_cleanup_turn(self, sender: object) -> None:
         """``sender``'s clean-up was answered: it can no longer cross an acquire."""
         with self._lock:
-            if self._cleanup_sender is sender:
-                self._cleanup_sender = None
+            if self.cleanup_sender is sender:
+                self.cleanup_sender = None
 
     @property
     def cleanup_maybe_on_the_wire(self) -> bool:
@@ -556,15 +556,15 @@ class LockState:
         Read without the lock: exact for an acquire once `begin_acquire` returned,
         since a clean-up that takes its turn after that is refused.
         """
-        return self._cleanup_sender is not None
+        return self.cleanup_sender is not None
 
     def cleanup_on_the_wire_until(self) -> float | None:
         """Until when a stray row's clean-up may still land (an acquire must not be sent before); None: none may."""
         with self._lock:
-            if self._cleanup_sender is None:
+            if self.cleanup_sender is None:
                 return None
             if now() >= self._cleanup_until:
-                self._cleanup_sender = None
+                self.cleanup_sender = None
                 return None
             return self._cleanup_until
 
@@ -579,7 +579,7 @@ class LockState:
         self._name_itself()
         self.events.instance_id = instance_id
         self.alert_gate = type(self.alert_gate)(self.timing.alert_threshold)  # a watcher's to alert, if it was
-        self._cleanup_sender = None
+        self.cleanup_sender = None
 
 
 class HeartbeatGroup:
