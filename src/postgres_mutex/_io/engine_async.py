@@ -204,8 +204,13 @@ class AsyncEngine:
         try:
             asked_at = now()
             # async-only
-            # A task is interrupted only where it awaits (`AGate.enter` passes a turn on itself).
-            await self._gate.enter(urgent, timeout)
+            # A task is interrupted only where it awaits (`AGate.wait` passes a turn on itself).
+            # `AGate.enter`, inline: one loop, so nothing runs between the check and the store.
+            gate = self._gate
+            if gate.busy:
+                await gate.wait(urgent)
+            else:
+                gate.busy = True
             # end async-only
             try:
                 # sync-only
