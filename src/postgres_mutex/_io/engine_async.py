@@ -378,8 +378,11 @@ async def _statement(
     session: ServerSession | None,
     cursor: psycopg.AsyncCursor[Any] | None,
 ) -> steps.Result:
-    # How long the server may run it: less than the client's ``timeout``, by a margin.
-    timeout_ms = max(1, int((timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))) * 1000))
+    # How long the server may run it: less than the client's ``timeout``, by a margin
+    # (`_server_ms`), read from what the same deadline gave before: a few deadlines recur.
+    timeout_ms = _SERVER_MS.get(timeout)
+    if timeout_ms is None:
+        timeout_ms = _server_ms(timeout)
     bound = params
     if statement.marks:
         # The session key of this connection (none for a pool's: its sessions are the application's),
@@ -433,6 +436,18 @@ async def _statement(
     while cursor.nextset():
         pass
     return await _result(cursor, sent_at)
+
+
+def _server_ms(timeout: float) -> int:
+    """The server's deadline (``statement_timeout``, in ms) for a statement the client gives ``timeout`` seconds."""
+    timeout_ms = max(1, int((timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))) * 1000))
+    if len(_SERVER_MS) < _SERVER_MS_KEPT:  # an acquire's deadline that counts down is not kept
+        _SERVER_MS[timeout] = timeout_ms
+    return timeout_ms
+
+
+_SERVER_MS: dict[float, int] = {}
+_SERVER_MS_KEPT = 64
 
 
 def _tell_pooler(action: str, params: Mapping[str, object], session: ServerSession) -> None:
