@@ -114,15 +114,15 @@ class Hold:
     def __init__(
         self,
         lock: LockState,
-        *,
         acquired_at: datetime,
         token: int | None,
         sent_at: float,
         owner: object,
         span_context: SpanContext | None,
-        row_name: str | None = None,
-        plain: bool = False,
+        row_name: str | None,
+        plain: bool,
     ) -> None:
+        # Made by `LockState.won` alone, which passes each argument by position: one per acquire.
         self.lock = lock
         self.plain = plain
         """Acquired without a minimum hold: its row has no ``hold_until``, and its release may delete it outright."""
@@ -392,16 +392,7 @@ class LockState:
         plain: bool = False,
     ) -> Hold:
         with self._lock:
-            hold = Hold(
-                self,
-                acquired_at=acquired_at,
-                token=token,
-                sent_at=sent_at,
-                owner=owner,
-                span_context=span_context,
-                row_name=row_name,
-                plain=plain,
-            )
+            hold = Hold(self, acquired_at, token, sent_at, owner, span_context, row_name, plain)
             self.hold = hold
             self.phase = Phase.HOLDING
             self.stray_row_possible = False
