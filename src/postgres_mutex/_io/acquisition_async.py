@@ -13,6 +13,7 @@ import asyncio
 # end async-only
 import logging
 from collections.abc import Callable
+from datetime import datetime
 from logging import DEBUG
 from typing import TYPE_CHECKING, Any
 
@@ -164,8 +165,37 @@ class AsyncAcquisition:
                 lock.attempt_unanswered(timeout)
                 raise
             if isinstance(reply, steps.Result):
-                # A direct kind's reply: a mutex's five columns (`read_acquire` without a count).
-                result = interpret_acquire(reply.rows[0] if reply.rows else None, lock.instance_id)
+                # A direct kind's reply: a mutex's five columns (`read_acquire` without a count),
+                # ``(inserted, holder, heartbeat_age, acquired_at, token)``.
+                row = reply.rows[0] if reply.rows else None
+                if (
+                    row is not None
+                    and len(row) == 5
+                    and row[0] is True
+                    and type(row[3]) is datetime
+                    and (row[4] is None or (type(row[4]) is int and statements.shape.tokens))
+                    and lock.events.quiet
+                ):
+                    # Inserted, and no hook to tell: read in place, as `interpret_acquire` reads it
+                    # (`Outcome.ACQUIRED`), without making its result.
+                    hold = lock.won(
+                        acquired_at=row[3],
+                        token=row[4],
+                        sent_at=reply.sent_at,
+                        owner=owner,
+                        span_context=NO_SPAN_CONTEXT,
+                        plain=True,
+                    )
+                    if logger.isEnabledFor(DEBUG):  # its log line (`LockEvents.acquired`)
+                        lock.events.acquired(
+                            NO_SPAN,
+                            AcquireResult(Outcome.ACQUIRED, None, None, row[3], row[4]),
+                            expected_own_row=possible_before,
+                        )
+                    engine.keep(hold)
+                    outcome = "acquired"
+                    return hold
+                result = interpret_acquire(row, lock.instance_id)
                 # A reply that won carries its acquired_at (a contended one never does).
                 if result.acquired_at is not None and (statements.shape.tokens or result.token is None):
                     hold = lock.won(
