@@ -145,7 +145,7 @@ class AGate:
     """
 
     def __init__(self) -> None:
-        self._busy = False
+        self.busy = False
         self._waiting: dict[bool, collections.deque[asyncio.Future[None]]] = {
             True: collections.deque(),
             False: collections.deque(),
@@ -156,18 +156,18 @@ class AGate:
 
         Plain calls rather than a context manager's object: one turn is taken per statement.
         """
-        if self._busy:
-            await self._wait(urgent)
+        if self.busy:
+            await self.wait(urgent)
         else:
-            self._busy = True  # one loop: nothing runs between the check and this
+            self.busy = True  # one loop: nothing runs between the check and this
 
     def try_enter(self) -> bool:
         """Take the connection only if nobody has it or waits for it; give it back with `leave`."""
-        taken, self._busy = not self._busy, True
+        taken, self.busy = not self.busy, True
         return taken
 
-    async def _wait(self, urgent: bool) -> None:
-        """Wait for the busy connection to be handed over."""
+    async def wait(self, urgent: bool) -> None:
+        """Wait for the busy connection to be handed over (`enter` found it busy)."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue = self._waiting[urgent]
         queue.append(waiter)
@@ -188,7 +188,7 @@ class AGate:
                 if not waiter.done():
                     waiter.set_result(None)  # the gate stays busy: it is theirs now
                     return
-        self._busy = False
+        self.busy = False
 
 
 class Gate:

@@ -12,9 +12,12 @@ Arming a deadline is a single store: each connection keeps one duplicate of
 its socket (a `Cutter`) for its whole life, holding the moment its current
 statement is due; a statement that ends normally stores infinity instead.
 The thread looks at the cutters it watches when the earliest deadline it saw
-comes, and sleeps again until the next one: it does not wake once per
-statement, which would cost a thread switch (and the GIL) each time. A
-deadline stored earlier than the moment it sleeps until wakes it.
+comes, and at least once every `STORE_ARMS` seconds while it watches any: it
+does not wake once per statement, which would cost a thread switch (and the
+GIL) each time. A deadline at least `STORE_ARMS` away is armed by its store
+alone (`Cutter.until`, once `Cutter.stores_arm`), since the thread looks
+before it is due; a nearer one (`Cutter.arm`) wakes the thread if it sleeps
+past it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import threading
 import weakref
 
 from .acompat import start_thread
-from .clock import now, slice_until
+from .clock import MAX_SLICE, now
 
 logger = logging.getLogger("postgres_mutex")
 
@@ -44,14 +47,20 @@ class Cutter:
     duplicate would keep the socket open.
     """
 
-    __slots__ = ("__weakref__", "_lock", "_sock", "_until", "_watched_by", "fired")
+    __slots__ = ("__weakref__", "_sock", "_watched_by", "fired", "lock", "stores_arm", "until")
 
     def __init__(self, fileno: int) -> None:
         self._sock: socket.socket | None = socket.socket(fileno=os.dup(fileno))
-        self._lock = threading.Lock()
-        self._until = math.inf
-        """When the statement under way is due (infinity: nothing is armed)."""
+        self.lock = threading.Lock()
+        """Held while a deadline is cut or disarmed: a statement disarmed in time is never cut after."""
+        self.until = math.inf
+        """When the statement under way is due (infinity: nothing is armed). A statement of at least
+        `STORE_ARMS` seconds is armed by storing this alone, once `stores_arm`; disarming stores
+        infinity, under `lock`. (The common statement's arm and disarm: no call.)"""
         self._watched_by: _Watchdog | None = None
+        self.stores_arm = False
+        """The watchdog's thread looks at this cutter at least every `STORE_ARMS` seconds (set by the
+        first `arm`, in this process): a deadline that far off is armed by storing `until` alone."""
         self.fired = False
         """True once a deadline cut the socket: the connection is unusable."""
 
@@ -61,7 +70,7 @@ class Cutter:
         One statement at a time per connection: arming again replaces the deadline.
         """
         at = now() + seconds
-        self._until = at  # armed: the watchdog reads it when it looks
+        self.until = at  # armed: the watchdog reads it when it looks
         watchdog = _instance
         if watchdog is None or self._watched_by is not watchdog:
             _watchdog().watch(self, at)  # the first deadline of this connection (in this process)
@@ -71,30 +80,27 @@ class Cutter:
 
     def disarmed(self, ticket: float) -> bool:
         """Whether ``ticket`` can no longer cut (disarmed, or the cutter closed): a ticket never re-arms."""
-        return self._until != ticket
+        return self.until != ticket
 
     def disarm(self, ticket: float) -> None:
-        with self._lock:
-            if self._until == ticket:
-                self._until = math.inf
+        with self.lock:
+            if self.until == ticket:
+                self.until = math.inf
 
     def disarm_all(self) -> None:
         """Disarm whatever is armed: for the one statement at a time its connection runs."""
-        with self._lock:
-            self._until = math.inf
-
-    def due_at(self) -> float:
-        return self._until
+        with self.lock:
+            self.until = math.inf
 
     def due(self, current: float) -> None:
         """Called by the watchdog: cut the socket if a deadline still armed has passed at ``current``."""
-        with self._lock:
-            if self._until <= current:
+        with self.lock:
+            if self.until <= current:
                 self._cut()
 
     def cut(self) -> None:
         """Shut the socket down now: whatever is blocked on it fails at once."""
-        with self._lock:
+        with self.lock:
             self._cut()
 
     def _cut(self) -> None:
@@ -111,10 +117,14 @@ class Cutter:
         except OSError:
             pass  # already closed by the peer: the operation is failing anyway
 
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
     def close(self) -> None:
-        with self._lock:
+        with self.lock:
             sock, self._sock = self._sock, None
-            self._until = math.inf
+            self.until = math.inf
         if sock is not None:
             sock.close()
 
@@ -129,8 +139,10 @@ class _Watchdog:
     and every later statement waited on it for good.)
 
     No deadline is missed: the thread says it sleeps until infinity while it looks
-    (`sleeping_until`), so a cutter armed after it looked at it wakes it, and one armed
-    before it looked is seen.
+    (`sleeping_until`), so a cutter armed by `Cutter.arm` after it looked at it wakes it, and
+    one armed before it looked is seen. A deadline armed by its store alone is at least
+    `STORE_ARMS` away, and the thread looks again within `STORE_ARMS` of the moment it began
+    its last look, so before that deadline, however late in the look it was stored.
     """
 
     def __init__(self) -> None:
@@ -150,12 +162,20 @@ class _Watchdog:
                 # None at interpreter exit if it was never started: then only the
                 # connect timeout and the server's statement_timeout bound this one.
                 self._thread = start_thread(self._run, "postgres-mutex-watchdog")
+                cutter.stores_arm = self._thread is not None
                 return
-        if at < self.sleeping_until:
+            cutter.stores_arm = True
+        # A thread asleep with nothing to watch (infinity) looks at this one from now on.
+        if at < self.sleeping_until or self.sleeping_until == math.inf:
             self.wake()
 
     def wake(self) -> None:
         self._wake.put(None)
+
+    def disown(self) -> None:
+        """In a forked child, where this thread is gone: its cutters are armed by `Cutter.arm` alone."""
+        for cutter in list(self._cutters):
+            cutter.stores_arm = False
 
     def _run(self) -> None:
         while True:
@@ -165,7 +185,11 @@ class _Watchdog:
             earliest = math.inf
             with self._lock:
                 for cutter in list(self._cutters):
-                    at = cutter.due_at()
+                    if cutter.closed:
+                        continue
+                    # Watching it: look again within STORE_ARMS (see `Cutter.stores_arm`).
+                    earliest = min(earliest, current + STORE_ARMS)
+                    at = cutter.until
                     if at <= current:
                         due.append(cutter)
                     elif at < earliest:
@@ -179,7 +203,8 @@ class _Watchdog:
                 continue
             self.sleeping_until = earliest
             with contextlib.suppress(queue.Empty):
-                self._wake.get(timeout=None if earliest == math.inf else slice_until(earliest))
+                # At most STORE_ARMS (MAX_SLICE) away from `current`: the clock is read again in time.
+                self._wake.get(timeout=None if earliest == math.inf else max(0.0, earliest - now()))
             with contextlib.suppress(queue.Empty):
                 while True:  # the wake-ups that came meanwhile: this look answers them all
                     self._wake.get_nowait()
@@ -198,9 +223,17 @@ def _watchdog() -> _Watchdog:
     return _instance
 
 
+STORE_ARMS = MAX_SLICE
+"""A deadline at least this far off is armed by storing `Cutter.until` alone, on a cutter that
+`Cutter.stores_arm`: the watchdog's thread looks at its cutters at least this often."""
+
+
 def _forget_after_fork() -> None:
-    # The thread does not survive fork(); the child starts its own on first use.
+    # The thread does not survive fork(); the child starts its own on first use, and a cutter
+    # inherited is armed again by `Cutter.arm` alone, which makes the child's thread watch it.
     global _instance, _instance_lock
+    if _instance is not None:
+        _instance.disown()
     _instance = None
     _instance_lock = threading.Lock()
 

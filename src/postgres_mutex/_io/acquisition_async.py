@@ -7,8 +7,14 @@ trip on the caller's connection, that a hold is still the lock's current one.
 
 from __future__ import annotations
 
+# async-only
+import asyncio
+
+# end async-only
 import logging
 from collections.abc import Callable
+from datetime import datetime
+from logging import DEBUG
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -74,7 +80,20 @@ class AsyncAcquisition:
         if self._entered:
             raise MutexError("this acquisition was entered already: call acquire() again for another one")
         self._entered = True
-        engine = self._engine()
+        # The engine of the lock's last acquire, while it stays open (and serves this loop): resolved
+        # once, not per acquire. Else resolved anew, refusing as the user must be refused (a closed
+        # client; a forked child, whose locks forget it: `LockState.reset_after_fork`).
+        lock = self._lock
+        # async-only
+        engine = lock.async_engine
+        if engine is None or engine.closed or engine.host.closed or engine.loop is not asyncio.get_running_loop():
+            engine = lock.async_engine = self._engine()
+        # end async-only
+        # sync-only
+        # engine = lock.engine
+        # if engine is None or engine.closed or engine.host.closed:
+        #     engine = lock.engine = self._engine()
+        # end sync-only
         self._engine_in_use = engine
         try:
             self._hold = await self._acquire(engine)
@@ -116,9 +135,12 @@ class AsyncAcquisition:
         result: AcquireResult | None = None
         attempts = 0
         try:
-            budget = flows.budget(lock, blocking=self._blocking, timeout=self._timeout, started=started)
-            timeout = flows.statement_timeout(lock, budget)
-            if lock.cleanup_maybe_on_the_wire:
+            # `flows.budget` and `flows.statement_timeout`, their common case inline: a non-blocking
+            # acquire's first statement (or a wait with no limit's) gets one operation_timeout.
+            timeout = lock.timing.operation_timeout
+            if self._blocking and self._timeout is not None:
+                timeout = flows.statement_timeout(lock, started + self._timeout)
+            if lock.cleanup_sender is not None:  # `cleanup_maybe_on_the_wire`, read without its call
                 flowed = True
                 return await engine.run(
                     self._flow(owner, flows.FirstAttempt(generation, started, statements, timeout, False, None))
@@ -143,8 +165,37 @@ class AsyncAcquisition:
                 lock.attempt_unanswered(timeout)
                 raise
             if isinstance(reply, steps.Result):
-                # A direct kind's reply: a mutex's five columns (`read_acquire` without a count).
-                result = interpret_acquire(reply.rows[0] if reply.rows else None, lock.instance_id)
+                # A direct kind's reply: a mutex's five columns (`read_acquire` without a count),
+                # ``(inserted, holder, heartbeat_age, acquired_at, token)``.
+                row = reply.rows[0] if reply.rows else None
+                if (
+                    row is not None
+                    and len(row) == 5
+                    and row[0] is True
+                    and type(row[3]) is datetime
+                    and (row[4] is None or (type(row[4]) is int and statements.shape.tokens))
+                    and lock.events.quiet
+                ):
+                    # Inserted, and no hook to tell: read in place, as `interpret_acquire` reads it
+                    # (`Outcome.ACQUIRED`), without making its result.
+                    hold = lock.won(
+                        acquired_at=row[3],
+                        token=row[4],
+                        sent_at=reply.sent_at,
+                        owner=owner,
+                        span_context=NO_SPAN_CONTEXT,
+                        plain=True,
+                    )
+                    if logger.isEnabledFor(DEBUG):  # its log line (`LockEvents.acquired`)
+                        lock.events.acquired(
+                            NO_SPAN,
+                            AcquireResult(Outcome.ACQUIRED, None, None, row[3], row[4]),
+                            expected_own_row=possible_before,
+                        )
+                    engine.keep(hold)
+                    outcome = "acquired"
+                    return hold
+                result = interpret_acquire(row, lock.instance_id)
                 # A reply that won carries its acquired_at (a contended one never does).
                 if result.acquired_at is not None and (statements.shape.tokens or result.token is None):
                     hold = lock.won(
@@ -155,7 +206,10 @@ class AsyncAcquisition:
                         span_context=NO_SPAN_CONTEXT,
                         plain=True,
                     )
-                    lock.events.acquired(NO_SPAN, result, expected_own_row=possible_before)
+                    events = lock.events
+                    if not events.quiet or result.outcome is not Outcome.ACQUIRED or logger.isEnabledFor(DEBUG):
+                        # Else skipped as `LockEvents.acquired` would skip it: no hook, no span, no log line.
+                        events.acquired(NO_SPAN, result, expected_own_row=possible_before)
                     engine.keep(hold)
                     outcome = "reclaimed" if result.outcome is Outcome.RECLAIMED else "acquired"
                     return hold
@@ -166,7 +220,7 @@ class AsyncAcquisition:
             outcome = "error"
             raise
         finally:
-            if not flowed:
+            if not flowed and not lock.events.quiet:  # else `acquire_ended` tells nobody
                 lock.events.acquire_ended(
                     NO_SPAN,
                     outcome,
@@ -199,7 +253,12 @@ class AsyncAcquisition:
                 engine = self._engine()  # refuses as it would have at entry (a closed client, say)
             # Run to its end even if the caller is cancelled again meanwhile: no row left behind.
             if exc_type is None:
+                # async-only
                 await ato_the_end(_release(engine, lock, current_owner()))
+                # end async-only
+                # sync-only
+                # _release(engine, lock, current_owner())  # a thread runs it to its end as it is
+                # end sync-only
                 return
             try:
                 await ato_the_end(_release(engine, lock, current_owner()))
@@ -257,7 +316,9 @@ async def _release(engine: AsyncEngine, lock: LockState, caller: object) -> bool
             return await engine.run(
                 flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=result)
             )
-        lock.events.released(NO_SPAN, deleted=True)
+        events = lock.events
+        if not events.quiet or logger.isEnabledFor(DEBUG):  # else `released` tells nobody
+            events.released(NO_SPAN, deleted=True)
         return True
     finally:
         # Whichever way it ended, and wherever an exception landed: the hold it began to release

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,7 +34,7 @@ from .. import _sql
 from .._base.acompat import Event, Gate, sleep
 from .._base.clock import now
 from .._base.connections import FAILURES, ServerSession
-from .._base.watchdog import Cutter
+from .._base.watchdog import STORE_ARMS, Cutter
 from .._sql import Names, Statements
 from .._state import steps
 from .._state.failures import READ_ONLY, SHAPE_CHANGED, classify_failure
@@ -101,6 +102,9 @@ class Engine:
         self._gate = Gate()
         self.closed = False
         self._heartbeats = heartbeats(self)
+        self.keep: Callable[[Hold], None] = self._heartbeats.keep
+        """Renew a hold from now on, with the other holds of its table and interval: the worker's own
+        method, called with no step of ours between (once per acquire)."""
         self.deadline: float | None = None
         """When set (by the release at interpreter exit), no statement waits past it."""
 
@@ -198,7 +202,10 @@ class Engine:
                             raise steps.CleanupSuperseded  # an acquire began while it waited for the connection
                     sent = True
                     try:
-                        cutter.arm(timeout)
+                        if cutter.stores_arm and timeout >= STORE_ARMS:
+                            cutter.until = now() + timeout  # armed: the watchdog looks before it is due
+                        else:
+                            cutter.arm(timeout)
                         work = _statement(conn, statement, params, timeout, action, source.session, source.cursor)
                         pass
                         return work
@@ -221,8 +228,10 @@ class Engine:
                         interrupt(conn, cutter, timeout)
                         raise
                     finally:
-                        # Whatever was armed, even if an exception landed before its ticket was kept.
-                        cutter.disarm_all()
+                        # Whatever was armed, even if an exception landed before its ticket was kept
+                        # (`Cutter.disarm_all`, inline: once per statement).
+                        with cutter.lock:
+                            cutter.until = math.inf
             finally:
                 self._gate.leave()
         except FAILURES as exc:
@@ -287,10 +296,6 @@ class Engine:
         """The engine's heartbeat groups (the session's record of them)."""
         return self._heartbeats.groups
 
-    def keep(self, hold: Hold) -> None:
-        """Renew ``hold`` from now on, with the other holds of its table and interval."""
-        self._heartbeats.keep(hold)
-
     def schedule(self, cleanup: steps.Cleanup) -> None:
         """Delete a row that may remain, in the background, as soon as the database answers."""
         self._heartbeats.schedule(cleanup)
@@ -349,8 +354,11 @@ def _statement(
     session: ServerSession | None,
     cursor: psycopg.Cursor[Any] | None,
 ) -> steps.Result:
-    # How long the server may run it: less than the client's ``timeout``, by a margin.
-    timeout_ms = max(1, int((timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))) * 1000))
+    # How long the server may run it: less than the client's ``timeout``, by a margin
+    # (`_server_ms`), read from what the same deadline gave before: a few deadlines recur.
+    timeout_ms = _SERVER_MS.get(timeout)
+    if timeout_ms is None:
+        timeout_ms = _server_ms(timeout)
     bound = params
     if statement.marks:
         # The session key of this connection (none for a pool's: its sessions are the application's),
@@ -404,6 +412,18 @@ def _statement(
     while cursor.nextset():
         pass
     return _result(cursor, sent_at)
+
+
+def _server_ms(timeout: float) -> int:
+    """The server's deadline (``statement_timeout``, in ms) for a statement the client gives ``timeout`` seconds."""
+    timeout_ms = max(1, int((timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))) * 1000))
+    if len(_SERVER_MS) < _SERVER_MS_KEPT:  # an acquire's deadline that counts down is not kept
+        _SERVER_MS[timeout] = timeout_ms
+    return timeout_ms
+
+
+_SERVER_MS: dict[float, int] = {}
+_SERVER_MS_KEPT = 64
 
 
 def _tell_pooler(action: str, params: Mapping[str, object], session: ServerSession) -> None:

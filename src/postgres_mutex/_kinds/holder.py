@@ -289,7 +289,10 @@ class Holder(AsyncHolderMethods, HolderMethods):
         the column ``postgres-mutex migrate`` adds (`SchemaError` otherwise).
         Mutex only: a Semaphore's acquire raises `ValueError` for it.
         """
-        blocking, timeout = check_wait(blocking, timeout)
+        if timeout is None and (blocking is None or blocking is True or blocking is False):
+            blocking = blocking is True  # `check_wait`'s common case, inline: no timeout to check
+        else:
+            blocking, timeout = check_wait(blocking, timeout)
         # `_checked_hold` and `_start_watch`, their common case inline: a call each fewer per acquire.
         hold = self._settings.hold_at_least if hold_at_least is None else self._checked_hold(hold_at_least)
         if self._watch is not None:

@@ -41,7 +41,7 @@ import enum
 import math
 import threading
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanContext
 
@@ -114,15 +114,15 @@ class Hold:
     def __init__(
         self,
         lock: LockState,
-        *,
         acquired_at: datetime,
         token: int | None,
         sent_at: float,
         owner: object,
         span_context: SpanContext | None,
-        row_name: str | None = None,
-        plain: bool = False,
+        row_name: str | None,
+        plain: bool,
     ) -> None:
+        # Made by `LockState.won` alone, which passes each argument by position: one per acquire.
         self.lock = lock
         self.plain = plain
         """Acquired without a minimum hold: its row has no ``hold_until``, and its release may delete it outright."""
@@ -132,9 +132,8 @@ class Hold:
         self.token = token
         self.renewed_at = sent_at
         """When the last acquire or heartbeat statement that succeeded for it was sent."""
-        self.lease_deadline = sent_at + lock.timing.lease
-        doubt = lock.timing.doubt
-        self.doubt_deadline = math.inf if doubt is None else sent_at + doubt
+        self.lease_deadline = sent_at + lock.lease
+        self.doubt_deadline = sent_at + lock.doubt
         """When it turns in doubt without a successful heartbeat (never, for a holder that did not opt in)."""
         self.doubt_told = False
         """Its doubt was reported (it is reported once, and its end once)."""
@@ -219,10 +218,21 @@ class LockState:
         """Who began the current (or last) acquire: only it ends that acquire (`abort_acquire`, `abandon_acquire`)."""
         self.releaser: object = None
         """Who began the release under way: only it ends it (`end_release`)."""
-        self._cleanup_sender: object = None
+        self.cleanup_sender: object = None
         """The stray row's clean-up on the wire, if any: an acquire waits for it, so the two never cross."""
         self._cleanup_until = 0.0
         """When that clean-up can no longer land, whether or not its sender is still there to say so."""
+        self.lease = timing.lease
+        """How long a hold is held after the last statement that renewed it was sent (`Timing.lease`)."""
+        doubt = timing.doubt
+        self.doubt = math.inf if doubt is None else doubt
+        """How long a hold is trusted after it, if its holder opted in to reclaim_disconnected_after, else
+        infinity. Both read once here: the settings compute them, and every acquire reads them."""
+        self.engine: Any = None
+        """The sync engine this lock's last acquire ran on, kept for the next: resolved once, as long as it
+        stays open (see `_io.acquisition_async`); forgotten in a forked child, whose engines are its own."""
+        self.async_engine: Any = None
+        """Likewise for the last async acquire: an event loop's engine, kept while it is that loop's."""
         self._name_itself()
 
     def _name_itself(self) -> None:
@@ -382,16 +392,7 @@ class LockState:
         plain: bool = False,
     ) -> Hold:
         with self._lock:
-            hold = Hold(
-                self,
-                acquired_at=acquired_at,
-                token=token,
-                sent_at=sent_at,
-                owner=owner,
-                span_context=span_context,
-                row_name=row_name,
-                plain=plain,
-            )
+            hold = Hold(self, acquired_at, token, sent_at, owner, span_context, row_name, plain)
             self.hold = hold
             self.phase = Phase.HOLDING
             self.stray_row_possible = False
@@ -529,15 +530,15 @@ class LockState:
         with self._lock:
             if generation != self.generation:
                 return False
-            self._cleanup_sender = sender
+            self.cleanup_sender = sender
             self._cleanup_until = now() + 2 * seconds
             return True
 
     def give_back_cleanup_turn(self, sender: object) -> None:
         """``sender``'s clean-up was answered: it can no longer cross an acquire."""
         with self._lock:
-            if self._cleanup_sender is sender:
-                self._cleanup_sender = None
+            if self.cleanup_sender is sender:
+                self.cleanup_sender = None
 
     @property
     def cleanup_maybe_on_the_wire(self) -> bool:
@@ -546,15 +547,15 @@ class LockState:
         Read without the lock: exact for an acquire once `begin_acquire` returned,
         since a clean-up that takes its turn after that is refused.
         """
-        return self._cleanup_sender is not None
+        return self.cleanup_sender is not None
 
     def cleanup_on_the_wire_until(self) -> float | None:
         """Until when a stray row's clean-up may still land (an acquire must not be sent before); None: none may."""
         with self._lock:
-            if self._cleanup_sender is None:
+            if self.cleanup_sender is None:
                 return None
             if now() >= self._cleanup_until:
-                self._cleanup_sender = None
+                self.cleanup_sender = None
                 return None
             return self._cleanup_until
 
@@ -565,10 +566,11 @@ class LockState:
         self.hold = None
         self.stray_row_possible = False
         self.instance_id = instance_id  # a read/write lock's row_name follows it
+        self.engine = self.async_engine = None  # the parent's: an acquire resolves the child's own
         self._name_itself()
         self.events.instance_id = instance_id
         self.alert_gate = type(self.alert_gate)(self.timing.alert_threshold)  # a watcher's to alert, if it was
-        self._cleanup_sender = None
+        self.cleanup_sender = None
 
 
 class HeartbeatGroup:

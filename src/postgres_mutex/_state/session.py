@@ -66,10 +66,11 @@ class Session:
 
     def kept(self, hold: Hold) -> None:
         """``hold`` was added to a group: its lease is kept from now on (looked at again within a second)."""
+        events = self._events
         if hold.lease_deadline - now() < MAX_SLICE:
-            self._events.nudge()
-        else:
-            self._events.ensure()
+            events.nudge()
+        elif events.thread is None:  # `ensure`, inline: a hold is kept on every acquire
+            events.ensure()
 
     def forget(self, hold: Hold) -> None:
         """Stop renewing ``hold`` (released, lost, or being released).
@@ -167,7 +168,7 @@ class _EventThread:
         self._session = weakref.ref(session)
         self._queue: queue.SimpleQueue[Callable[[], object] | _Stop | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None
 
     def post(self, report: Callable[[], object]) -> None:
         self._queue.put(report)
@@ -187,9 +188,9 @@ class _EventThread:
         self._ensure()
 
     def ensure(self) -> None:
-        # The thread clears ``_thread`` however it ends (`_run`): one that is set runs, and is not
+        # The thread clears ``thread`` however it ends (`_run`): one that is set runs, and is not
         # asked (is_alive is a few calls, and a hold is kept on every acquire).
-        if self._thread is None:
+        if self.thread is None:
             self._ensure()
 
     def stop(self) -> None:
@@ -198,9 +199,9 @@ class _EventThread:
     def _ensure(self) -> None:
         inline = False
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = start_thread(self._run, "postgres-mutex-events")
-                inline = self._thread is None
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = start_thread(self._run, "postgres-mutex-events")
+                inline = self.thread is None
         if inline:
             # The interpreter is shutting down and starts no thread: tell now, in order.
             self._report_now()
@@ -223,9 +224,9 @@ class _EventThread:
         finally:
             # However it ended (stopped, its session gone, a defect): the next `ensure` starts another.
             with self._lock:
-                thread = self._thread
+                thread = self.thread
                 if thread is not None and thread.ident == threading.get_ident():
-                    self._thread = None
+                    self.thread = None
 
     def _serve(self) -> None:
         idle_since: float | None = None
@@ -247,7 +248,7 @@ class _EventThread:
                 if now() - idle_since >= _LINGER:
                     with self._lock:
                         if self._queue.empty():
-                            self._thread = None
+                            self.thread = None
                             return
             try:
                 item = self._queue.get(timeout=MAX_SLICE if due is None else max(slice_until(due), 0.001))
