@@ -262,7 +262,7 @@ class AsyncEngine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (await self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until = row
+            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_queue = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -279,6 +279,7 @@ class AsyncEngine:
                 semaphores=bool(has_semaphores),
                 rwlocks=bool(has_rwlocks),
                 holds=bool(has_hold_until),
+                fair=bool(has_queue),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.
@@ -518,7 +519,7 @@ class _Steps:
             listener = engine.listener
             if listener is None:
                 return False
-            self._subscription = listener.subscribe(op.channel)
+            self._subscription = listener.subscribe(op.channel, op.who)
             return await self._subscription.confirmed.wait(op.timeout)
         assert isinstance(op, steps.WaitForRelease)
         subscription, listener = self._subscription, engine.listener

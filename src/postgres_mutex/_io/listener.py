@@ -70,10 +70,12 @@ MOST_REGISTERED = 32
 class Subscription:
     """One waiter's interest in one lock's releases."""
 
-    __slots__ = ("channel", "confirmed", "released", "woken")
+    __slots__ = ("channel", "confirmed", "released", "who", "woken")
 
-    def __init__(self, channel: str) -> None:
+    def __init__(self, channel: str, who: str | None = None) -> None:
         self.channel = channel
+        self.who = who
+        """A waiter in line's instance id (a fair Mutex's): a release that hands it the lock names it."""
         self.confirmed = Event()
         """Set once the listener LISTENs on the channel: a release from then on is heard."""
         self.released = Event()
@@ -108,8 +110,8 @@ class Listener:
         self._closed = False
         self._defects = Defects("release listener")
 
-    def subscribe(self, channel: str) -> Subscription:
-        subscription = Subscription(channel)
+    def subscribe(self, channel: str, who: str | None = None) -> Subscription:
+        subscription = Subscription(channel, who)
         with self._host.state_lock:
             self._subscriptions.setdefault(channel, {})[subscription] = None
             if (self._worker is None or not self._worker.running) and not self._closed:
@@ -190,6 +192,10 @@ class Listener:
             # This process alone was told (its slot's channel): one waiter here, else another process's.
             self.wake_one(chosen)
             return
+        if payload.startswith(_sql.WAKE_FAIR):
+            # A fair lock handed to one waiter: that one (of this process, if it is here) takes it.
+            self._wake_named(channel, payload[len(_sql.WAKE_FAIR) :])
+            return
         if payload == _sql.WAKE_EACH_PROCESS:
             # Every process was told: one waiter here tries, and nothing is passed on.
             self._wake_here(channel)
@@ -201,6 +207,14 @@ class Listener:
             for subscription in waiting:
                 subscription.woken = True
         for subscription in waiting:
+            self.wake(subscription)
+
+    def _wake_named(self, channel: str, who: str) -> None:
+        with self._host.state_lock:
+            named = [sub for sub in self._subscriptions.get(channel, ()) if sub.who == who]
+            for subscription in named:
+                subscription.woken = True
+        for subscription in named:
             self.wake(subscription)
 
     def _wake_everyone(self) -> None:

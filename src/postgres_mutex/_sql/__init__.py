@@ -17,6 +17,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
 - `_sql.permits`: what semaphores add (each permit is a row of the lock table);
 - `_sql.rwlocks`: what read/write locks add (each holder is a row, each lock a gate);
 - `_sql.rows`: what a row's name says it holds (a mutex, a permit, a read/write lock's mode);
+- `_sql.fair`: a fair lock's queue of waiters, and its release that hands the lock to the oldest;
 - `_sql.wake`: whom a release wakes (one registered process, on its slot's channel), and the listener's registration;
 - `_sql.schema`: creating, inspecting and migrating the tables;
 - `_sql.integrations`: the tables the framework integrations keep (Celery
@@ -24,6 +25,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
 """
 
 from . import permits, rwlocks  # noqa: F401  (imported for their kinds' statements: `_sql.kinds`)
+from .fair import WAKE_FAIR
 from .history import HISTORY_ENDINGS
 from .integrations import (
     APSCHEDULER_RUNS,
@@ -52,6 +54,7 @@ __all__ = [
     "SEPARATOR",
     "WAKE_ALL",
     "WAKE_EACH_PROCESS",
+    "WAKE_FAIR",
     "Names",
     "RowOf",
     "Statement",

@@ -282,6 +282,8 @@ class _Attempts:
                     yield Keep(hold)
                     return hold
                 lock.attempt_contended(result.holder)
+                if lock.kind.queues:
+                    lock.in_line()
                 alert = lock.alert_gate.should_alert(result.holder, result.heartbeat_age)
                 lock.events.contended(self.span, result, alert=alert)
                 if not self.blocking:
@@ -298,7 +300,8 @@ class _Attempts:
                 if not listening:
                     listening = True
                     lock.events.waiting()
-                    if (yield Listen(lock.channel, lock.timing.operation_timeout)):
+                    who = lock.instance_id if lock.kind.queues else None
+                    if (yield Listen(lock.channel, lock.timing.operation_timeout, who)):
                         # Listening now: try again at once, lest a release before the LISTEN be missed.
                         continue
                 pause = lock.timing.poll_interval
@@ -551,9 +554,7 @@ def release(
                 raise hold.error()
             timeout = lock.timing.operation_timeout
             try:
-                result = yield from _execute_in_shape(
-                    lock, lambda statements: statements.release, timeout, "release", first
-                )
+                result = yield from _execute_in_shape(lock, lock.kind.release_statement, timeout, "release", first)
             except DatabaseError as exc:
                 # Failed or cut off: the row may remain. Delete it later.
                 yield Schedule(scoped_cleanup(lock, hold))
@@ -655,7 +656,7 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
     stray = cleanup.acquired_at is None
     stray_statement = lock.kind.stray_cleanup(statements)
     result: Result = yield Execute(
-        (stray_statement or statements.cleanup) if stray else statements.release,
+        (stray_statement or statements.cleanup) if stray else lock.kind.release_statement(statements),
         params,
         lock.timing.operation_timeout,
         lock.describe("clean-up"),
