@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import threading
@@ -51,6 +52,10 @@ def _queued(admin: psycopg.Connection[Any], lock: str) -> list[str]:
     return [row[0] for row in rows]
 
 
+def _queued_count_is(admin: psycopg.Connection[Any], lock: str, count: int) -> bool:
+    return len(_queued(admin, lock)) == count
+
+
 def _ready(proc: subprocess.Popen[str]) -> None:
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -80,7 +85,7 @@ def test_waiters_in_ten_processes_acquire_in_the_order_they_came(
         _ready(proc)
     for count, proc in enumerate(fair_workers, 1):
         _go(proc)  # one at a time: each is queued before the next asks
-        wait_until(lambda count=count: len(_queued(admin, lock_name)) == count, timeout=30)
+        wait_until(functools.partial(_queued_count_is, admin, lock_name, count), timeout=30)
     holder.release()
     tokens: dict[int, int] = {}
     for label, proc in enumerate(fair_workers):

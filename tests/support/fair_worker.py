@@ -17,7 +17,16 @@ from .timing import FAST
 
 
 def main(dsn: str, lock: str, label: str, log: str, poll: float) -> None:
-    mutex = Mutex(dsn, lock, fair=True, **{**FAST, "poll_interval": poll, "stale_threshold": 30.0})
+    mutex = Mutex(
+        dsn,
+        lock,
+        fair=True,
+        heartbeat_interval=FAST["heartbeat_interval"],
+        alert_threshold=FAST["alert_threshold"],
+        stale_threshold=30.0,
+        poll_interval=poll,
+        operation_timeout=FAST["operation_timeout"],
+    )
     print("ready", flush=True)
     sys.stdin.readline()
     with mutex.acquire(timeout=30):

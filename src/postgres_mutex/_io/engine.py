@@ -522,6 +522,9 @@ class _Steps:
         stop = op.stop
         with contextlib.nullcontext() if stop is None else stop.waking(functools.partial(listener.wake, subscription)):
             listener.wait(subscription, op.seconds)
+        handed = listener.take_handed(subscription)
+        if handed is not None:
+            return handed  # a fair lock handed to this waiter: the flow takes it without an attempt
         # The next attempt clears the wake-up (`Listener.take_wake`): a release announced between
         # this wait's end and that attempt must still end the wait after it.
         return None

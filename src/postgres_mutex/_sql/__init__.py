@@ -25,7 +25,7 @@ sends can be read in the ``_sql*`` modules and nowhere else. They are, by job:
 """
 
 from . import permits, rwlocks  # noqa: F401  (imported for their kinds' statements: `_sql.kinds`)
-from .fair import WAKE_FAIR
+from .fair import WAKE_FAIR, handed
 from .history import HISTORY_ENDINGS
 from .integrations import (
     APSCHEDULER_RUNS,
@@ -64,6 +64,7 @@ __all__ = [
     "create_integration_table",
     "create_table",
     "end_session_left_behind",
+    "handed",
     "history_retention",
     "inspect_table",
     "integration_table_exists",

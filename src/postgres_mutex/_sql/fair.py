@@ -51,7 +51,20 @@ if TYPE_CHECKING:
     from .names import Names
 
 WAKE_FAIR = "fair "
-"""A notification's payload that names the one waiter (by instance id, after it) handed the lock."""
+"""A notification's payload that names the one waiter handed the lock: after it, the waiter's acquire
+(``wait_id``), the hold's token and its ``acquired_at`` in microseconds since the epoch (`handed`)."""
+
+
+def handed(payload: str) -> tuple[str, int, int] | None:
+    """A hand-off's notification read: the acquire it names, the token, ``acquired_at`` (µs since the epoch)."""
+    if not payload.startswith(WAKE_FAIR):
+        return None
+    try:
+        wait_id, token, acquired_us = payload[len(WAKE_FAIR) :].rsplit(" ", 2)
+        return wait_id, int(token), int(acquired_us)
+    except ValueError:
+        return None
+
 
 _NOTHING = sql.SQL("")
 
@@ -87,10 +100,10 @@ def fair_parts(names: Names) -> dict[str, sql.Composable]:
         "turn": sql.SQL("\n     AND (existing.instance_id = %(instance_id)s OR NOT EXISTS (SELECT FROM ahead))"),
         "queued": sql.SQL(
             """, queued AS (
-  INSERT INTO {queue} AS waiter (lock_name, instance_id, seen)
-  SELECT %(lock_name)s, %(instance_id)s, now()
+  INSERT INTO {queue} AS waiter (lock_name, instance_id, seen, wait_id)
+  SELECT %(lock_name)s, %(instance_id)s, now(), %(wait_id)s
    WHERE NOT EXISTS (SELECT FROM inserted) AND NOT EXISTS (SELECT FROM taken)
-  ON CONFLICT (lock_name, instance_id) DO UPDATE SET seen = now()
+  ON CONFLICT (lock_name, instance_id) DO UPDATE SET seen = now(), wait_id = EXCLUDED.wait_id
   RETURNING waiter.ticket
 ), dequeued AS (
   DELETE FROM {queue} AS waiter
@@ -124,7 +137,7 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
             """{leave}WITH mine AS (
   SELECT lock_name, instance_id, acquired_at, last_heartbeat FROM {table} WHERE {mine} FOR UPDATE
 ), next AS (
-  SELECT waiter.instance_id FROM {queue} AS waiter
+  SELECT waiter.instance_id, waiter.wait_id FROM {queue} AS waiter
    WHERE waiter.lock_name = %(lock_name)s AND waiter.instance_id <> %(instance_id)s
      AND waiter.seen > now() - {live} AND EXISTS (SELECT FROM mine)
    ORDER BY waiter.ticket
@@ -132,10 +145,11 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
    FOR UPDATE OF waiter SKIP LOCKED
 ), handed AS (
   UPDATE {table} AS held
-     SET instance_id = next.instance_id, acquired_at = now(), last_heartbeat = now(){cleared}
+     SET instance_id = next.instance_id, acquired_at = now(), last_heartbeat = now(),
+         token = nextval({sequence}){cleared}
     FROM next
    WHERE held.{mine_held}
-  RETURNING held.instance_id
+  RETURNING held.instance_id, next.wait_id, held.token, held.acquired_at
 ), deleted AS (
   DELETE FROM {table} WHERE {mine} AND NOT EXISTS (SELECT FROM next)
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
@@ -147,12 +161,15 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
      AND (waiter.instance_id = %(instance_id)s OR waiter.instance_id IN (SELECT instance_id FROM handed)
           OR waiter.seen <= now() - {forgotten} * {live})
 ){ended}
-SELECT pg_notify(%(channel)s::text, {wake} || handed.instance_id)::text FROM handed
+SELECT pg_notify(%(channel)s::text, concat_ws(' ', {wake} || handed.wait_id, handed.token,
+                 (EXTRACT(EPOCH FROM handed.acquired_at) * 1000000)::bigint))::text
+  FROM handed
 UNION ALL
 SELECT {notify}::text FROM deleted"""
         ).format(
             table=names.table,
             queue=names.queue,
+            sequence=names.sequence_text,
             # Leaving: the entry first, in a statement of its own, which waits for a release that chose this
             # waiter (it holds the entry's row lock) to commit; the next statement's snapshot then sees the row
             # that release handed to it, and hands it on.

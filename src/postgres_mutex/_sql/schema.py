@@ -184,6 +184,8 @@ def _create_queue(names: Names) -> sql.Composable:
 
     ``seen`` is the waiter's last attempt (by the server's clock): a waiter
     not seen for a while is passed over, and its row deleted by a release.
+    ``wait_id`` names the waiter's current acquire, which a hand-off's
+    notification names (one meant for an earlier acquire is not taken).
     """
     return sql.SQL(
         """CREATE TABLE IF NOT EXISTS {queue} (
@@ -191,6 +193,7 @@ def _create_queue(names: Names) -> sql.Composable:
   instance_id VARCHAR(64) NOT NULL,
   ticket      BIGINT GENERATED ALWAYS AS IDENTITY,
   seen        TIMESTAMPTZ NOT NULL,
+  wait_id     TEXT NOT NULL,
   CONSTRAINT {pkey} PRIMARY KEY (lock_name, instance_id)
 );
 CREATE INDEX IF NOT EXISTS {order} ON {queue} (lock_name, ticket)"""
