@@ -10,13 +10,16 @@ wins, its entry goes (in the same statement).
 
 A fair release (`release`) does not delete the row when a live waiter is
 queued: in the same statement it hands the row to the oldest one (its
-``instance_id`` written in, its lease started at the release's ``now()``,
-the waiter's entry dequeued) and notifies the lock's channel with the
-waiter's id (`WAKE_FAIR`): that waiter's process wakes it, and its next
-attempt takes the row over as its own (the acquire's own-row branch), with a
-new token. So a hand-off is one release and one attempt, whatever the number
-of waiters. With nobody live queued, the row is deleted, as a Mutex's release
-deletes it.
+``instance_id`` written in, a new token drawn, its heartbeat and
+``acquired_at`` set to the release's ``now()``, the waiter's entry dequeued)
+and notifies the lock's channel naming the waiter's acquire, the token and
+``acquired_at`` (`WAKE_FAIR`, read by `handed`): that waiter's process wakes
+it, and it holds the lock with no statement of its own (its lease counted
+from a moment surely before the release began, `_state.flows`). A waiter that
+missed the notification takes the row over at its next attempt, as its own
+(the acquire's own-row branch), with a new token. So a hand-off is one
+statement, whatever the number of waiters. With nobody live queued, the row
+is deleted, as a Mutex's release deletes it.
 
 A waiter is *live* while it was seen within ``waiter_live_seconds`` (a few
 poll intervals: a waiter attempts at least once per ``poll_interval``); one
