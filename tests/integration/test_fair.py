@@ -45,9 +45,10 @@ def fair_workers() -> Iterator[list[subprocess.Popen[str]]]:
                 stream.close()
 
 
-def _queued(admin: psycopg.Connection[Any], lock: str) -> list[str]:
+def _queued(admin: psycopg.Connection[Any], lock: str, table: str = "mutex_lock") -> list[str]:
     rows = admin.execute(
-        "SELECT instance_id FROM mutex_lock_queue WHERE lock_name = %s ORDER BY ticket", [lock]
+        f'SELECT instance_id FROM "{table}_queue" WHERE lock_name = %s ORDER BY ticket',  # noqa: S608
+        [lock],
     ).fetchall()
     return [row[0] for row in rows]
 
@@ -248,3 +249,55 @@ def test_fair_needs_the_queue_which_migrate_adds(dsn: str, admin: psycopg.Connec
         plain.close()
         fair.close()
         admin.execute(f'DROP TABLE "{table}", "{table}_queue", "{table}_semaphores", "{table}_rwlocks" CASCADE')
+
+
+def test_the_history_has_each_hold_of_a_hand_off(dsn: str, admin: psycopg.Connection[Any], lock_name: str) -> None:
+    table = f"fair_h_{lock_name.replace('-', '_')}"
+    lock_table = LockTable(dsn, table=table)
+    lock_table.create(history=True)
+    holder = Mutex(
+        dsn,
+        lock_name,
+        table=table,
+        fair=True,
+        heartbeat_interval=0.1,
+        alert_threshold=0.6,
+        stale_threshold=30.0,
+        poll_interval=0.05,
+    )
+    waiter = Mutex(
+        dsn,
+        lock_name,
+        table=table,
+        fair=True,
+        heartbeat_interval=0.1,
+        alert_threshold=0.6,
+        stale_threshold=30.0,
+        poll_interval=0.05,
+    )
+    got: list[bool] = []
+    try:
+        assert holder.acquire(blocking=False).__enter__()
+        first = holder.token
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=10).__enter__()))
+        thread.start()
+        wait_until(lambda: _queued(admin, lock_name, table) == [waiter.instance_id])
+        holder.release()
+        thread.join(timeout=15)
+        assert got == [True]
+        second = waiter.token
+        assert first is not None
+        assert second is not None
+        assert second > first
+        waiter.release()
+        records = sorted(lock_table.history(lock_name), key=lambda record: record.acquired_at)
+        assert [(r.holder, r.token, r.ended_how) for r in records] == [
+            (holder.instance_id, first, "released"),
+            (waiter.instance_id, second, "released"),
+        ]
+    finally:
+        holder.close()
+        waiter.close()
+        admin.execute(
+            f'DROP TABLE "{table}", "{table}_queue", "{table}_history", "{table}_semaphores", "{table}_rwlocks" CASCADE'
+        )

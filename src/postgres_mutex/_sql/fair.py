@@ -197,5 +197,13 @@ SELECT {notify}::text FROM deleted"""
 
 
 def _ended(names: Names, shape: TableShape) -> sql.Composable:
-    """How the released hold ended, in the history (handed on or deleted alike), if the table keeps one."""
-    return hold_ended(names) if shape.history else _NOTHING
+    """How the released hold ended (handed on or deleted alike), and the hold handed on, in the history, if the
+    table keeps one: the receiver holds it without a statement of its own."""
+    if not shape.history:
+        return _NOTHING
+    return hold_ended(names) + sql.SQL(
+        """, opened AS (
+  INSERT INTO {history} (lock_name, token, holder, acquired_at, keep_until)
+  SELECT %(lock_name)s, handed.token, handed.instance_id, handed.acquired_at, NULL::timestamptz FROM handed
+)"""
+    ).format(history=names.history)
