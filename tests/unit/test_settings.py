@@ -22,7 +22,7 @@ CONNECTION = {"pool", "async_pool", "client"}
 """How a primitive reaches PostgreSQL: the client's business, not a setting."""
 
 OWN: dict[type, set[str]] = {
-    Mutex: set(),
+    Mutex: {"fair"},
     Semaphore: {"permits"},
     RWLock: set(),
     Election: {"grace_period", "failure_backoff", "max_failure_backoff"},

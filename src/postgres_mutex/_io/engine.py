@@ -260,7 +260,7 @@ class Engine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until = row
+            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_queue = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -277,6 +277,7 @@ class Engine:
                 semaphores=bool(has_semaphores),
                 rwlocks=bool(has_rwlocks),
                 holds=bool(has_hold_until),
+                fair=bool(has_queue),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.
@@ -527,7 +528,7 @@ class _Steps:
             listener = engine.listener
             if listener is None:
                 return False
-            self._subscription = listener.subscribe(op.channel)
+            self._subscription = listener.subscribe(op.channel, op.who)
             return self._subscription.confirmed.wait(op.timeout)
         assert isinstance(op, steps.WaitForRelease)
         subscription, listener = self._subscription, engine.listener
@@ -541,6 +542,9 @@ class _Steps:
         stop = op.stop
         with contextlib.nullcontext() if stop is None else stop.waking(functools.partial(listener.wake, subscription)):
             listener.wait(subscription, op.seconds)
+        handed = listener.take_handed(subscription)
+        if handed is not None:
+            return handed  # a fair lock handed to this waiter: the flow takes it without an attempt
         # The next attempt clears the wake-up (`Listener.take_wake`): a release announced between
         # this wait's end and that attempt must still end the wait after it.
         return None

@@ -70,10 +70,14 @@ MOST_REGISTERED = 32
 class Subscription:
     """One waiter's interest in one lock's releases."""
 
-    __slots__ = ("channel", "confirmed", "released", "woken")
+    __slots__ = ("channel", "confirmed", "handed", "released", "who", "woken")
 
-    def __init__(self, channel: str) -> None:
+    def __init__(self, channel: str, who: str | None = None) -> None:
         self.channel = channel
+        self.who = who
+        """A waiter in line's acquire (a fair Mutex's ``wait_id``): a release that hands it the lock names it."""
+        self.handed: tuple[int, int] | None = None
+        """The hold a release handed this waiter: its token and ``acquired_at`` (µs since the epoch)."""
         self.confirmed = Event()
         """Set once the listener LISTENs on the channel: a release from then on is heard."""
         self.released = Event()
@@ -108,8 +112,8 @@ class Listener:
         self._closed = False
         self._defects = Defects("release listener")
 
-    def subscribe(self, channel: str) -> Subscription:
-        subscription = Subscription(channel)
+    def subscribe(self, channel: str, who: str | None = None) -> Subscription:
+        subscription = Subscription(channel, who)
         with self._host.state_lock:
             self._subscriptions.setdefault(channel, {})[subscription] = None
             if (self._worker is None or not self._worker.running) and not self._closed:
@@ -184,11 +188,24 @@ class Listener:
         subscription.released.clear()
         return woken
 
+    def take_handed(self, subscription: Subscription) -> tuple[int, int] | None:
+        """The hold a release handed ``subscription``'s waiter (its token and ``acquired_at`` in µs), if any:
+        taken, with the wake-up that told it, as an attempt takes a wake-up."""
+        with self._host.state_lock:
+            handed, subscription.handed = subscription.handed, None
+        if handed is not None:
+            self.take_wake(subscription)
+        return handed
+
     def _released(self, channel: str, payload: str) -> None:
         chosen = self._slot_channels.get(channel)
         if chosen is not None:
             # This process alone was told (its slot's channel): one waiter here, else another process's.
             self.wake_one(chosen)
+            return
+        if payload.startswith(_sql.WAKE_FAIR):
+            # A fair lock handed to one waiter: that one (of this process, if it is here) takes it.
+            self._wake_named(channel, payload)
             return
         if payload == _sql.WAKE_EACH_PROCESS:
             # Every process was told: one waiter here tries, and nothing is passed on.
@@ -201,6 +218,19 @@ class Listener:
             for subscription in waiting:
                 subscription.woken = True
         for subscription in waiting:
+            self.wake(subscription)
+
+    def _wake_named(self, channel: str, payload: str) -> None:
+        handed = _sql.handed(payload)
+        if handed is None:
+            return
+        who, token, acquired_us = handed
+        with self._host.state_lock:
+            named = [sub for sub in self._subscriptions.get(channel, ()) if sub.who == who]
+            for subscription in named:
+                subscription.woken = True
+                subscription.handed = (token, acquired_us)
+        for subscription in named:
             self.wake(subscription)
 
     def _wake_everyone(self) -> None:

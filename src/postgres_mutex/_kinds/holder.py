@@ -31,6 +31,7 @@ from .._state.settings import (
 )
 from ..client import MutexClient, client_for, core_of
 from ..errors import InvalidArgument
+from .fair import FAIR_MUTEX
 from .holder_methods import HolderMethods
 from .holder_methods_async import AsyncHolderMethods
 from .siblings import Siblings
@@ -88,10 +89,13 @@ class Holder(AsyncHolderMethods, HolderMethods):
         client: MutexClient | None = None,
         reclaim_disconnected_after: float | None = None,
         hold_at_least: float | None = None,
+        fair: bool = False,
     ) -> None:
         name = check_mutex_name(lock_name)
         settings = Settings.from_arguments(locals())
-        self._setup(name, client_for(dsn, pool, async_pool, client), settings)
+        if not isinstance(fair, bool):
+            raise InvalidArgument("{fair} must be True or False, not {value!r}", value=fair)
+        self._setup(name, client_for(dsn, pool, async_pool, client), settings, FAIR_MUTEX if fair else MUTEX)
 
     @classmethod
     def _made(
@@ -451,5 +455,6 @@ def new_lock_state(
 
 def _not_a_mutexs_hold() -> InvalidArgument:
     return InvalidArgument(
-        "{hold_at_least} is a Mutex's: a semaphore's permits and a read/write lock's holds end when released"
+        "{hold_at_least} is a Mutex's, and not a fair one's (whose release hands the lock to the next waiter): "
+        "a semaphore's permits and a read/write lock's holds end when released"
     )

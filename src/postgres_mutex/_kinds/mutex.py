@@ -51,6 +51,12 @@ class Mutex(Holder):
     is 5 s, or less when the thresholds are short: enough room in the lease
     for a heartbeat and two retries.
 
+    With ``fair=True``, waiters acquire the lock in the order they came,
+    across processes: a release hands the lock to the oldest waiter still
+    alive, in the same statement, and wakes that one alone. Its table needs the
+    queue of waiters (``create_schema()`` makes it, ``LockTable.migrate()``
+    adds it); a fair Mutex takes no ``hold_at_least``.
+
     Raises `TypeError` or `ValueError`, naming the argument, on bad input.
     """
 
@@ -66,7 +72,9 @@ class Mutex(Holder):
         """A Mutex for another lock name (see `Siblings`), on the same client, with the same settings."""
         # One identity for the Mutex, whichever of its names it holds; watch=True watches its own lock only.
         settings = self._settings.replace(watch=False)
-        return Mutex._made(check_lock_name(lock_name, "lock_name"), self.client, settings, instance_id=self.instance_id)
+        return Mutex._made(
+            check_lock_name(lock_name, "lock_name"), self.client, settings, self._kind, instance_id=self.instance_id
+        )
 
 
 BUILT_ON_IT.mutex = Mutex

@@ -8,6 +8,7 @@ creating and migrating, ...; the list is in ``docs/development.md``).
 """
 
 from . import rwlocks, semaphores  # noqa: F401  (imported for their kinds' statements: `_sql.kinds`)
+from .fair import WAKE_FAIR, handed
 from .history import HISTORY_ENDINGS
 from .integrations import (
     APSCHEDULER_RUNS,
@@ -32,6 +33,7 @@ __all__ = [
     "INTEGRATIONS",
     "WAKE_ALL",
     "WAKE_EACH_PROCESS",
+    "WAKE_FAIR",
     "Names",
     "Statement",
     "Statements",
@@ -40,6 +42,7 @@ __all__ = [
     "create_integration_table",
     "create_table",
     "end_session_left_behind",
+    "handed",
     "history_retention",
     "inspect_table",
     "integration_table_exists",

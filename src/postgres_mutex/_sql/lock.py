@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
-from . import sessions
+from . import fair, sessions
+from .fair import fair_parts
 from .history import acquire_history, heartbeat_alerts, hold_ended, read_history
 from .kinds import added
 from .names import Names
@@ -47,9 +48,11 @@ class TableShape:
     (`_sql.rwlocks`)."""
     holds: bool = False
     """The ``hold_until`` column: a holder may ask for a minimum hold, and a row released before it stays."""
+    fair: bool = False
+    """The fair locks' queue of waiters (``<table>_queue``, `_sql.fair`): a release hands the lock to the oldest."""
 
 
-CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True, holds=True)
+CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True, holds=True, fair=True)
 
 _NOTHING = sql.SQL("")
 
@@ -112,6 +115,10 @@ class Statements:
             else _NOTHING,
             preparable=False,
         )
+        # A fair Mutex's (`_sql.fair`): None where the table has no queue of waiters yet.
+        self.acquire_fair: Statement | None = _acquire(names, shape, fair=True) if shape.fair else None
+        self.release_fair: Statement | None = fair.release(names, shape, scoped=True) if shape.fair else None
+        self.leave_fair: Statement | None = fair.release(names, shape, scoped=False) if shape.fair else None
         self.retoken = _retoken(names) if shape.tokens else None
         self.holders = _holders(names, shape)
         self.writers_waiting: Statement | None = _writers_waiting(names) if shape.rwlocks else None
@@ -121,7 +128,7 @@ class Statements:
             setattr(self, attribute, made)
 
 
-def _acquire(names: Names, shape: TableShape, *, plain: bool = False) -> Statement:
+def _acquire(names: Names, shape: TableShape, *, plain: bool = False, fair: bool = False) -> Statement:
     """One statement decides everything an acquire needs.
 
     - ``current`` reads the holder and its heartbeat age (for `contended` and
@@ -147,6 +154,8 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False) -> Stateme
     session, never reclaimed from), and the INSERT's row answered alone when it
     won, so the common case costs the server little more than the INSERT;
     the reads and the take-over run only when a row was in the way (`_PLAIN`).
+
+    ``fair``: a fair lock's (`_sql.fair`), which also queues the caller while the lock is not won.
     """
     tokens = shape.tokens
     written: Mapping[str, sql.Composable]
@@ -166,10 +175,10 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False) -> Stateme
          EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {released} AS released
     FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
-){marker}, inserted AS (
+){marker}{ahead}, inserted AS (
   INSERT INTO {table} AS fresh
          (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column}{session_columns}{hold_column})
-  VALUES (%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token}{session_values}{hold_value})
+  {rows}(%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token}{session_values}{hold_value}){rows_if}
   ON CONFLICT (locked, lock_name) DO NOTHING
   RETURNING acquired_at, {inserted_token} AS token
 ), taken AS (
@@ -181,9 +190,9 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False) -> Stateme
      AND NOT EXISTS (SELECT 1 FROM inserted)
      AND ((existing.instance_id = %(instance_id)s AND existing.acquired_at < now())
           OR ((existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s){disconnected})
-              {hold_passed}){released_over})
+              {hold_passed}){released_over}){turn}
   RETURNING existing.acquired_at, {taken_token} AS token
-){history}
+){history}{queued}
 {answer}"""
         ).format(
             answer=(_PLAIN if plain else _ANSWER).format(was_released=hold["was_released"]),
@@ -203,11 +212,20 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False) -> Stateme
             else _NOTHING,
             **written,
             **hold,
+            **(fair_parts(names) if fair else _NOT_FAIR),
         ),
         preparable=True,
         marks=shape.sessions,
     )
 
+
+_NOT_FAIR = {
+    "ahead": _NOTHING,
+    "rows": sql.SQL("VALUES "),
+    "rows_if": _NOTHING,
+    "turn": _NOTHING,
+    "queued": _NOTHING,
+}
 
 _ANSWER = sql.SQL(
     """SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true

@@ -107,6 +107,12 @@ class Names:
         self.rw_writer_index_parts = _derived(self.parts, "_rw_writer_key")
         self.rw_writer_index = sql.Identifier(self.rw_writer_index_parts[-1])
         self.rw_writer_index_text = sql.Literal(render(sql.Identifier(*self.rw_writer_index_parts)))
+        # Fair locks: their waiters, in the order they came (`_sql.fair`).
+        self.queue_parts = _derived(self.parts, "_queue")
+        self.queue = sql.Identifier(*self.queue_parts)
+        self.queue_text = sql.Literal(render(self.queue))
+        self.queue_pkey = sql.Identifier(_derived(self.parts, "_queue_pkey")[-1])
+        self.queue_order = sql.Identifier(_derived(self.parts, "_queue_order")[-1])
 
     @functools.cached_property
     def fence(self) -> str:

@@ -75,7 +75,8 @@ CREATE TABLE IF NOT EXISTS {table} (
 ALTER SEQUENCE {sequence} OWNED BY {table}.token;
 CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token);
 {permit_index};
-{rw_writer_index}"""
+{rw_writer_index};
+{queue}"""
         ).format(
             table=names.table,
             unique=names.unique,
@@ -88,6 +89,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token);
             rwlocks=_create_rwlocks(names),
             rw_constraints=sql.SQL(",\n  ").join(_rw_constraints(names)),
             rw_writer_index=_rw_writer_index(names),
+            queue=_create_queue(names),
             fillfactor=FILLFACTOR,
         ),
     )
@@ -177,10 +179,31 @@ def _rw_writer_index(names: Names) -> sql.Composable:
     )
 
 
+def _create_queue(names: Names) -> sql.Composable:
+    """The fair locks' waiters (`_sql.fair`): one row per waiter, numbered in the order it came.
+
+    ``seen`` is the waiter's last attempt (by the server's clock): a waiter
+    not seen for a while is passed over, and its row deleted by a release.
+    ``wait_id`` names the waiter's current acquire, which a hand-off's
+    notification names (one meant for an earlier acquire is not taken).
+    """
+    return sql.SQL(
+        """CREATE TABLE IF NOT EXISTS {queue} (
+  lock_name   VARCHAR(64) NOT NULL,
+  instance_id VARCHAR(64) NOT NULL,
+  ticket      BIGINT GENERATED ALWAYS AS IDENTITY,
+  seen        TIMESTAMPTZ NOT NULL,
+  wait_id     TEXT NOT NULL,
+  CONSTRAINT {pkey} PRIMARY KEY (lock_name, instance_id)
+);
+CREATE INDEX IF NOT EXISTS {order} ON {queue} (lock_name, ticket)"""
+    ).format(queue=names.queue, pkey=names.queue_pkey, order=names.queue_order)
+
+
 def inspect_table(names: Names) -> Statement:
     """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks,
-    has_hold_until)``, under its own deadline. Semaphores (read/write locks) count only once their last migration
-    step (the unique index) is done."""
+    has_hold_until, has_queue)``, under its own deadline. Semaphores (read/write locks) count only once their last
+    migration step (the unique index) is done."""
     return statement(
         names.table_name,
         "inspection",
@@ -194,8 +217,10 @@ def inspect_table(names: Names) -> Statement:
        to_regclass({semaphores_text}) IS NOT NULL AND to_regclass({permit_index_text}) IS NOT NULL,
        to_regclass({rw_writer_index_text}) IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute
-                WHERE attrelid = to_regclass({table_text}) AND attname = 'hold_until' AND NOT attisdropped)"""
+                WHERE attrelid = to_regclass({table_text}) AND attname = 'hold_until' AND NOT attisdropped),
+       to_regclass({queue_text}) IS NOT NULL"""
         ).format(
+            queue_text=names.queue_text,
             table_text=sql.Literal(render(names.table)),
             semaphores_text=names.semaphores_text,
             permit_index_text=names.permit_index_text,
@@ -373,4 +398,5 @@ def migrate_steps(names: Names) -> list[Statement]:
             # Pages written from now on; a catalog change, rewriting nothing.
             sql.SQL("ALTER TABLE {table} SET (fillfactor = {fillfactor})").format(fillfactor=FILLFACTOR, **fmt),
         ),
+        step("create the fair locks' queue of waiters", _create_queue(names)),
     ]

@@ -157,7 +157,7 @@ def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
     """Whether the table exists, and its shape: a token column, a history, the session columns, semaphores."""
     reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
     assert reply.row is not None
-    exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until = reply.row
+    exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_queue = reply.row
     return bool(exists), TableShape(
         tokens=bool(has_token),
         history=bool(has_history),
@@ -165,6 +165,7 @@ def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
         semaphores=bool(has_semaphores),
         rwlocks=bool(has_rwlocks),
         holds=bool(has_hold_until),
+        fair=bool(has_queue),
     )
 
 
@@ -188,7 +189,7 @@ def migrate(
                 table=names.table_name,
             )
         )
-    if shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds:
+    if shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds and shape.fair:
         history_asked = history and (not shape.history or history_retention is not None)
         room = yield Execute(_sql.pages_have_room(names), {}, timeout, f"lookup of table {names.table_name}")
         if not history_asked and room.row is not None and room.row[0]:

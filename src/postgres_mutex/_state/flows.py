@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._base.clock import now
@@ -44,6 +45,8 @@ T = TypeVar("T")
 
 
 # -- acquire -------------------------------------------------------------------
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # A statement capped by an acquire's remaining time still gets this long, so
 # that a nearly spent timeout ends in a real attempt rather than a cut-off one.
@@ -189,15 +192,23 @@ class _Attempts:
         self.quick_retry_spent = False
         self.quick_retries = 0
         self.held: int | None = None  # how many rows of the lock were held, at the last attempt
+        self.last_sent_at = self.started  # when the last attempt was sent (local clock)
 
     def until_done(self, owner: object) -> Flow[Hold | None]:
         lock = self.lock
         listening = False
         closing = False
+        handed: tuple[int, int] | None = None
         try:
             yield from self._after_cleanup_on_the_wire()
             while True:
                 first, self.first = self.first, None
+                if handed is not None and not (self.stop is not None and self.stop.is_set()):
+                    # A fair lock's release handed the row to this waiter, and said so: no attempt needed.
+                    taken = yield from self._take_handed(handed, owner)
+                    if taken is not None:
+                        return taken
+                handed = None
                 if first is not None:
                     statement_timeout, possible_before = first.statement_timeout, first.possible_before
                 else:
@@ -227,6 +238,8 @@ class _Attempts:
                                 raise no_minimum_hold(lock)
                         params = lock.params()
                         params["hold_seconds"] = self.hold_at_least
+                        if lock.kind.queues:
+                            params["wait_id"] = self.wait_id
                         lock.kind.acquiring(params, blocking=self.blocking)
                         reply = yield Execute(
                             lock.kind.acquire_statement(self.statements, lock.lock_name),
@@ -253,6 +266,7 @@ class _Attempts:
                     lock.attempt_unanswered(statement_timeout)
                     raise
 
+                self.last_sent_at = reply.sent_at
                 read = lock.kind.read(reply.row, lock.instance_id)
                 result, row_name, self.held = read.result, read.row_name, read.held
                 refused = lock.kind.refusal(read, lock.names.table_name, lock.lock_name)
@@ -282,6 +296,8 @@ class _Attempts:
                     yield Keep(hold)
                     return hold
                 lock.attempt_contended(result.holder)
+                if lock.kind.queues:
+                    lock.in_line()
                 alert = lock.alert_gate.should_alert(result.holder, result.heartbeat_age)
                 lock.events.contended(self.span, result, alert=alert)
                 if not self.blocking:
@@ -298,7 +314,8 @@ class _Attempts:
                 if not listening:
                     listening = True
                     lock.events.waiting()
-                    if (yield Listen(lock.channel, lock.timing.operation_timeout)):
+                    who = self.wait_id if lock.kind.queues else None
+                    if (yield Listen(lock.channel, lock.timing.operation_timeout, who)):
                         # Listening now: try again at once, lest a release before the LISTEN be missed.
                         continue
                 pause = lock.timing.poll_interval
@@ -306,7 +323,7 @@ class _Attempts:
                     # Released before its minimum hold ended: its heartbeat is that end, and the lock is not
                     # free before it. Polling sooner would only find it held; a forced release still wakes us.
                     pause = max(pause, -result.heartbeat_age)
-                yield WaitForRelease(_until(self.deadline, pause), self.stop)
+                handed = yield WaitForRelease(_until(self.deadline, pause), self.stop)
         except GeneratorExit:
             # Closed, its engine gone (an exception landed between two steps): it takes no more
             # steps. Whoever ran it undoes the acquire (`abandon`), steps and all.
@@ -322,6 +339,41 @@ class _Attempts:
                 lock.events.stopped_waiting()
                 if not closing:
                     yield StopListening()
+
+    @property
+    def wait_id(self) -> str:
+        """This acquire, as a fair lock's queue names it: a hand-off meant for an earlier acquire is not taken."""
+        return f"{self.lock.instance_id}/{self.generation}"
+
+    def _take_handed(self, handed: tuple[int, int], owner: object) -> Flow[Hold | None]:
+        """The hold a fair lock's release handed this waiter (its token, its ``acquired_at`` in µs), taken;
+        None if its lease would be too short (the next attempt then takes the row over, for a lease of its own).
+
+        The row's heartbeat is the release's ``now()``, when the release began, which the waiter does
+        not know. Its lease counts from a moment surely before: the release read this acquire's entry
+        in the queue, so it began after this acquire began; and it ended after the
+        waiter's last attempt began (that attempt did not see it), so it began at most a statement's
+        longest run (``operation_timeout``) before.
+        """
+        lock = self.lock
+        token, acquired_us = handed
+        start = max(self.started, self.last_sent_at - lock.timing.operation_timeout)
+        if now() - start > (lock.timing.stale_threshold - lock.timing.heartbeat_interval) / 2:
+            return None
+        result = AcquireResult(Outcome.ACQUIRED, None, None, _EPOCH + timedelta(microseconds=acquired_us), token)
+        self.result = result
+        assert result.acquired_at is not None
+        hold = lock.won(
+            acquired_at=result.acquired_at,
+            token=token,
+            sent_at=start,
+            owner=owner,
+            span_context=self.span.get_span_context(),
+            plain=True,
+        )
+        lock.events.acquired(self.span, result, expected_own_row=True)
+        yield Keep(hold)
+        return hold
 
     def _after_cleanup_on_the_wire(self) -> Flow[None]:
         """Wait while a clean-up of a row of ours is on the wire: sent after it, the acquire could be undone by it.
@@ -551,9 +603,7 @@ def release(
                 raise hold.error()
             timeout = lock.timing.operation_timeout
             try:
-                result = yield from _execute_in_shape(
-                    lock, lambda statements: statements.release, timeout, "release", first
-                )
+                result = yield from _execute_in_shape(lock, lock.kind.release_statement, timeout, "release", first)
             except DatabaseError as exc:
                 # Failed or cut off: the row may remain. Delete it later.
                 yield Schedule(scoped_cleanup(lock, hold))
@@ -655,7 +705,7 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
     stray = cleanup.acquired_at is None
     stray_statement = lock.kind.stray_cleanup(statements)
     result: Result = yield Execute(
-        (stray_statement or statements.cleanup) if stray else statements.release,
+        (stray_statement or statements.cleanup) if stray else lock.kind.release_statement(statements),
         params,
         lock.timing.operation_timeout,
         lock.describe("clean-up"),

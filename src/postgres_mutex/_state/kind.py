@@ -42,6 +42,9 @@ class LockKind:
     """Whether its acquire and release may go in plain calls, one statement each (`_io.acquisition`)."""
     alerts_left_to_watcher: ClassVar[bool] = False
     """Whether its holders' alerts are its watcher's alone (many holders, each alerted on once per episode)."""
+    queues: ClassVar[bool] = False
+    """Whether its waiters wait in line (a fair Mutex's, `_sql.fair`): a waiter's acquire queues it, a release
+    may hand it the row, and a waiter that gives up leaves the line (its `stray_cleanup`)."""
 
     def __str__(self) -> str:
         return self.noun
@@ -66,6 +69,10 @@ class LockKind:
     def acquire_statement(self, statements: Statements, name: str) -> Statement:
         """The statement that acquires it; `SchemaError` naming the migration when the table lacks it."""
         return statements.acquire
+
+    def release_statement(self, statements: Statements) -> Statement:
+        """The statement that releases a hold of it (and wakes whom its release wakes)."""
+        return statements.release
 
     def stray_cleanup(self, statements: Statements) -> Statement | None:
         """The statement that removes a row an unanswered acquire may have left (None: the release's kind)."""

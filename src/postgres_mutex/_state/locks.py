@@ -327,6 +327,12 @@ class LockState:
             self.stray_row_possible = True
             return before
 
+    def in_line(self) -> None:
+        """A fair lock's waiter is queued (`LockKind.queues`): a release may hand it a row of ours at any time,
+        so an acquire that ends without the lock leaves the line as it deletes a stray row."""
+        with self._lock:
+            self.stray_row_possible = True
+
     def attempt_unanswered(self, statement_timeout: float) -> None:
         """No reply came: the statement may run on the server, and land, for up to twice its timeout."""
         with self._lock:

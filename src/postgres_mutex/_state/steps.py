@@ -96,6 +96,9 @@ class Listen:
 
     channel: str
     timeout: float
+    who: str | None = None
+    """The waiter's instance id, for a waiter in line (`LockKind.queues`): a release that hands it the lock
+    names it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,209 @@
+"""A fair lock's statements: its waiters queue in the order they came, and a release hands the lock to the oldest.
+
+A fair Mutex's acquire (`_sql.lock`'s acquire, with `fair_parts`) does what
+a Mutex's does, and also: it wins a free lock only if no live waiter came
+before it (``ahead``); a stale lock is reclaimed by the oldest live waiter
+alone; while it does not win, it queues its caller in ``<table>_queue``
+(``queued``: a ticket drawn once, in order of arrival, and ``seen``, its
+last attempt by the server's clock, refreshed by each attempt); once it
+wins, its entry goes (in the same statement).
+
+A fair release (`release`) does not delete the row when a live waiter is
+queued: in the same statement it hands the row to the oldest one (its
+``instance_id`` written in, a new token drawn, its heartbeat and
+``acquired_at`` set to the release's ``now()``, the waiter's entry dequeued)
+and notifies the lock's channel naming the waiter's acquire, the token and
+``acquired_at`` (`WAKE_FAIR`, read by `handed`): that waiter's process wakes
+it, and it holds the lock with no statement of its own (its lease counted
+from a moment surely before the release began, `_state.flows`). A waiter that
+missed the notification takes the row over at its next attempt, as its own
+(the acquire's own-row branch), with a new token. So a hand-off is one
+statement, whatever the number of waiters. With nobody live queued, the row
+is deleted, as a Mutex's release deletes it.
+
+A waiter is *live* while it was seen within ``waiter_live_seconds`` (a few
+poll intervals: a waiter attempts at least once per ``poll_interval``); one
+not seen for longer (it died, or it gave up without a word) is passed over,
+and its entry deleted by the next release. A waiter that is handed the lock
+and never takes it (it died or gave up in that instant) holds a row nobody
+renews: its heartbeat is the release's, so after ``stale_threshold`` the
+oldest live waiter reclaims it, with the alert before, as any stale lock's.
+A waiter that gives up (a timeout, a non-blocking try, a cancellation) sends
+`leave`: its entry goes and a row handed to it meanwhile is handed on (or
+deleted) at once, so nobody waits for the staleness rules.
+
+The row is what keeps two holders apart, as for every Mutex: a release
+rewrites it under its row lock, and an acquire takes it over only under
+that lock, re-checked on its latest version (`_sql.lock`). A Mutex that is
+not fair, on the same name, is as safe, and not ordered: its release
+deletes the row, and whoever comes first takes it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from psycopg import sql
+
+from .history import hold_ended
+from .statement import Statement, statement
+from .wake import after_release
+
+if TYPE_CHECKING:
+    from .lock import TableShape
+    from .names import Names
+
+WAKE_FAIR = "fair "
+"""A notification's payload that names the one waiter handed the lock: after it, the waiter's acquire
+(``wait_id``), the hold's token and its ``acquired_at`` in microseconds since the epoch (`handed`)."""
+
+
+def handed(payload: str) -> tuple[str, int, int] | None:
+    """A hand-off's notification read: the acquire it names, the token, ``acquired_at`` (µs since the epoch)."""
+    if not payload.startswith(WAKE_FAIR):
+        return None
+    try:
+        wait_id, token, acquired_us = payload[len(WAKE_FAIR) :].rsplit(" ", 2)
+        return wait_id, int(token), int(acquired_us)
+    except ValueError:
+        return None
+
+
+_NOTHING = sql.SQL("")
+
+_LIVE = sql.SQL("make_interval(secs => %(waiter_live_seconds)s::float8)")
+
+FORGOTTEN_AFTER = 10
+"""A waiter not seen for this many times the live window is deleted from the queue by a release."""
+
+
+def fair_parts(names: Names) -> dict[str, sql.Composable]:
+    """What a fair lock's acquire adds to a Mutex's (`_sql.lock`'s ``_acquire``), by its placeholders.
+
+    ``ahead``: a live waiter that came before this one (any, if this one is
+    not queued yet); ``rows``/``rows_if``: the INSERT happens only if there
+    is none; ``turn``: a take-over (a stale row's reclaim) likewise, but for
+    the row handed to this one (its own ``instance_id``); ``queued``: the
+    caller's entry, written while it does not win and deleted once it wins.
+    """
+    return {
+        "ahead": sql.SQL(
+            """, ahead AS (
+  SELECT 1 FROM {queue} AS waiter
+   WHERE waiter.lock_name = %(lock_name)s AND waiter.instance_id <> %(instance_id)s
+     AND waiter.seen > now() - {live}
+     AND waiter.ticket < COALESCE((SELECT mine.ticket FROM {queue} AS mine
+                                   WHERE mine.lock_name = %(lock_name)s AND mine.instance_id = %(instance_id)s),
+                                  9223372036854775807)
+   LIMIT 1
+)"""
+        ).format(queue=names.queue, live=_LIVE),
+        "rows": sql.SQL("SELECT * FROM (VALUES "),
+        "rows_if": sql.SQL(") AS arriving WHERE NOT EXISTS (SELECT FROM ahead)"),
+        "turn": sql.SQL("\n     AND (existing.instance_id = %(instance_id)s OR NOT EXISTS (SELECT FROM ahead))"),
+        "queued": sql.SQL(
+            """, queued AS (
+  INSERT INTO {queue} AS waiter (lock_name, instance_id, seen, wait_id)
+  SELECT %(lock_name)s, %(instance_id)s, now(), %(wait_id)s
+   WHERE NOT EXISTS (SELECT FROM inserted) AND NOT EXISTS (SELECT FROM taken)
+  ON CONFLICT (lock_name, instance_id) DO UPDATE SET seen = now(), wait_id = EXCLUDED.wait_id
+  RETURNING waiter.ticket
+), dequeued AS (
+  DELETE FROM {queue} AS waiter
+   WHERE waiter.lock_name = %(lock_name)s AND waiter.instance_id = %(instance_id)s
+     AND (EXISTS (SELECT FROM inserted) OR EXISTS (SELECT FROM taken))
+  RETURNING waiter.ticket
+)"""
+        ).format(queue=names.queue),
+    }
+
+
+def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
+    """A fair lock's release: hand the row to the oldest live waiter and notify it, else delete it; one statement.
+
+    ``scoped``: the hold's row (``acquired_at``); else any row of this
+    instance (`leave`). Answers one row per row handed or deleted. Also
+    dequeues the caller, the waiter handed the lock, and waiters long gone.
+    """
+    scope = sql.SQL(" AND acquired_at = %(acquired_at)s") if scoped else _NOTHING
+    mine = sql.SQL("locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}").format(
+        scope=scope
+    )
+    # The receiver names no session and has no minimum hold until its own acquire writes them.
+    cleared = [sql.SQL("session_key = NULL, session_hold = NULL, reclaim_after = NULL")] if shape.sessions else []
+    if shape.holds:
+        cleared.append(sql.SQL("hold_until = NULL"))
+    return statement(
+        names.table_name,
+        "release" if scoped else "clean-up",
+        sql.SQL(
+            """{leave}WITH mine AS (
+  SELECT lock_name, instance_id, acquired_at, last_heartbeat FROM {table} WHERE {mine} FOR UPDATE
+), next AS (
+  SELECT waiter.instance_id, waiter.wait_id FROM {queue} AS waiter
+   WHERE waiter.lock_name = %(lock_name)s AND waiter.instance_id <> %(instance_id)s
+     AND waiter.seen > now() - {live} AND EXISTS (SELECT FROM mine)
+   ORDER BY waiter.ticket
+   LIMIT 1
+   FOR UPDATE OF waiter SKIP LOCKED
+), handed AS (
+  UPDATE {table} AS held
+     SET instance_id = next.instance_id, acquired_at = now(), last_heartbeat = now(),
+         token = nextval({sequence}){cleared}
+    FROM next
+   WHERE held.{mine_held}
+  RETURNING held.instance_id, next.wait_id, held.token, held.acquired_at
+), deleted AS (
+  DELETE FROM {table} WHERE {mine} AND NOT EXISTS (SELECT FROM next)
+  RETURNING lock_name, instance_id, acquired_at, last_heartbeat
+), released AS (
+  SELECT * FROM mine WHERE EXISTS (SELECT FROM handed) UNION ALL SELECT * FROM deleted
+), dequeued AS (
+  DELETE FROM {queue} AS waiter
+   WHERE waiter.lock_name = %(lock_name)s
+     AND (waiter.instance_id = %(instance_id)s OR waiter.instance_id IN (SELECT instance_id FROM handed)
+          OR waiter.seen <= now() - {forgotten} * {live})
+){ended}
+SELECT pg_notify(%(channel)s::text, concat_ws(' ', {wake} || handed.wait_id, handed.token,
+                 (EXTRACT(EPOCH FROM handed.acquired_at) * 1000000)::bigint))::text
+  FROM handed
+UNION ALL
+SELECT {notify}::text FROM deleted"""
+        ).format(
+            table=names.table,
+            queue=names.queue,
+            sequence=names.sequence_text,
+            # Leaving: the entry first, in a statement of its own, which waits for a release that chose this
+            # waiter (it holds the entry's row lock) to commit; the next statement's snapshot then sees the row
+            # that release handed to it, and hands it on.
+            leave=_NOTHING
+            if scoped
+            else sql.SQL(
+                "DELETE FROM {queue} WHERE lock_name = %(lock_name)s AND instance_id = %(instance_id)s;\n"
+            ).format(queue=names.queue),
+            mine=mine,
+            mine_held=sql.SQL(
+                "locked = 1 AND held.lock_name = %(lock_name)s AND held.instance_id = %(instance_id)s{scope}"
+            ).format(scope=sql.SQL(" AND held.acquired_at = %(acquired_at)s") if scoped else _NOTHING),
+            live=_LIVE,
+            forgotten=sql.Literal(FORGOTTEN_AFTER),
+            cleared=sql.SQL("").join(sql.SQL(", ") + part for part in cleared),
+            ended=_ended(names, shape),
+            wake=sql.Literal(WAKE_FAIR),
+            notify=after_release("deleted"),
+        ),
+        preparable=scoped,
+    )
+
+
+def _ended(names: Names, shape: TableShape) -> sql.Composable:
+    """How the released hold ended (handed on or deleted alike), and the hold handed on, in the history, if the
+    table keeps one: the receiver holds it without a statement of its own."""
+    if not shape.history:
+        return _NOTHING
+    return hold_ended(names) + sql.SQL(
+        """, opened AS (
+  INSERT INTO {history} (lock_name, token, holder, acquired_at, keep_until)
+  SELECT %(lock_name)s, handed.token, handed.instance_id, handed.acquired_at, NULL::timestamptz FROM handed
+)"""
+    ).format(history=names.history)
