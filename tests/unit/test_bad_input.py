@@ -418,3 +418,21 @@ def test_an_integrations_table_that_is_no_name_is_refused_naming_its_argument(
     with pytest.raises(InvalidArgument) as caught:
         LockTable(dsn).create(**{argument: value})  # type: ignore[arg-type]
     assert caught.value.arguments == (argument,)
+
+
+def test_an_acquisition_used_as_a_bool_is_refused_not_taken_as_held(dsn: str) -> None:
+    # `if mutex.acquire():`, as with threading.Lock, would otherwise run its body without the lock.
+    mutex = Mutex(dsn, "job")
+    rwlock = RWLock(dsn, "report")
+    semaphore = Semaphore(dsn, "pool", permits=2)
+    try:
+        for acquisition in (mutex.acquire(), mutex.acquire(blocking=False), rwlock.read(), semaphore.acquire()):
+            with pytest.raises(TypeError, match=r"write `with mutex\.acquire\(\) as acquired:`"):
+                bool(acquisition)
+        for pending in (mutex.acquire_async(), rwlock.write_async()):
+            with pytest.raises(TypeError, match=r"write `async with mutex\.acquire_async\(\) as acquired:`"):
+                bool(pending)
+    finally:
+        mutex.close()
+        rwlock.close()
+        semaphore.close()

@@ -242,6 +242,13 @@ class AsyncAcquisition:
             hold_at_least=self._hold_at_least,
         )
 
+    def __bool__(self) -> bool:
+        # Truthy, as every object is by default, it would let `if mutex.acquire():` run its body unlocked.
+        raise TypeError(
+            "an acquisition takes the lock when its block is entered, and is not a bool: "
+            "write `async with mutex.acquire_async() as acquired:`"  # sync: "write `with mutex.acquire() as acquired:`"
+        )
+
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         hold = self._hold
         if hold is None:
