@@ -251,7 +251,7 @@ class Engine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until = row
+            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_leases = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -268,6 +268,7 @@ class Engine:
                 semaphores=bool(has_semaphores),
                 rwlocks=bool(has_rwlocks),
                 holds=bool(has_hold_until),
+                leases=bool(has_leases),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.

@@ -107,6 +107,11 @@ class Names:
         self.rw_writer_index_parts = _derived(self.parts, "_rw_writer_key")
         self.rw_writer_index = sql.Identifier(self.rw_writer_index_parts[-1])
         self.rw_writer_index_text = sql.Literal(render(sql.Identifier(*self.rw_writer_index_parts)))
+        # Leases: one row per heartbeat group of a client, which the rows of its mutexes follow.
+        self.leases_parts = _derived(self.parts, "_leases")
+        self.leases = sql.Identifier(*self.leases_parts)
+        self.leases_text = sql.Literal(render(self.leases))
+        self.leases_pkey = sql.Identifier(_derived(self.parts, "_leases_pkey")[-1])
 
     @functools.cached_property
     def fence(self) -> str:
