@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex
-from tests.support.fixtures import ROOT, RecordingMetrics, wait_until
+from tests.support.fixtures import ROOT, RecordingMetrics, freeze, wait_until
 
 # Thresholds that leave the lease room beside the statement's deadline (`heartbeat_flows.lease_within`): FAST's
 # do not, and their locks renew their rows one by one, as without a lease.
@@ -37,9 +38,14 @@ def _names(lock_name: str) -> list[str]:
 @pytest.fixture
 def holding(make_mutex: Callable[..., Mutex], lock_name: str) -> Iterator[list[Mutex]]:
     """``LOCKS`` mutexes of one client, held."""
-    mutexes = [make_mutex(lock_name=name, **LEASED) for name in _names(lock_name)]
+    yield from _held(make_mutex, lock_name, LEASED)
+
+
+def _held(make_mutex: Callable[..., Mutex], lock_name: str, thresholds: dict[str, float]) -> Iterator[list[Mutex]]:
+    mutexes = [make_mutex(lock_name=name, **thresholds) for name in _names(lock_name)]
     with ExitStack() as stack:
         for mutex in mutexes:
+            stack.enter_context(contextlib.suppress(LockNotHeldError))  # a test may have frozen it: lost
             assert stack.enter_context(mutex.acquire())
         yield mutexes
 
@@ -60,28 +66,55 @@ def _following(admin: psycopg.Connection[Any], lock_name: str) -> bool:
 
 
 def test_one_row_renews_many_locks_and_each_rows_own_heartbeat_stays_fresh_for_0_1_0(
-    holding: list[Mutex], admin: psycopg.Connection[Any], lock_name: str
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
 ) -> None:
+    # Each row's own heartbeat is renewed every third of the lease (stale_threshold less an interval): 2.6 s.
+    thresholds = {**LEASED, "stale_threshold": 8.0}
+    held = _held(make_mutex, lock_name, thresholds)
+    holding = next(held)
     wait_until(lambda: _following(admin, lock_name), timeout=5)
     time.sleep(3 * LEASED["heartbeat_interval"])  # the lease is renewed alone from the third heartbeat on
     before = _rows(admin, lock_name)
-    window = 5 * LEASED["heartbeat_interval"]
+    window = 3 * LEASED["heartbeat_interval"]
     time.sleep(window)
     after = _rows(admin, lock_name)
     touched = sum(after[name][0] != before[name][0] for name in before)
-    # Each row's own heartbeat is renewed twice per stale threshold: a few of the rows in a window of 5
-    # heartbeats, where a heartbeat of each row would have touched each 5 times.
+    # Spread over the period from their first: a few of the rows in a window of 3 heartbeats, where a heartbeat
+    # of each row would have touched each 3 times.
     assert touched < LOCKS / 2, f"{touched} of {LOCKS} rows were updated in {window:.1f} s"
     assert all(mutex.held for mutex in holding)
 
     # A 0.1.0 process judges each row by its own heartbeat: never stale while its holder lives.
-    deadline = time.monotonic() + LEASED["stale_threshold"] * 1.2
+    period = (thresholds["stale_threshold"] - thresholds["heartbeat_interval"]) / 3
+    deadline = time.monotonic() + period * 1.2
     oldest = 0.0
     while time.monotonic() < deadline:
         oldest = max(oldest, *(row[1] for row in _rows(admin, lock_name).values()))
         time.sleep(0.1)
-    assert oldest < LEASED["stale_threshold"] * 0.75, f"a live holder's row was {oldest:.2f} s old"
+    assert oldest < thresholds["stale_threshold"] / 2, f"a live holder's row was {oldest:.2f} s old"
     assert all(mutex.held for mutex in holding)
+    held.close()
+
+
+def test_a_frozen_holder_stops_trusting_its_lock_before_a_0_1_0_reader_may_take_it(
+    holding: list[Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    time.sleep(3 * LEASED["heartbeat_interval"])
+    frozen = holding[0]
+    freeze(frozen)
+    deadline = time.monotonic() + LEASED["stale_threshold"] + 2.0
+    while frozen.held and time.monotonic() < deadline:
+        # What a 0.1.0 contender asks before it reclaims: the row's own heartbeat, against the same threshold.
+        found = admin.execute(
+            "SELECT last_heartbeat <= now() - make_interval(secs => %s) FROM mutex_lock WHERE lock_name = %s",
+            (LEASED["stale_threshold"], frozen.lock_name),
+        ).fetchone()
+        assert found is not None
+        assert not (found[0] and frozen.held), "a 0.1.0 reader could take a lock its frozen holder still trusted"
+        time.sleep(0.05)
+    assert not frozen.held, "the frozen holder's trust ran out"
+    assert all(mutex.held for mutex in holding[1:])
 
 
 def test_a_row_is_judged_by_its_lease_by_contenders_and_watchers(

@@ -57,12 +57,12 @@ class _Lease:
     """The tokens of rows that follow the lease but are no longer renewed: detached by the next renewal."""
 
     def own_heartbeat_due(self, hold: Hold, *, first: bool) -> float:
-        """When ``hold``'s row's own heartbeat is renewed next: twice per stale threshold, so a reader that judges
-        it alone (0.1.0) never finds a live holder stale; a first one at random in its second half, so holds
-        acquired together spread their renewals over the intervals."""
-        half = hold.lock.timing.stale_threshold / 2
-        spread = random.uniform(half / 2, half)  # noqa: S311 (a spread over time, not a secret)
-        return now() + (spread if first else half)
+        """When ``hold``'s row's own heartbeat is renewed next (`heartbeat_flows.own_heartbeat_period`); a first
+        one at random in the second half of the period, so holds acquired together spread their renewals over
+        the intervals."""
+        period = heartbeat_flows.own_heartbeat_period(hold)
+        spread = random.uniform(period / 2, period)  # noqa: S311 (a spread over time, not a secret)
+        return now() + (spread if first else period)
 
 
 class HeartbeatWorker:
@@ -217,10 +217,8 @@ class HeartbeatWorker:
             statements: Statements | None = self._engine.shape(holds[0].lock.names, timeout)
         except DatabaseError:
             statements = None  # the first batch inspects the table again, and fails as it does
-        # A lease whose renewal would be refused before the next heartbeat (thresholds too short for the
-        # statement's deadline, `heartbeat_flows.lease_within`) would only add a statement: rows are renewed as they
-        # are without one.
-        usable = heartbeat_flows.lease_within(holds, timeout) > 2 * group.interval
+        # Thresholds too short for a lease (`heartbeat_flows.lease_usable`): rows are renewed as without one.
+        usable = heartbeat_flows.lease_usable(holds, group.interval, timeout)
         lease = self._lease(group) if usable and statements is not None and statements.renew_lease is not None else None
         by_row: list[Hold] = holds
         by_lease: list[Hold] = []

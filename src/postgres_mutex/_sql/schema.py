@@ -186,7 +186,8 @@ def _rw_writer_index(names: Names) -> sql.Composable:
 def inspect_table(names: Names) -> Statement:
     """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks,
     has_hold_until, has_leases)``, under its own deadline. Semaphores (read/write locks) count only once their last
-    migration step (the unique index) is done, leases once their column is added."""
+    migration step (the unique index) is done; leases once their column is added, and only for a role that may
+    read and write them (a role not granted them renews and judges each row by its own heartbeat, as 0.1.0 does)."""
     return statement(
         names.table_name,
         "inspection",
@@ -203,7 +204,10 @@ def inspect_table(names: Names) -> Statement:
                 WHERE attrelid = to_regclass({table_text}) AND attname = 'hold_until' AND NOT attisdropped),
        to_regclass({leases_text}) IS NOT NULL
        AND EXISTS (SELECT 1 FROM pg_attribute
-                    WHERE attrelid = to_regclass({table_text}) AND attname = {lease_column} AND NOT attisdropped)"""
+                    WHERE attrelid = to_regclass({table_text}) AND attname = {lease_column} AND NOT attisdropped)
+       AND has_table_privilege(to_regclass({leases_text}), 'SELECT')
+       AND has_table_privilege(to_regclass({leases_text}), 'INSERT')
+       AND has_table_privilege(to_regclass({leases_text}), 'UPDATE')"""
         ).format(
             table_text=sql.Literal(render(names.table)),
             semaphores_text=names.semaphores_text,

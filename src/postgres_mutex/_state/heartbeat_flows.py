@@ -196,6 +196,30 @@ def lease_within(holds: list[Hold], timeout: float) -> float:
     return min(hold.lock.timing.stale_threshold for hold in holds) - timeout - 1.0
 
 
+def own_heartbeat_period(hold: Hold) -> float:
+    """How often a row that follows a lease has its own heartbeat renewed all the same: a third of its holder's
+    lease (``stale_threshold`` less an interval).
+
+    Its holder trusts it for its lease after the last renewal of the row's
+    own heartbeat, not the lease's: a reader that judges the row's own
+    heartbeat alone (0.1.0, or a role not granted the leases) then never takes
+    it while its holder trusts it, even from a holder frozen meanwhile. Every
+    third of the lease, the trust never runs out (nor two thirds of it, which
+    is warned of) while heartbeats succeed.
+    """
+    timing = hold.lock.timing
+    return (timing.stale_threshold - timing.heartbeat_interval) / 3
+
+
+def lease_usable(holds: list[Hold], interval: float, timeout: float) -> bool:
+    """Whether ``holds`` may follow a lease: its renewal is not refused before their next heartbeat, and their
+    own heartbeats (`own_heartbeat_period`) come at least two intervals apart. Else the lease would only add a
+    statement: their rows are renewed one by one, as without it."""
+    return lease_within(holds, timeout) > 2 * interval and all(
+        own_heartbeat_period(hold) >= 2 * interval for hold in holds
+    )
+
+
 def renew_lease(
     holds: list[Hold], detach: list[int], statements: Statements, lease_key: int, timeout: float
 ) -> Flow[tuple[int | None, float]]:
@@ -218,15 +242,14 @@ def renew_lease(
 
 
 def renewed_by_lease(holds: list[Hold], sent_at: float) -> Beat:
-    """Renew ``holds`` after their lease's renewal, sent at ``sent_at``, landed with the revision last seen."""
-    beat = Beat([], [], now() - sent_at, sent_at=sent_at)
-    for hold in holds:
-        in_doubt_for = hold.lock.renew(hold, sent_at)
-        if in_doubt_for is not None:
-            beat.renewed.append(hold)
-        if in_doubt_for:
-            beat.confirmed.append((hold, in_doubt_for))
-    return beat
+    """What a renewal of ``holds``' lease, sent at ``sent_at``, did for them: they were renewed for contenders
+    and watchers, and are told so.
+
+    Their holder's trust is not extended: it follows the renewals of each row's
+    own heartbeat (`own_heartbeat_period`), which are what a reader that knows
+    nothing of leases judges.
+    """
+    return Beat([hold for hold in holds if hold.held], [], now() - sent_at, sent_at=sent_at)
 
 
 def busy_error(hold: Hold) -> DatabaseError:
