@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -41,7 +41,9 @@ def holding(make_mutex: Callable[..., Mutex], lock_name: str) -> Iterator[list[M
     yield from _held(make_mutex, lock_name, LEASED)
 
 
-def _held(make_mutex: Callable[..., Mutex], lock_name: str, thresholds: dict[str, float]) -> Iterator[list[Mutex]]:
+def _held(
+    make_mutex: Callable[..., Mutex], lock_name: str, thresholds: dict[str, float]
+) -> Generator[list[Mutex], None, None]:
     mutexes = [make_mutex(lock_name=name, **thresholds) for name in _names(lock_name)]
     with ExitStack() as stack:
         for mutex in mutexes:
