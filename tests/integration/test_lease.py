@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex
-from tests.support.fixtures import ROOT, RecordingMetrics, freeze, wait_until
+from tests.support.fixtures import ROOT, RecordingMetrics, wait_until
 
 # Thresholds that leave the lease room beside the statement's deadline (`heartbeat_flows.lease_within`): FAST's
 # do not, and their locks renew their rows one by one, as without a lease.
@@ -98,27 +98,6 @@ def test_one_row_renews_many_locks_and_each_rows_own_heartbeat_stays_fresh_for_0
     held.close()
 
 
-def test_a_frozen_holder_stops_trusting_its_lock_before_a_0_1_0_reader_may_take_it(
-    holding: list[Mutex], admin: psycopg.Connection[Any], lock_name: str
-) -> None:
-    wait_until(lambda: _following(admin, lock_name), timeout=5)
-    time.sleep(3 * LEASED["heartbeat_interval"])
-    frozen = holding[0]
-    freeze(frozen)
-    deadline = time.monotonic() + LEASED["stale_threshold"] + 2.0
-    while frozen.held and time.monotonic() < deadline:
-        # What a 0.1.0 contender asks before it reclaims: the row's own heartbeat, against the same threshold.
-        found = admin.execute(
-            "SELECT last_heartbeat <= now() - make_interval(secs => %s) FROM mutex_lock WHERE lock_name = %s",
-            (LEASED["stale_threshold"], frozen.lock_name),
-        ).fetchone()
-        assert found is not None
-        assert not (found[0] and frozen.held), "a 0.1.0 reader could take a lock its frozen holder still trusted"
-        time.sleep(0.05)
-    assert not frozen.held, "the frozen holder's trust ran out"
-    assert all(mutex.held for mutex in holding[1:])
-
-
 def test_a_row_is_judged_by_its_lease_by_contenders_and_watchers(
     holding: list[Mutex],
     make_mutex: Callable[..., Mutex],
@@ -167,16 +146,20 @@ from postgres_mutex import Mutex
 dsn, prefix, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 thresholds = dict(heartbeat_interval=0.2, alert_threshold=1.0, stale_threshold=4.0, operation_timeout=1.0)
 with ExitStack() as stack:
-    for index in range(count):
-        assert stack.enter_context(Mutex(dsn, f"{prefix}-{index}", **thresholds).acquire())
+    mutexes = [Mutex(dsn, f"{prefix}-{index}", **thresholds) for index in range(count)]
+    for mutex in mutexes:
+        assert stack.enter_context(mutex.acquire())
     print("held", flush=True)
-    time.sleep(60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # which locks it trusts, and when (CLOCK_MONOTONIC: the machine's)
+        print(time.monotonic(), "".join("1" if mutex.held else "0" for mutex in mutexes), flush=True)
+        time.sleep(0.02)
 """
 
 
-def test_a_killed_holders_locks_come_back_when_its_lease_runs_out(
-    dsn: str, admin: psycopg.Connection[Any], lock_name: str, make_mutex: Callable[..., Mutex]
-) -> None:
+@pytest.fixture
+def holder_process(dsn: str, lock_name: str) -> Iterator[subprocess.Popen[str]]:
+    """A process holding ``LOCKS`` locks with `LEASED` thresholds, printing which it trusts every 20 ms."""
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(_HOLDER), dsn, lock_name, str(LOCKS)],
         cwd=ROOT,
@@ -186,15 +169,55 @@ def test_a_killed_holders_locks_come_back_when_its_lease_runs_out(
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "held"
-        wait_until(lambda: _following(admin, lock_name), timeout=5)
-        time.sleep(3 * LEASED["heartbeat_interval"])
-        os.kill(proc.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        proc.wait(timeout=10)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=10)
+        proc.wait(timeout=10)
+
+
+def test_a_frozen_holder_stops_trusting_its_lock_before_a_0_1_0_reader_may_take_it(
+    holder_process: subprocess.Popen[str], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    time.sleep(5 * LEASED["heartbeat_interval"])
+    # The row whose own heartbeat is the oldest: the first a 0.1.0 contender would find stale.
+    oldest = max(_rows(admin, lock_name).items(), key=lambda item: item[1][1])[0]
+    index = _names(lock_name).index(oldest)
+    os.kill(holder_process.pid, signal.SIGSTOP)  # frozen: neither its lease nor its rows are renewed
+    try:
+        wait_until(
+            lambda: (
+                admin.execute(
+                    "SELECT last_heartbeat <= now() - make_interval(secs => %s) FROM mutex_lock WHERE lock_name = %s",
+                    (LEASED["stale_threshold"], oldest),
+                ).fetchone()
+                == (True,)
+            ),
+            timeout=LEASED["stale_threshold"] + 2,
+        )
+        takeable_at = time.monotonic()  # a 0.1.0 contender may reclaim it from now on
+    finally:
+        os.kill(holder_process.pid, signal.SIGCONT)
+    assert holder_process.stdout is not None
+    while True:
+        at, trusted = holder_process.stdout.readline().split()
+        if float(at) >= takeable_at:
+            break
+    assert trusted[index] == "0", "the holder, woken, still trusted a lock a 0.1.0 reader could take"
+
+
+def test_a_killed_holders_locks_come_back_when_its_lease_runs_out(
+    holder_process: subprocess.Popen[str],
+    admin: psycopg.Connection[Any],
+    lock_name: str,
+    make_mutex: Callable[..., Mutex],
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    time.sleep(3 * LEASED["heartbeat_interval"])
+    os.kill(holder_process.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    holder_process.wait(timeout=10)
     contenders = [make_mutex(lock_name=name, **LEASED) for name in (_names(lock_name)[0], _names(lock_name)[-1])]
     for contender in contenders:
         with contender.acquire(blocking=True, timeout=15) as acquired:
