@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -226,3 +227,31 @@ def test_a_killed_holders_locks_come_back_when_its_lease_runs_out(
     earliest = LEASED["stale_threshold"] - LEASED["heartbeat_interval"] - 0.3
     assert back_after >= earliest, "reclaimed before the holder could be presumed dead"
     assert back_after < LEASED["stale_threshold"] + 2.0, "reclaimed when its lease ran out"
+
+
+def test_a_migrated_0_1_0_table_gains_the_leases(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], dsn: str, lock_name: str
+) -> None:
+    from tests.integration.test_fencing import README_DDL
+
+    table = f"leased_{uuid.uuid4().hex[:8]}"
+    admin.execute(README_DDL.format(table=table))
+    try:
+        assert LockTable(dsn, table=table).migrate() is True
+        names = _names(lock_name)[:5]
+        mutexes = [make_mutex(lock_name=name, table=table, **LEASED) for name in names]
+        with ExitStack() as stack:
+            for mutex in mutexes:
+                assert stack.enter_context(mutex.acquire())
+            wait_until(
+                lambda: (
+                    admin.execute(
+                        f"SELECT count(DISTINCT lease_key), count(lease_key) FROM {table}"  # noqa: S608
+                    ).fetchone()
+                    == (1, len(names))
+                ),
+                timeout=5,
+            )
+            assert admin.execute(f"SELECT count(*) FROM {table}_leases").fetchone() == (1,)  # noqa: S608
+    finally:
+        admin.execute(f"DROP TABLE IF EXISTS {table}, {table}_leases, {table}_semaphores, {table}_rwlocks CASCADE")
