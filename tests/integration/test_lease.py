@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -18,7 +19,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex
-from tests.support.fixtures import ROOT, RecordingMetrics, wait_until
+from tests.support.fixtures import ROOT, RecordingMetrics, await_until, wait_until
 
 # Thresholds that leave the lease room beside the statement's deadline (`heartbeat_flows.lease_within`): FAST's
 # do not, and their locks renew their rows one by one, as without a lease.
@@ -255,3 +256,19 @@ def test_a_migrated_0_1_0_table_gains_the_leases(
             assert admin.execute(f"SELECT count(*) FROM {table}_leases").fetchone() == (1,)  # noqa: S608
     finally:
         admin.execute(f"DROP TABLE IF EXISTS {table}, {table}_leases, {table}_semaphores, {table}_rwlocks CASCADE")
+
+
+async def test_async_holders_follow_the_lease_too(
+    amake_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    mutexes = [amake_mutex(lock_name=name, **{**LEASED, "stale_threshold": 8.0}) for name in _names(lock_name)]
+    async with contextlib.AsyncExitStack() as stack:
+        for mutex in mutexes:
+            assert await stack.enter_async_context(mutex.acquire_async())
+        await await_until(lambda: _following(admin, lock_name), timeout=5)
+        await asyncio.sleep(3 * LEASED["heartbeat_interval"])
+        before = _rows(admin, lock_name)
+        await asyncio.sleep(3 * LEASED["heartbeat_interval"])
+        after = _rows(admin, lock_name)
+        assert sum(after[name][0] != before[name][0] for name in before) < LOCKS / 2
+        assert all(mutex.held for mutex in mutexes)
