@@ -15,8 +15,14 @@ the holder's age (the alert) and a read of the table (the watcher, the CLI)
 judge. A take-over clears ``lease_key``, so the row no longer follows the
 former holder's lease.
 
-Two rules keep it safe:
+What keeps it safe:
 
+- The holder trusts each lock from the last renewal of its row's *own*
+  heartbeat, which the heartbeat still sends every third of the holder's lease
+  (`_state.heartbeat_flows.own_heartbeat_period`), never from the lease's: a
+  reader that judges the row's own heartbeat alone (0.1.0, a role not granted
+  the leases) never takes a lock its holder trusts, even a frozen holder's,
+  and a reader that judges the later of the two waits longer still.
 - The lease's renewal is refused once the lease is older than the shortest
   stale threshold of its locks, less the statement's deadline
   (``%(within)s``): a renewal that lands can never revive a lease a contender
