@@ -228,7 +228,6 @@ class HeartbeatWorker:
                 return
             if by_lease:
                 started_at = sent_at
-                renewed.append(heartbeat_flows.renewed_by_lease(by_lease, sent_at))
                 covered = set(by_lease)
                 by_row = [hold for hold in holds if hold not in covered]
         # The rows renewed one by one: those that may follow the lease in batches of their own, which point them

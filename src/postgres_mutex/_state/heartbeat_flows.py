@@ -227,9 +227,15 @@ def renew_lease(
 
     Returns the lease's revision (None: it lapsed, or was never made, and
     nothing was renewed) and when the statement was sent. Raises
-    `DatabaseError` if the statement failed. Nothing is told: the caller
-    renews the holds (`renewed_by_lease`) only if the revision is the one it
-    last saw, else it renews their rows one by one.
+    `DatabaseError` if the statement failed. Nothing is told, and no hold's
+    trust is extended: a holder trusts each lock from the last renewal of its
+    row's own heartbeat (`own_heartbeat_period`), what a reader that knows
+    nothing of leases judges, and that renewal is what reports the lock's
+    heartbeat (its latency, to the metrics hook): one row renewed for
+    thousands of locks is no heartbeat of each, and telling each of them, every
+    interval, would cost the client more than the lease spares the server.
+    The caller counts the holds renewed for contenders and watchers only if
+    the revision is the one it last saw, else renews their rows one by one.
     """
     statement = statements.renew_lease
     assert statement is not None
@@ -239,17 +245,6 @@ def renew_lease(
     reply = yield Execute(statement, params, timeout, action, urgent=True)
     revision = reply.row[0] if reply.row is not None else None
     return revision, reply.sent_at
-
-
-def renewed_by_lease(holds: list[Hold], sent_at: float) -> Beat:
-    """What a renewal of ``holds``' lease, sent at ``sent_at``, did for them: they were renewed for contenders
-    and watchers, and are told so.
-
-    Their holder's trust is not extended: it follows the renewals of each row's
-    own heartbeat (`own_heartbeat_period`), which are what a reader that knows
-    nothing of leases judges.
-    """
-    return Beat([hold for hold in holds if hold.held], [], now() - sent_at, sent_at=sent_at)
 
 
 def busy_error(hold: Hold) -> DatabaseError:
