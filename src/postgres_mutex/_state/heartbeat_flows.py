@@ -15,7 +15,6 @@ from .._base.clock import now
 from .._observe.tracing import AttributeValue, Tracing, mark_error, set_outcome
 from ..errors import DatabaseError, LockNotHeldError
 from .failures import SHAPE_CHANGED
-from .kind import MUTEX
 from .locks import ROW_GONE, Hold, LockState
 from .steps import BRIEF_WAIT, Execute, Flow, Shape, Tell
 
@@ -174,17 +173,17 @@ def _hold_key(hold: Hold, *, tokens: bool) -> tuple[object, ...]:
 def follows_lease(hold: Hold) -> bool:
     """Whether ``hold``'s row may follow its group's lease (`_sql.leases`) on a table that has leases.
 
-    A mutex's row with a token, held without a minimum hold and without
-    ``reclaim_disconnected_after``: an opted-in holder's heartbeat writes its
-    session's key into its row at every renewal (a new one after a
+    A mutex's row (fair or not) with a token, held without a minimum hold and
+    without ``reclaim_disconnected_after``: an opted-in holder's heartbeat
+    writes its session's key into its row at every renewal (a new one after a
     reconnection), and a permit's or a read/write lock's row is taken over by
-    statements that judge the row's own heartbeat.
+    statements that judge the row's own heartbeat (`LockKind.follows_lease`).
     """
     lock = hold.lock
     return (
         hold.plain
         and hold.token is not None
-        and lock.kind is MUTEX
+        and lock.kind.follows_lease
         and lock.timing.reclaim_disconnected_after is None
         and hold.row_name == lock.lock_name
     )
