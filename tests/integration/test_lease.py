@@ -230,6 +230,33 @@ def test_a_killed_holders_locks_come_back_when_its_lease_runs_out(
     assert back_after < LEASED["stale_threshold"] + 2.0, "reclaimed when its lease ran out"
 
 
+def _lease_keys(admin: psycopg.Connection[Any]) -> set[int]:
+    return {row[0] for row in admin.execute("SELECT lease_key FROM mutex_lock_leases").fetchall()}
+
+
+def test_a_lease_goes_with_the_last_lock_that_followed_it_and_takes_forgotten_ones_along(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    # Two leases of processes that ended without deleting theirs: one long ago, one minutes ago.
+    admin.execute(
+        "INSERT INTO mutex_lock_leases (lease_key, last_heartbeat)"
+        " VALUES (-1, now() - interval '2 hours'), (-2, now() - interval '10 minutes')"
+    )
+    try:
+        held = _held(make_mutex, lock_name, LEASED)
+        next(held)
+        wait_until(lambda: _following(admin, lock_name), timeout=5)
+        (key,) = {row[2] for row in _rows(admin, lock_name).values()}
+        assert key in _lease_keys(admin)
+        held.close()  # every lock released: the client holds nothing on this table
+        wait_until(lambda: key not in _lease_keys(admin), timeout=10)
+        left = _lease_keys(admin)
+        assert -1 not in left, "a lease nobody renewed for hours stays for good"
+        assert -2 in left, "a lease renewed minutes ago was deleted"
+    finally:
+        admin.execute("DELETE FROM mutex_lock_leases WHERE lease_key IN (-1, -2)")
+
+
 def test_a_migrated_0_1_0_table_gains_the_leases(
     make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], dsn: str, lock_name: str
 ) -> None:

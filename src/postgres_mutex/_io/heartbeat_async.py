@@ -53,6 +53,8 @@ class _Lease:
     """The holds whose rows follow the lease, each with when its row's own heartbeat is next renewed."""
     detach: dict[int, None] = field(default_factory=dict)
     """The tokens of rows that follow the lease but are no longer renewed: detached by the next renewal."""
+    statements: Statements | None = None
+    """Its table's statements, which delete it once its group holds nothing (`_sql.leases.end`)."""
 
     def own_heartbeat_due(self, hold: Hold, *, first: bool) -> float:
         """When ``hold``'s row's own heartbeat is renewed next (`heartbeat_flows.own_heartbeat_period`); a first
@@ -201,12 +203,16 @@ class HeartbeatWorker:
             # ends at a failed batch) costs the holds after it, not, moved to the front by its
             # shorter lease, every hold of the group.
             holds = group.live()
+            ended: _Lease | None = None
             if not holds:
                 if not group.holds:
                     self.groups.pop(group.key, None)
-                    self._leases.pop(group.key, None)
+                    ended = self._leases.pop(group.key, None)
                 group.next_beat = now() + group.interval
-                return
+        if not holds:
+            if ended is not None:
+                await self._end_lease(ended)
+            return
         timeout = min(hold.lock.timing.operation_timeout for hold in holds)
         renewed: list[heartbeat_flows.Beat] = []
         started_at: float | None = None
@@ -218,6 +224,8 @@ class HeartbeatWorker:
         # Thresholds too short for a lease (`heartbeat_flows.lease_usable`): rows are renewed as without one.
         usable = heartbeat_flows.lease_usable(holds, group.interval, timeout)
         lease = self._lease(group) if usable and statements is not None and statements.renew_lease is not None else None
+        if lease is not None:
+            lease.statements = statements
         by_row: list[Hold] = holds
         by_lease: list[Hold] = []
         if lease is not None and statements is not None:
@@ -324,6 +332,21 @@ class HeartbeatWorker:
             return [], sent_at
         current = now()
         return [hold for hold in attached if lease.rows[hold] > current], sent_at
+
+    async def _end_lease(self, lease: _Lease) -> None:
+        """Delete the lease of a group that holds nothing any more, rather than leave its row for good."""
+        statements = lease.statements
+        if statements is None or statements.end_lease is None or lease.pid != os.getpid():
+            return  # never used, or a parent process's
+        detach = [hold.token for hold in lease.rows if hold.token is not None] + list(lease.detach)
+        try:
+            await self._engine.run(
+                heartbeat_flows.end_lease(detach, statements, lease.key, self._host.operation_timeout)
+            )
+        except DatabaseError as exc:
+            # Its row stays until another group's end deletes it (`_sql.leases.FORGOTTEN_AFTER`); nothing
+            # judges a lock by a lease its holder no longer renews but as by the row's own heartbeat.
+            logger.debug("could not delete a lease no lock follows any more: %s", exc)
 
     @staticmethod
     def _attach(lease: _Lease, batch: list[Hold], beat: heartbeat_flows.Beat) -> None:

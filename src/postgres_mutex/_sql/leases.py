@@ -85,6 +85,28 @@ def upsert(names: Names) -> sql.Composable:
     ).format(leases=names.leases)
 
 
+_DETACHED = sql.SQL("""WITH detached AS (
+  UPDATE {table} AS held
+     SET lease_key = NULL,
+         last_heartbeat = GREATEST(held.last_heartbeat,
+                                   (SELECT last_heartbeat FROM {leases} WHERE lease_key = %(lease_key)s))
+   WHERE held.token = ANY(%(detach)s::bigint[]) AND held.lease_key = %(lease_key)s
+  RETURNING 1
+)""")
+"""Rows that followed the lease and are no longer renewed (``detach``: their tokens) follow their own heartbeat,
+set to the lease's: they turn stale when they would have without a lease."""
+
+
+def _detached(names: Names) -> sql.Composable:
+    return _DETACHED.format(table=names.table, leases=names.leases)
+
+
+FORGOTTEN_AFTER = "1 hour"
+"""A lease not renewed for this long is deleted by the end of any other (`end`): its process ended without
+deleting it, or stopped renewing it. Safe at any age: a holder trusts its lock from its row's own heartbeat,
+never from the lease, so a row judged without its lease is judged as its holder judges it."""
+
+
 def renew(names: Names) -> Statement:
     """Detach the holds no longer renewed, then renew the lease unless it lapsed: one row ``(revision)``, or none.
 
@@ -95,19 +117,32 @@ def renew(names: Names) -> Statement:
         names.table_name,
         "heartbeat",
         sql.SQL(
-            """WITH detached AS (
-  UPDATE {table} AS held
-     SET lease_key = NULL,
-         last_heartbeat = GREATEST(held.last_heartbeat,
-                                   (SELECT last_heartbeat FROM {leases} WHERE lease_key = %(lease_key)s))
-   WHERE held.token = ANY(%(detach)s::bigint[]) AND held.lease_key = %(lease_key)s
-  RETURNING 1
-)
+            """{detached}
 UPDATE {leases}
    SET last_heartbeat = now()
  WHERE lease_key = %(lease_key)s AND last_heartbeat > now() - make_interval(secs => %(within)s::float8)
 RETURNING revision"""
-        ).format(table=names.table, leases=names.leases),
+        ).format(detached=_detached(names), leases=names.leases),
+    )
+
+
+def end(names: Names) -> Statement:
+    """A heartbeat group that holds nothing any more: detach its last rows and delete its lease, with the leases
+    nobody renewed for `FORGOTTEN_AFTER` (a process that ended, or was killed, before deleting its own).
+
+    Without it, each group a process formed (its locks held, then none)
+    would leave a row behind for good.
+    """
+    return statement(
+        names.table_name,
+        "end of a lease",
+        sql.SQL(
+            """{detached}, forgotten AS (
+  DELETE FROM {leases}
+   WHERE last_heartbeat < now() - interval {forgotten} AND lease_key <> %(lease_key)s
+)
+DELETE FROM {leases} WHERE lease_key = %(lease_key)s"""
+        ).format(detached=_detached(names), leases=names.leases, forgotten=sql.Literal(FORGOTTEN_AFTER)),
     )
 
 

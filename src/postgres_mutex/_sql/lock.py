@@ -111,6 +111,7 @@ class Statements:
             _heartbeats(names, shape, _BY_TOKEN, leased=True) if shape.renews_by_lease else None
         )
         self.renew_lease: Statement | None = leases.renew(names) if shape.renews_by_lease else None
+        self.end_lease: Statement | None = leases.end(names) if shape.renews_by_lease else None
         self.release = (
             _release_keeping_minimum(names, shape)
             if shape.holds

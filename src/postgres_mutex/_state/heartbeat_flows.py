@@ -246,6 +246,14 @@ def renew_lease(
     return revision, reply.sent_at
 
 
+def end_lease(detach: list[int], statements: Statements, lease_key: int, timeout: float) -> Flow[None]:
+    """Delete a lease whose group holds nothing any more, detaching the rows of ``detach`` (tokens) that still
+    follow it (`_sql.leases.end`). Raises `DatabaseError` if the statement failed."""
+    statement = statements.end_lease
+    assert statement is not None
+    yield Execute(statement, {"lease_key": lease_key, "detach": detach}, timeout, "end of a lease")
+
+
 def busy_error(hold: Hold) -> DatabaseError:
     """What a heartbeat that found its row locked by another session reports."""
     return DatabaseError(
