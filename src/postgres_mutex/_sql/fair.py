@@ -1,6 +1,6 @@
 """A fair lock's statements: its waiters queue in the order they came, and a release hands the lock to the oldest.
 
-A fair Mutex's acquire (`_sql.lock`'s acquire, with `fair_parts`) does what
+A fair Mutex's acquire (`_sql.lock`'s acquire, with `_sql.queue.acquire_parts`) does what
 a Mutex's does, and also: it wins a free lock only if no live waiter came
 before it (``ahead``); a stale lock is reclaimed by the oldest live waiter
 alone; while it does not win, it queues its caller in ``<table>_queue``
@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING
 from psycopg import sql
 
 from .history import hold_ended
+from .kinds import adds
+from .queue import FORGOTTEN_AFTER, LIVE
 from .statement import Statement, statement
 from .wake import after_release
 
@@ -70,52 +72,6 @@ def handed(payload: str) -> tuple[str, int, int] | None:
 
 
 _NOTHING = sql.SQL("")
-
-_LIVE = sql.SQL("make_interval(secs => %(waiter_live_seconds)s::float8)")
-
-FORGOTTEN_AFTER = 10
-"""A waiter not seen for this many times the live window is deleted from the queue by a release."""
-
-
-def fair_parts(names: Names) -> dict[str, sql.Composable]:
-    """What a fair lock's acquire adds to a Mutex's (`_sql.lock`'s ``_acquire``), by its placeholders.
-
-    ``ahead``: a live waiter that came before this one (any, if this one is
-    not queued yet); ``rows``/``rows_if``: the INSERT happens only if there
-    is none; ``turn``: a take-over (a stale row's reclaim) likewise, but for
-    the row handed to this one (its own ``instance_id``); ``queued``: the
-    caller's entry, written while it does not win and deleted once it wins.
-    """
-    return {
-        "ahead": sql.SQL(
-            """, ahead AS (
-  SELECT 1 FROM {queue} AS waiter
-   WHERE waiter.lock_name = %(lock_name)s AND waiter.instance_id <> %(instance_id)s
-     AND waiter.seen > now() - {live}
-     AND waiter.ticket < COALESCE((SELECT mine.ticket FROM {queue} AS mine
-                                   WHERE mine.lock_name = %(lock_name)s AND mine.instance_id = %(instance_id)s),
-                                  9223372036854775807)
-   LIMIT 1
-)"""
-        ).format(queue=names.queue, live=_LIVE),
-        "rows": sql.SQL("SELECT * FROM (VALUES "),
-        "rows_if": sql.SQL(") AS arriving WHERE NOT EXISTS (SELECT FROM ahead)"),
-        "turn": sql.SQL("\n     AND (existing.instance_id = %(instance_id)s OR NOT EXISTS (SELECT FROM ahead))"),
-        "queued": sql.SQL(
-            """, queued AS (
-  INSERT INTO {queue} AS waiter (lock_name, instance_id, seen, wait_id)
-  SELECT %(lock_name)s, %(instance_id)s, now(), %(wait_id)s
-   WHERE NOT EXISTS (SELECT FROM inserted) AND NOT EXISTS (SELECT FROM taken)
-  ON CONFLICT (lock_name, instance_id) DO UPDATE SET seen = now(), wait_id = EXCLUDED.wait_id
-  RETURNING waiter.ticket
-), dequeued AS (
-  DELETE FROM {queue} AS waiter
-   WHERE waiter.lock_name = %(lock_name)s AND waiter.instance_id = %(instance_id)s
-     AND (EXISTS (SELECT FROM inserted) OR EXISTS (SELECT FROM taken))
-  RETURNING waiter.ticket
-)"""
-        ).format(queue=names.queue),
-    }
 
 
 def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
@@ -188,7 +144,7 @@ SELECT {notify}::text FROM deleted"""
             mine_held=sql.SQL(
                 "locked = 1 AND held.lock_name = %(lock_name)s AND held.instance_id = %(instance_id)s{scope}"
             ).format(scope=sql.SQL(" AND held.acquired_at = %(acquired_at)s") if scoped else _NOTHING),
-            live=_LIVE,
+            live=LIVE,
             forgotten=sql.Literal(FORGOTTEN_AFTER),
             cleared=sql.SQL("").join(sql.SQL(", ") + part for part in cleared),
             ended=_ended(names, shape),
@@ -210,3 +166,12 @@ def _ended(names: Names, shape: TableShape) -> sql.Composable:
   SELECT %(lock_name)s, handed.token, handed.instance_id, handed.acquired_at, NULL::timestamptz FROM handed
 )"""
     ).format(history=names.history)
+
+
+@adds
+def _statements(names: Names, shape: TableShape) -> dict[str, Statement | None]:
+    """A fair Mutex's release and leave for a table of ``shape`` (its acquire is the lock's, `_sql.lock`)."""
+    return {
+        "release_fair": release(names, shape, scoped=True) if shape.fair else None,
+        "leave_fair": release(names, shape, scoped=False) if shape.fair else None,
+    }

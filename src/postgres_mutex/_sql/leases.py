@@ -41,10 +41,14 @@ revision change checks each of its rows again.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from psycopg import sql
 
-from .names import Names
 from .statement import Statement, statement
+
+if TYPE_CHECKING:
+    from .names import Names
 
 COLUMN = "lease_key"
 """The lock table's column that names the lease a row follows (NULL: its own ``last_heartbeat`` only)."""

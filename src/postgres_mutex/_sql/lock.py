@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
-from . import fair, leases, sessions
-from .fair import fair_parts
+from . import leases, sessions
 from .history import acquire_history, heartbeat_alerts, hold_ended, read_history
 from .kinds import added
 from .names import Names
+from .queue import acquire_parts
 from .statement import Statement, render, statement
 from .wake import after_release
 
@@ -92,6 +92,8 @@ class Statements:
     set_permits: Statement | None
     acquire_read: Statement | None
     acquire_write: Statement | None
+    release_fair: Statement | None
+    leave_fair: Statement | None
 
     def __init__(self, names: Names, shape: TableShape) -> None:
         self.names = names
@@ -132,8 +134,6 @@ class Statements:
         )
         # A fair Mutex's (`_sql.fair`): None where the table has no queue of waiters yet.
         self.acquire_fair: Statement | None = _acquire(names, shape, fair=True) if shape.fair else None
-        self.release_fair: Statement | None = fair.release(names, shape, scoped=True) if shape.fair else None
-        self.leave_fair: Statement | None = fair.release(names, shape, scoped=False) if shape.fair else None
         self.retoken = _retoken(names) if shape.tokens else None
         self.holders = _holders(names, shape)
         self.writers_waiting: Statement | None = _writers_waiting(names) if shape.rwlocks else None
@@ -170,7 +170,7 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False, fair: bool
     won, so the common case costs the server little more than the INSERT;
     the reads and the take-over run only when a row was in the way (`_PLAIN`).
 
-    ``fair``: a fair lock's (`_sql.fair`), which also queues the caller while the lock is not won.
+    ``fair``: a fair lock's (`_sql.queue`), which also queues the caller while the lock is not won.
     """
     tokens = shape.tokens
     written: Mapping[str, sql.Composable]
@@ -227,7 +227,7 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False, fair: bool
             else _NOTHING,
             **written,
             **hold,
-            **(fair_parts(names) if fair else _NOT_FAIR),
+            **(acquire_parts(names) if fair else _NOT_FAIR),
             **_lease_parts(names, shape),
         ),
         preparable=True,
