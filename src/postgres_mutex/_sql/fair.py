@@ -104,7 +104,7 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
    FOR UPDATE OF waiter SKIP LOCKED
 ), handed AS (
   UPDATE {table} AS held
-     SET instance_id = next.instance_id, acquired_at = now(), last_heartbeat = now(),
+     SET instance_id = next.instance_id, acquired_at = now(), last_heartbeat = clock_timestamp(),
          token = nextval({sequence}){cleared}
     FROM next
    WHERE held.{mine_held}

@@ -192,7 +192,6 @@ class _Attempts:
         self.quick_retry_spent = False
         self.quick_retries = 0
         self.held: int | None = None  # how many rows of the lock were held, at the last attempt
-        self.last_sent_at = self.started  # when the last attempt was sent (local clock)
 
     def until_done(self, owner: object) -> Flow[Hold | None]:
         lock = self.lock
@@ -266,7 +265,6 @@ class _Attempts:
                     lock.attempt_unanswered(statement_timeout)
                     raise
 
-                self.last_sent_at = reply.sent_at
                 read = lock.kind.read(reply.row, lock.instance_id)
                 result, row_name, self.held = read.result, read.row_name, read.held
                 refused = lock.kind.refusal(read, lock.names.table_name, lock.lock_name)
@@ -349,15 +347,16 @@ class _Attempts:
         """The hold a fair lock's release handed this waiter (its token, its ``acquired_at`` in µs), taken;
         None if its lease would be too short (the next attempt then takes the row over, for a lease of its own).
 
-        The row's heartbeat is the release's ``now()``, when the release began, which the waiter does
-        not know. Its lease counts from a moment surely before: the release read this acquire's entry
-        in the queue, so it began after this acquire began; and it ended after the
-        waiter's last attempt began (that attempt did not see it), so it began at most a statement's
-        longest run (``operation_timeout``) before.
+        The row's heartbeat is the moment the release wrote it (``clock_timestamp()``), which the waiter
+        does not know. Its lease counts from a moment surely before: this acquire began. The release
+        handed the row to the waiter its queue entry named, and only an attempt of this acquire,
+        sent after it began, wrote this acquire's name there; the release read it once committed,
+        then wrote the row. Not from the release's ``now()``: a release that waited on a row lock
+        may have begun before this acquire did.
         """
         lock = self.lock
         token, acquired_us = handed
-        start = max(self.started, self.last_sent_at - lock.timing.operation_timeout)
+        start = self.started
         if now() - start > (lock.timing.stale_threshold - lock.timing.heartbeat_interval) / 2:
             return None
         result = AcquireResult(Outcome.ACQUIRED, None, None, _EPOCH + timedelta(microseconds=acquired_us), token)
