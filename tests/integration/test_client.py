@@ -383,7 +383,9 @@ def test_a_slow_callback_never_delays_a_heartbeat(make_mutex: Callable[..., Mute
 def test_a_stuck_acquire_never_delays_a_heartbeat_past_the_lease(
     make_mutex: Callable[..., Mutex], dsn: str, lock_name: str
 ) -> None:
-    holder = make_mutex()
+    # A lease (stale_threshold less an interval: 3 s) that one stuck statement's second leaves room in,
+    # on a busy machine, and that six of them, one after another, would run out.
+    holder = make_mutex(heartbeat_interval=0.2, alert_threshold=1.5, stale_threshold=3.2)
     rival_name = f"{lock_name}-stuck"
     with holder.acquire(), psycopg.connect(dsn) as blocker:
         # Another session's uncommitted insert: an acquire of that lock waits on the server.
@@ -392,11 +394,11 @@ def test_a_stuck_acquire_never_delays_a_heartbeat_past_the_lease(
             "VALUES (%s, 'blocker', now(), now())",
             (rival_name,),
         )
-        stuck = [make_mutex(lock_name=rival_name, operation_timeout=1.0) for _ in range(4)]
+        stuck = [make_mutex(lock_name=rival_name, operation_timeout=1.0) for _ in range(6)]
         threads = [threading.Thread(target=_try_once, args=(mutex,)) for mutex in stuck]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 2.5
+        deadline = time.monotonic() + 6.5
         while time.monotonic() < deadline:
             assert holder.held, "heartbeats go before the stuck acquires on the shared connection"
             time.sleep(0.05)
