@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 from .clock import MAX_SLICE, now
+from .threads import start_thread
 
 T = TypeVar("T")
 
@@ -325,21 +326,6 @@ class AWorker:
     async def join(self, timeout: float) -> None:
         if self._task is not asyncio.current_task():
             await asyncio.wait([self._task], timeout=timeout)
-
-
-def start_thread(target: Callable[[], object], name: str) -> threading.Thread | None:
-    """Start a daemon thread running ``target``; None if the interpreter refuses new threads.
-
-    Python 3.12 refuses them once it is shutting down, in ``atexit`` callbacks
-    included, where the exit's release runs: callers then do the work in the
-    calling thread, or leave it to that release.
-    """
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    try:
-        thread.start()
-    except RuntimeError:
-        return None
-    return thread
 
 
 class Worker:

@@ -32,8 +32,8 @@ import struct
 import threading
 import weakref
 
-from .acompat import start_thread
 from .clock import MAX_SLICE, now
+from .threads import start_thread
 
 logger = logging.getLogger("postgres_mutex")
 

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import pq
 
-from .. import _sql
 from .._base.acompat import AEvent, AReader, AWaker, AWorker, asleep, auncancellable
 from .._base.clock import MAX_SLICE, now
 from .._base.connections import FAILURES, discard
 from .._base.watchdog import Cutter
+from .._sql import fair, lock, wake
 from .._state.events import Defects
 from .interrupt_async import interrupt
 
@@ -201,15 +201,15 @@ class Listener:
             # This process alone was told (its slot's channel): one waiter here, else another process's.
             self.wake_one(chosen)
             return
-        if payload.startswith(_sql.WAKE_FAIR):
+        if payload.startswith(fair.WAKE_FAIR):
             # A fair lock handed to one waiter: that one (of this process, if it is here) takes it.
             self._wake_named(channel, payload)
             return
-        if payload == _sql.WAKE_EACH_PROCESS:
+        if payload == wake.WAKE_EACH_PROCESS:
             # Every process was told: one waiter here tries, and nothing is passed on.
             self._wake_here(channel)
             return
-        if payload != _sql.WAKE_ALL:
+        if payload != wake.WAKE_ALL:
             return  # another process's (named by a release of an earlier version)
         with self._host.state_lock:
             waiting = list(self._subscriptions.get(channel, ()))
@@ -219,7 +219,7 @@ class Listener:
             self.wake(subscription)
 
     def _wake_named(self, channel: str, payload: str) -> None:
-        handed = _sql.handed(payload)
+        handed = fair.handed(payload)
         if handed is None:
             return
         who, token, acquired_us = handed
@@ -272,26 +272,26 @@ class Listener:
                             self._wake_everyone()
                     conn, pid = self._conn, self._conn.info.backend_pid
                     for channel in passing:
-                        await self._execute(conn, cutter, _sql.pass_on(channel))
+                        await self._execute(conn, cutter, wake.pass_on(channel))
                     for channel in sorted(listening - wanted):
                         # Nobody of this process waits there now: no release should wake it. A release
                         # that chose its slot first is heard still, and passed on (`_sql.wake.unregister`).
                         slot = registered.get(channel)
                         if slot is not None:
-                            await self._execute(conn, cutter, _sql.unregister(channel, slot))
-                        await self._execute(conn, cutter, _sql.stop_listening(channel, slot))
+                            await self._execute(conn, cutter, wake.unregister(channel, slot))
+                        await self._execute(conn, cutter, wake.stop_listening(channel, slot))
                         listening.discard(channel)
                         if slot is not None:
-                            del registered[channel], slot_channels[_sql.slot_channel(channel, slot)]
+                            del registered[channel], slot_channels[wake.slot_channel(channel, slot)]
                     for channel in sorted(wanted - listening):
                         if len(registered) < MOST_REGISTERED:
-                            row = await self._execute(conn, cutter, _sql.register(channel, pid))
+                            row = await self._execute(conn, cutter, wake.register(channel, pid))
                             listening.add(channel)
                             if row is not None and row[0] is not None:
                                 registered[channel] = row[0]
-                                slot_channels[_sql.slot_channel(channel, row[0])] = channel
+                                slot_channels[wake.slot_channel(channel, row[0])] = channel
                         else:
-                            await self._execute(conn, cutter, _sql.listen(channel))
+                            await self._execute(conn, cutter, lock.listen(channel))
                             listening.add(channel)
                     self._confirm(listening)
                     failures, reported_at = 0, None

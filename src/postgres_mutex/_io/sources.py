@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from .. import _sql
 from .._base.clock import now
 from .._base.connections import BAD, FAILURES, IDLE, ServerSession, closed_while_idle, discard, unusable
 from .._base.watchdog import Cutter
+from .._sql.statement import end_session_left_behind
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -71,7 +71,7 @@ class _CutSessions:
             ticket = cutter.arm(left)
             try:
                 conn.execute(
-                    _sql.end_session_left_behind(pid, conn.info.backend_pid, now() - cut_at, max(1, int(left * 500)))
+                    end_session_left_behind(pid, conn.info.backend_pid, now() - cut_at, max(1, int(left * 500)))
                 )
                 self._forget(entry)
             except FAILURES as exc:

@@ -26,8 +26,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._base.acompat import start_thread
 from .._base.clock import MAX_SLICE, now, slice_until
+from .._base.threads import start_thread
 from .locks import LEASE_EXPIRED, HeartbeatGroup, Hold, HoldStatus, StateLock
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._sql import Names
+from .._sql.names import Names
 from ..errors import InvalidArgument
 from .rows import SEPARATOR
 
