@@ -1,8 +1,8 @@
-"""0.1.0's home of the metrics hook, kept so that programs written for it import unchanged.
+"""The hooks' interfaces: 0.1.0's home of `MetricsHook`, kept so that its programs import unchanged.
 
-New code imports these from ``postgres_mutex``.
+`ExtendedMetricsHook` (the optional calls) is here beside it; ``postgres_mutex`` names the same.
 """
 
-from ._observe.hooks import MetricsHook, NullMetrics
+from ._observe.hooks import ExtendedMetricsHook, MetricsHook, NullMetrics
 
-__all__ = ["MetricsHook", "NullMetrics"]
+__all__ = ["ExtendedMetricsHook", "MetricsHook", "NullMetrics"]

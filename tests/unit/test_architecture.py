@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"_kinds"},
     {"_election"},
     {"election"},
-    {"__init__", "mutex", "metrics", "exceptions", "shutdown", "prometheus", "otel"},
+    {"__init__", "mutex", "semaphore", "rwlock", "metrics", "exceptions", "shutdown", "prometheus", "otel"},
     {"_cli", "cli", "__main__", "integrations"},
 ]
 """Bottom to top: a module imports only from its own layer and those below it.
@@ -141,7 +141,7 @@ def test_the_reader_finds_every_module_and_what_it_imports() -> None:
     assert {"_io.engine_async", "_io.shared", "_io.heartbeat_async"} <= GRAPH["client"]
     assert {"_state.steps", "_sql", "_base.connections", "_io.listener_async"} <= GRAPH["_io.engine_async"]
     assert {"_sql.lock", "_sql.names"} <= GRAPH["_sql"]
-    assert "__init__" in GRAPH["_cli._run"]
+    assert {"election", "mutex", "errors"} <= GRAPH["_cli._run"]
 
 
 def test_every_module_has_a_layer() -> None:
@@ -226,11 +226,16 @@ def test_only_the_client_module_makes_a_core() -> None:
     assert makers == ["client"], makers
 
 
-def test_the_statements_are_reached_through_sql_only() -> None:
-    # One door: what the library sends is read from `_sql`'s imports, whichever part builds it.
+def test_statements_are_composed_in_sql_only() -> None:
+    # All SQL in one place: the library's other modules take statements from `_sql` (its package or
+    # the part whose job it is), never compose one. The CLI's demo and the integrations' own tables
+    # are theirs, outside the core.
     for module in sorted(set(MODULES) - SQL):
-        parts = GRAPH[module] & (SQL - {"_sql"})
-        assert not parts, f"{module} imports {sorted(parts)}: import them from _sql"
+        if layer_of(module) in {"_cli", "integrations"}:
+            continue
+        source = FILES[module].read_text()
+        assert "psycopg.sql" not in source, module
+        assert "from psycopg import sql" not in source, module
 
 
 @pytest.mark.parametrize("module", sorted(SQL))
@@ -305,7 +310,34 @@ def test_the_command_line_is_built_on_the_public_api_only() -> None:
                 assert not node.module.startswith("_"), f"{path.name} imports the private {node.module}"
                 reached.add(node.module)
     # A guard on the reading itself: the command line does use the library.
-    assert {"__init__", "errors"} <= reached
+    assert {"election", "errors", "mutex"} <= reached
+
+
+MOST_LAYERS_CROSSED = 12
+"""The longest chain of modules each importing the next, from the command line to the clock.
+
+What a reader crosses to follow a call down to the wire: each module on the chain is a layer they
+must hold in mind. A new module that lengthens it is a layer the design did not have.
+"""
+
+
+def longest_chain() -> list[str]:
+    chains: dict[str, list[str]] = {}
+
+    def below(module: str) -> list[str]:
+        if module not in chains:
+            deepest = max((below(imported) for imported in GRAPH.get(module, ())), key=len, default=[])
+            chains[module] = [module, *deepest]
+        return chains[module]
+
+    return max((below(module) for module in MODULES), key=len)
+
+
+def test_a_call_crosses_few_layers() -> None:
+    chain = longest_chain()
+    assert len(chain) <= MOST_LAYERS_CROSSED, " -> ".join(chain)
+    # A guard on the reading: the chain does run from the command line down to the clock's level.
+    assert len(chain) >= 8, chain
 
 
 def test_nothing_below_the_command_line_imports_it() -> None:

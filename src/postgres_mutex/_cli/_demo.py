@@ -28,7 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .. import ExtendedMetricsHook, MetricsHook, Mutex, SchemaError
+from ..errors import SchemaError
+from ..metrics import ExtendedMetricsHook, MetricsHook
+from ..mutex import Mutex
 from ..watcher import StaleWatcher
 from ._common import UsageError
 from ._embedded import EmbeddedPostgres, EmbeddedPostgresError

@@ -13,8 +13,11 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from .. import Election, Leadership, LockAcquisitionTimeout, LockNotHeldError, Mutex, RWLock, Semaphore
-from ..errors import DatabaseError
+from ..election import Election, Leadership
+from ..errors import DatabaseError, LockAcquisitionTimeout, LockNotHeldError
+from ..mutex import Mutex
+from ..rwlock import RWLock
+from ..semaphore import Semaphore
 from ._common import MAX_RESTART_DELAY, UsageError, command_env, dsn, duration, say
 from ._supervisor import FORWARDED, Supervisor
 

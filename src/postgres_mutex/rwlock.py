@@ -1,0 +1,9 @@
+"""`RWLock`'s own module: the class `postgres_mutex.RWLock` names, importable by itself.
+
+The command line imports it from here, as it imports `Mutex` from `mutex` and
+`Election` from `election`: a program that needs one lock kind loads that one.
+"""
+
+from ._kinds.rwlock import RWLock
+
+__all__ = ["RWLock"]
