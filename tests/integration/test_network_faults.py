@@ -269,6 +269,22 @@ def test_a_silent_network_cannot_hang_a_blocking_acquire_past_its_timeout(
     assert isinstance(caught.value.__cause__, DatabaseError), "what stood in the way is chained"
 
 
+@pytest.mark.parametrize("connect_timeout", ["30", "0"])
+def test_a_users_long_connect_timeout_cannot_hold_an_acquire_past_its_timeout(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str, connect_timeout: str
+) -> None:
+    # The user's DSN allows connects of 30 s (or, with 0, forever); an acquire of 1 s still ends
+    # near its second: its reconnect waits no longer than the acquire may (libpq's floor: 2 s).
+    mutex = make_mutex(f"{proxy_dsn} connect_timeout={connect_timeout}", operation_timeout=0.5)
+    with mutex.acquire():
+        pass
+    proxy.silence()
+    started = time.monotonic()
+    with pytest.raises(LockAcquisitionTimeout), mutex.acquire(blocking=True, timeout=1.0):
+        pytest.fail("must not run")
+    assert time.monotonic() - started < 1.0 + 2.0 + 2.0 + 1.0
+
+
 async def test_a_silent_network_cannot_hang_an_async_acquire(
     amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
 ) -> None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from .._base.clock import now
 from .._base.connections import BAD, FAILURES, IDLE, ServerSession, closed_while_idle, discard, unusable
@@ -96,6 +98,7 @@ class OwnConnection:
     def __init__(self, dsn: str, connect_kwargs: dict[str, Any]) -> None:
         self._dsn = dsn
         self._kwargs = connect_kwargs
+        self._longest_connect = _longest_connect(dsn, connect_kwargs)
         self._conn: psycopg.Connection[Any] | None = None
         self._cutter: Cutter | None = None
         self._used_at = 0.0
@@ -167,7 +170,7 @@ class OwnConnection:
                 raise failed[1]
             try:
                 conn = psycopg.Connection.connect(
-                    self._dsn, autocommit=True, **{**self._kwargs, **_connect_within(self._kwargs, timeout)}
+                    self._dsn, autocommit=True, **{**self._kwargs, **_connect_within(self._longest_connect, timeout)}
                 )
             except FAILURES as exc:
                 self._connect_failed = now(), exc
@@ -201,11 +204,28 @@ class OwnConnection:
         self._drop()
 
 
-def _connect_within(kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """A connect made for a statement waits no longer than that statement may (libpq's floor: 2 s)."""
-    if "connect_timeout" not in kwargs:
-        return {}  # the DSN (or PGCONNECT_TIMEOUT) sets it: the user's choice wins
-    return {"connect_timeout": max(2, math.ceil(min(timeout, kwargs["connect_timeout"])))}
+def _longest_connect(dsn: str, kwargs: dict[str, Any]) -> float:
+    """The longest a connect may wait as the user configured it (the library's default if silent).
+
+    libpq reads ``connect_timeout`` from the keywords, then the DSN, then
+    ``PGCONNECT_TIMEOUT``; zero or none means no limit.
+    """
+    given = kwargs.get("connect_timeout") or conninfo_to_dict(dsn).get("connect_timeout")
+    given = given or os.environ.get("PGCONNECT_TIMEOUT")
+    try:
+        seconds = float(given) if given else 0.0
+    except ValueError:
+        return math.inf  # libpq rejects it at connect, in its own words
+    return seconds if seconds > 0 else math.inf
+
+
+def _connect_within(longest: float, timeout: float) -> dict[str, Any]:
+    """A connect made for a statement waits no longer than that statement may (libpq's floor: 2 s).
+
+    The user's ``connect_timeout`` bounds it too, but a longer one (or none)
+    must not hold an acquire past its deadline.
+    """
+    return {"connect_timeout": max(2, math.ceil(min(timeout, longest)))}
 
 
 class PooledConnection:
