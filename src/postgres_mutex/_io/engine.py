@@ -418,8 +418,11 @@ def _statement(
 def _server_ms(timeout: float) -> int:
     """The server's deadline (``statement_timeout``, in ms) for a statement the client gives ``timeout`` seconds."""
     timeout_ms = max(1, int((timeout - max(timeout * (1 - _SERVER_SHARE), min(_CLIENT_MARGIN, timeout / 2))) * 1000))
-    if len(_SERVER_MS) < _SERVER_MS_KEPT:  # an acquire's deadline that counts down is not kept
-        _SERVER_MS[timeout] = timeout_ms
+    if len(_SERVER_MS) >= _SERVER_MS_KEPT:
+        # Filled by the one-off values of deadlines that count down (blocking acquires): start
+        # again, so the recurring ones (each client's operation_timeout) are found again.
+        _SERVER_MS.clear()
+    _SERVER_MS[timeout] = timeout_ms
     return timeout_ms
 
 
