@@ -23,7 +23,7 @@ CONNECTION = {"pool", "async_pool", "client"}
 
 OWN: dict[type, set[str]] = {
     Mutex: {"fair"},
-    Semaphore: {"permits"},
+    Semaphore: {"permits", "fair"},
     RWLock: set(),
     Election: {"grace_period", "failure_backoff", "max_failure_backoff"},
 }

@@ -47,7 +47,7 @@ from psycopg import sql
 
 from .history import hold_ended
 from .kinds import adds
-from .queue import FORGOTTEN_AFTER, LIVE
+from .queue import FORGOTTEN_AFTER, LIVE, MUTEX_LINE, Line
 from .statement import Statement, statement
 from .wake import after_release
 
@@ -74,17 +74,18 @@ def handed(payload: str) -> tuple[str, int, int] | None:
 _NOTHING = sql.SQL("")
 
 
-def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
+def release(names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX_LINE) -> Statement:
     """A fair lock's release: hand the row to the oldest live waiter and notify it, else delete it; one statement.
 
     ``scoped``: the hold's row (``acquired_at``); else any row of this
-    instance (`leave`). Answers one row per row handed or deleted. Also
+    instance (`leave`). ``line``: whose waiters, and which rows (a Mutex's,
+    a Semaphore's permits). Answers one row per row handed or deleted. Also
     dequeues the caller, the waiter handed the lock, and waiters long gone.
+    A waiter that holds a row of the lock already (a permit handed to it by
+    another release, which its attempt under way queued again) is passed over.
     """
     scope = sql.SQL(" AND acquired_at = %(acquired_at)s") if scoped else _NOTHING
-    mine = sql.SQL("locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}").format(
-        scope=scope
-    )
+    mine = sql.SQL("{rows} AND instance_id = %(instance_id)s{scope}").format(rows=line.rows(), scope=scope)
     # The receiver names no session and has no minimum hold until its own acquire writes them.
     cleared = [sql.SQL("session_key = NULL, session_hold = NULL, reclaim_after = NULL")] if shape.sessions else []
     if shape.holds:
@@ -97,8 +98,8 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
   SELECT lock_name, instance_id, acquired_at, last_heartbeat FROM {table} WHERE {mine} FOR UPDATE
 ), next AS (
   SELECT waiter.instance_id, waiter.wait_id FROM {queue} AS waiter
-   WHERE waiter.lock_name = %(lock_name)s AND waiter.instance_id <> %(instance_id)s
-     AND waiter.seen > now() - {live} AND EXISTS (SELECT FROM mine)
+   WHERE waiter.lock_name = {key} AND waiter.instance_id <> %(instance_id)s
+     AND waiter.seen > now() - {live} AND EXISTS (SELECT FROM mine){holds_none}
    ORDER BY waiter.ticket
    LIMIT 1
    FOR UPDATE OF waiter SKIP LOCKED
@@ -107,8 +108,8 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
      SET instance_id = next.instance_id, acquired_at = now(), last_heartbeat = clock_timestamp(),
          token = nextval({sequence}){cleared}
     FROM next
-   WHERE held.{mine_held}
-  RETURNING held.instance_id, next.wait_id, held.token, held.acquired_at
+   WHERE {mine_held}
+  RETURNING held.lock_name, held.instance_id, next.wait_id, held.token, held.acquired_at
 ), deleted AS (
   DELETE FROM {table} WHERE {mine} AND NOT EXISTS (SELECT FROM next)
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
@@ -116,7 +117,7 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
   SELECT * FROM mine WHERE EXISTS (SELECT FROM handed) UNION ALL SELECT * FROM deleted
 ), dequeued AS (
   DELETE FROM {queue} AS waiter
-   WHERE waiter.lock_name = %(lock_name)s
+   WHERE waiter.lock_name = {key}
      AND (waiter.instance_id = %(instance_id)s OR waiter.instance_id IN (SELECT instance_id FROM handed)
           OR waiter.seen <= now() - {forgotten} * {live})
 ){ended}
@@ -134,13 +135,21 @@ SELECT {notify}::text FROM deleted"""
             # that release handed to it, and hands it on.
             leave=_NOTHING
             if scoped
-            else sql.SQL(
-                "DELETE FROM {queue} WHERE lock_name = %(lock_name)s AND instance_id = %(instance_id)s;\n"
-            ).format(queue=names.queue),
+            else sql.SQL("DELETE FROM {queue} WHERE lock_name = {key} AND instance_id = %(instance_id)s;\n").format(
+                queue=names.queue, key=line.key
+            ),
+            key=line.key,
             mine=mine,
-            mine_held=sql.SQL(
-                "locked = 1 AND held.lock_name = %(lock_name)s AND held.instance_id = %(instance_id)s{scope}"
-            ).format(scope=sql.SQL(" AND held.acquired_at = %(acquired_at)s") if scoped else _NOTHING),
+            mine_held=sql.SQL("{rows} AND held.instance_id = %(instance_id)s{scope}").format(
+                rows=line.rows("held"),
+                scope=sql.SQL(" AND held.acquired_at = %(acquired_at)s") if scoped else _NOTHING,
+            ),
+            holds_none=_NOTHING
+            if line is MUTEX_LINE
+            else sql.SQL(
+                "\n     AND NOT EXISTS (SELECT FROM {table} AS other"
+                " WHERE {rows} AND other.instance_id = waiter.instance_id)"
+            ).format(table=names.table, rows=line.rows("other")),
             live=LIVE,
             forgotten=sql.Literal(FORGOTTEN_AFTER),
             cleared=sql.SQL("").join(sql.SQL(", ") + part for part in cleared),
@@ -160,7 +169,7 @@ def _ended(names: Names, shape: TableShape) -> sql.Composable:
     return hold_ended(names) + sql.SQL(
         """, opened AS (
   INSERT INTO {history} (lock_name, token, holder, acquired_at, keep_until)
-  SELECT %(lock_name)s, handed.token, handed.instance_id, handed.acquired_at, NULL::timestamptz FROM handed
+  SELECT handed.lock_name, handed.token, handed.instance_id, handed.acquired_at, NULL::timestamptz FROM handed
 )"""
     ).format(history=names.history)
 

@@ -1,11 +1,12 @@
-"""A fair lock's queue of waiters: which waiter is live, and what a fair acquire adds to a Mutex's.
+"""A fair lock's queue of waiters: which waiter is live, and what a fair acquire adds to a Mutex's or a Semaphore's.
 
 Apart from the fair release (`_sql.fair`), so that the lock's statements
-(`_sql.lock`), which build the fair acquire, need nothing but this.
+(`_sql.lock`, `_sql.semaphores`), which build the fair acquires, need nothing but this.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from psycopg import sql
@@ -17,6 +18,76 @@ LIVE = sql.SQL("make_interval(secs => %(waiter_live_seconds)s::float8)")
 
 FORGOTTEN_AFTER = 10
 """A waiter not seen for this many times the live window is deleted from the queue by a release."""
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One kind of fair lock's line of waiters: its key in the queue, and which rows of the lock table it is for.
+
+    ``key``: the queue's ``lock_name`` of the lock's waiters; ``column`` and
+    ``value``: the rows of the lock table a release may hand to them (a
+    mutex's one row; a semaphore's every permit), by ``column = value``.
+    """
+
+    key: sql.Composable
+    column: str
+    value: sql.Composable
+
+    def rows(self, alias: str | None = None) -> sql.Composable:
+        """The lock's rows held, ``alias``-qualified if given."""
+
+        def column(name: str) -> sql.Identifier:
+            return sql.Identifier(alias, name) if alias else sql.Identifier(name)
+
+        return sql.SQL("{} = 1 AND {} = {}").format(column("locked"), column(self.column), self.value)
+
+
+MUTEX_LINE = Line(key=sql.SQL("%(lock_name)s"), column="lock_name", value=sql.SQL("%(lock_name)s"))
+"""A fair Mutex's: its waiters queue under the lock's name, for its one row."""
+
+PERMITS_LINE = Line(key=sql.SQL("(%(semaphore)s || chr(31))"), column="semaphore", value=sql.SQL("%(semaphore)s"))
+"""A fair Semaphore's: its waiters queue under its name and the separator (no Mutex's name has it, so a Mutex of
+the same name has a line of its own), for every permit's row."""
+
+
+def permit_parts(names: Names) -> dict[str, sql.Composable]:
+    """What a fair Semaphore's acquire adds to a Semaphore's (`_sql.semaphores`), by its placeholders.
+
+    ``ahead``: how many live waiters came before this one (all, if it is not
+    queued yet): a free permit is taken only while fewer of them than free
+    permits wait, so the oldest take the free ones first; ``insert_if`` says
+    so; ``take_if``: a stale permit is reclaimed by the oldest live waiter
+    alone; ``queued``: the caller's entry, written (its ``seen`` refreshed)
+    while nothing is won and deleted once something is. A permit handed to
+    this waiter by a release is a row of its own: the acquire's ``mine``
+    takes it, whatever the line.
+    """
+    key = PERMITS_LINE.key
+    return {
+        "ahead": sql.SQL(
+            """, ahead AS (
+  SELECT count(*) AS waiters FROM {queue} AS waiter
+   WHERE waiter.lock_name = {key} AND waiter.instance_id <> %(instance_id)s
+     AND waiter.seen > now() - {live}
+     AND waiter.ticket < COALESCE((SELECT mine.ticket FROM {queue} AS mine
+                                   WHERE mine.lock_name = {key} AND mine.instance_id = %(instance_id)s),
+                                  9223372036854775807)
+)"""
+        ).format(queue=names.queue, key=key, live=LIVE),
+        "insert_if": sql.SQL("\n     AND (SELECT waiters FROM ahead) < (SELECT count(*) FROM free)"),
+        "take_if": sql.SQL("\n     AND (SELECT waiters FROM ahead) = 0"),
+        "queued": sql.SQL(
+            """, queued AS (
+  INSERT INTO {queue} AS waiter (lock_name, instance_id, seen, wait_id)
+  SELECT {key}, %(instance_id)s, now(), %(wait_id)s
+   WHERE NOT EXISTS (SELECT FROM won) AND EXISTS (SELECT FROM agreed)
+  ON CONFLICT (lock_name, instance_id) DO UPDATE SET seen = now(), wait_id = EXCLUDED.wait_id
+), dequeued AS (
+  DELETE FROM {queue} AS waiter
+   WHERE waiter.lock_name = {key} AND waiter.instance_id = %(instance_id)s AND EXISTS (SELECT FROM won)
+)"""
+        ).format(queue=names.queue, key=key),
+    }
 
 
 def acquire_parts(names: Names) -> dict[str, sql.Composable]:
