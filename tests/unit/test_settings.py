@@ -24,7 +24,7 @@ CONNECTION = {"pool", "async_pool", "client"}
 OWN: dict[type, set[str]] = {
     Mutex: {"fair"},
     Semaphore: {"permits", "fair"},
-    RWLock: set(),
+    RWLock: {"fair"},
     Election: {"grace_period", "failure_backoff", "max_failure_backoff"},
 }
 """What a constructor takes besides the settings and the connection."""

@@ -60,6 +60,9 @@ WAKE_FAIR = "fair "
 (``wait_id``), the hold's token and its ``acquired_at`` in microseconds since the epoch (`handed`)."""
 
 
+_NOTHING = sql.SQL("")
+
+
 def handed(payload: str) -> tuple[str, int, int] | None:
     """A hand-off's notification read: the acquire it names, the token, ``acquired_at`` (µs since the epoch)."""
     if not payload.startswith(WAKE_FAIR):
@@ -71,10 +74,9 @@ def handed(payload: str) -> tuple[str, int, int] | None:
         return None
 
 
-_NOTHING = sql.SQL("")
-
-
-def release(names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX_LINE) -> Statement:
+def release(
+    names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX_LINE, also: sql.Composable = _NOTHING
+) -> Statement:
     """A fair lock's release: hand the row to the oldest live waiter and notify it, else delete it; one statement.
 
     ``scoped``: the hold's row (``acquired_at``); else any row of this
@@ -83,6 +85,7 @@ def release(names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX
     dequeues the caller, the waiter handed the lock, and waiters long gone.
     A waiter that holds a row of the lock already (a permit handed to it by
     another release, which its attempt under way queued again) is passed over.
+    ``also``: what else the statement does (a CTE that may read ``mine``).
     """
     scope = sql.SQL(" AND acquired_at = %(acquired_at)s") if scoped else _NOTHING
     mine = sql.SQL("{rows} AND instance_id = %(instance_id)s{scope}").format(rows=line.rows(), scope=scope)
@@ -120,7 +123,7 @@ def release(names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX
    WHERE waiter.lock_name = {key}
      AND (waiter.instance_id = %(instance_id)s OR waiter.instance_id IN (SELECT instance_id FROM handed)
           OR waiter.seen <= now() - {forgotten} * {live})
-){ended}
+){also}{ended}
 SELECT pg_notify(%(channel)s::text, concat_ws(' ', {wake} || handed.wait_id, handed.token,
                  (EXTRACT(EPOCH FROM handed.acquired_at) * 1000000)::bigint))::text
   FROM handed
@@ -139,13 +142,14 @@ SELECT {notify}::text FROM deleted"""
                 queue=names.queue, key=line.key
             ),
             key=line.key,
+            also=also,
             mine=mine,
             mine_held=sql.SQL("{rows} AND held.instance_id = %(instance_id)s{scope}").format(
                 rows=line.rows("held"),
                 scope=sql.SQL(" AND held.acquired_at = %(acquired_at)s") if scoped else _NOTHING,
             ),
             holds_none=_NOTHING
-            if line is MUTEX_LINE
+            if line.one_row
             else sql.SQL(
                 "\n     AND NOT EXISTS (SELECT FROM {table} AS other"
                 " WHERE {rows} AND other.instance_id = waiter.instance_id)"

@@ -368,6 +368,7 @@ class _Attempts:
             sent_at=start,
             owner=owner,
             span_context=self.span.get_span_context(),
+            row_name=lock.row_name,
             plain=True,
         )
         lock.events.acquired(self.span, result, expected_own_row=True)
