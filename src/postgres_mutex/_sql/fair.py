@@ -32,6 +32,10 @@ A waiter that gives up (a timeout, a non-blocking try, a cancellation) sends
 `leave`: its entry goes and a row handed to it meanwhile is handed on (or
 deleted) at once, so nobody waits for the staleness rules.
 
+A fair Semaphore's release and a fair read/write lock writer's are this
+one, for the rows and the line of waiters of their kind (`_sql.queue.Line`):
+their acquires are their kinds' (`_sql.semaphores`, `_sql.rwlocks`).
+
 The row is what keeps two holders apart, as for every Mutex: a release
 rewrites it under its row lock, and an acquire takes it over only under
 that lock, re-checked on its latest version (`_sql.lock`). A Mutex that is
@@ -81,7 +85,7 @@ def release(
 
     ``scoped``: the hold's row (``acquired_at``); else any row of this
     instance (`leave`). ``line``: whose waiters, and which rows (a Mutex's,
-    a Semaphore's permits). Answers one row per row handed or deleted. Also
+    a Semaphore's permits, a read/write lock's writer's row). Answers one row per row handed or deleted. Also
     dequeues the caller, the waiter handed the lock, and waiters long gone.
     A waiter that holds a row of the lock already (a permit handed to it by
     another release, which its attempt under way queued again) is passed over.
