@@ -149,7 +149,7 @@ def test_a_reader_that_comes_after_a_waiting_writer_reads_after_it(
     wait_until(lambda: _queued(admin, lock_name) == [writer.instance_id])
     reading = threading.Thread(target=take, args=(reader, "read"))
     reading.start()
-    time.sleep(0.3)  # the reader attempts (every 50 ms) and waits: no event says it has attempted
+    wait_until(lambda: reader.last_holder is not None)  # it attempted, found the lock taken, and waits
     holder.release()
     writing.join(timeout=30)
     reading.join(timeout=30)
