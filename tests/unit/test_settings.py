@@ -23,8 +23,8 @@ CONNECTION = {"pool", "async_pool", "client"}
 
 OWN: dict[type, set[str]] = {
     Mutex: {"fair"},
-    Semaphore: {"permits"},
-    RWLock: set(),
+    Semaphore: {"permits", "fair"},
+    RWLock: {"fair"},
     Election: {"grace_period", "failure_backoff", "max_failure_backoff"},
 }
 """What a constructor takes besides the settings and the connection."""

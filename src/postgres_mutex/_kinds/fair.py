@@ -22,6 +22,14 @@ _LIVE_POLLS = 4
 """A waiter not seen for this many poll intervals (and a second) is passed over by a release."""
 
 
+def waiter_live_seconds(timing: Timing) -> float:
+    """How long a fair lock's waiter counts as live after its last attempt (the statements' ``waiter_live_seconds``).
+
+    A waiter attempts at least once per ``poll_interval``: one silent for a few is gone.
+    """
+    return _LIVE_POLLS * timing.poll_interval + 1.0
+
+
 class FairKind(LockKind):
     """A fair Mutex's: one holder at a time, and the lock handed to waiters in the order they came."""
 
@@ -30,8 +38,7 @@ class FairKind(LockKind):
     queues: ClassVar[bool] = True
 
     def params(self, lock_name: str, row_name: str, timing: Timing) -> dict[str, object]:
-        # A waiter attempts at least once per poll_interval: one silent for a few is gone.
-        return {"waiter_live_seconds": _LIVE_POLLS * timing.poll_interval + 1.0}
+        return {"waiter_live_seconds": waiter_live_seconds(timing)}
 
     def migrated(self, statements: Statements) -> bool:
         return statements.acquire_fair is not None

@@ -26,6 +26,7 @@ from .._state.settings import Settings, check_name, default_instance_id
 from ..client import BUILT_ON_IT, MutexClient, client_for
 from ..errors import InvalidArgument, LockNotHeldError
 from ..watcher import OwnLockWatch
+from .fair import waiter_live_seconds
 from .holder import Holder
 from .rwlock_methods import RWLockMethods
 from .rwlock_methods_async import AsyncRWLockMethods
@@ -105,6 +106,41 @@ class Mode(LockKind):
         )
 
 
+class FairWriter(Mode):
+    """A fair read/write lock's writer: writers are served in the order they came (`_sql.fair`, `_sql.queue`).
+
+    A writer queues while it does not win, and wins only if no live writer
+    came before it; a writer's release hands its row to the oldest live
+    writer in line (readers keep waiting: the row stays a writer's), and
+    notifies it alone, which holds it with no statement of its own, as a
+    fair Mutex's waiter does. Readers do not queue: a writer in line holds
+    new readers back (the gate's stamp), as every waiting writer does.
+    """
+
+    queues: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__("write")
+
+    def params(self, lock_name: str, row_name: str, timing: Timing) -> dict[str, object]:
+        return {**super().params(lock_name, row_name, timing), "waiter_live_seconds": waiter_live_seconds(timing)}
+
+    def migrated(self, statements: Statements) -> bool:
+        return statements.acquire_write_fair is not None
+
+    def acquire_statement(self, statements: Statements, name: str) -> Statement:
+        if statements.acquire_write_fair is None:
+            raise self.missing(name, statements, "read/write locks' table and the queue of waiters that fair=True uses")
+        return statements.acquire_write_fair
+
+    def release_statement(self, statements: Statements) -> Statement:
+        # A hold acquired before the table lost its queue (it never does, short of a DROP): released as a writer's.
+        return statements.release_write_fair or statements.release
+
+    def stray_cleanup(self, statements: Statements) -> Statement | None:
+        return statements.leave_write_fair
+
+
 def writer_claim_seconds(timing: Timing) -> float:
     """How long a waiting writer's claim keeps new readers out without being renewed.
 
@@ -150,10 +186,10 @@ class ModeHolder(Holder):
     _watched_by = OwnLockWatch
 
     def __init__(
-        self, mode: str, name: str, client: MutexClient, settings: Settings, *, instance_id: str, modes: _Modes
+        self, kind: Mode, name: str, client: MutexClient, settings: Settings, *, instance_id: str, modes: _Modes
     ) -> None:
         self._modes = modes
-        self._setup(name, client, settings, Mode(mode), instance_id=instance_id)
+        self._setup(name, client, settings, kind, instance_id=instance_id)
         modes.add(self)
 
     @property
@@ -211,6 +247,15 @@ class RWLock(AsyncRWLockMethods, RWLockMethods):
     as `Mutex` has for its lock): each reader and the writer is alerted on once
     per episode, and reported to ``metrics``, under the lock's name and its mode.
 
+    With ``fair=True``, writers are served in the order they came, across
+    processes: a writer's release hands the lock to the oldest writer still
+    alive that waits, in the same statement, and wakes that one alone.
+    Readers do not queue: a reader that comes while a writer waits waits
+    behind it (and behind the writers that come while it waits), so under a
+    steady stream of writers readers wait until the line empties. The table
+    needs the queue of waiters (``create_schema()`` makes it,
+    ``LockTable.migrate()`` adds it).
+
     The table must have been created (or migrated) by this version: `SchemaError`
     says to run ``postgres-mutex migrate`` otherwise. The name is at most 50
     characters long.
@@ -236,9 +281,12 @@ class RWLock(AsyncRWLockMethods, RWLockMethods):
         tracer_provider: TracerProvider | None = None,
         client: MutexClient | None = None,
         reclaim_disconnected_after: float | None = None,
+        fair: bool = False,
     ) -> None:
         if name is None:
             raise TypeError("RWLock() needs a name: RWLock(dsn, 'catalogue')")
+        if not isinstance(fair, bool):
+            raise InvalidArgument("{fair} must be True or False, not {value!r}", value=fair)
         name = check_name(name, "name")
         if len(name) > MAX_RWLOCK_NAME or SEPARATOR in name:
             raise InvalidArgument(
@@ -252,10 +300,11 @@ class RWLock(AsyncRWLockMethods, RWLockMethods):
         # One identity for both modes; chosen by the user or not, as the settings say.
         identity = settings.instance_id or default_instance_id()
         self._modes = _Modes(name)
-        self._reader = ModeHolder("read", name, connected, settings, instance_id=identity, modes=self._modes)
+        self._reader = ModeHolder(Mode("read"), name, connected, settings, instance_id=identity, modes=self._modes)
         # The reader's watcher sees the holders of either mode: the writer shares it rather than run its own.
         unwatched = settings.replace(watch=False)
-        self._writer = ModeHolder("write", name, connected, unwatched, instance_id=identity, modes=self._modes)
+        writer = FairWriter() if fair else Mode("write")
+        self._writer = ModeHolder(writer, name, connected, unwatched, instance_id=identity, modes=self._modes)
         self._writer.watch_with(self._reader)
 
     # -- introspection -------------------------------------------------------------

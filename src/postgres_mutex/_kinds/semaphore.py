@@ -20,8 +20,9 @@ from .._state.outcome import PermitReply, read_acquire
 from .._state.rows import SEPARATOR
 from .._state.settings import Settings, check_permit_count
 from ..client import BUILT_ON_IT, MutexClient, client_for
-from ..errors import PermitsMismatchError
+from ..errors import InvalidArgument, PermitsMismatchError
 from ..watcher import OwnLockWatch
+from .fair import waiter_live_seconds
 from .holder import Holder
 
 if TYPE_CHECKING:
@@ -96,6 +97,37 @@ class Permits(LockKind):
         return f"a permit of semaphore {name!r}"
 
 
+class FairPermits(Permits):
+    """A fair Semaphore's kind: a permit released goes to the oldest live waiter (`_sql.fair`, `_sql.queue`).
+
+    Its release hands the permit's row to that waiter, which takes it with
+    an attempt of its own (the notification does not say which permit), so a
+    hand-off costs the receiver one statement; a waiter that gives up leaves
+    the line and hands on a permit handed to it meanwhile, as a fair Mutex's.
+    """
+
+    queues: ClassVar[bool] = True
+    handed_whole: ClassVar[bool] = False
+
+    def params(self, lock_name: str, row_name: str, timing: Timing) -> dict[str, object]:
+        return {**super().params(lock_name, row_name, timing), "waiter_live_seconds": waiter_live_seconds(timing)}
+
+    def migrated(self, statements: Statements) -> bool:
+        return statements.acquire_permit_fair is not None
+
+    def acquire_statement(self, statements: Statements, name: str) -> Statement:
+        if statements.acquire_permit_fair is None:
+            raise self.missing(name, statements, "semaphores' table and the queue of waiters that fair=True uses")
+        return statements.acquire_permit_fair
+
+    def release_statement(self, statements: Statements) -> Statement:
+        # A hold acquired before the table lost its queue (it never does, short of a DROP): released as a permit's.
+        return statements.release_permit_fair or statements.release
+
+    def stray_cleanup(self, statements: Statements) -> Statement | None:
+        return statements.leave_permit_fair
+
+
 class Semaphore(Holder):
     """A distributed semaphore: at most ``permits`` holders of ``name`` at once, enforced by the database.
 
@@ -119,6 +151,12 @@ class Semaphore(Holder):
     version: `SchemaError` says to run ``postgres-mutex migrate`` otherwise.
     A semaphore's name leaves room for its permits' numbers in the table's
     64 characters: at most 62 characters with 10 permits, say.
+
+    With ``fair=True``, a permit released goes to the oldest waiter still
+    alive, across processes: waiters acquire in the order they came, and a
+    free permit goes to the oldest ones first. The table needs the queue of
+    waiters (``create_schema()`` makes it, ``LockTable.migrate()`` adds it).
+    Use one kind, fair or not, per semaphore name.
     """
 
     _watched_by = OwnLockWatch
@@ -144,11 +182,15 @@ class Semaphore(Holder):
         tracer_provider: TracerProvider | None = None,
         client: MutexClient | None = None,
         reclaim_disconnected_after: float | None = None,
+        fair: bool = False,
     ) -> None:
         if name is None:
             raise TypeError("Semaphore() needs a name: Semaphore(dsn, 'partner-api', permits=3)")
         count = check_permit_count(name, permits)
-        self._setup(name, client_for(dsn, pool, async_pool, client), Settings.from_arguments(locals()), Permits(count))
+        if not isinstance(fair, bool):
+            raise InvalidArgument("{fair} must be True or False, not {value!r}", value=fair)
+        kind = FairPermits(count) if fair else Permits(count)
+        self._setup(name, client_for(dsn, pool, async_pool, client), Settings.from_arguments(locals()), kind)
 
     @property
     def name(self) -> str:
@@ -179,7 +221,9 @@ class Semaphore(Holder):
         """A Semaphore of another name (see `Siblings`), on the same client, with the same permits and settings."""
         permits = check_permit_count(lock_name, self.permits)
         settings = self._settings.replace(watch=False)  # watch=True watches its own semaphore only
-        return Semaphore._made(lock_name, self.client, settings, Permits(permits), instance_id=self.instance_id)
+        assert isinstance(self._kind, Permits)  # set by __init__
+        kind = type(self._kind)(permits)  # fair or not, as this one
+        return Semaphore._made(lock_name, self.client, settings, kind, instance_id=self.instance_id)
 
 
 BUILT_ON_IT.semaphore = Semaphore

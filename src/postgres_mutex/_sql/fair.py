@@ -32,6 +32,10 @@ A waiter that gives up (a timeout, a non-blocking try, a cancellation) sends
 `leave`: its entry goes and a row handed to it meanwhile is handed on (or
 deleted) at once, so nobody waits for the staleness rules.
 
+A fair Semaphore's release and a fair read/write lock writer's are this
+one, for the rows and the line of waiters of their kind (`_sql.queue.Line`):
+their acquires are their kinds' (`_sql.semaphores`, `_sql.rwlocks`).
+
 The row is what keeps two holders apart, as for every Mutex: a release
 rewrites it under its row lock, and an acquire takes it over only under
 that lock, re-checked on its latest version (`_sql.lock`). A Mutex that is
@@ -47,7 +51,7 @@ from psycopg import sql
 
 from .history import hold_ended
 from .kinds import adds
-from .queue import FORGOTTEN_AFTER, LIVE
+from .queue import FORGOTTEN_AFTER, LIVE, MUTEX_LINE, Line
 from .statement import Statement, statement
 from .wake import after_release
 
@@ -58,6 +62,9 @@ if TYPE_CHECKING:
 WAKE_FAIR = "fair "
 """A notification's payload that names the one waiter handed the lock: after it, the waiter's acquire
 (``wait_id``), the hold's token and its ``acquired_at`` in microseconds since the epoch (`handed`)."""
+
+
+_NOTHING = sql.SQL("")
 
 
 def handed(payload: str) -> tuple[str, int, int] | None:
@@ -71,20 +78,21 @@ def handed(payload: str) -> tuple[str, int, int] | None:
         return None
 
 
-_NOTHING = sql.SQL("")
-
-
-def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
+def release(
+    names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX_LINE, also: sql.Composable = _NOTHING
+) -> Statement:
     """A fair lock's release: hand the row to the oldest live waiter and notify it, else delete it; one statement.
 
     ``scoped``: the hold's row (``acquired_at``); else any row of this
-    instance (`leave`). Answers one row per row handed or deleted. Also
+    instance (`leave`). ``line``: whose waiters, and which rows (a Mutex's,
+    a Semaphore's permits, a read/write lock's writer's row). Answers one row per row handed or deleted. Also
     dequeues the caller, the waiter handed the lock, and waiters long gone.
+    A waiter that holds a row of the lock already (a permit handed to it by
+    another release, which its attempt under way queued again) is passed over.
+    ``also``: what else the statement does (a CTE that may read ``mine``).
     """
     scope = sql.SQL(" AND acquired_at = %(acquired_at)s") if scoped else _NOTHING
-    mine = sql.SQL("locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s{scope}").format(
-        scope=scope
-    )
+    mine = sql.SQL("{rows} AND instance_id = %(instance_id)s{scope}").format(rows=line.rows(), scope=scope)
     # The receiver names no session and has no minimum hold until its own acquire writes them.
     cleared = [sql.SQL("session_key = NULL, session_hold = NULL, reclaim_after = NULL")] if shape.sessions else []
     if shape.holds:
@@ -97,8 +105,8 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
   SELECT lock_name, instance_id, acquired_at, last_heartbeat FROM {table} WHERE {mine} FOR UPDATE
 ), next AS (
   SELECT waiter.instance_id, waiter.wait_id FROM {queue} AS waiter
-   WHERE waiter.lock_name = %(lock_name)s AND waiter.instance_id <> %(instance_id)s
-     AND waiter.seen > now() - {live} AND EXISTS (SELECT FROM mine)
+   WHERE waiter.lock_name = {key} AND waiter.instance_id <> %(instance_id)s
+     AND waiter.seen > now() - {live} AND EXISTS (SELECT FROM mine){holds_none}
    ORDER BY waiter.ticket
    LIMIT 1
    FOR UPDATE OF waiter SKIP LOCKED
@@ -107,8 +115,8 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
      SET instance_id = next.instance_id, acquired_at = now(), last_heartbeat = clock_timestamp(),
          token = nextval({sequence}){cleared}
     FROM next
-   WHERE held.{mine_held}
-  RETURNING held.instance_id, next.wait_id, held.token, held.acquired_at
+   WHERE {mine_held}
+  RETURNING held.lock_name, held.instance_id, next.wait_id, held.token, held.acquired_at
 ), deleted AS (
   DELETE FROM {table} WHERE {mine} AND NOT EXISTS (SELECT FROM next)
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
@@ -116,10 +124,10 @@ def release(names: Names, shape: TableShape, *, scoped: bool) -> Statement:
   SELECT * FROM mine WHERE EXISTS (SELECT FROM handed) UNION ALL SELECT * FROM deleted
 ), dequeued AS (
   DELETE FROM {queue} AS waiter
-   WHERE waiter.lock_name = %(lock_name)s
+   WHERE waiter.lock_name = {key}
      AND (waiter.instance_id = %(instance_id)s OR waiter.instance_id IN (SELECT instance_id FROM handed)
           OR waiter.seen <= now() - {forgotten} * {live})
-){ended}
+){also}{ended}
 SELECT pg_notify(%(channel)s::text, concat_ws(' ', {wake} || handed.wait_id, handed.token,
                  (EXTRACT(EPOCH FROM handed.acquired_at) * 1000000)::bigint))::text
   FROM handed
@@ -134,13 +142,22 @@ SELECT {notify}::text FROM deleted"""
             # that release handed to it, and hands it on.
             leave=_NOTHING
             if scoped
-            else sql.SQL(
-                "DELETE FROM {queue} WHERE lock_name = %(lock_name)s AND instance_id = %(instance_id)s;\n"
-            ).format(queue=names.queue),
+            else sql.SQL("DELETE FROM {queue} WHERE lock_name = {key} AND instance_id = %(instance_id)s;\n").format(
+                queue=names.queue, key=line.key
+            ),
+            key=line.key,
+            also=also,
             mine=mine,
-            mine_held=sql.SQL(
-                "locked = 1 AND held.lock_name = %(lock_name)s AND held.instance_id = %(instance_id)s{scope}"
-            ).format(scope=sql.SQL(" AND held.acquired_at = %(acquired_at)s") if scoped else _NOTHING),
+            mine_held=sql.SQL("{rows} AND held.instance_id = %(instance_id)s{scope}").format(
+                rows=line.rows("held"),
+                scope=sql.SQL(" AND held.acquired_at = %(acquired_at)s") if scoped else _NOTHING,
+            ),
+            holds_none=_NOTHING
+            if line.one_row
+            else sql.SQL(
+                "\n     AND NOT EXISTS (SELECT FROM {table} AS other"
+                " WHERE {rows} AND other.instance_id = waiter.instance_id)"
+            ).format(table=names.table, rows=line.rows("other")),
             live=LIVE,
             forgotten=sql.Literal(FORGOTTEN_AFTER),
             cleared=sql.SQL("").join(sql.SQL(", ") + part for part in cleared),
@@ -160,7 +177,7 @@ def _ended(names: Names, shape: TableShape) -> sql.Composable:
     return hold_ended(names) + sql.SQL(
         """, opened AS (
   INSERT INTO {history} (lock_name, token, holder, acquired_at, keep_until)
-  SELECT %(lock_name)s, handed.token, handed.instance_id, handed.acquired_at, NULL::timestamptz FROM handed
+  SELECT handed.lock_name, handed.token, handed.instance_id, handed.acquired_at, NULL::timestamptz FROM handed
 )"""
     ).format(history=names.history)
 

@@ -85,6 +85,12 @@ class Statements:
     acquire_write: Statement | None
     release_fair: Statement | None
     leave_fair: Statement | None
+    acquire_permit_fair: Statement | None
+    release_permit_fair: Statement | None
+    leave_permit_fair: Statement | None
+    acquire_write_fair: Statement | None
+    release_write_fair: Statement | None
+    leave_write_fair: Statement | None
 
     def __init__(self, names: Names, shape: TableShape) -> None:
         self.names = names

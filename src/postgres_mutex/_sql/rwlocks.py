@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING
 from psycopg import sql
 
 from . import sessions
+from .fair import release
 from .history import acquire_rw_history
 from .kinds import adds
+from .queue import WRITERS_LINE, writer_parts
 from .statement import Statement, statement
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ _GATE = """WITH gate_made AS (
      AND existing.instance_id = %(instance_id)s AND existing.acquired_at < now()
   RETURNING existing.lock_name, existing.acquired_at, existing.token
 )"""
+
+_NOT_FAIR = dict.fromkeys(("ahead", "turn", "waits", "queued"), sql.SQL(""))
 
 _GONE_EXISTING = """(existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s)
           OR {disconnected_existing})"""
@@ -171,7 +175,7 @@ def acquire_read(names: Names, *, history: bool = False) -> Statement:
     )
 
 
-def acquire_write(names: Names, *, history: bool = False) -> Statement:
+def acquire_write(names: Names, *, history: bool = False, fair: bool = False) -> Statement:
     """A writer's attempt, in one statement.
 
     - the gate is made at ``'write'`` if R had none (no row can refer to it yet);
@@ -188,30 +192,34 @@ def acquire_write(names: Names, *, history: bool = False) -> Statement:
     The reply is `acquire_read`'s: for a reclaim, the holder shown is a row
     this statement deleted or took over, so its mode says whose hold it was
     (dead readers', or a dead writer's).
+
+    ``fair``: a fair writer's (`_sql.queue.writer_parts`): it wins only if no
+    live writer came before it, and is queued while it does not win.
     """
     pieces = (
         _GATE,
-        """, others AS (
+        """{ahead}, others AS (
   SELECT 1 FROM current
    WHERE lock_name NOT IN (SELECT lock_name FROM gone)
      AND NOT (lock_name = %(row_name)s AND instance_id = %(instance_id)s)
 ), stamped AS (
   UPDATE {rwlocks} AS g
      SET writer_waiting_until = GREATEST(g.writer_waiting_until, now() + make_interval(secs => %(waiting_seconds)s))
-   WHERE g.name = %(rwlock)s AND %(waiting)s AND EXISTS (SELECT 1 FROM others) AND NOT EXISTS (SELECT 1 FROM mine)
+   WHERE g.name = %(rwlock)s AND %(waiting)s AND (EXISTS (SELECT 1 FROM others){waits})
+     AND NOT EXISTS (SELECT 1 FROM mine)
   RETURNING 1
 ), cleared AS (
   DELETE FROM {table} AS existing
    WHERE existing.locked = 1 AND existing.rwlock = %(rwlock)s AND existing.rw_mode = 'read'
      AND existing.lock_name IN (SELECT lock_name FROM gone)
-     AND NOT EXISTS (SELECT 1 FROM others) AND NOT EXISTS (SELECT 1 FROM mine)
+     AND NOT EXISTS (SELECT 1 FROM others) AND NOT EXISTS (SELECT 1 FROM mine){turn}
      AND """,
         _GONE_EXISTING,
         """
   RETURNING existing.lock_name
 ), gate_closed AS (
   UPDATE {rwlocks} AS g SET mode = 'write', writer_waiting_until = NULL
-   WHERE g.name = %(rwlock)s AND NOT EXISTS (SELECT 1 FROM others) AND NOT EXISTS (SELECT 1 FROM mine)
+   WHERE g.name = %(rwlock)s AND NOT EXISTS (SELECT 1 FROM others) AND NOT EXISTS (SELECT 1 FROM mine){turn}
   RETURNING g.mode
 ), open_to_us AS (
   SELECT 1 FROM gate_closed UNION ALL SELECT 1 FROM gate_made
@@ -223,7 +231,7 @@ def acquire_write(names: Names, *, history: bool = False) -> Statement:
          token = nextval({sequence_text}){session_update}
    WHERE existing.locked = 1 AND existing.lock_name = %(row_name)s AND existing.rw_mode = 'write'
      AND existing.lock_name IN (SELECT lock_name FROM gone)
-     AND EXISTS (SELECT 1 FROM open_to_us)
+     AND EXISTS (SELECT 1 FROM open_to_us){turn}
      AND """,
         _GONE_EXISTING,
         """
@@ -233,7 +241,7 @@ def acquire_write(names: Names, *, history: bool = False) -> Statement:
          (lock_name, locked, instance_id, last_heartbeat, acquired_at, token{session_columns}, rwlock, rw_mode)
   SELECT %(row_name)s, 1, %(instance_id)s, now(), now(), nextval({sequence_text}){session_values},
          %(rwlock)s, 'write'
-   WHERE EXISTS (SELECT 1 FROM open_to_us) AND NOT EXISTS (SELECT 1 FROM current WHERE rw_mode = 'write')
+   WHERE EXISTS (SELECT 1 FROM open_to_us) AND NOT EXISTS (SELECT 1 FROM current WHERE rw_mode = 'write'){turn}
   ON CONFLICT DO NOTHING
   RETURNING fresh.lock_name, fresh.acquired_at, fresh.token
 ), won AS (
@@ -242,23 +250,40 @@ def acquire_write(names: Names, *, history: bool = False) -> Statement:
   UNION ALL SELECT false, * FROM taken
 )""",
     )
+    parts = writer_parts(names) if fair else _NOT_FAIR
     return statement(
         names.table_name,
         "acquire",
-        _format(names, pieces, first_mode=sql.Literal("write"))
+        _format(names, pieces, first_mode=sql.Literal("write"), **parts)
         + _history(names, history, deleted="cleared")
+        + parts["queued"]
         + _format(names, (_REPLY,), retry=sql.SQL("NULL::int"), reclaimed=sql.SQL("cleared")),
         preparable=True,
         marks=True,
     )
 
 
+def _writer_gone(names: Names) -> sql.Composable:
+    """A fair writer's release's or leave's part: the gate's writer stamp cleared. A writer still in line
+    stamps it again at its next attempt; the row handed on keeps readers out meanwhile."""
+    return sql.SQL(
+        """, unstamped AS (
+  UPDATE {rwlocks} SET writer_waiting_until = NULL WHERE name = %(rwlock)s AND EXISTS (SELECT FROM mine)
+)"""
+    ).format(rwlocks=names.rwlocks)
+
+
 @adds
 def _statements(names: Names, shape: TableShape) -> dict[str, Statement | None]:
-    """A read/write lock's statements for a table of ``shape``."""
+    """A read/write lock's statements for a table of ``shape``, and a fair writer's where it has the queue."""
     # The gates' table and columns, and tokens and sessions, which every migration adds before them.
     ready = shape.rwlocks and shape.tokens and shape.sessions
+    fair = ready and shape.fair
+    gone = _writer_gone(names)
     return {
         "acquire_read": acquire_read(names, history=shape.history) if ready else None,
         "acquire_write": acquire_write(names, history=shape.history) if ready else None,
+        "acquire_write_fair": acquire_write(names, history=shape.history, fair=True) if fair else None,
+        "release_write_fair": release(names, shape, scoped=True, line=WRITERS_LINE, also=gone) if fair else None,
+        "leave_write_fair": release(names, shape, scoped=False, line=WRITERS_LINE, also=gone) if fair else None,
     }

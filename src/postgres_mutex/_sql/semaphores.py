@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 from psycopg import sql
 
 from . import sessions
+from .fair import release
 from .history import acquire_permit_history, hold_ended
 from .kinds import adds
+from .queue import PERMITS_LINE, permit_parts
 from .statement import Statement, statement
 from .wake import WAKE_ALL, after_release
 
@@ -32,8 +34,10 @@ if TYPE_CHECKING:
 
 _NOTHING = sql.SQL("")
 
+_NOT_FAIR = dict.fromkeys(("ahead", "insert_if", "take_if", "queued"), _NOTHING)
 
-def acquire_permit(names: Names, *, history: bool) -> Statement:
+
+def acquire_permit(names: Names, *, history: bool, fair: bool = False) -> Statement:
     """One statement per attempt, in the spirit of the mutex's acquire.
 
     - ``declared`` creates the semaphore with this Semaphore's N if nobody has
@@ -52,6 +56,10 @@ def acquire_permit(names: Names, *, history: bool) -> Statement:
       opted in to ``reclaim_disconnected_after`` and whose session ended,
       checked again on the row's latest version under its row lock, so two
       reclaimers never both win.
+
+    ``fair``: a fair Semaphore's (`_sql.queue.permit_parts`): a free permit
+    goes to the oldest live waiters first, and the caller is queued while
+    nothing is won.
 
     The reply: whether a fresh row won (NULL: nothing won), the holder shown
     (the previous one of a row taken over; else the one with the oldest
@@ -78,7 +86,7 @@ def acquire_permit(names: Names, *, history: bool) -> Statement:
          EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age
     FROM {table}
    WHERE locked = 1 AND semaphore = %(semaphore)s
-){marker}, mine AS (
+){marker}{ahead}, mine AS (
   UPDATE {table} AS existing
      SET last_heartbeat = now(),
          acquired_at = now(),
@@ -99,7 +107,7 @@ def acquire_permit(names: Names, *, history: bool) -> Statement:
   SELECT %(semaphore)s || chr(31) || chosen.permit, 1, %(instance_id)s, now(), now(),
          nextval({sequence_text}){session_values}, %(semaphore)s, chosen.permit, %(permits)s
     FROM (SELECT permit FROM free ORDER BY random() LIMIT 1) AS chosen
-   WHERE NOT EXISTS (SELECT 1 FROM mine)
+   WHERE NOT EXISTS (SELECT 1 FROM mine){insert_if}
   ON CONFLICT DO NOTHING
   RETURNING fresh.lock_name, fresh.acquired_at, fresh.token
 ), taken AS (
@@ -113,7 +121,7 @@ def acquire_permit(names: Names, *, history: bool) -> Statement:
                                 WHERE last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s)
                                    OR {disconnected_current}
                                 ORDER BY last_heartbeat LIMIT 1)
-     AND NOT EXISTS (SELECT 1 FROM mine) AND NOT EXISTS (SELECT 1 FROM free)
+     AND NOT EXISTS (SELECT 1 FROM mine) AND NOT EXISTS (SELECT 1 FROM free){take_if}
      AND (existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s)
           OR {disconnected_existing})
   RETURNING existing.lock_name, existing.acquired_at, existing.token
@@ -121,7 +129,7 @@ def acquire_permit(names: Names, *, history: bool) -> Statement:
   SELECT true AS fresh, * FROM inserted
   UNION ALL SELECT false, * FROM mine
   UNION ALL SELECT false, * FROM taken
-){history}
+){history}{queued}
 SELECT won.fresh, shown.instance_id, shown.heartbeat_age, won.acquired_at, won.token, won.lock_name,
        (SELECT permits FROM stored), (SELECT count(*) FROM current)::int
   FROM (VALUES (1)) AS one (x)
@@ -140,6 +148,7 @@ SELECT won.fresh, shown.instance_id, shown.heartbeat_age, won.acquired_at, won.t
             disconnected_existing=sessions.disconnected("existing"),
             history=acquire_permit_history(names) if history else _NOTHING,
             **written,
+            **(permit_parts(names) if fair else _NOT_FAIR),
         ),
         preparable=True,
         marks=True,
@@ -209,11 +218,15 @@ SELECT (SELECT permits FROM previous), (SELECT count(*) FROM released)::int,
 
 @adds
 def _statements(names: Names, shape: TableShape) -> dict[str, Statement | None]:
-    """A semaphore's statements for a table of ``shape``."""
+    """A semaphore's statements for a table of ``shape``, and a fair one's where it has the queue of waiters."""
     # The permit columns, and tokens and sessions, which every migration adds before them.
     ready = shape.semaphores and shape.tokens and shape.sessions
+    fair = ready and shape.fair
     return {
         "acquire_permit": acquire_permit(names, history=shape.history) if ready else None,
         "cleanup_permit": cleanup_permit(names, history=shape.history) if ready else None,
         "set_permits": set_permits(names, history=shape.history) if ready else None,
+        "acquire_permit_fair": acquire_permit(names, history=shape.history, fair=True) if fair else None,
+        "release_permit_fair": release(names, shape, scoped=True, line=PERMITS_LINE) if fair else None,
+        "leave_permit_fair": release(names, shape, scoped=False, line=PERMITS_LINE) if fair else None,
     }

@@ -202,7 +202,7 @@ class _Attempts:
             yield from self._after_cleanup_on_the_wire()
             while True:
                 first, self.first = self.first, None
-                if handed is not None and not (self.stop is not None and self.stop.is_set()):
+                if handed is not None and lock.kind.handed_whole and not (self.stop is not None and self.stop.is_set()):
                     # A fair lock's release handed the row to this waiter, and said so: no attempt needed.
                     taken = yield from self._take_handed(handed, owner)
                     if taken is not None:
@@ -368,6 +368,7 @@ class _Attempts:
             sent_at=start,
             owner=owner,
             span_context=self.span.get_span_context(),
+            row_name=lock.row_name,
             plain=True,
         )
         lock.events.acquired(self.span, result, expected_own_row=True)

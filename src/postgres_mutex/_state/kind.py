@@ -43,8 +43,11 @@ class LockKind:
     alerts_left_to_watcher: ClassVar[bool] = False
     """Whether its holders' alerts are its watcher's alone (many holders, each alerted on once per episode)."""
     queues: ClassVar[bool] = False
-    """Whether its waiters wait in line (a fair Mutex's, `_sql.fair`): a waiter's acquire queues it, a release
-    may hand it the row, and a waiter that gives up leaves the line (its `stray_cleanup`)."""
+    """Whether its waiters wait in line (a fair Mutex's or Semaphore's, `_sql.fair`): a waiter's acquire queues
+    it, a release may hand it the row, and a waiter that gives up leaves the line (its `stray_cleanup`)."""
+    handed_whole: ClassVar[bool] = True
+    """Whether a hand-off's notification (`_sql.handed`: the token and ``acquired_at``) says all its waiter needs
+    to hold the row; if not (a permit's: which one is not said), the waiter takes the row with an attempt."""
 
     def __str__(self) -> str:
         return self.noun
