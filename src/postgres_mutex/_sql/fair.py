@@ -51,7 +51,7 @@ from psycopg import sql
 
 from .history import hold_ended
 from .kinds import adds
-from .queue import FORGOTTEN_AFTER, LIVE, MUTEX_LINE, Line
+from .queue import FORGOTTEN_AFTER, LIVE, MUTEX_LINE, PERMITS_LINE, WRITERS_LINE, Line
 from .statement import Statement, statement
 from .wake import after_release
 
@@ -78,9 +78,7 @@ def handed(payload: str) -> tuple[str, int, int] | None:
         return None
 
 
-def release(
-    names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX_LINE, also: sql.Composable = _NOTHING
-) -> Statement:
+def release(names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX_LINE) -> Statement:
     """A fair lock's release: hand the row to the oldest live waiter and notify it, else delete it; one statement.
 
     ``scoped``: the hold's row (``acquired_at``); else any row of this
@@ -89,7 +87,6 @@ def release(
     dequeues the caller, the waiter handed the lock, and waiters long gone.
     A waiter that holds a row of the lock already (a permit handed to it by
     another release, which its attempt under way queued again) is passed over.
-    ``also``: what else the statement does (a CTE that may read ``mine``).
     """
     scope = sql.SQL(" AND acquired_at = %(acquired_at)s") if scoped else _NOTHING
     mine = sql.SQL("{rows} AND instance_id = %(instance_id)s{scope}").format(rows=line.rows(), scope=scope)
@@ -146,7 +143,7 @@ SELECT {notify}::text FROM deleted"""
                 queue=names.queue, key=line.key
             ),
             key=line.key,
-            also=also,
+            also=line.also(names) if line.also is not None else _NOTHING,
             mine=mine,
             mine_held=sql.SQL("{rows} AND held.instance_id = %(instance_id)s{scope}").format(
                 rows=line.rows("held"),
@@ -184,8 +181,15 @@ def _ended(names: Names, shape: TableShape) -> sql.Composable:
 
 @adds
 def _statements(names: Names, shape: TableShape) -> dict[str, Statement | None]:
-    """A fair Mutex's release and leave for a table of ``shape`` (its acquire is the lock's, `_sql.lock`)."""
+    """Each fair kind's release and leave for a table of ``shape`` (their acquires are their kinds' own)."""
+    # A kind's fair statements need its own tables' columns too (tokens and sessions come first).
+    kinds = shape.fair and shape.tokens and shape.sessions
+    permits, writers = kinds and shape.semaphores, kinds and shape.rwlocks
     return {
         "release_fair": release(names, shape, scoped=True) if shape.fair else None,
         "leave_fair": release(names, shape, scoped=False) if shape.fair else None,
+        "release_permit_fair": release(names, shape, scoped=True, line=PERMITS_LINE) if permits else None,
+        "leave_permit_fair": release(names, shape, scoped=False, line=PERMITS_LINE) if permits else None,
+        "release_write_fair": release(names, shape, scoped=True, line=WRITERS_LINE) if writers else None,
+        "leave_write_fair": release(names, shape, scoped=False, line=WRITERS_LINE) if writers else None,
     }

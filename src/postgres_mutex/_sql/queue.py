@@ -6,6 +6,7 @@ Apart from the fair release (`_sql.fair`), so that the lock's statements
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,13 +29,15 @@ class Line:
     ``value``: the rows of the lock table a release may hand to them (a
     mutex's one row; a semaphore's every permit; a read/write lock's
     writer's row), by ``column = value``; ``one_row``: whether the lock has
-    one such row only (a waiter cannot hold one already).
+    one such row only (a waiter cannot hold one already); ``also``: what
+    else its release does, for a table's names (a CTE that may read ``mine``).
     """
 
     key: sql.Composable
     column: str
     value: sql.Composable
     one_row: bool = True
+    also: Callable[[Names], sql.Composable] | None = None
 
     def rows(self, alias: str | None = None) -> sql.Composable:
         """The lock's rows held, ``alias``-qualified if given."""
@@ -54,7 +57,23 @@ PERMITS_LINE = Line(
 """A fair Semaphore's: its waiters queue under its name and the separator (no Mutex's name has it, so a Mutex of
 the same name has a line of its own), for every permit's row."""
 
-WRITERS_LINE = Line(key=sql.SQL("(%(rwlock)s || chr(31) || 'w')"), column="lock_name", value=sql.SQL("%(lock_name)s"))
+
+def _writer_gone(names: Names) -> sql.Composable:
+    """A fair writer's release's or leave's part: the gate's writer stamp cleared. A writer still in line
+    stamps it again at its next attempt; the row handed on keeps readers out meanwhile."""
+    return sql.SQL(
+        """, unstamped AS (
+  UPDATE {rwlocks} SET writer_waiting_until = NULL WHERE name = %(rwlock)s AND EXISTS (SELECT FROM mine)
+)"""
+    ).format(rwlocks=names.rwlocks)
+
+
+WRITERS_LINE = Line(
+    key=sql.SQL("(%(rwlock)s || chr(31) || 'w')"),
+    column="lock_name",
+    value=sql.SQL("%(lock_name)s"),
+    also=_writer_gone,
+)
 """A fair read/write lock's writers': they queue under the name of the writer's row (``R``, the separator,
 ``w``), for that row; readers do not queue."""
 

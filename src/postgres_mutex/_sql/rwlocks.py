@@ -32,10 +32,9 @@ from typing import TYPE_CHECKING
 from psycopg import sql
 
 from . import sessions
-from .fair import release
 from .history import acquire_rw_history
 from .kinds import adds
-from .queue import WRITERS_LINE, writer_parts
+from .queue import writer_parts
 from .statement import Statement, statement
 
 if TYPE_CHECKING:
@@ -263,27 +262,14 @@ def acquire_write(names: Names, *, history: bool = False, fair: bool = False) ->
     )
 
 
-def _writer_gone(names: Names) -> sql.Composable:
-    """A fair writer's release's or leave's part: the gate's writer stamp cleared. A writer still in line
-    stamps it again at its next attempt; the row handed on keeps readers out meanwhile."""
-    return sql.SQL(
-        """, unstamped AS (
-  UPDATE {rwlocks} SET writer_waiting_until = NULL WHERE name = %(rwlock)s AND EXISTS (SELECT FROM mine)
-)"""
-    ).format(rwlocks=names.rwlocks)
-
-
 @adds
 def _statements(names: Names, shape: TableShape) -> dict[str, Statement | None]:
     """A read/write lock's statements for a table of ``shape``, and a fair writer's where it has the queue."""
     # The gates' table and columns, and tokens and sessions, which every migration adds before them.
     ready = shape.rwlocks and shape.tokens and shape.sessions
     fair = ready and shape.fair
-    gone = _writer_gone(names)
     return {
         "acquire_read": acquire_read(names, history=shape.history) if ready else None,
         "acquire_write": acquire_write(names, history=shape.history) if ready else None,
         "acquire_write_fair": acquire_write(names, history=shape.history, fair=True) if fair else None,
-        "release_write_fair": release(names, shape, scoped=True, line=WRITERS_LINE, also=gone) if fair else None,
-        "leave_write_fair": release(names, shape, scoped=False, line=WRITERS_LINE, also=gone) if fair else None,
     }

@@ -21,10 +21,9 @@ from typing import TYPE_CHECKING
 from psycopg import sql
 
 from . import sessions
-from .fair import release
 from .history import acquire_permit_history, hold_ended
 from .kinds import adds
-from .queue import PERMITS_LINE, permit_parts
+from .queue import permit_parts
 from .statement import Statement, statement
 from .wake import WAKE_ALL, after_release
 
@@ -227,6 +226,4 @@ def _statements(names: Names, shape: TableShape) -> dict[str, Statement | None]:
         "cleanup_permit": cleanup_permit(names, history=shape.history) if ready else None,
         "set_permits": set_permits(names, history=shape.history) if ready else None,
         "acquire_permit_fair": acquire_permit(names, history=shape.history, fair=True) if fair else None,
-        "release_permit_fair": release(names, shape, scoped=True, line=PERMITS_LINE) if fair else None,
-        "leave_permit_fair": release(names, shape, scoped=False, line=PERMITS_LINE) if fair else None,
     }
