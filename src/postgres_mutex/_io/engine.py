@@ -260,7 +260,17 @@ class Engine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_queue = row
+            (
+                exists,
+                has_token,
+                has_history,
+                has_sessions,
+                has_semaphores,
+                has_rwlocks,
+                has_hold_until,
+                has_queue,
+                has_leases,
+            ) = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -278,6 +288,7 @@ class Engine:
                 rwlocks=bool(has_rwlocks),
                 holds=bool(has_hold_until),
                 fair=bool(has_queue),
+                leases=bool(has_leases),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.
