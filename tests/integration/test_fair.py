@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, SchemaError
+from postgres_mutex._state.heartbeat_flows import LEASE_FROM
 from tests.support.exclusion import overlaps, read_log
 from tests.support.fixtures import ROOT, wait_until
 
@@ -315,10 +317,11 @@ def test_a_row_handed_to_a_waiter_that_died_is_not_kept_fresh_by_the_releasers_l
         "operation_timeout": 1.0,
     }
     holder = make_mutex(fair=True, **thresholds)
-    # Another lock of the same client keeps its lease renewed after the fair lock is handed on.
-    kept = make_mutex(lock_name=f"{lock_name}-kept", **thresholds)
-    with kept.acquire() as acquired:
-        assert acquired
+    # Other locks of the same client, enough to renew by a lease (`heartbeat_flows.LEASE_FROM`), keep it renewed
+    # after the fair lock is handed on.
+    kept = [make_mutex(lock_name=f"{lock_name}-kept-{n}", **thresholds) for n in range(LEASE_FROM)]
+    with contextlib.ExitStack() as stack:
+        assert all(stack.enter_context(each.acquire()) for each in kept)
         assert holder.acquire().__enter__()
         wait_until(
             lambda: (
@@ -340,4 +343,4 @@ def test_a_row_handed_to_a_waiter_that_died_is_not_kept_fresh_by_the_releasers_l
         with make_mutex(fair=True, **thresholds).acquire(timeout=3 * thresholds["stale_threshold"]) as taken:
             assert taken
         assert time.monotonic() - started < 2 * thresholds["stale_threshold"]
-        assert kept.held
+        assert all(each.held for each in kept)

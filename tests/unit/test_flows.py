@@ -534,12 +534,14 @@ def test_a_lease_is_used_only_where_the_thresholds_leave_it_room() -> None:
     state = lock(timing=DEFAULTS)
     state.begin_acquire(ACQUIRER)
     hold = state.won(acquired_at=STAMP, token=7, sent_at=now(), owner=ME, span_context=None, plain=True)
-    assert heartbeat_flows.lease_usable([hold], 10.0, 5.0)
+    many = heartbeat_flows.LEASE_FROM
+    assert heartbeat_flows.lease_usable([hold] * many, 10.0, 5.0)
+    assert not heartbeat_flows.lease_usable([hold] * (many - 1), 10.0, 5.0), "a few locks renew their rows"
     assert heartbeat_flows.own_heartbeat_period(hold) == (600.0 - 10.0) / 3
     short = lock(timing=TIMING)  # a stale threshold shorter than the statement's deadline
     short.begin_acquire(ACQUIRER)
     fast = short.won(acquired_at=STAMP, token=8, sent_at=now(), owner=ME, span_context=None, plain=True)
-    assert not heartbeat_flows.lease_usable([fast], 0.1, 2.0)
+    assert not heartbeat_flows.lease_usable([fast] * many, 0.1, 2.0)
     minimum = lock(timing=DEFAULTS)
     minimum.begin_acquire(ACQUIRER)
     kept = minimum.won(acquired_at=STAMP, token=9, sent_at=now(), owner=ME, span_context=None, plain=False)

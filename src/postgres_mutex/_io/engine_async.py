@@ -110,6 +110,7 @@ class AsyncEngine:
             self._listener = None
         self._gate = AGate()
         self.closed = False
+        self._pooled = False
         self._heartbeats = heartbeats(self)
         self.keep: Callable[[Hold], None] = self._heartbeats.keep
         """Renew a hold from now on, with the other holds of its table and interval: the worker's own
@@ -276,6 +277,15 @@ class AsyncEngine:
         # psycopg's error held a secret: raised out here, where it is not even
         # the error's __context__ (which `from None` would merely hide).
         raise error
+
+    @property
+    def behind_pooler(self) -> bool:
+        """Whether a connection of this engine was found to go through a pooler (PgBouncer): once found, for good
+        (a new connection to the same DSN goes through it too, and is asked again only by its first acquire)."""
+        if not self._pooled:
+            session = self._source.session
+            self._pooled = session is not None and session.direct is False
+        return self._pooled
 
     async def shape(self, names: Names, timeout: float, *, fresh: bool = False) -> Statements:
         """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""

@@ -33,6 +33,7 @@ from .._state.settings import retry_pause
 from ..errors import DatabaseError
 
 if TYPE_CHECKING:
+    from .._observe.tracing import Tracing
     from .._sql import Statements
     from .engine import Engine
 
@@ -223,23 +224,36 @@ class HeartbeatWorker:
             statements: Statements | None = self._engine.shape(holds[0].lock.names, timeout)
         except DatabaseError:
             statements = None  # the first batch inspects the table again, and fails as it does
-        # Thresholds too short for a lease (`heartbeat_flows.lease_usable`): rows are renewed as without one.
-        usable = heartbeat_flows.lease_usable(holds, group.interval, timeout)
+        # Few holds, thresholds too short for a lease (`heartbeat_flows.lease_usable`), or a pooler between (whose
+        # queue may hold the lease's renewal past the deadline it must land within): rows renewed one by one.
+        usable = not self._engine.behind_pooler and heartbeat_flows.lease_usable(holds, group.interval, timeout)
         lease = self._lease(group) if usable and statements is not None and statements.renew_lease is not None else None
         if lease is not None:
             lease.statements = statements
         by_row: list[Hold] = holds
-        by_lease: list[Hold] = []
         if lease is not None and statements is not None:
             try:
-                by_lease, sent_at = self._renew_lease(lease, holds, statements, timeout)
+                first, by_lease = self._renew_lease(lease, holds, statements, group.tracing, timeout)
             except DatabaseError as exc:
                 self._round_failed(group, holds, exc, first=True)
                 return
-            if by_lease:
-                started_at = sent_at
-                covered = set(by_lease)
-                by_row = [hold for hold in holds if hold not in covered]
+            if first is not None:
+                started_at = first.sent_at
+                group.quiet_retry = False
+                # The holds whose rows the lease's statement renewed by themselves, and those the lease alone
+                # did: a heartbeat of each, to the hooks and the metrics (the latter's trust left as it was).
+                done = set(by_lease).union(first.renewed, first.busy, (hold for hold, _ in first.lost))
+                by_row = [hold for hold in holds if hold not in done]
+                if first.busy:
+                    retry_at = now() + retry_pause(group.interval)
+                    self._host.session.post(_failed(first.busy, None))
+                told = heartbeat_flows.Beat(
+                    first.renewed + by_lease, first.lost, first.latency, confirmed=first.confirmed
+                )
+                if told.lost:
+                    self._host.session.post(_renewed([told]))
+                else:
+                    renewed.append(told)
         # The rows renewed one by one: those that may follow the lease in batches of their own, which point them
         # at it, then the others.
         leased = [hold for hold in by_row if heartbeat_flows.follows_lease(hold)] if lease is not None else []
@@ -258,7 +272,10 @@ class HeartbeatWorker:
                     beat = heartbeat_flows.Beat([], [], 0.0, exc)
                 if beat.error is not None:
                     self._round_failed(
-                        group, [hold for rest, _ in batches[index:] for hold in rest], beat.error, first=index == 0
+                        group,
+                        [hold for rest, _ in batches[index:] for hold in rest],
+                        beat.error,
+                        first=started_at is None,
                     )
                     return
                 group.quiet_retry = False
@@ -266,6 +283,10 @@ class HeartbeatWorker:
                     started_at = beat.sent_at
                 if key is not None and lease is not None:
                     self._attach(lease, batch, beat)
+                    if lease.seen is None:
+                        # What the next renewal's revision is compared to: a forced release of any row since
+                        # changes it.
+                        lease.seen = beat.revision
                 if beat.busy:
                     retry_at = now() + retry_pause(group.interval)
                     self._host.session.post(_failed(beat.busy, None))
@@ -303,14 +324,17 @@ class HeartbeatWorker:
         return lease
 
     def _renew_lease(
-        self, lease: _Lease, holds: list[Hold], statements: Statements, timeout: float
-    ) -> tuple[list[Hold], float]:
-        """Renew the lease, and detach the rows no longer renewed; the holds it renewed, and when it was sent.
+        self, lease: _Lease, holds: list[Hold], statements: Statements, tracing: Tracing, timeout: float
+    ) -> tuple[heartbeat_flows.Beat | None, list[Hold]]:
+        """Renew the lease, detach the rows no longer renewed, and renew by themselves the rows whose own heartbeat
+        is due (`_Lease.own_heartbeat_due`, at most `heartbeat_flows.BATCH` of them, the longest due first), in
+        one statement. Returns what it did for those rows (None: no statement was needed) and the holds the lease
+        alone renewed.
 
-        None are renewed unless the lease's revision is the one last seen (a
-        forced release changes it; a lapsed lease has none): then each row is
-        renewed by itself, which tells which are still held. Nor is a hold
-        whose row's own heartbeat is due (`_Lease.own_heartbeat_due`).
+        None are renewed by the lease alone unless its revision is the one
+        last seen (a forced release changes it; a lapsed lease has none):
+        then each row is renewed by itself, which tells which are still held.
+        Raises `DatabaseError` if the statement failed.
         """
         live = set(holds)
         for hold in list(lease.rows):
@@ -320,18 +344,34 @@ class HeartbeatWorker:
                     lease.detach[hold.token] = None
         attached = [hold for hold in holds if hold in lease.rows]
         if not attached and not lease.detach:
-            return [], 0.0
-        revision, sent_at = self._engine.run(
-            heartbeat_flows.renew_lease(attached, list(lease.detach), statements, lease.key, timeout)
-        )
+            return None, []
+        current = now()
+        due = sorted((hold for hold in attached if lease.rows[hold] <= current), key=lease.rows.__getitem__)
+        due = due[: heartbeat_flows.BATCH]
+        detach = list(lease.detach)
+        if due:
+            within = heartbeat_flows.lease_within(attached, timeout)
+            renewal = heartbeat_flows.LeaseRenewal(lease.key, detach, within)
+            beat = self._engine.run(heartbeat_flows.heartbeat(due, statements, tracing, timeout, renewal=renewal))
+            if beat.error is not None:
+                raise beat.error
+            revision = beat.revision
+            for hold in beat.renewed:
+                lease.rows[hold] = lease.own_heartbeat_due(hold, first=False)
+        else:
+            revision, sent_at = self._engine.run(
+                heartbeat_flows.renew_lease(attached, detach, statements, lease.key, timeout)
+            )
+            beat = heartbeat_flows.Beat([], [], now() - sent_at, sent_at=sent_at)
         lease.detach.clear()
         if not attached:
-            return [], sent_at
+            return beat, []
         seen, lease.seen = lease.seen, revision
         if revision is None or revision != seen:
-            return [], sent_at
+            return beat, []
         current = now()
-        return [hold for hold in attached if lease.rows[hold] > current], sent_at
+        carried = set(due)
+        return beat, [hold for hold in attached if hold not in carried and lease.rows[hold] > current]
 
     def _end_lease(self, lease: _Lease) -> None:
         """Delete the lease of a group that holds nothing any more, rather than leave its row for good."""

@@ -79,17 +79,33 @@ def effective_heartbeat(names: Names, row: sql.Composable) -> sql.Composable:
 
 
 def upsert(names: Names) -> sql.Composable:
-    """The per-row heartbeat's part that makes the lease its rows now point at exist, renewed."""
+    """The per-row heartbeat's part that makes the lease its rows now point at exist, renewed; with its revision,
+    which the statement answers (`REVISION`), the one its holder compares the next renewal's to."""
     return sql.SQL(
         """lease AS (
   INSERT INTO {leases} AS lease (lease_key, last_heartbeat) VALUES (%(lease_key)s, now())
   ON CONFLICT (lease_key) DO UPDATE SET last_heartbeat = now()
-  RETURNING lease.lease_key
+  RETURNING lease.lease_key, lease.revision
 ), """
     ).format(leases=names.leases)
 
 
-_DETACHED = sql.SQL("""WITH detached AS (
+REVISION = sql.SQL(", (SELECT revision FROM lease)")
+"""The heartbeat's last column where it renews the lease too (`upsert`, `renewal`): the lease's revision, NULL if
+it was not renewed."""
+
+
+def renewal(names: Names) -> sql.Composable:
+    """The part of a per-row heartbeat that renews the lease as `renew` does, in the same statement: the rows whose
+    own heartbeat is due go with the lease's renewal, one statement a round (their ``lease_key`` is left as it is)."""
+    return sql.SQL(
+        """{detached}, lease AS (
+  {renewed}
+), """
+    ).format(detached=_DETACHED_PART.format(table=names.table, leases=names.leases), renewed=_renewed(names))
+
+
+_DETACHED_PART = sql.SQL("""detached AS (
   UPDATE {table} AS held
      SET lease_key = NULL,
          last_heartbeat = GREATEST(held.last_heartbeat,
@@ -102,7 +118,17 @@ set to the lease's: they turn stale when they would have without a lease."""
 
 
 def _detached(names: Names) -> sql.Composable:
-    return _DETACHED.format(table=names.table, leases=names.leases)
+    return sql.SQL("WITH ") + _DETACHED_PART.format(table=names.table, leases=names.leases)
+
+
+def _renewed(names: Names) -> sql.Composable:
+    """The lease renewed unless it lapsed (``%(within)s``), its revision returned."""
+    return sql.SQL(
+        """UPDATE {leases}
+   SET last_heartbeat = now()
+ WHERE lease_key = %(lease_key)s AND last_heartbeat > now() - make_interval(secs => %(within)s::float8)
+RETURNING revision"""
+    ).format(leases=names.leases)
 
 
 FORGOTTEN_AFTER = "1 hour"
@@ -120,13 +146,7 @@ def renew(names: Names) -> Statement:
     return statement(
         names.table_name,
         "heartbeat",
-        sql.SQL(
-            """{detached}
-UPDATE {leases}
-   SET last_heartbeat = now()
- WHERE lease_key = %(lease_key)s AND last_heartbeat > now() - make_interval(secs => %(within)s::float8)
-RETURNING revision"""
-        ).format(detached=_detached(names), leases=names.leases),
+        sql.SQL("{detached}\n{renewed}").format(detached=_detached(names), renewed=_renewed(names)),
     )
 
 

@@ -113,6 +113,10 @@ class Statements:
             _heartbeats(names, shape, _BY_TOKEN, leased=True) if shape.renews_by_lease else None
         )
         self.renew_lease: Statement | None = leases.renew(names) if shape.renews_by_lease else None
+        # The lease's renewal with the rows whose own heartbeat is due: one statement a round.
+        self.renew_lease_with_rows: Statement | None = (
+            _heartbeats(names, shape, _BY_TOKEN, renewing=True)[0] if shape.renews_by_lease else None
+        )
         self.end_lease: Statement | None = leases.end(names) if shape.renews_by_lease else None
         self.release = (
             _release_keeping_minimum(names, shape)
@@ -360,7 +364,7 @@ _HEARTBEAT = """WITH {lease}hold AS (
 ){alerted}
 SELECT {answer_keys}, renewed.lock_name IS NOT NULL,
        CASE WHEN renewed.lock_name IS NOT NULL THEN true
-            ELSE EXISTS (SELECT FROM {table} AS held WHERE held.locked = 1 AND {match}) END
+            ELSE EXISTS (SELECT FROM {table} AS held WHERE held.locked = 1 AND {match}) END{revision}
   FROM hold
   LEFT JOIN renewed {join_keys}"""
 
@@ -389,16 +393,23 @@ _BY_TOKEN = {
 
 
 def _heartbeats(
-    names: Names, shape: TableShape, keys: Mapping[str, sql.Composable], *, leased: bool = False
+    names: Names,
+    shape: TableShape,
+    keys: Mapping[str, sql.Composable],
+    *,
+    leased: bool = False,
+    renewing: bool = False,
 ) -> tuple[Statement, Statement]:
     """The heartbeat that skips locked rows, and the one for the holds it skipped, naming holds by ``keys``.
 
     ``leased``: the rows renewed point at the lease ``%(lease_key)s`` from now on, which the same statement makes
-    exist, renewed (`_sql.leases`).
+    exist, renewed (`_sql.leases`). ``renewing``: the statement renews that lease as `_sql.leases.renew` does, and
+    the rows it carries by themselves. Either way its answer ends with the lease's revision.
     """
     fmt = {
-        "lease": leases.upsert(names) if leased else _NOTHING,
+        "lease": leases.upsert(names) if leased else leases.renewal(names) if renewing else _NOTHING,
         "lease_renewal": sql.SQL(", lease_key = (SELECT lease_key FROM lease)") if leased else _NOTHING,
+        "revision": leases.REVISION if leased or renewing else _NOTHING,
         "table": names.table,
         "alerted": heartbeat_alerts(names) if shape.history else _NOTHING,
         "marker": sessions.MARKER if shape.sessions else _NOTHING,

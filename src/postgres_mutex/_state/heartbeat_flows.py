@@ -59,10 +59,27 @@ class Beat:
     """Not renewed: another session holds the row locked. Tried again soon."""
     confirmed: list[tuple[Hold, float]] = field(default_factory=list)
     """Renewed after their doubt was told, with how long they were in doubt."""
+    revision: int | None = None
+    """The lease's revision, where the statement renewed the lease too (None: it did not, or it lapsed)."""
+
+
+@dataclass
+class LeaseRenewal:
+    """The lease a heartbeat statement renews as well (`_sql.leases.renewal`): its key, the tokens of the rows no
+    longer renewed that it detaches, and how old it may be for the renewal to land (`lease_within`)."""
+
+    key: int
+    detach: list[int]
+    within: float
 
 
 def heartbeat(
-    holds: list[Hold], statements: Statements, tracing: Tracing, timeout: float, lease_key: int | None = None
+    holds: list[Hold],
+    statements: Statements,
+    tracing: Tracing,
+    timeout: float,
+    lease_key: int | None = None,
+    renewal: LeaseRenewal | None = None,
 ) -> Flow[Beat]:
     """Renew ``holds`` (one table, one engine, at most `BATCH`) with one statement, each scoped to its hold.
 
@@ -75,7 +92,9 @@ def heartbeat(
     again and the statement sent as the table is now: that is no failure. A
     failure of the statement renews nothing: the caller retries until the
     leases run out. ``lease_key``: the rows renewed follow that lease from now
-    on (`follows_lease` holds only, on a table `renew_lease` works on).
+    on (`follows_lease` holds only, on a table `renew_lease` works on). ``renewal``: the same statement renews
+    that lease (`renew_lease`), whose revision the beat then carries, and the rows of ``holds``, which already
+    follow it and whose own heartbeat is due, by themselves.
     """
     attributes: dict[str, AttributeValue] = {"postgres_mutex.locks": len(holds)}
     if len(holds) == 1:
@@ -85,11 +104,19 @@ def heartbeat(
         action = holds[0].lock.describe("heartbeat") if len(holds) == 1 else f"heartbeat of {len(holds)} locks"
         beat = Beat([], [], 0.0)
         by_token, renew, renew_waiting = _heartbeat_statements(holds, statements, lease_key)
+        if renewal is not None and statements.renew_lease_with_rows is not None:
+            by_token, renew = True, statements.renew_lease_with_rows
+        else:
+            renewal = None
+        # The lease's revision ends the first statement's answer, where it renews or points rows at the lease.
+        revised = renewal is not None or (lease_key is not None and statements.heartbeat_leased is not None)
         pending, waiting, reshaped = holds, False, False
         while pending:
             statement = renew_waiting if waiting else renew
             params = _heartbeat_params(pending, tokens=by_token)
             params["lease_key"] = lease_key
+            if renewal is not None and not waiting:
+                params.update(lease_key=renewal.key, detach=renewal.detach, within=renewal.within)
             params["alert_seconds"] = holds[0].lock.timing.alert_threshold
             params["lock_timeout_ms"] = max(1, int(min(BRIEF_WAIT, timeout / 2) * 1000))
             try:
@@ -102,6 +129,11 @@ def heartbeat(
                     if statements.heartbeat_leased is None:
                         lease_key = None
                     by_token, renew, renew_waiting = _heartbeat_statements(holds, statements, lease_key)
+                    if renewal is not None and statements.renew_lease_with_rows is not None:
+                        by_token, renew = True, statements.renew_lease_with_rows
+                    else:
+                        renewal = None
+                    revised = renewal is not None or (lease_key is not None and statements.heartbeat_leased is not None)
                     continue
                 if not waiting:
                     set_outcome(span, "failed")
@@ -111,7 +143,12 @@ def heartbeat(
             sent_at = reply.sent_at
             if not beat.sent_at:
                 beat.sent_at, beat.latency = sent_at, now() - sent_at
-            answers = {tuple(row[:-2]): (row[-2], row[-1]) for row in reply.rows}
+            rows = reply.rows
+            if revised and not waiting:
+                if rows:
+                    beat.revision = rows[0][-1]
+                rows = [row[:-1] for row in rows]
+            answers = {tuple(row[:-2]): (row[-2], row[-1]) for row in rows}
             skipped = []
             for hold in pending:
                 lock = hold.lock
@@ -210,12 +247,27 @@ def own_heartbeat_period(hold: Hold) -> float:
     return (timing.stale_threshold - timing.heartbeat_interval) / 3
 
 
+LEASE_FROM = 16
+"""The fewest holds of a heartbeat group that follow a lease (`lease_usable`).
+
+Fewer are renewed row by row every interval, exactly as on a table without
+leases: a statement renewing a few rows costs the server about what one
+renewing the lease does (its cost is the statement's, not the rows'), so a
+lease would spare nothing, while it would make each row's own heartbeat, the
+heartbeat a 0.1.0 reader and the holder's own trust go by, three times as
+old and rarer. From this many on, the rows' work is what the server spends
+(tens of microseconds each), and the lease's one row spares most of it.
+"""
+
+
 def lease_usable(holds: list[Hold], interval: float, timeout: float) -> bool:
-    """Whether ``holds`` may follow a lease: its renewal is not refused before their next heartbeat, and their
-    own heartbeats (`own_heartbeat_period`) come at least two intervals apart. Else the lease would only add a
-    statement: their rows are renewed one by one, as without it."""
-    return lease_within(holds, timeout) > 2 * interval and all(
-        own_heartbeat_period(hold) >= 2 * interval for hold in holds
+    """Whether ``holds`` may follow a lease: there are at least `LEASE_FROM` of them, its renewal is not refused
+    before their next heartbeat, and their own heartbeats (`own_heartbeat_period`) come at least two intervals
+    apart. Else the lease would only add a statement: their rows are renewed one by one, as without it."""
+    return (
+        len(holds) >= LEASE_FROM
+        and lease_within(holds, timeout) > 2 * interval
+        and all(own_heartbeat_period(hold) >= 2 * interval for hold in holds)
     )
 
 
@@ -226,15 +278,14 @@ def renew_lease(
 
     Returns the lease's revision (None: it lapsed, or was never made, and
     nothing was renewed) and when the statement was sent. Raises
-    `DatabaseError` if the statement failed. Nothing is told, and no hold's
-    trust is extended: a holder trusts each lock from the last renewal of its
-    row's own heartbeat (`own_heartbeat_period`), what a reader that knows
-    nothing of leases judges, and that renewal is what reports the lock's
-    heartbeat (its latency, to the metrics hook): one row renewed for
-    thousands of locks is no heartbeat of each, and telling each of them, every
-    interval, would cost the client more than the lease spares the server.
-    The caller counts the holds renewed for contenders and watchers only if
-    the revision is the one it last saw, else renews their rows one by one.
+    `DatabaseError` if the statement failed. Nothing is told here, and no
+    hold's trust is extended: a holder trusts each lock from the last renewal
+    of its row's own heartbeat (`own_heartbeat_period`), what a reader that
+    knows nothing of leases judges. The caller counts the holds renewed, for
+    contenders and watchers and as a heartbeat of each to the hooks and the
+    metrics, only if the revision is the one it last saw, else renews their
+    rows one by one. With rows due, the lease is renewed by their heartbeat's
+    statement instead (`heartbeat`'s ``renewal``).
     """
     statement = statements.renew_lease
     assert statement is not None
