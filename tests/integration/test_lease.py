@@ -101,6 +101,28 @@ def test_one_row_renews_many_locks_and_each_rows_own_heartbeat_stays_fresh_for_0
     held.close()
 
 
+def test_each_renewal_of_the_lease_is_a_heartbeat_of_every_lock_it_covers_for_the_hook(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    # Each row's own heartbeat every 5.2 s (a third of the lease): a window of 2 s sees the lease's renewals alone.
+    metrics = RecordingMetrics()
+    thresholds = {**LEASED, "stale_threshold": 16.0, "metrics": metrics}
+    held = _held(make_mutex, lock_name, thresholds)
+    holding = next(held)
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    time.sleep(3 * LEASED["heartbeat_interval"])  # the lease is renewed alone from the third heartbeat on
+    before = {name: row[0] for name, row in _rows(admin, lock_name).items()}
+    counted = len(metrics.calls)
+    window = 10 * LEASED["heartbeat_interval"]
+    time.sleep(window)
+    beats = [lock for method, lock, _ in metrics.calls[counted:] if method == "heartbeat_latency"]
+    after = _rows(admin, lock_name)
+    assert sum(after[name][0] != before[name] for name in before) < LOCKS / 2, "the rows were left to the lease"
+    # One heartbeat of each lock per interval, whatever renewed it: the metrics see each lock renewed every interval.
+    assert all(beats.count(mutex.lock_name) >= window / LEASED["heartbeat_interval"] / 2 for mutex in holding), beats
+    held.close()
+
+
 def test_a_row_is_judged_by_its_lease_by_contenders_and_watchers(
     holding: list[Mutex],
     make_mutex: Callable[..., Mutex],
