@@ -530,6 +530,26 @@ def test_a_lease_renewal_extends_no_holds_trust() -> None:
     assert hold.lease_deadline == trusted_until, "trusted from its row's own heartbeat, never the lease's"
 
 
+def test_the_rows_due_go_in_the_lease_renewals_statement_and_are_trusted_from_it() -> None:
+    state = lock(timing=DEFAULTS)
+    state.begin_acquire(ACQUIRER)
+    hold = state.won(acquired_at=STAMP, token=7, sent_at=now(), owner=ME, span_context=None, plain=True)
+    renewal = heartbeat_flows.LeaseRenewal(42, [3], 594.0)
+    flow = heartbeat_flows.heartbeat([hold], STATEMENTS, TRACING, 5.0, renewal=renewal)
+    op = step(flow)
+    assert isinstance(op, Execute)
+    assert op.statement is STATEMENTS.renew_lease_with_rows, "one statement: the lease and its rows due"
+    assert op.params["tokens"] == [7]
+    assert (op.params["lease_key"], op.params["detach"], op.params["within"]) == (42, [3], 594.0)
+    sent = now() + 1.0
+    with pytest.raises(StopIteration) as done:
+        flow.send(Result(1, ((7, True, True, 5),), sent))
+    beat = done.value.value
+    assert beat.revision == 5
+    assert beat.renewed == [hold]
+    assert hold.renewed_at == sent, "trusted from its own row's renewal"
+
+
 def test_a_lease_is_used_only_where_the_thresholds_leave_it_room() -> None:
     state = lock(timing=DEFAULTS)
     state.begin_acquire(ACQUIRER)
