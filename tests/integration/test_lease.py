@@ -45,7 +45,7 @@ def holding(make_mutex: Callable[..., Mutex], lock_name: str) -> Iterator[list[M
 
 
 def _held(
-    make_mutex: Callable[..., Mutex], lock_name: str, thresholds: dict[str, float]
+    make_mutex: Callable[..., Mutex], lock_name: str, thresholds: dict[str, Any]
 ) -> Generator[list[Mutex], None, None]:
     mutexes = [make_mutex(lock_name=name, **thresholds) for name in _names(lock_name)]
     with ExitStack() as stack:
