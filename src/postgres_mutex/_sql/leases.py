@@ -4,10 +4,12 @@ Renewing each lock's row costs the server per lock: with 10,000 locks held,
 tens of milliseconds of CPU every heartbeat interval. A lease costs one row
 (etcd's design: a session owns the lease, its locks hang on it). Each
 heartbeat group of a client (the holds that share a table and an interval)
-draws a random 63-bit *lease key*; a mutex's row points at it by its
+of at least `_state.heartbeat_flows.LEASE_FROM` holds, on a connection with
+no pooler between, draws a random 63-bit *lease key*; a mutex's row points at it by its
 ``lease_key`` column, written by the heartbeat that renews the row itself; a
 table ``<table>_leases`` holds one row per key, whose ``last_heartbeat`` the
-heartbeat then renews alone.
+heartbeat then renews, with the rows whose own heartbeat is due in the same
+statement (`renewal`): one statement a round.
 
 A row's heartbeat is then the later of its own ``last_heartbeat`` and its
 lease's (`effective_heartbeat`): what the acquire's take-over, its report of
