@@ -59,14 +59,24 @@ HEARTBEAT = 1.0
 
 
 def run(
-    dsn: str, table: str, locks: int, *, window: float, settle: float, cycling: float, local_server: bool
+    dsn: str,
+    table: str,
+    locks: int,
+    *,
+    window: float,
+    settle: float,
+    cycling: float,
+    local_server: bool,
+    thresholds: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     params = conninfo_to_dict(dsn)
     host = str(params.get("host") or "127.0.0.1")
     port = int(str(params.get("port") or 5432))
     with CountingProxy(host, port) as proxy, psycopg.connect(dsn, autocommit=True) as admin:
         through = make_conninfo(dsn, host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
-        config = {"dsn": through, "table": table, "locks": locks, "heartbeat": HEARTBEAT}
+        config: dict[str, Any] = {"dsn": through, "table": table, "locks": locks, "heartbeat": HEARTBEAT}
+        if thresholds is not None:
+            config["thresholds"] = thresholds
         with workers("many-locks", [config]) as (worker,):
             worker.send(cmd="hold")
             held = worker.receive(60.0 + locks * 0.05)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, SchemaError
+from postgres_mutex._state.heartbeat_flows import LEASE_FROM
 from tests.support.exclusion import overlaps, read_log
 from tests.support.fixtures import ROOT, wait_until
 
@@ -301,3 +303,44 @@ def test_the_history_has_each_hold_of_a_hand_off(dsn: str, admin: psycopg.Connec
         admin.execute(
             f'DROP TABLE "{table}", "{table}_queue", "{table}_history", "{table}_semaphores", "{table}_rwlocks" CASCADE'
         )
+
+
+def test_a_row_handed_to_a_waiter_that_died_is_not_kept_fresh_by_the_releasers_lease(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    # Thresholds roomy enough for the holder's heartbeat to renew by its lease (`_sql.leases`).
+    thresholds: dict[str, Any] = {
+        "heartbeat_interval": 0.2,
+        "alert_threshold": 1.0,
+        "stale_threshold": 4.0,
+        "poll_interval": 0.05,
+        "operation_timeout": 1.0,
+    }
+    holder = make_mutex(fair=True, **thresholds)
+    # Other locks of the same client, enough to renew by a lease (`heartbeat_flows.LEASE_FROM`), keep it renewed
+    # after the fair lock is handed on.
+    kept = [make_mutex(lock_name=f"{lock_name}-kept-{n}", **thresholds) for n in range(LEASE_FROM)]
+    with contextlib.ExitStack() as stack:
+        assert all(stack.enter_context(each.acquire()) for each in kept)
+        assert holder.acquire().__enter__()
+        wait_until(
+            lambda: (
+                admin.execute("SELECT lease_key FROM mutex_lock WHERE lock_name = %s", [lock_name]).fetchone()
+                not in (None, (None,))
+            ),
+            timeout=10,
+        )
+        # A waiter that queued, then died before its next attempt: it is handed the row and never takes it.
+        admin.execute(
+            "INSERT INTO mutex_lock_queue (lock_name, instance_id, seen, wait_id) VALUES (%s, 'died', now(), 'died/1')",
+            [lock_name],
+        )
+        holder.release()
+        handed = admin.execute("SELECT instance_id FROM mutex_lock WHERE lock_name = %s", [lock_name]).fetchone()
+        assert handed == ("died",)
+        # Its row turns stale by its own heartbeat, the release's, whatever the releaser's lease does since.
+        started = time.monotonic()
+        with make_mutex(fair=True, **thresholds).acquire(timeout=3 * thresholds["stale_threshold"]) as taken:
+            assert taken
+        assert time.monotonic() - started < 2 * thresholds["stale_threshold"]
+        assert all(each.held for each in kept)

@@ -258,7 +258,8 @@ def test_a_fenced_transaction_makes_a_reclaim_wait_until_it_ends(
                 lambda: (
                     admin.execute(
                         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                        ("%taken AS%",),
+                        # The acquire's opening: pg_stat_activity keeps a statement's first 1024 bytes only.
+                        ("%WITH current AS%",),
                     ).fetchone()
                     == (1,)
                 ),

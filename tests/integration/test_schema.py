@@ -48,6 +48,8 @@ def test_the_default_table_matches_the_readme(admin: psycopg.Connection[Any]) ->
         ("rw_mode", "text", None, "YES", None),
         # A minimum hold's end (hold_at_least): NULL for every other hold.
         ("hold_until", "timestamp with time zone", None, "YES", None),
+        # The lease a mutex's row follows (its holder's heartbeat group's): NULL for every other row.
+        ("lease_key", "bigint", None, "YES", None),
     ]
     constraints = admin.execute(
         """SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint

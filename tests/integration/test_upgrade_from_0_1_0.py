@@ -717,6 +717,8 @@ def test_the_table_is_0_1_0s_table_plus_a_token_column(
         ("rw_mode", "YES", None),
         # And a minimum hold's end (hold_at_least): NULL in every row 0.1.0 writes.
         ("hold_until", "YES", None),
+        # And the lease a mutex's row follows (concepts/the-table.md#leases): NULL in every row 0.1.0 writes.
+        ("lease_key", "YES", None),
     ]
     assert re.fullmatch(r"nextval\('([a-z0-9_]+\.)?mutex_lock_token_seq'::regclass\)", default), (
         f"a row 0.1.0 inserts takes a token from the column's default: {default}"

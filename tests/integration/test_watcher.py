@@ -83,7 +83,9 @@ def test_the_alert_re_arms_when_the_heartbeat_resumes(
     metrics: RecordingMetrics,
     dsn: str,
 ) -> None:
-    holder = make_mutex(operation_timeout=0.2)
+    # A deadline that leaves no room for a lease (concepts/the-table.md#leases): the holder renews its row, which
+    # another session's row lock stalls, where a lease's renewal would go on.
+    holder = make_mutex(operation_timeout=0.3)
     watcher = make_watcher(lock_names=[holder.lock_name], metrics=metrics)
     watcher.start()
     with holder.acquire():

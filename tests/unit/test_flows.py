@@ -22,6 +22,7 @@ from postgres_mutex._base.clock import now
 from postgres_mutex._observe.hooks import guard
 from postgres_mutex._observe.tracing import Tracing
 from postgres_mutex._sql import CURRENT, Names, Statements
+from postgres_mutex._state import heartbeat_flows
 from postgres_mutex._state.events import LockEvents
 from postgres_mutex._state.flows import FirstAttempt, clean_up
 from postgres_mutex._state.flows import acquire as acquire_flow
@@ -504,3 +505,64 @@ def test_a_release_whose_row_was_gone_is_reported_lost_by_the_flow() -> None:
         step(flow)
     assert raised.value.reason == ROW_GONE
     assert state.phase is Phase.IDLE, "the release begun outside the flow was ended by it"
+
+
+DEFAULTS = Timing.validate(
+    heartbeat_interval=10.0, alert_threshold=30.0, stale_threshold=600.0, poll_interval=0.5, operation_timeout=5.0
+)
+
+
+def test_a_lease_renewal_extends_no_holds_trust() -> None:
+    state = lock(timing=DEFAULTS)
+    state.begin_acquire(ACQUIRER)
+    hold = state.won(acquired_at=STAMP, token=7, sent_at=now(), owner=ME, span_context=None, plain=True)
+    assert heartbeat_flows.follows_lease(hold)
+    trusted_until = hold.lease_deadline
+    flow = heartbeat_flows.renew_lease([hold], [3], STATEMENTS, 42, 5.0)
+    op = step(flow)
+    assert isinstance(op, Execute)
+    assert op.statement is STATEMENTS.renew_lease
+    assert op.params == {"lease_key": 42, "detach": [3], "within": 600.0 - 5.0 - 1.0}
+    with pytest.raises(StopIteration) as done:
+        flow.send(Result(1, ((5,),), now() + 1.0))
+    revision, _ = done.value.value
+    assert revision == 5
+    assert hold.lease_deadline == trusted_until, "trusted from its row's own heartbeat, never the lease's"
+
+
+def test_the_rows_due_go_in_the_lease_renewals_statement_and_are_trusted_from_it() -> None:
+    state = lock(timing=DEFAULTS)
+    state.begin_acquire(ACQUIRER)
+    hold = state.won(acquired_at=STAMP, token=7, sent_at=now(), owner=ME, span_context=None, plain=True)
+    renewal = heartbeat_flows.LeaseRenewal(42, [3], 594.0)
+    flow = heartbeat_flows.heartbeat([hold], STATEMENTS, TRACING, 5.0, renewal=renewal)
+    op = step(flow)
+    assert isinstance(op, Execute)
+    assert op.statement is STATEMENTS.renew_lease_with_rows, "one statement: the lease and its rows due"
+    assert op.params["tokens"] == [7]
+    assert (op.params["lease_key"], op.params["detach"], op.params["within"]) == (42, [3], 594.0)
+    sent = now() + 1.0
+    with pytest.raises(StopIteration) as done:
+        flow.send(Result(1, ((7, True, True, 5),), sent))
+    beat = done.value.value
+    assert beat.revision == 5
+    assert beat.renewed == [hold]
+    assert hold.renewed_at == sent, "trusted from its own row's renewal"
+
+
+def test_a_lease_is_used_only_where_the_thresholds_leave_it_room() -> None:
+    state = lock(timing=DEFAULTS)
+    state.begin_acquire(ACQUIRER)
+    hold = state.won(acquired_at=STAMP, token=7, sent_at=now(), owner=ME, span_context=None, plain=True)
+    many = heartbeat_flows.LEASE_FROM
+    assert heartbeat_flows.lease_usable([hold] * many, 10.0, 5.0)
+    assert not heartbeat_flows.lease_usable([hold] * (many - 1), 10.0, 5.0), "a few locks renew their rows"
+    assert heartbeat_flows.own_heartbeat_period(hold) == (600.0 - 10.0) / 3
+    short = lock(timing=TIMING)  # a stale threshold shorter than the statement's deadline
+    short.begin_acquire(ACQUIRER)
+    fast = short.won(acquired_at=STAMP, token=8, sent_at=now(), owner=ME, span_context=None, plain=True)
+    assert not heartbeat_flows.lease_usable([fast] * many, 0.1, 2.0)
+    minimum = lock(timing=DEFAULTS)
+    minimum.begin_acquire(ACQUIRER)
+    kept = minimum.won(acquired_at=STAMP, token=9, sent_at=now(), owner=ME, span_context=None, plain=False)
+    assert not heartbeat_flows.follows_lease(kept), "a minimum hold's row is renewed by itself"

@@ -101,6 +101,7 @@ class Engine:
             self._listener = None
         self._gate = Gate()
         self.closed = False
+        self._pooled = False
         self._heartbeats = heartbeats(self)
         self.keep: Callable[[Hold], None] = self._heartbeats.keep
         """Renew a hold from now on, with the other holds of its table and interval: the worker's own
@@ -253,6 +254,15 @@ class Engine:
         # the error's __context__ (which `from None` would merely hide).
         raise error
 
+    @property
+    def behind_pooler(self) -> bool:
+        """Whether a connection of this engine was found to go through a pooler (PgBouncer): once found, for good
+        (a new connection to the same DSN goes through it too, and is asked again only by its first acquire)."""
+        if not self._pooled:
+            session = self._source.session
+            self._pooled = session is not None and session.direct is False
+        return self._pooled
+
     def shape(self, names: Names, timeout: float, *, fresh: bool = False) -> Statements:
         """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""
         statements = None if fresh else self.host.shapes.get(names.table_name)
@@ -260,7 +270,17 @@ class Engine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_queue = row
+            (
+                exists,
+                has_token,
+                has_history,
+                has_sessions,
+                has_semaphores,
+                has_rwlocks,
+                has_hold_until,
+                has_queue,
+                has_leases,
+            ) = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -278,6 +298,7 @@ class Engine:
                 rwlocks=bool(has_rwlocks),
                 holds=bool(has_hold_until),
                 fair=bool(has_queue),
+                leases=bool(has_leases),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.

@@ -110,6 +110,7 @@ class AsyncEngine:
             self._listener = None
         self._gate = AGate()
         self.closed = False
+        self._pooled = False
         self._heartbeats = heartbeats(self)
         self.keep: Callable[[Hold], None] = self._heartbeats.keep
         """Renew a hold from now on, with the other holds of its table and interval: the worker's own
@@ -277,6 +278,15 @@ class AsyncEngine:
         # the error's __context__ (which `from None` would merely hide).
         raise error
 
+    @property
+    def behind_pooler(self) -> bool:
+        """Whether a connection of this engine was found to go through a pooler (PgBouncer): once found, for good
+        (a new connection to the same DSN goes through it too, and is asked again only by its first acquire)."""
+        if not self._pooled:
+            session = self._source.session
+            self._pooled = session is not None and session.direct is False
+        return self._pooled
+
     async def shape(self, names: Names, timeout: float, *, fresh: bool = False) -> Statements:
         """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""
         statements = None if fresh else self.host.shapes.get(names.table_name)
@@ -284,7 +294,17 @@ class AsyncEngine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (await self.execute(op)).row
             assert row is not None
-            exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_queue = row
+            (
+                exists,
+                has_token,
+                has_history,
+                has_sessions,
+                has_semaphores,
+                has_rwlocks,
+                has_hold_until,
+                has_queue,
+                has_leases,
+            ) = row
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -302,6 +322,7 @@ class AsyncEngine:
                 rwlocks=bool(has_rwlocks),
                 holds=bool(has_hold_until),
                 fair=bool(has_queue),
+                leases=bool(has_leases),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import random
+import secrets
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._base.acompat import Cancelled, Event, Worker
@@ -29,6 +33,8 @@ from .._state.settings import retry_pause
 from ..errors import DatabaseError
 
 if TYPE_CHECKING:
+    from .._observe.tracing import Tracing
+    from .._sql import Statements
     from .engine import Engine
 
 logger = logging.getLogger("postgres_mutex")
@@ -36,6 +42,30 @@ logger = logging.getLogger("postgres_mutex")
 # How long the worker stays once nothing is held: locks come and go in bursts,
 # and a worker started per acquire would cost more than the lock.
 _WORKER_LINGER = 10.0
+
+
+@dataclass
+class _Lease:
+    """A heartbeat group's lease (`_sql.leases`): its key, the revision last seen, the holds whose rows follow it."""
+
+    key: int = field(default_factory=lambda: secrets.randbits(63))
+    pid: int = field(default_factory=os.getpid)
+    """The process that drew the key: a forked child draws its own."""
+    seen: int | None = None
+    rows: dict[Hold, float] = field(default_factory=dict)
+    """The holds whose rows follow the lease, each with when its row's own heartbeat is next renewed."""
+    detach: dict[int, None] = field(default_factory=dict)
+    """The tokens of rows that follow the lease but are no longer renewed: detached by the next renewal."""
+    statements: Statements | None = None
+    """Its table's statements, which delete it once its group holds nothing (`_sql.leases.end`)."""
+
+    def own_heartbeat_due(self, hold: Hold, *, first: bool) -> float:
+        """When ``hold``'s row's own heartbeat is renewed next (`heartbeat_flows.own_heartbeat_period`); a first
+        one at random in the second half of the period, so holds acquired together spread their renewals over
+        the intervals."""
+        period = heartbeat_flows.own_heartbeat_period(hold)
+        spread = random.uniform(period / 2, period)  # noqa: S311 (a spread over time, not a secret)
+        return now() + (spread if first else period)
 
 
 class HeartbeatWorker:
@@ -51,6 +81,7 @@ class HeartbeatWorker:
         self._wake = Event()
         self._worker: Worker | None = None
         self._defects = Defects("heartbeat worker")
+        self._leases: dict[object, _Lease] = {}
 
     def keep(self, hold: Hold) -> None:
         """Renew ``hold`` from now on, with the other holds of its table and interval."""
@@ -175,39 +206,87 @@ class HeartbeatWorker:
             # ends at a failed batch) costs the holds after it, not, moved to the front by its
             # shorter lease, every hold of the group.
             holds = group.live()
+            ended: _Lease | None = None
             if not holds:
                 if not group.holds:
                     self.groups.pop(group.key, None)
+                    ended = self._leases.pop(group.key, None)
                 group.next_beat = now() + group.interval
-                return
+        if not holds:
+            if ended is not None:
+                self._end_lease(ended)
+            return
         timeout = min(hold.lock.timing.operation_timeout for hold in holds)
-        batches = heartbeat_flows.batches(holds)
         renewed: list[heartbeat_flows.Beat] = []
         started_at: float | None = None
         retry_at: float | None = None
         try:
-            for index, batch in enumerate(batches):
+            statements: Statements | None = self._engine.shape(holds[0].lock.names, timeout)
+        except DatabaseError:
+            statements = None  # the first batch inspects the table again, and fails as it does
+        # Few holds, thresholds too short for a lease (`heartbeat_flows.lease_usable`), or a pooler between (whose
+        # queue may hold the lease's renewal past the deadline it must land within): rows renewed one by one.
+        usable = not self._engine.behind_pooler and heartbeat_flows.lease_usable(holds, group.interval, timeout)
+        lease = self._lease(group) if usable and statements is not None and statements.renew_lease is not None else None
+        if lease is not None:
+            lease.statements = statements
+        by_row: list[Hold] = holds
+        if lease is not None and statements is not None:
+            try:
+                first, by_lease = self._renew_lease(lease, holds, statements, group.tracing, timeout)
+            except DatabaseError as exc:
+                self._round_failed(group, holds, exc, first=True)
+                return
+            if first is not None:
+                started_at = first.sent_at
+                group.quiet_retry = False
+                # The holds whose rows the lease's statement renewed by themselves, and those the lease alone
+                # did: a heartbeat of each, to the hooks and the metrics (the latter's trust left as it was).
+                done = set(by_lease).union(first.renewed, first.busy, (hold for hold, _ in first.lost))
+                by_row = [hold for hold in holds if hold not in done]
+                if first.busy:
+                    retry_at = now() + retry_pause(group.interval)
+                    self._host.session.post(_failed(first.busy, None))
+                told = heartbeat_flows.Beat(
+                    first.renewed + by_lease, first.lost, first.latency, confirmed=first.confirmed
+                )
+                if told.lost:
+                    self._host.session.post(_renewed([told]))
+                else:
+                    renewed.append(told)
+        # The rows renewed one by one: those that may follow the lease in batches of their own, which point them
+        # at it, then the others.
+        leased = [hold for hold in by_row if heartbeat_flows.follows_lease(hold)] if lease is not None else []
+        batches = [(batch, True) for batch in heartbeat_flows.batches(leased)]
+        if leased:
+            rest = set(leased)
+            by_row = [hold for hold in by_row if hold not in rest]
+        batches += [(batch, False) for batch in heartbeat_flows.batches(by_row)]
+        try:
+            for index, (batch, follows) in enumerate(batches):
+                key = lease.key if follows and lease is not None else None
                 try:
                     statements = self._engine.shape(batch[0].lock.names, timeout)
-                    beat = self._engine.run(heartbeat_flows.heartbeat(batch, statements, group.tracing, timeout))
+                    beat = self._engine.run(heartbeat_flows.heartbeat(batch, statements, group.tracing, timeout, key))
                 except DatabaseError as exc:  # the inspection failed
                     beat = heartbeat_flows.Beat([], [], 0.0, exc)
                 if beat.error is not None:
-                    error = beat.error
-                    if index == 0 and flows.died_while_idle(error) and not group.quiet_retry:
-                        # The server closed the connection while it was idle: not a
-                        # failure of the holder's, and worth no alert. Again, at once.
-                        logger.debug("%s; retrying at once on a new connection", error)
-                        group.quiet_retry = True
-                        group.next_beat = now()
-                        return
-                    group.quiet_retry = False
-                    group.next_beat = now() + retry_pause(group.interval)
-                    self._host.session.post(_failed([hold for rest in batches[index:] for hold in rest], error))
+                    self._round_failed(
+                        group,
+                        [hold for rest, _ in batches[index:] for hold in rest],
+                        beat.error,
+                        first=started_at is None,
+                    )
                     return
                 group.quiet_retry = False
                 if started_at is None:
                     started_at = beat.sent_at
+                if key is not None and lease is not None:
+                    self._attach(lease, batch, beat)
+                    if lease.seen is None:
+                        # What the next renewal's revision is compared to: a forced release of any row since
+                        # changes it.
+                        lease.seen = beat.revision
                 if beat.busy:
                     retry_at = now() + retry_pause(group.interval)
                     self._host.session.post(_failed(beat.busy, None))
@@ -223,6 +302,98 @@ class HeartbeatWorker:
         group.next_beat = started_at + group.interval
         if retry_at is not None:
             group.next_beat = min(group.next_beat, retry_at)
+
+    def _round_failed(self, group: HeartbeatGroup, holds: list[Hold], error: DatabaseError, *, first: bool) -> None:
+        """A statement of the round failed: ``holds`` (those not renewed yet) are told, and the round is tried
+        again soon."""
+        if first and flows.died_while_idle(error) and not group.quiet_retry:
+            # The server closed the connection while it was idle: not a
+            # failure of the holder's, and worth no alert. Again, at once.
+            logger.debug("%s; retrying at once on a new connection", error)
+            group.quiet_retry = True
+            group.next_beat = now()
+            return
+        group.quiet_retry = False
+        group.next_beat = now() + retry_pause(group.interval)
+        self._host.session.post(_failed(holds, error))
+
+    def _lease(self, group: HeartbeatGroup) -> _Lease:
+        lease = self._leases.get(group.key)
+        if lease is None or lease.pid != os.getpid():
+            lease = self._leases[group.key] = _Lease()
+        return lease
+
+    def _renew_lease(
+        self, lease: _Lease, holds: list[Hold], statements: Statements, tracing: Tracing, timeout: float
+    ) -> tuple[heartbeat_flows.Beat | None, list[Hold]]:
+        """Renew the lease, detach the rows no longer renewed, and renew by themselves the rows whose own heartbeat
+        is due (`_Lease.own_heartbeat_due`, at most `heartbeat_flows.BATCH` of them, the longest due first), in
+        one statement. Returns what it did for those rows (None: no statement was needed) and the holds the lease
+        alone renewed.
+
+        None are renewed by the lease alone unless its revision is the one
+        last seen (a forced release changes it; a lapsed lease has none):
+        then each row is renewed by itself, which tells which are still held.
+        Raises `DatabaseError` if the statement failed.
+        """
+        live = set(holds)
+        for hold in list(lease.rows):
+            if hold not in live:
+                del lease.rows[hold]
+                if hold.token is not None:
+                    lease.detach[hold.token] = None
+        attached = [hold for hold in holds if hold in lease.rows]
+        if not attached and not lease.detach:
+            return None, []
+        current = now()
+        due = sorted((hold for hold in attached if lease.rows[hold] <= current), key=lease.rows.__getitem__)
+        due = due[: heartbeat_flows.BATCH]
+        detach = list(lease.detach)
+        if due:
+            within = heartbeat_flows.lease_within(attached, timeout)
+            renewal = heartbeat_flows.LeaseRenewal(lease.key, detach, within)
+            beat = self._engine.run(heartbeat_flows.heartbeat(due, statements, tracing, timeout, renewal=renewal))
+            if beat.error is not None:
+                raise beat.error
+            revision = beat.revision
+            for hold in beat.renewed:
+                lease.rows[hold] = lease.own_heartbeat_due(hold, first=False)
+        else:
+            revision, sent_at = self._engine.run(
+                heartbeat_flows.renew_lease(attached, detach, statements, lease.key, timeout)
+            )
+            beat = heartbeat_flows.Beat([], [], now() - sent_at, sent_at=sent_at)
+        lease.detach.clear()
+        if not attached:
+            return beat, []
+        seen, lease.seen = lease.seen, revision
+        if revision is None or revision != seen:
+            return beat, []
+        current = now()
+        carried = set(due)
+        return beat, [hold for hold in attached if hold not in carried and lease.rows[hold] > current]
+
+    def _end_lease(self, lease: _Lease) -> None:
+        """Delete the lease of a group that holds nothing any more, rather than leave its row for good."""
+        statements = lease.statements
+        if statements is None or statements.end_lease is None or lease.pid != os.getpid():
+            return  # never used, or a parent process's
+        detach = [hold.token for hold in lease.rows if hold.token is not None] + list(lease.detach)
+        try:
+            self._engine.run(heartbeat_flows.end_lease(detach, statements, lease.key, self._host.operation_timeout))
+        except DatabaseError as exc:
+            # Its row stays until another group's end deletes it (`_sql.leases.FORGOTTEN_AFTER`); nothing
+            # judges a lock by a lease its holder no longer renews but as by the row's own heartbeat.
+            logger.debug("could not delete a lease no lock follows any more: %s", exc)
+
+    @staticmethod
+    def _attach(lease: _Lease, batch: list[Hold], beat: heartbeat_flows.Beat) -> None:
+        """The rows a per-row heartbeat renewed follow the lease from now on (a lost or busy one does not)."""
+        lost = {hold for hold, _ in beat.lost}
+        busy = set(beat.busy)
+        for hold in batch:
+            if hold not in lost and hold not in busy:
+                lease.rows[hold] = lease.own_heartbeat_due(hold, first=hold not in lease.rows)
 
     def _clean(self, cleanup: steps.Cleanup) -> None:
         lock = cleanup.lock

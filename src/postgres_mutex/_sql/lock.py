@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
-from . import sessions
+from . import leases, sessions
 from .history import acquire_history, heartbeat_alerts, hold_ended, read_history
 from .kinds import added
 from .names import Names
@@ -50,9 +50,18 @@ class TableShape:
     """The ``hold_until`` column: a holder may ask for a minimum hold, and a row released before it stays."""
     fair: bool = False
     """The fair locks' queue of waiters (``<table>_queue``, `_sql.fair`): a release hands the lock to the oldest."""
+    leases: bool = False
+    """The leases' table (``<table>_leases``) and the ``lease_key`` column: a mutex's row may follow its holder's
+    lease, which one statement renews for every lock of a heartbeat group (`_sql.leases`)."""
+
+    @property
+    def renews_by_lease(self) -> bool:
+        """Whether holders renew by lease here: a table with tokens and leases, and no history (whose alert
+        counts the per-row heartbeat keeps)."""
+        return self.leases and self.tokens and not self.history
 
 
-CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True, holds=True, fair=True)
+CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True, holds=True, fair=True, leases=True)
 
 _NOTHING = sql.SQL("")
 
@@ -105,6 +114,16 @@ class Statements:
         self.heartbeat_by_token: tuple[Statement, Statement] | None = (
             _heartbeats(names, shape, _BY_TOKEN) if shape.tokens else None
         )
+        # By lease (`_sql.leases`): the per-row heartbeat that points its rows at the lease, and the lease's renewal.
+        self.heartbeat_leased: tuple[Statement, Statement] | None = (
+            _heartbeats(names, shape, _BY_TOKEN, leased=True) if shape.renews_by_lease else None
+        )
+        self.renew_lease: Statement | None = leases.renew(names) if shape.renews_by_lease else None
+        # The lease's renewal with the rows whose own heartbeat is due: one statement a round.
+        self.renew_lease_with_rows: Statement | None = (
+            _heartbeats(names, shape, _BY_TOKEN, renewing=True)[0] if shape.renews_by_lease else None
+        )
+        self.end_lease: Statement | None = leases.end(names) if shape.renews_by_lease else None
         self.release = (
             _release_keeping_minimum(names, shape)
             if shape.holds
@@ -178,7 +197,7 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False, fair: bool
         sql.SQL(
             """WITH current AS (
   SELECT instance_id, acquired_at,
-         EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {released} AS released
+         EXTRACT(EPOCH FROM now() - {current_heartbeat})::float8 AS heartbeat_age, {released} AS released
     FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
 ){marker}{ahead}, inserted AS (
@@ -191,11 +210,11 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False, fair: bool
   UPDATE {table} AS existing
      SET instance_id = %(instance_id)s,
          last_heartbeat = now(),
-         acquired_at = now(){update_token}{session_update}{hold_update}
+         acquired_at = now(){update_token}{session_update}{hold_update}{lease_update}
    WHERE existing.locked = 1 AND existing.lock_name = %(lock_name)s
      AND NOT EXISTS (SELECT 1 FROM inserted)
      AND ((existing.instance_id = %(instance_id)s AND existing.acquired_at < now())
-          OR ((existing.last_heartbeat <= now() - make_interval(secs => %(stale_seconds)s){disconnected})
+          OR (({existing_heartbeat} <= now() - make_interval(secs => %(stale_seconds)s){disconnected})
               {hold_passed}){released_over}){turn}
   RETURNING existing.acquired_at, {taken_token} AS token
 ){history}{queued}
@@ -219,6 +238,7 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False, fair: bool
             **written,
             **hold,
             **(acquire_parts(names) if fair else _NOT_FAIR),
+            **_lease_parts(names, shape),
         ),
         preparable=True,
         marks=shape.sessions,
@@ -232,6 +252,23 @@ _NOT_FAIR = {
     "turn": _NOTHING,
     "queued": _NOTHING,
 }
+
+
+def _lease_parts(names: Names, shape: TableShape) -> dict[str, sql.Composable]:
+    """The acquire's parts for leases (`_sql.leases`), kept apart: a row is judged by the later of its own heartbeat
+    and its lease's, and a take-over stops following the former holder's lease."""
+    if not shape.leases:
+        return {
+            "current_heartbeat": sql.SQL("last_heartbeat"),
+            "existing_heartbeat": sql.SQL("existing.last_heartbeat"),
+            "lease_update": _NOTHING,
+        }
+    return {
+        "current_heartbeat": leases.effective_heartbeat(names, names.table),
+        "existing_heartbeat": leases.effective_heartbeat(names, sql.Identifier("existing")),
+        "lease_update": sql.SQL(",\n         lease_key = NULL"),
+    }
+
 
 _ANSWER = sql.SQL(
     """SELECT CASE WHEN EXISTS (SELECT 1 FROM inserted) THEN true
@@ -319,7 +356,7 @@ as late as its ``hold_until``."""
 # lock_name), updated where they were locked (by ctid, a TID scan), and only a
 # hold that was not renewed is looked up once more, to tell busy from gone
 # (from the statement's snapshot: present there, but skipped, is busy).
-_HEARTBEAT = """WITH hold AS (
+_HEARTBEAT = """WITH {lease}hold AS (
   SELECT * FROM {hold_keys}
 ){marker}, free AS (
   SELECT held.ctid, held.lock_name, held.instance_id, held.acquired_at, held.last_heartbeat AS previous
@@ -327,13 +364,13 @@ _HEARTBEAT = """WITH hold AS (
    WHERE held.locked = 1 AND {index_filter}
      FOR NO KEY UPDATE OF held{skip}
 ), renewed AS (
-  UPDATE {table} AS held SET last_heartbeat = now(){session_renewal}
+  UPDATE {table} AS held SET last_heartbeat = now(){session_renewal}{lease_renewal}
    WHERE held.ctid = ANY(ARRAY(SELECT ctid FROM free))
   RETURNING held.*
 ){alerted}
 SELECT {answer_keys}, renewed.lock_name IS NOT NULL,
        CASE WHEN renewed.lock_name IS NOT NULL THEN true
-            ELSE EXISTS (SELECT FROM {table} AS held WHERE held.locked = 1 AND {match}) END
+            ELSE EXISTS (SELECT FROM {table} AS held WHERE held.locked = 1 AND {match}) END{revision}
   FROM hold
   LEFT JOIN renewed {join_keys}"""
 
@@ -361,9 +398,24 @@ _BY_TOKEN = {
 }
 
 
-def _heartbeats(names: Names, shape: TableShape, keys: Mapping[str, sql.Composable]) -> tuple[Statement, Statement]:
-    """The heartbeat that skips locked rows, and the one for the holds it skipped, naming holds by ``keys``."""
+def _heartbeats(
+    names: Names,
+    shape: TableShape,
+    keys: Mapping[str, sql.Composable],
+    *,
+    leased: bool = False,
+    renewing: bool = False,
+) -> tuple[Statement, Statement]:
+    """The heartbeat that skips locked rows, and the one for the holds it skipped, naming holds by ``keys``.
+
+    ``leased``: the rows renewed point at the lease ``%(lease_key)s`` from now on, which the same statement makes
+    exist, renewed (`_sql.leases`). ``renewing``: the statement renews that lease as `_sql.leases.renew` does, and
+    the rows it carries by themselves. Either way its answer ends with the lease's revision.
+    """
     fmt = {
+        "lease": leases.upsert(names) if leased else leases.renewal(names) if renewing else _NOTHING,
+        "lease_renewal": sql.SQL(", lease_key = (SELECT lease_key FROM lease)") if leased else _NOTHING,
+        "revision": leases.REVISION if leased or renewing else _NOTHING,
         "table": names.table,
         "alerted": heartbeat_alerts(names) if shape.history else _NOTHING,
         "marker": sessions.MARKER if shape.sessions else _NOTHING,
@@ -510,7 +562,7 @@ def _holders(names: Names, shape: TableShape) -> Statement:
         "read of the lock table",
         sql.SQL(
             """SELECT lock_name, instance_id,
-       EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age,
+       EXTRACT(EPOCH FROM now() - {heartbeat})::float8 AS heartbeat_age,
        EXTRACT(EPOCH FROM now() - acquired_at)::float8 AS held_for,
        acquired_at, {token},
        {sessions},
@@ -522,6 +574,7 @@ def _holders(names: Names, shape: TableShape) -> Statement:
  ORDER BY lock_name"""
         ).format(
             table=names.table,
+            heartbeat=leases.effective_heartbeat(names, names.table) if shape.leases else sql.SQL("last_heartbeat"),
             # A semaphore's name asks for its every holder (each permit is a row of its own), a read/write
             # lock's for its readers or its writer.
             semaphores=sql.SQL(" OR semaphore = ANY(%(lock_names)s::text[])") if shape.semaphores else _NOTHING,
@@ -574,14 +627,17 @@ def _force_release(names: Names, shape: TableShape) -> Statement:
   DELETE FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat,
-            EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS heartbeat_age, {token} AS token
-){ended}
+            EXTRACT(EPOCH FROM now() - {heartbeat})::float8 AS heartbeat_age, {token} AS token{lease_key}
+){ended}{revoked}
 SELECT instance_id, heartbeat_age, token, {notify}::text FROM released"""
         ).format(
             table=names.table,
             token=_token_or_null(shape),
             ended=_ended(names, shape),
             notify=after_release("released"),
+            heartbeat=leases.effective_heartbeat(names, names.table) if shape.leases else sql.SQL("last_heartbeat"),
+            lease_key=sql.SQL(", lease_key") if shape.leases else _NOTHING,
+            revoked=leases.revoked(names, "released") if shape.leases else _NOTHING,
         ),
     )
 

@@ -113,6 +113,11 @@ class Names:
         self.queue_text = sql.Literal(render(self.queue))
         self.queue_pkey = sql.Identifier(_derived(self.parts, "_queue_pkey")[-1])
         self.queue_order = sql.Identifier(_derived(self.parts, "_queue_order")[-1])
+        # Leases: one row per heartbeat group of a client, which the rows of its mutexes follow.
+        self.leases_parts = _derived(self.parts, "_leases")
+        self.leases = sql.Identifier(*self.leases_parts)
+        self.leases_text = sql.Literal(render(self.leases))
+        self.leases_pkey = sql.Identifier(_derived(self.parts, "_leases_pkey")[-1])
 
     @functools.cached_property
     def fence(self) -> str:

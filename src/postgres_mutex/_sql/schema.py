@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING
 from psycopg import sql
 
 from .history import FAMILY, HISTORY_ENDINGS
+from .leases import COLUMN as LEASE_COLUMN
+from .leases import add_column as add_lease_column
+from .leases import create_leases
 from .sessions import COLUMNS as SESSION_COLUMNS
 from .statement import Statement, render, schema_change, statement
 
@@ -51,6 +54,7 @@ def create_table(names: Names) -> Statement:
             """CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint CACHE 1 NO CYCLE;
 {semaphores};
 {rwlocks};
+{leases};
 CREATE TABLE IF NOT EXISTS {table} (
   lock_name      VARCHAR(64) NOT NULL,
   locked         INT NOT NULL DEFAULT 1,
@@ -67,6 +71,7 @@ CREATE TABLE IF NOT EXISTS {table} (
   rwlock         VARCHAR(64),
   rw_mode        TEXT,
   hold_until     TIMESTAMPTZ,
+  lease_key      BIGINT,
   CONSTRAINT {unique} UNIQUE (locked, lock_name),
   CONSTRAINT chk_locked CHECK (locked = 1),
   {permit_constraints},
@@ -87,6 +92,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS {token_index} ON {table} (token);
             permit_constraints=sql.SQL(",\n  ").join(_permit_constraints(names)),
             permit_index=_permit_index(names),
             rwlocks=_create_rwlocks(names),
+            leases=create_leases(names),
             rw_constraints=sql.SQL(",\n  ").join(_rw_constraints(names)),
             rw_writer_index=_rw_writer_index(names),
             queue=_create_queue(names),
@@ -202,8 +208,9 @@ CREATE INDEX IF NOT EXISTS {order} ON {queue} (lock_name, ticket)"""
 
 def inspect_table(names: Names) -> Statement:
     """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks,
-    has_hold_until, has_queue)``, under its own deadline. Semaphores (read/write locks) count only once their last
-    migration step (the unique index) is done."""
+    has_hold_until, has_queue, has_leases)``, under its own deadline. Semaphores (read/write locks) count only once
+    their last migration step (the unique index) is done; leases once their column is added, and only for a role that
+    may read and write them (a role not granted them renews and judges each row by its own heartbeat, as 0.1.0 does)."""
     return statement(
         names.table_name,
         "inspection",
@@ -218,13 +225,21 @@ def inspect_table(names: Names) -> Statement:
        to_regclass({rw_writer_index_text}) IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute
                 WHERE attrelid = to_regclass({table_text}) AND attname = 'hold_until' AND NOT attisdropped),
-       to_regclass({queue_text}) IS NOT NULL"""
+       to_regclass({queue_text}) IS NOT NULL,
+       to_regclass({leases_text}) IS NOT NULL
+       AND EXISTS (SELECT 1 FROM pg_attribute
+                    WHERE attrelid = to_regclass({table_text}) AND attname = {lease_column} AND NOT attisdropped)
+       AND has_table_privilege(to_regclass({leases_text}), 'SELECT')
+       AND has_table_privilege(to_regclass({leases_text}), 'INSERT')
+       AND has_table_privilege(to_regclass({leases_text}), 'UPDATE')"""
         ).format(
             queue_text=names.queue_text,
             table_text=sql.Literal(render(names.table)),
             semaphores_text=names.semaphores_text,
             permit_index_text=names.permit_index_text,
             rw_writer_index_text=names.rw_writer_index_text,
+            leases_text=names.leases_text,
+            lease_column=sql.Literal(LEASE_COLUMN),
             history_text=sql.Literal(render(names.history)),
             count=sql.Literal(len(SESSION_COLUMNS)),
             columns=sql.Literal(list(SESSION_COLUMNS)),
@@ -399,4 +414,7 @@ def migrate_steps(names: Names) -> list[Statement]:
             sql.SQL("ALTER TABLE {table} SET (fillfactor = {fillfactor})").format(fillfactor=FILLFACTOR, **fmt),
         ),
         step("create the fair locks' queue of waiters", _create_queue(names)),
+        # The leases come last: a table counts as having them (`inspect_table`) once both steps are done.
+        step("create the leases' table", create_leases(names)),
+        step("add the column that names a row's lease", add_lease_column(names)),
     ]

@@ -157,7 +157,9 @@ def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
     """Whether the table exists, and its shape: a token column, a history, the session columns, semaphores."""
     reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
     assert reply.row is not None
-    exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_queue = reply.row
+    exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_queue, has_leases = (
+        reply.row
+    )
     return bool(exists), TableShape(
         tokens=bool(has_token),
         history=bool(has_history),
@@ -166,6 +168,7 @@ def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
         rwlocks=bool(has_rwlocks),
         holds=bool(has_hold_until),
         fair=bool(has_queue),
+        leases=bool(has_leases),
     )
 
 

@@ -59,9 +59,28 @@ class Beat:
     """Not renewed: another session holds the row locked. Tried again soon."""
     confirmed: list[tuple[Hold, float]] = field(default_factory=list)
     """Renewed after their doubt was told, with how long they were in doubt."""
+    revision: int | None = None
+    """The lease's revision, where the statement renewed the lease too (None: it did not, or it lapsed)."""
 
 
-def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeout: float) -> Flow[Beat]:
+@dataclass
+class LeaseRenewal:
+    """The lease a heartbeat statement renews as well (`_sql.leases.renewal`): its key, the tokens of the rows no
+    longer renewed that it detaches, and how old it may be for the renewal to land (`lease_within`)."""
+
+    key: int
+    detach: list[int]
+    within: float
+
+
+def heartbeat(
+    holds: list[Hold],
+    statements: Statements,
+    tracing: Tracing,
+    timeout: float,
+    lease_key: int | None = None,
+    renewal: LeaseRenewal | None = None,
+) -> Flow[Beat]:
     """Renew ``holds`` (one table, one engine, at most `BATCH`) with one statement, each scoped to its hold.
 
     A hold whose row is gone (deleted or taken over) is lost; the others are
@@ -72,7 +91,10 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
     changed shape since it was inspected (its history dropped) is inspected
     again and the statement sent as the table is now: that is no failure. A
     failure of the statement renews nothing: the caller retries until the
-    leases run out.
+    leases run out. ``lease_key``: the rows renewed follow that lease from now
+    on (`follows_lease` holds only, on a table `renew_lease` works on). ``renewal``: the same statement renews
+    that lease (`renew_lease`), whose revision the beat then carries, and the rows of ``holds``, which already
+    follow it and whose own heartbeat is due, by themselves.
     """
     attributes: dict[str, AttributeValue] = {"postgres_mutex.locks": len(holds)}
     if len(holds) == 1:
@@ -81,11 +103,20 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
     with tracing.span("postgres_mutex.heartbeat", attributes, links=links) as span:
         action = holds[0].lock.describe("heartbeat") if len(holds) == 1 else f"heartbeat of {len(holds)} locks"
         beat = Beat([], [], 0.0)
-        by_token, renew, renew_waiting = _heartbeat_statements(holds, statements)
+        by_token, renew, renew_waiting = _heartbeat_statements(holds, statements, lease_key)
+        if renewal is not None and statements.renew_lease_with_rows is not None:
+            by_token, renew = True, statements.renew_lease_with_rows
+        else:
+            renewal = None
+        # The lease's revision ends the first statement's answer, where it renews or points rows at the lease.
+        revised = renewal is not None or (lease_key is not None and statements.heartbeat_leased is not None)
         pending, waiting, reshaped = holds, False, False
         while pending:
             statement = renew_waiting if waiting else renew
             params = _heartbeat_params(pending, tokens=by_token)
+            params["lease_key"] = lease_key
+            if renewal is not None and not waiting:
+                params.update(lease_key=renewal.key, detach=renewal.detach, within=renewal.within)
             params["alert_seconds"] = holds[0].lock.timing.alert_threshold
             params["lock_timeout_ms"] = max(1, int(min(BRIEF_WAIT, timeout / 2) * 1000))
             try:
@@ -95,7 +126,14 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
                     # Rejected before it ran (at parse time): nothing renewed, safe to send again.
                     reshaped = True
                     statements = yield Shape(holds[0].lock.names, timeout, fresh=True)
-                    by_token, renew, renew_waiting = _heartbeat_statements(holds, statements)
+                    if statements.heartbeat_leased is None:
+                        lease_key = None
+                    by_token, renew, renew_waiting = _heartbeat_statements(holds, statements, lease_key)
+                    if renewal is not None and statements.renew_lease_with_rows is not None:
+                        by_token, renew = True, statements.renew_lease_with_rows
+                    else:
+                        renewal = None
+                    revised = renewal is not None or (lease_key is not None and statements.heartbeat_leased is not None)
                     continue
                 if not waiting:
                     set_outcome(span, "failed")
@@ -105,7 +143,12 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
             sent_at = reply.sent_at
             if not beat.sent_at:
                 beat.sent_at, beat.latency = sent_at, now() - sent_at
-            answers = {tuple(row[:-2]): (row[-2], row[-1]) for row in reply.rows}
+            rows = reply.rows
+            if revised and not waiting:
+                if rows:
+                    beat.revision = rows[0][-1]
+                rows = [row[:-1] for row in rows]
+            answers = {tuple(row[:-2]): (row[-2], row[-1]) for row in rows}
             skipped = []
             for hold in pending:
                 lock = hold.lock
@@ -133,8 +176,12 @@ def heartbeat(holds: list[Hold], statements: Statements, tracing: Tracing, timeo
         return beat
 
 
-def _heartbeat_statements(holds: list[Hold], statements: Statements) -> tuple[bool, Statement, Statement]:
+def _heartbeat_statements(
+    holds: list[Hold], statements: Statements, lease_key: int | None
+) -> tuple[bool, Statement, Statement]:
     """Whether ``holds`` are renewed by token, and the statement (and its waiting twin) that does it."""
+    if lease_key is not None and statements.heartbeat_leased is not None:
+        return (True, *statements.heartbeat_leased)
     if statements.heartbeat_by_token is not None and all(hold.token is not None for hold in holds):
         return (True, *statements.heartbeat_by_token)
     return False, statements.heartbeat, statements.heartbeat_waiting
@@ -155,6 +202,107 @@ def _hold_key(hold: Hold, *, tokens: bool) -> tuple[object, ...]:
     if tokens:
         return (hold.token,)
     return (hold.row_name, hold.lock.instance_id, hold.acquired_at)
+
+
+# -- the lease -------------------------------------------------------------------
+
+
+def follows_lease(hold: Hold) -> bool:
+    """Whether ``hold``'s row may follow its group's lease (`_sql.leases`) on a table that has leases.
+
+    A mutex's row (fair or not) with a token, held without a minimum hold and
+    without ``reclaim_disconnected_after``: an opted-in holder's heartbeat
+    writes its session's key into its row at every renewal (a new one after a
+    reconnection), and a permit's or a read/write lock's row is taken over by
+    statements that judge the row's own heartbeat (`LockKind.follows_lease`).
+    """
+    lock = hold.lock
+    return (
+        hold.plain
+        and hold.token is not None
+        and lock.kind.follows_lease
+        and lock.timing.reclaim_disconnected_after is None
+        and hold.row_name == lock.lock_name
+    )
+
+
+def lease_within(holds: list[Hold], timeout: float) -> float:
+    """How old the lease may be for its renewal to land: the shortest stale threshold of ``holds``, less the
+    statement's deadline and a second (`_sql.leases`: a contender's snapshot then always sees the renewal)."""
+    return min(hold.lock.timing.stale_threshold for hold in holds) - timeout - 1.0
+
+
+def own_heartbeat_period(hold: Hold) -> float:
+    """How often a row that follows a lease has its own heartbeat renewed all the same: a third of its holder's
+    lease (``stale_threshold`` less an interval).
+
+    Its holder trusts it for its lease after the last renewal of the row's
+    own heartbeat, not the lease's: a reader that judges the row's own
+    heartbeat alone (0.1.0, or a role not granted the leases) then never takes
+    it while its holder trusts it, even from a holder frozen meanwhile. Every
+    third of the lease, the trust never runs out (nor two thirds of it, which
+    is warned of) while heartbeats succeed.
+    """
+    timing = hold.lock.timing
+    return (timing.stale_threshold - timing.heartbeat_interval) / 3
+
+
+LEASE_FROM = 16
+"""The fewest holds of a heartbeat group that follow a lease (`lease_usable`).
+
+Fewer are renewed row by row every interval, exactly as on a table without
+leases: a statement renewing a few rows costs the server about what one
+renewing the lease does (its cost is the statement's, not the rows'), so a
+lease would spare nothing, while it would make each row's own heartbeat, the
+heartbeat a 0.1.0 reader and the holder's own trust go by, three times as
+old and rarer. From this many on, the rows' work is what the server spends
+(tens of microseconds each), and the lease's one row spares most of it.
+"""
+
+
+def lease_usable(holds: list[Hold], interval: float, timeout: float) -> bool:
+    """Whether ``holds`` may follow a lease: there are at least `LEASE_FROM` of them, its renewal is not refused
+    before their next heartbeat, and their own heartbeats (`own_heartbeat_period`) come at least two intervals
+    apart. Else the lease would only add a statement: their rows are renewed one by one, as without it."""
+    return (
+        len(holds) >= LEASE_FROM
+        and lease_within(holds, timeout) > 2 * interval
+        and all(own_heartbeat_period(hold) >= 2 * interval for hold in holds)
+    )
+
+
+def renew_lease(
+    holds: list[Hold], detach: list[int], statements: Statements, lease_key: int, timeout: float
+) -> Flow[tuple[int | None, float]]:
+    """Detach the rows of ``detach`` (tokens) from the lease, and renew the lease for ``holds``.
+
+    Returns the lease's revision (None: it lapsed, or was never made, and
+    nothing was renewed) and when the statement was sent. Raises
+    `DatabaseError` if the statement failed. Nothing is told here, and no
+    hold's trust is extended: a holder trusts each lock from the last renewal
+    of its row's own heartbeat (`own_heartbeat_period`), what a reader that
+    knows nothing of leases judges. The caller counts the holds renewed, for
+    contenders and watchers and as a heartbeat of each to the hooks and the
+    metrics, only if the revision is the one it last saw, else renews their
+    rows one by one. With rows due, the lease is renewed by their heartbeat's
+    statement instead (`heartbeat`'s ``renewal``).
+    """
+    statement = statements.renew_lease
+    assert statement is not None
+    within = lease_within(holds, timeout) if holds else 0.0
+    params: dict[str, object] = {"lease_key": lease_key, "detach": detach, "within": within}
+    action = f"heartbeat of {len(holds)} locks by their lease"
+    reply = yield Execute(statement, params, timeout, action, urgent=True)
+    revision = reply.row[0] if reply.row is not None else None
+    return revision, reply.sent_at
+
+
+def end_lease(detach: list[int], statements: Statements, lease_key: int, timeout: float) -> Flow[None]:
+    """Delete a lease whose group holds nothing any more, detaching the rows of ``detach`` (tokens) that still
+    follow it (`_sql.leases.end`). Raises `DatabaseError` if the statement failed."""
+    statement = statements.end_lease
+    assert statement is not None
+    yield Execute(statement, {"lease_key": lease_key, "detach": detach}, timeout, "end of a lease")
 
 
 def busy_error(hold: Hold) -> DatabaseError:

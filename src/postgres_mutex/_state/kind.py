@@ -42,6 +42,9 @@ class LockKind:
     """Whether its acquire and release may go in plain calls, one statement each (`_io.acquisition`)."""
     alerts_left_to_watcher: ClassVar[bool] = False
     """Whether its holders' alerts are its watcher's alone (many holders, each alerted on once per episode)."""
+    follows_lease: ClassVar[bool] = True
+    """Whether its row may follow its holder's lease (`_sql.leases`): only a row that every statement taking it
+    over judges by the later of its own heartbeat and its lease's."""
     queues: ClassVar[bool] = False
     """Whether its waiters wait in line (a fair Mutex's or Semaphore's, `_sql.fair`): a waiter's acquire queues
     it, a release may hand it the row, and a waiter that gives up leaves the line (its `stray_cleanup`)."""
