@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import LockAcquisitionTimeout, Mutex, Semaphore
+from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, PermitsMismatchError, Semaphore
 from tests.support.exclusion import read_log
 from tests.support.fixtures import ROOT, wait_until
 from tests.support.timing import FAST
@@ -262,6 +262,34 @@ def test_a_waiter_timing_out_as_it_is_handed_a_permit_leaves_no_row(
     # Nobody owns the permit handed to it: it is handed on (here, to nobody: deleted), long before stale_threshold.
     wait_until(lambda: _held(admin, lock_name) == 0, timeout=5)
     assert _queued(admin, lock_name) == []
+
+
+def test_a_waiter_refused_for_its_number_of_permits_leaves_the_line(
+    make_semaphore: Callable[..., Semaphore], admin: psycopg.Connection[Any], dsn: str, lock_name: str
+) -> None:
+    holder, waiter = make_semaphore(permits=1), make_semaphore(permits=1, poll_interval=1.0)
+    assert holder.acquire(blocking=False).__enter__()
+    outcome: list[BaseException | bool] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(waiter.acquire(timeout=10).__enter__())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_until(lambda: _queued(admin, lock_name) == [waiter.instance_id])
+    LockTable(dsn).set_permits(lock_name, 2)
+    thread.join(timeout=10)
+    assert len(outcome) == 1, outcome
+    assert isinstance(outcome[0], PermitsMismatchError), outcome
+    # It leaves the line at once (not when its entry stops counting as live, seconds later) ...
+    wait_until(lambda: _queued(admin, lock_name) == [], timeout=3)
+    holder.release()
+    # ... so the permit released is not handed to it, where nobody would renew it.
+    rows = admin.execute("SELECT instance_id FROM mutex_lock WHERE semaphore = %s", [lock_name]).fetchall()
+    assert rows == []
 
 
 def test_a_fair_mutex_of_the_same_name_waits_in_a_line_of_its_own(
