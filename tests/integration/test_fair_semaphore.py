@@ -15,6 +15,8 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, PermitsMismatchError, Semaphore
+from postgres_mutex._sql import Names
+from postgres_mutex._sql.lock import CURRENT, Statements
 from tests.support.exclusion import read_log
 from tests.support.fixtures import ROOT, wait_until
 from tests.support.timing import FAST
@@ -290,6 +292,74 @@ def test_a_waiter_refused_for_its_number_of_permits_leaves_the_line(
     # ... so the permit released is not handed to it, where nobody would renew it.
     rows = admin.execute("SELECT instance_id FROM mutex_lock WHERE semaphore = %s", [lock_name]).fetchall()
     assert rows == []
+
+
+_STATEMENTS = Statements(Names("mutex_lock"), CURRENT)
+
+
+def _params(name: str, instance_id: str, acquired_at: object = None) -> dict[str, Any]:
+    """A fair permit's acquire's or release's parameters, as a Semaphore of 2 permits sends them."""
+    return {
+        "lock_name": name, "semaphore": name, "permits": 2, "instance_id": instance_id, "stale_seconds": 30.0,
+        "reclaim_seconds": None, "channel": "mutex_lock_test", "acquired_at": acquired_at, "ended_how": "released",
+        "alert_seconds": 10.0, "hold_seconds": None, "waiter_live_seconds": 30.0, "wait_id": f"{instance_id}/1",
+        "_session_key": None, "_backend_pid": None,
+    }  # fmt: skip
+
+
+def _acquire(conn: psycopg.Connection[Any], name: str, instance_id: str) -> tuple[Any, ...]:
+    statement = _STATEMENTS.acquire_permit_fair
+    assert statement is not None
+    assert statement.bare is not None
+    row = conn.execute(statement.bare, _params(name, instance_id)).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def _release(conn: psycopg.Connection[Any], name: str, instance_id: str, acquired_at: object) -> None:
+    statement = _STATEMENTS.release_permit_fair
+    assert statement is not None
+    assert statement.bare is not None
+    conn.execute(statement.bare, _params(name, instance_id, acquired_at)).fetchall()
+
+
+def _rows_of(admin: psycopg.Connection[Any], name: str, instance_id: str) -> int:
+    row = admin.execute(
+        "SELECT count(*) FROM mutex_lock WHERE semaphore = %s AND instance_id = %s", [name, instance_id]
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_waiter_handed_a_permit_as_its_attempt_finds_one_free_holds_one_only(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    with (
+        psycopg.connect(dsn, autocommit=True) as first,
+        psycopg.connect(dsn, autocommit=True) as second,
+        psycopg.connect(dsn) as handing,
+        psycopg.connect(dsn, autocommit=True) as waiting,
+    ):
+        one, two = _acquire(first, lock_name, "one"), _acquire(second, lock_name, "two")
+        assert one[4] is not None
+        assert two[4] is not None
+        assert _acquire(waiting, lock_name, "waiter")[4] is None  # queued
+        # The first release chooses the waiter (its entry locked) and hands it the permit, not committed yet;
+        # the second finds nobody else in line and frees its permit.
+        _release(handing, lock_name, "one", one[3])
+        _release(second, lock_name, "two", two[3])
+        # The waiter's attempt now sees a free permit and nobody ahead of it, while the first release commits.
+        attempt: list[tuple[Any, ...]] = []
+        thread = threading.Thread(target=lambda: attempt.append(_acquire(waiting, lock_name, "waiter")))
+        thread.start()
+        wait_until(lambda: admin.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone() != (0,))
+        handing.commit()
+        thread.join(timeout=10)
+        assert len(attempt) == 1
+        # The permit handed to it is the one it holds: no second permit, which nobody would renew.
+        assert _rows_of(admin, lock_name, "waiter") == 1
+        assert _acquire(waiting, lock_name, "waiter")[4] is not None  # its next attempt takes it
+        assert _rows_of(admin, lock_name, "waiter") == 1
 
 
 def test_a_fair_mutex_of_the_same_name_waits_in_a_line_of_its_own(

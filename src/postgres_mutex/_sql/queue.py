@@ -117,7 +117,12 @@ def permit_parts(names: Names) -> dict[str, sql.Composable]:
     alone; ``queued``: the caller's entry, written (its ``seen`` refreshed)
     while nothing is won and deleted once something is. A permit handed to
     this waiter by a release is a row of its own: the acquire's ``mine``
-    takes it, whatever the line.
+    takes it, whatever the line. ``chosen``: a release that began before
+    this attempt and committed after its snapshot handed this waiter a
+    permit (it held the waiter's entry, and deleted it): the attempt, which
+    cannot see that permit, wins no other one (it waits for the entry's row
+    lock to know), lest the waiter hold two; its next attempt takes the one
+    handed to it.
     """
     key = PERMITS_LINE.key
     return {
@@ -129,10 +134,17 @@ def permit_parts(names: Names) -> dict[str, sql.Composable]:
      AND waiter.ticket < COALESCE((SELECT mine.ticket FROM {queue} AS mine
                                    WHERE mine.lock_name = {key} AND mine.instance_id = %(instance_id)s),
                                   9223372036854775807)
+), chosen AS (
+  SELECT 1 FROM {queue} AS mine
+   WHERE mine.lock_name = {key} AND mine.instance_id = %(instance_id)s
+     AND NOT EXISTS (SELECT FROM {queue} AS still
+                      WHERE still.lock_name = {key} AND still.instance_id = %(instance_id)s FOR UPDATE)
 )"""
         ).format(queue=names.queue, key=key, live=LIVE),
-        "insert_if": sql.SQL("\n     AND (SELECT waiters FROM ahead) < (SELECT count(*) FROM free)"),
-        "take_if": sql.SQL("\n     AND (SELECT waiters FROM ahead) = 0"),
+        "insert_if": sql.SQL(
+            "\n     AND (SELECT waiters FROM ahead) < (SELECT count(*) FROM free) AND NOT EXISTS (SELECT FROM chosen)"
+        ),
+        "take_if": sql.SQL("\n     AND (SELECT waiters FROM ahead) = 0 AND NOT EXISTS (SELECT FROM chosen)"),
         "queued": _queued(names, key, agreed=True),
     }
 
