@@ -362,6 +362,23 @@ def test_a_waiter_handed_a_permit_as_its_attempt_finds_one_free_holds_one_only(
         assert _rows_of(admin, lock_name, "waiter") == 1
 
 
+def test_a_waiter_leaving_with_two_permits_hands_one_on(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    leave = _STATEMENTS.leave_permit_fair
+    assert leave is not None
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert _acquire(conn, lock_name, "one")[4] is not None
+        assert _acquire(conn, lock_name, "two")[4] is not None
+        assert _acquire(conn, lock_name, "next")[4] is None  # queued
+        # Both permits are the leaver's (one won, one handed to it as it won), as a race can leave them.
+        admin.execute("UPDATE mutex_lock SET instance_id = 'leaver' WHERE semaphore = %s", [lock_name])
+        psycopg.ClientCursor(conn).execute(leave.text, {**_params(lock_name, "leaver"), "_server_timeout_ms": 10_000})
+        # The next waiter waits for one permit: it is handed one; the other is free for whoever comes.
+        assert _rows_of(admin, lock_name, "next") == 1
+        assert _held(admin, lock_name) == 1
+
+
 def test_a_fair_mutex_of_the_same_name_waits_in_a_line_of_its_own(
     make_semaphore: Callable[..., Semaphore],
     make_mutex: Callable[..., Mutex],
