@@ -59,17 +59,24 @@ the same name has a line of its own), for every permit's row."""
 
 
 def _writer_gone(names: Names) -> sql.Composable:
-    """A fair writer's release's or leave's part: the gate's writer stamp cleared. A writer still in line
-    stamps it again at its next attempt; the row handed on keeps readers out meanwhile."""
+    """A fair writer's release's or leave's part: the gate's writer stamp cleared, if no other live writer is
+    in line. One that is keeps readers out: even one a release passes over (its entry row-locked by its attempt
+    under way), which takes the lock free at its next attempt, before any reader."""
     return sql.SQL(
         """, unstamped AS (
   UPDATE {rwlocks} SET writer_waiting_until = NULL WHERE name = %(rwlock)s AND EXISTS (SELECT FROM mine)
+     AND NOT EXISTS (SELECT FROM {queue} AS waiter
+                      WHERE waiter.lock_name = {key} AND waiter.instance_id <> %(instance_id)s
+                        AND waiter.seen > now() - {live})
 )"""
-    ).format(rwlocks=names.rwlocks)
+    ).format(rwlocks=names.rwlocks, queue=names.queue, key=_WRITERS_KEY, live=LIVE)
+
+
+_WRITERS_KEY = sql.SQL("(%(rwlock)s || chr(31) || 'w')")
 
 
 WRITERS_LINE = Line(
-    key=sql.SQL("(%(rwlock)s || chr(31) || 'w')"),
+    key=_WRITERS_KEY,
     column="lock_name",
     value=sql.SQL("%(lock_name)s"),
     also=_writer_gone,
