@@ -15,6 +15,9 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, RWLock
+from postgres_mutex._sql import Names
+from postgres_mutex._sql.lock import CURRENT, Statements
+from postgres_mutex._state.rows import rw_row_name
 from tests.support.exclusion import overlaps, read_log
 from tests.support.fixtures import ROOT, wait_until
 from tests.support.timing import FAST
@@ -249,3 +252,69 @@ def test_a_writer_timing_out_as_it_is_handed_the_lock_leaves_no_row_and_lets_rea
     # And its claim on the gate went with it: a reader gets in at once, not after the claim's 12 s.
     reader = make_rwlock()
     assert reader.read(blocking=False).__enter__()
+
+
+_STATEMENTS = Statements(Names("mutex_lock"), CURRENT)
+
+
+def _params(name: str, instance_id: str, mode: str = "write", acquired_at: object = None) -> dict[str, Any]:
+    """A fair writer's (or a reader's) acquire's or release's parameters, as an RWLock sends them."""
+    row = rw_row_name(name, instance_id, mode)
+    return {
+        "lock_name": row, "rwlock": name, "row_name": row, "waiting": True, "waiting_seconds": 5.0,
+        "instance_id": instance_id, "stale_seconds": 30.0, "reclaim_seconds": None, "channel": "mutex_lock_test",
+        "acquired_at": acquired_at, "ended_how": "released", "alert_seconds": 10.0, "hold_seconds": None,
+        "waiter_live_seconds": 30.0, "wait_id": f"{instance_id}/1", "_session_key": None, "_backend_pid": None,
+    }  # fmt: skip
+
+
+def test_a_writer_in_line_passed_over_by_a_release_still_goes_before_readers(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    acquire, release, read = _STATEMENTS.acquire_write_fair, _STATEMENTS.release_write_fair, _STATEMENTS.acquire_read
+    assert acquire is not None
+    assert release is not None
+    assert read is not None
+    assert acquire.bare is not None
+    assert release.bare is not None
+    assert read.bare is not None
+    with (
+        psycopg.connect(dsn, autocommit=True) as first,
+        psycopg.connect(dsn, autocommit=True) as second,
+        psycopg.connect(dsn) as blocker,
+    ):
+        held = first.execute(acquire.bare, _params(lock_name, "first")).fetchone()
+        assert held is not None
+        assert held[3] is not None
+        queued = second.execute(acquire.bare, _params(lock_name, "second")).fetchone()
+        assert queued is not None
+        assert queued[3] is None  # in line
+        # The second writer's next attempt runs (its entry row-locked) as the first one's release does: the
+        # release passes it over and deletes the row. The gate's row held a moment orders the two.
+        blocker.execute("SELECT 1 FROM mutex_lock_rwlocks WHERE name = %s FOR UPDATE", [lock_name])
+        done: dict[str, object] = {}
+
+        def run(key: str, conn: psycopg.Connection[Any], text: str, params: dict[str, Any]) -> None:
+            done[key] = conn.execute(text, params).fetchall()
+
+        attempt = threading.Thread(target=run, args=("attempt", second, acquire.bare, _params(lock_name, "second")))
+        attempt.start()
+        wait_until(lambda: admin.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone() != (0,))
+        params = _params(lock_name, "first", acquired_at=held[3])
+        releasing = threading.Thread(target=run, args=("release", first, release.bare, params))
+        releasing.start()
+        wait_until(
+            lambda: (
+                "release" in done or admin.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone() == (2,)
+            )
+        )
+        blocker.rollback()
+        attempt.join(timeout=10)
+        releasing.join(timeout=10)
+        assert set(done) == {"attempt", "release"}
+        assert _rows(admin, lock_name) == 0  # passed over: the row deleted, not handed to it
+        assert _queued(admin, lock_name) == ["second"]
+        # A reader coming now waits: the writer in line takes the lock at its next attempt.
+        reader = admin.execute(read.bare, _params(lock_name, "reader", "read")).fetchone()
+        assert reader is not None
+        assert reader[3] is None

@@ -14,7 +14,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import LockAcquisitionTimeout, Mutex, Semaphore
+from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, PermitsMismatchError, Semaphore
+from postgres_mutex._sql import Names
+from postgres_mutex._sql.lock import CURRENT, Statements
 from tests.support.exclusion import read_log
 from tests.support.fixtures import ROOT, wait_until
 from tests.support.timing import FAST
@@ -262,6 +264,119 @@ def test_a_waiter_timing_out_as_it_is_handed_a_permit_leaves_no_row(
     # Nobody owns the permit handed to it: it is handed on (here, to nobody: deleted), long before stale_threshold.
     wait_until(lambda: _held(admin, lock_name) == 0, timeout=5)
     assert _queued(admin, lock_name) == []
+
+
+def test_a_waiter_refused_for_its_number_of_permits_leaves_the_line(
+    make_semaphore: Callable[..., Semaphore], admin: psycopg.Connection[Any], dsn: str, lock_name: str
+) -> None:
+    holder, waiter = make_semaphore(permits=1), make_semaphore(permits=1, poll_interval=1.0)
+    assert holder.acquire(blocking=False).__enter__()
+    outcome: list[BaseException | bool] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(waiter.acquire(timeout=10).__enter__())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_until(lambda: _queued(admin, lock_name) == [waiter.instance_id])
+    LockTable(dsn).set_permits(lock_name, 2)
+    thread.join(timeout=10)
+    assert len(outcome) == 1, outcome
+    assert isinstance(outcome[0], PermitsMismatchError), outcome
+    # It leaves the line at once (not when its entry stops counting as live, seconds later) ...
+    wait_until(lambda: _queued(admin, lock_name) == [], timeout=3)
+    holder.release()
+    # ... so the permit released is not handed to it, where nobody would renew it.
+    rows = admin.execute("SELECT instance_id FROM mutex_lock WHERE semaphore = %s", [lock_name]).fetchall()
+    assert rows == []
+
+
+_STATEMENTS = Statements(Names("mutex_lock"), CURRENT)
+
+
+def _params(name: str, instance_id: str, acquired_at: object = None) -> dict[str, Any]:
+    """A fair permit's acquire's or release's parameters, as a Semaphore of 2 permits sends them."""
+    return {
+        "lock_name": name, "semaphore": name, "permits": 2, "instance_id": instance_id, "stale_seconds": 30.0,
+        "reclaim_seconds": None, "channel": "mutex_lock_test", "acquired_at": acquired_at, "ended_how": "released",
+        "alert_seconds": 10.0, "hold_seconds": None, "waiter_live_seconds": 30.0, "wait_id": f"{instance_id}/1",
+        "_session_key": None, "_backend_pid": None,
+    }  # fmt: skip
+
+
+def _acquire(conn: psycopg.Connection[Any], name: str, instance_id: str) -> tuple[Any, ...]:
+    statement = _STATEMENTS.acquire_permit_fair
+    assert statement is not None
+    assert statement.bare is not None
+    row = conn.execute(statement.bare, _params(name, instance_id)).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def _release(conn: psycopg.Connection[Any], name: str, instance_id: str, acquired_at: object) -> None:
+    statement = _STATEMENTS.release_permit_fair
+    assert statement is not None
+    assert statement.bare is not None
+    conn.execute(statement.bare, _params(name, instance_id, acquired_at)).fetchall()
+
+
+def _rows_of(admin: psycopg.Connection[Any], name: str, instance_id: str) -> int:
+    row = admin.execute(
+        "SELECT count(*) FROM mutex_lock WHERE semaphore = %s AND instance_id = %s", [name, instance_id]
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_waiter_handed_a_permit_as_its_attempt_finds_one_free_holds_one_only(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    with (
+        psycopg.connect(dsn, autocommit=True) as first,
+        psycopg.connect(dsn, autocommit=True) as second,
+        psycopg.connect(dsn) as handing,
+        psycopg.connect(dsn, autocommit=True) as waiting,
+    ):
+        one, two = _acquire(first, lock_name, "one"), _acquire(second, lock_name, "two")
+        assert one[4] is not None
+        assert two[4] is not None
+        assert _acquire(waiting, lock_name, "waiter")[4] is None  # queued
+        # The first release chooses the waiter (its entry locked) and hands it the permit, not committed yet;
+        # the second finds nobody else in line and frees its permit.
+        _release(handing, lock_name, "one", one[3])
+        _release(second, lock_name, "two", two[3])
+        # The waiter's attempt now sees a free permit and nobody ahead of it, while the first release commits.
+        attempt: list[tuple[Any, ...]] = []
+        thread = threading.Thread(target=lambda: attempt.append(_acquire(waiting, lock_name, "waiter")))
+        thread.start()
+        wait_until(lambda: admin.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone() != (0,))
+        handing.commit()
+        thread.join(timeout=10)
+        assert len(attempt) == 1
+        # The permit handed to it is the one it holds: no second permit, which nobody would renew.
+        assert _rows_of(admin, lock_name, "waiter") == 1
+        assert _acquire(waiting, lock_name, "waiter")[4] is not None  # its next attempt takes it
+        assert _rows_of(admin, lock_name, "waiter") == 1
+
+
+def test_a_waiter_leaving_with_two_permits_hands_one_on(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    leave = _STATEMENTS.leave_permit_fair
+    assert leave is not None
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert _acquire(conn, lock_name, "one")[4] is not None
+        assert _acquire(conn, lock_name, "two")[4] is not None
+        assert _acquire(conn, lock_name, "next")[4] is None  # queued
+        # Both permits are the leaver's (one won, one handed to it as it won), as a race can leave them.
+        admin.execute("UPDATE mutex_lock SET instance_id = 'leaver' WHERE semaphore = %s", [lock_name])
+        psycopg.ClientCursor(conn).execute(leave.text, {**_params(lock_name, "leaver"), "_server_timeout_ms": 10_000})
+        # The next waiter waits for one permit: it is handed one; the other is free for whoever comes.
+        assert _rows_of(admin, lock_name, "next") == 1
+        assert _held(admin, lock_name) == 1
 
 
 def test_a_fair_mutex_of_the_same_name_waits_in_a_line_of_its_own(

@@ -9,6 +9,7 @@ import pytest
 
 from postgres_mutex import DatabaseError, OperationTimeout, SchemaError
 from postgres_mutex._base.secrets import Redactor
+from postgres_mutex._kinds.semaphore import FairPermits, Permits
 from postgres_mutex._state.admin_flows import observe
 from postgres_mutex._state.alerts import AlertGate
 from postgres_mutex._state.failures import classify_failure
@@ -191,3 +192,13 @@ def test_a_holders_row_says_what_it_holds_by_its_name() -> None:
         ("catalogue\x1fr0123456789ab", None, None, "catalogue", "read"),
         ("catalogue\x1fw", None, None, "catalogue", "write"),
     ]
+
+
+def test_a_fair_semaphore_waits_for_free_permits_left_to_waiters_ahead() -> None:
+    # Two permits free and none won: in fair mode, waiters ahead of this one are owed them.
+    left_to_others = read_acquire((None, "host-other", 0.1, None, None, None, 3, 1), ME, 3)
+    assert Permits(3).again_at_once(left_to_others) is True
+    assert FairPermits(3).again_at_once(left_to_others) is False
+    # The semaphore's N was being declared: known at the next try, fair or not.
+    declaring = read_acquire((None, None, None, None, None, None, None, 0), ME, 3)
+    assert FairPermits(3).again_at_once(declaring) is True

@@ -128,6 +128,10 @@ class FairPermits(Permits):
     def stray_cleanup(self, statements: Statements) -> Statement | None:
         return statements.leave_permit_fair
 
+    def again_at_once(self, reply: PermitReply) -> bool:
+        # Free permits left to waiters ahead are the rule here, not a lost race: wait to be woken.
+        return not reply.result.outcome.acquired and reply.stored_permits is None
+
 
 class Semaphore(Holder):
     """A distributed semaphore: at most ``permits`` holders of ``name`` at once, enforced by the database.

@@ -87,10 +87,13 @@ def release(names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX
     dequeues the caller, the waiter handed the lock, and waiters long gone.
     A waiter that holds a row of the lock already (a permit handed to it by
     another release, which its attempt under way queued again) is passed over.
+    A leave of a Semaphore's waiter that holds several permits hands one on
+    (the waiter chosen waits for one) and deletes the others.
     """
     scope = sql.SQL(" AND acquired_at = %(acquired_at)s") if scoped else _NOTHING
     mine = sql.SQL("{rows} AND instance_id = %(instance_id)s{scope}").format(rows=line.rows(), scope=scope)
     # The receiver names no session and has no minimum hold until its own acquire writes them.
+    several = not scoped and not line.one_row
     cleared = [sql.SQL("session_key = NULL, session_hold = NULL, reclaim_after = NULL")] if shape.sessions else []
     if shape.holds:
         cleared.append(sql.SQL("hold_until = NULL"))
@@ -115,13 +118,13 @@ def release(names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX
      SET instance_id = next.instance_id, acquired_at = now(), last_heartbeat = clock_timestamp(),
          token = nextval({sequence}){cleared}
     FROM next
-   WHERE {mine_held}
+   WHERE {mine_held}{one_of_mine}
   RETURNING held.lock_name, held.instance_id, next.wait_id, held.token, held.acquired_at
 ), deleted AS (
-  DELETE FROM {table} WHERE {mine} AND NOT EXISTS (SELECT FROM next)
+  DELETE FROM {table} WHERE {mine} AND {not_handed}
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
 ), released AS (
-  SELECT * FROM mine WHERE EXISTS (SELECT FROM handed) UNION ALL SELECT * FROM deleted
+  SELECT * FROM mine WHERE {was_handed} UNION ALL SELECT * FROM deleted
 ), dequeued AS (
   DELETE FROM {queue} AS waiter
    WHERE waiter.lock_name = {key}
@@ -146,6 +149,17 @@ SELECT {notify}::text FROM deleted"""
                 queue=names.queue, key=line.key
             ),
             key=line.key,
+            # Leaving, a waiter may hold several permits (one handed to it as it won another): one goes to the
+            # next waiter, who waits for one only; the others are deleted.
+            one_of_mine=sql.SQL("\n     AND held.lock_name = (SELECT min(lock_name) FROM mine)")
+            if several
+            else _NOTHING,
+            not_handed=sql.SQL("lock_name NOT IN (SELECT lock_name FROM handed)")
+            if several
+            else sql.SQL("NOT EXISTS (SELECT FROM next)"),
+            was_handed=sql.SQL("lock_name IN (SELECT lock_name FROM handed)")
+            if several
+            else sql.SQL("EXISTS (SELECT FROM handed)"),
             also=line.also(names) if line.also is not None else _NOTHING,
             mine=mine,
             mine_held=sql.SQL("{rows} AND held.instance_id = %(instance_id)s{scope}").format(

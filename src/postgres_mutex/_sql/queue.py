@@ -59,17 +59,24 @@ the same name has a line of its own), for every permit's row."""
 
 
 def _writer_gone(names: Names) -> sql.Composable:
-    """A fair writer's release's or leave's part: the gate's writer stamp cleared. A writer still in line
-    stamps it again at its next attempt; the row handed on keeps readers out meanwhile."""
+    """A fair writer's release's or leave's part: the gate's writer stamp cleared, if no other live writer is
+    in line. One that is keeps readers out: even one a release passes over (its entry row-locked by its attempt
+    under way), which takes the lock free at its next attempt, before any reader."""
     return sql.SQL(
         """, unstamped AS (
   UPDATE {rwlocks} SET writer_waiting_until = NULL WHERE name = %(rwlock)s AND EXISTS (SELECT FROM mine)
+     AND NOT EXISTS (SELECT FROM {queue} AS waiter
+                      WHERE waiter.lock_name = {key} AND waiter.instance_id <> %(instance_id)s
+                        AND waiter.seen > now() - {live})
 )"""
-    ).format(rwlocks=names.rwlocks)
+    ).format(rwlocks=names.rwlocks, queue=names.queue, key=_WRITERS_KEY, live=LIVE)
+
+
+_WRITERS_KEY = sql.SQL("(%(rwlock)s || chr(31) || 'w')")
 
 
 WRITERS_LINE = Line(
-    key=sql.SQL("(%(rwlock)s || chr(31) || 'w')"),
+    key=_WRITERS_KEY,
     column="lock_name",
     value=sql.SQL("%(lock_name)s"),
     also=_writer_gone,
@@ -117,7 +124,12 @@ def permit_parts(names: Names) -> dict[str, sql.Composable]:
     alone; ``queued``: the caller's entry, written (its ``seen`` refreshed)
     while nothing is won and deleted once something is. A permit handed to
     this waiter by a release is a row of its own: the acquire's ``mine``
-    takes it, whatever the line.
+    takes it, whatever the line. ``chosen``: a release that began before
+    this attempt and committed after its snapshot handed this waiter a
+    permit (it held the waiter's entry, and deleted it): the attempt, which
+    cannot see that permit, wins no other one (it waits for the entry's row
+    lock to know), lest the waiter hold two; its next attempt takes the one
+    handed to it.
     """
     key = PERMITS_LINE.key
     return {
@@ -129,10 +141,17 @@ def permit_parts(names: Names) -> dict[str, sql.Composable]:
      AND waiter.ticket < COALESCE((SELECT mine.ticket FROM {queue} AS mine
                                    WHERE mine.lock_name = {key} AND mine.instance_id = %(instance_id)s),
                                   9223372036854775807)
+), chosen AS (
+  SELECT 1 FROM {queue} AS mine
+   WHERE mine.lock_name = {key} AND mine.instance_id = %(instance_id)s
+     AND NOT EXISTS (SELECT FROM {queue} AS still
+                      WHERE still.lock_name = {key} AND still.instance_id = %(instance_id)s FOR UPDATE)
 )"""
         ).format(queue=names.queue, key=key, live=LIVE),
-        "insert_if": sql.SQL("\n     AND (SELECT waiters FROM ahead) < (SELECT count(*) FROM free)"),
-        "take_if": sql.SQL("\n     AND (SELECT waiters FROM ahead) = 0"),
+        "insert_if": sql.SQL(
+            "\n     AND (SELECT waiters FROM ahead) < (SELECT count(*) FROM free) AND NOT EXISTS (SELECT FROM chosen)"
+        ),
+        "take_if": sql.SQL("\n     AND (SELECT waiters FROM ahead) = 0 AND NOT EXISTS (SELECT FROM chosen)"),
         "queued": _queued(names, key, agreed=True),
     }
 

@@ -270,10 +270,14 @@ class _Attempts:
                 refused = lock.kind.refusal(read, lock.names.table_name, lock.lock_name)
                 if refused is not None:
                     lock.attempt_contended(None)
+                    if lock.kind.queues:
+                        lock.in_line()  # an earlier attempt queued it: it must leave the line as it goes
                     raise refused
                 if lock.kind.again_at_once(read) and self.quick_retries < _QUICK_RETRIES:
                     self.quick_retries += 1
                     lock.attempt_contended(result.holder)
+                    if lock.kind.queues:
+                        lock.in_line()
                     continue
                 assert self.statements is not None  # inspected by this attempt, or given with the first
                 if result.outcome.acquired and not self.statements.shape.tokens and result.token is not None:
