@@ -383,8 +383,9 @@ def _statement(
                 return _unprepared(cursor, bound, bare, session)
             # `_result`, inline: the common statement's reply read with no call of the library's.
             pgresult = cursor.pgresult
-            rows = cursor.fetchall() if pgresult is not None and pgresult.status == _TUPLES_OK else ()
-            return _new_result(steps.Result, (cursor.rowcount, tuple(rows), sent_at))
+            if statement.counted or pgresult is None or pgresult.status != _TUPLES_OK:
+                return _new_result(steps.Result, (cursor.rowcount, (), sent_at))
+            return _new_result(steps.Result, (cursor.rowcount, tuple(cursor.fetchall()), sent_at))
         # A connection's first lock statement asks whether it reaches PostgreSQL
         # directly and, if so, sets the session up; a statement whose deadline the
         # session's does not fit sets it again. Either way in the statement's own
