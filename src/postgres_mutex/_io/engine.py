@@ -194,7 +194,8 @@ class Engine:
                 # Inside the try: a signal handler's exception landing as the turn is taken, or just
                 # after, still has it given back (`leave` gives back this thread's turn, if it has one).
                 self._gate.enter(urgent, timeout)
-                with source.connection(timeout, asked_at) as (conn, cutter):
+                source.timeout, source.asked_at = timeout, asked_at
+                with source as (conn, cutter):
                     if cleanup_op is not None:
                         cleanup = cleanup_op.stray_row
                         assert cleanup is not None

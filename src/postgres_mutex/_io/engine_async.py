@@ -218,7 +218,8 @@ class AsyncEngine:
                 # # after, still has it given back (`leave` gives back this thread's turn, if it has one).
                 # self._gate.enter(urgent, timeout)
                 # end sync-only
-                async with source.connection(timeout, asked_at) as (conn, cutter):
+                source.timeout, source.asked_at = timeout, asked_at
+                async with source as (conn, cutter):
                     if cleanup_op is not None:
                         cleanup = cleanup_op.stray_row
                         assert cleanup is not None
