@@ -95,139 +95,136 @@ class AsyncAcquisition:
         #     engine = lock.engine = self._engine()
         # end sync-only
         self._engine_in_use = engine
+        # The acquire: its first attempt in plain calls, the flow (`flows.acquire`) for anything but a win.
+        # An uncontended acquire is one statement, and the flow's steps would cost more than its round
+        # trip; whatever else happens (the lock busy, a failure, a clean-up of ours on the wire, a table
+        # not inspected yet, a span that records, a semaphore or a read/write lock, an election's stop, a
+        # minimum hold, whose table's shape is checked first) is the flow's, which takes the attempt over
+        # where it stands. Here rather than in a method of its own: a call per acquire is a measurable
+        # share of a lock cycle.
         try:
-            self._hold = await self._acquire(engine)
-            return self._hold is not None
+            owner = current_owner()
+            statements = engine.host.shapes.get(lock.names.table_name)
+            if (
+                statements is None
+                or not lock.kind.direct
+                or self._stop is not None
+                or engine.deadline is not None
+                or self._hold_at_least is not None
+                or not lock.tracing.silent()
+            ):
+                self._hold = await engine.run(self._flow(owner, None))
+                return self._hold is not None
+            generation = lock.begin_acquire(self._acquirer)
+            started = now()
+            flowed = False
+            outcome = "cancelled"
+            result: AcquireResult | None = None
+            attempts = 0
+            try:
+                # `flows.budget` and `flows.statement_timeout`, their common case inline: a non-blocking
+                # acquire's first statement (or a wait with no limit's) gets one operation_timeout.
+                timeout = lock.timing.operation_timeout
+                if self._blocking and self._timeout is not None:
+                    timeout = flows.statement_timeout(lock, started + self._timeout)
+                if lock.cleanup_sender is not None:  # `cleanup_maybe_on_the_wire`, read without its call
+                    flowed = True
+                    self._hold = await engine.run(
+                        self._flow(owner, flows.FirstAttempt(generation, started, statements, timeout, False, None))
+                    )
+                    return self._hold is not None
+                if lock.timing.reclaim_disconnected_after is not None and not statements.shape.sessions:
+                    lock.events.sessions_unnamed(lock.names.table_name)
+                plain = statements.acquire_plain
+                if plain is not None and lock.timing.reclaim_disconnected_after is None:
+                    # No session to name and no minimum hold: the statement that binds only what it reads.
+                    statement, params = plain, lock.plain_acquire_params
+                else:
+                    statement, params = statements.acquire, lock.params()
+                possible_before = lock.attempt_sent()
+                attempts = 1
+                reply: steps.Result | DatabaseError
+                try:
+                    reply = await engine.send(statement, params, timeout, lock.acquire_action)
+                except DatabaseError as exc:
+                    reply = exc
+                except BaseException:
+                    # Interrupted mid-statement (cancelled, a signal's exception): it may still land.
+                    lock.attempt_unanswered(timeout)
+                    raise
+                if isinstance(reply, steps.Result):
+                    # A direct kind's reply: a mutex's five columns (`read_acquire` without a count),
+                    # ``(inserted, holder, heartbeat_age, acquired_at, token)``.
+                    row = reply.rows[0] if reply.rows else None
+                    if (
+                        row is not None
+                        and len(row) == 5
+                        and row[0] is True
+                        and type(row[3]) is datetime
+                        and (row[4] is None or (type(row[4]) is int and statements.shape.tokens))
+                        and lock.events.quiet
+                    ):
+                        # Inserted, and no hook to tell: read in place, as `interpret_acquire` reads it
+                        # (`Outcome.ACQUIRED`), without making its result.
+                        hold = lock.won(
+                            acquired_at=row[3],
+                            token=row[4],
+                            sent_at=reply.sent_at,
+                            owner=owner,
+                            span_context=NO_SPAN_CONTEXT,
+                            plain=True,
+                        )
+                        if logger.isEnabledFor(DEBUG):  # its log line (`LockEvents.acquired`)
+                            lock.events.acquired(
+                                NO_SPAN,
+                                AcquireResult(Outcome.ACQUIRED, None, None, row[3], row[4]),
+                                expected_own_row=possible_before,
+                            )
+                        engine.keep(hold)
+                        outcome = "acquired"
+                        self._hold = hold
+                        return True
+                    result = interpret_acquire(row, lock.instance_id)
+                    # A reply that won carries its acquired_at (a contended one never does).
+                    if result.acquired_at is not None and (statements.shape.tokens or result.token is None):
+                        hold = lock.won(
+                            acquired_at=result.acquired_at,
+                            token=result.token,
+                            sent_at=reply.sent_at,
+                            owner=owner,
+                            span_context=NO_SPAN_CONTEXT,
+                            plain=True,
+                        )
+                        events = lock.events
+                        if not events.quiet or result.outcome is not Outcome.ACQUIRED or logger.isEnabledFor(DEBUG):
+                            # Else skipped as `LockEvents.acquired` would skip it: no hook, no span, no log line.
+                            events.acquired(NO_SPAN, result, expected_own_row=possible_before)
+                        engine.keep(hold)
+                        outcome = "reclaimed" if result.outcome is Outcome.RECLAIMED else "acquired"
+                        self._hold = hold
+                        return True
+                flowed = True
+                first = flows.FirstAttempt(generation, started, statements, timeout, possible_before, reply)
+                self._hold = await engine.run(self._flow(owner, first))
+                return self._hold is not None
+            except Exception:
+                outcome = "error"
+                raise
+            finally:
+                if not flowed and not lock.events.quiet:  # else `acquire_ended` tells nobody
+                    lock.events.acquire_ended(
+                        NO_SPAN,
+                        outcome,
+                        attempts=attempts,
+                        waited=now() - started,
+                        holder=None if result is None else result.holder,
+                    )
         except BaseException:
             # Raised before the block got the hold, wherever it landed (a signal handler's exception
             # after the acquire returned, say): the block will never release it.
             self._hold = None
             await engine.run(flows.abandon(self._lock, self._acquirer))
             raise
-
-    async def _acquire(self, engine: AsyncEngine) -> Hold | None:
-        """The acquire: its first attempt in plain calls, the flow (`flows.acquire`) for anything but a win.
-
-        An uncontended acquire is one statement, and the flow's steps would cost
-        more than its round trip; whatever else happens (the lock busy, a
-        failure, a clean-up of ours on the wire, a table not inspected yet, a
-        span that records, a semaphore or a read/write lock, an election's stop)
-        is the flow's, which takes the attempt over where it stands. So is an acquire with a minimum
-        hold (its table's shape is checked first). Whatever
-        is raised into it, the acquire is `flows.abandon`-ed by the caller.
-        """
-        lock = self._lock
-        owner = current_owner()
-        statements = engine.host.shapes.get(lock.names.table_name)
-        if (
-            statements is None
-            or not lock.kind.direct
-            or self._stop is not None
-            or engine.deadline is not None
-            or self._hold_at_least is not None
-            or not lock.tracing.silent()
-        ):
-            return await engine.run(self._flow(owner, None))
-        generation = lock.begin_acquire(self._acquirer)
-        started = now()
-        flowed = False
-        outcome = "cancelled"
-        result: AcquireResult | None = None
-        attempts = 0
-        try:
-            # `flows.budget` and `flows.statement_timeout`, their common case inline: a non-blocking
-            # acquire's first statement (or a wait with no limit's) gets one operation_timeout.
-            timeout = lock.timing.operation_timeout
-            if self._blocking and self._timeout is not None:
-                timeout = flows.statement_timeout(lock, started + self._timeout)
-            if lock.cleanup_sender is not None:  # `cleanup_maybe_on_the_wire`, read without its call
-                flowed = True
-                return await engine.run(
-                    self._flow(owner, flows.FirstAttempt(generation, started, statements, timeout, False, None))
-                )
-            if lock.timing.reclaim_disconnected_after is not None and not statements.shape.sessions:
-                lock.events.sessions_unnamed(lock.names.table_name)
-            plain = statements.acquire_plain
-            if plain is not None and lock.timing.reclaim_disconnected_after is None:
-                # No session to name and no minimum hold: the statement that binds only what it reads.
-                statement, params = plain, lock.plain_acquire_params
-            else:
-                statement, params = statements.acquire, lock.params()
-            possible_before = lock.attempt_sent()
-            attempts = 1
-            reply: steps.Result | DatabaseError
-            try:
-                reply = await engine.send(statement, params, timeout, lock.acquire_action)
-            except DatabaseError as exc:
-                reply = exc
-            except BaseException:
-                # Interrupted mid-statement (cancelled, a signal's exception): it may still land.
-                lock.attempt_unanswered(timeout)
-                raise
-            if isinstance(reply, steps.Result):
-                # A direct kind's reply: a mutex's five columns (`read_acquire` without a count),
-                # ``(inserted, holder, heartbeat_age, acquired_at, token)``.
-                row = reply.rows[0] if reply.rows else None
-                if (
-                    row is not None
-                    and len(row) == 5
-                    and row[0] is True
-                    and type(row[3]) is datetime
-                    and (row[4] is None or (type(row[4]) is int and statements.shape.tokens))
-                    and lock.events.quiet
-                ):
-                    # Inserted, and no hook to tell: read in place, as `interpret_acquire` reads it
-                    # (`Outcome.ACQUIRED`), without making its result.
-                    hold = lock.won(
-                        acquired_at=row[3],
-                        token=row[4],
-                        sent_at=reply.sent_at,
-                        owner=owner,
-                        span_context=NO_SPAN_CONTEXT,
-                        plain=True,
-                    )
-                    if logger.isEnabledFor(DEBUG):  # its log line (`LockEvents.acquired`)
-                        lock.events.acquired(
-                            NO_SPAN,
-                            AcquireResult(Outcome.ACQUIRED, None, None, row[3], row[4]),
-                            expected_own_row=possible_before,
-                        )
-                    engine.keep(hold)
-                    outcome = "acquired"
-                    return hold
-                result = interpret_acquire(row, lock.instance_id)
-                # A reply that won carries its acquired_at (a contended one never does).
-                if result.acquired_at is not None and (statements.shape.tokens or result.token is None):
-                    hold = lock.won(
-                        acquired_at=result.acquired_at,
-                        token=result.token,
-                        sent_at=reply.sent_at,
-                        owner=owner,
-                        span_context=NO_SPAN_CONTEXT,
-                        plain=True,
-                    )
-                    events = lock.events
-                    if not events.quiet or result.outcome is not Outcome.ACQUIRED or logger.isEnabledFor(DEBUG):
-                        # Else skipped as `LockEvents.acquired` would skip it: no hook, no span, no log line.
-                        events.acquired(NO_SPAN, result, expected_own_row=possible_before)
-                    engine.keep(hold)
-                    outcome = "reclaimed" if result.outcome is Outcome.RECLAIMED else "acquired"
-                    return hold
-            flowed = True
-            first = flows.FirstAttempt(generation, started, statements, timeout, possible_before, reply)
-            return await engine.run(self._flow(owner, first))
-        except Exception:
-            outcome = "error"
-            raise
-        finally:
-            if not flowed and not lock.events.quiet:  # else `acquire_ended` tells nobody
-                lock.events.acquire_ended(
-                    NO_SPAN,
-                    outcome,
-                    attempts=attempts,
-                    waited=now() - started,
-                    holder=None if result is None else result.holder,
-                )
 
     def _flow(self, owner: object, first: flows.FirstAttempt | None) -> steps.Flow[Hold | None]:
         return flows.acquire(

@@ -219,7 +219,8 @@ class AsyncEngine:
                 # # after, still has it given back (`leave` gives back this thread's turn, if it has one).
                 # self._gate.enter(urgent, timeout)
                 # end sync-only
-                async with source.connection(timeout, asked_at) as (conn, cutter):
+                source.timeout, source.asked_at = timeout, asked_at
+                async with source as (conn, cutter):
                     if cleanup_op is not None:
                         cleanup = cleanup_op.stray_row
                         assert cleanup is not None
@@ -231,8 +232,51 @@ class AsyncEngine:
                             cutter.until = now() + timeout  # armed: the watchdog looks before it is due
                         else:
                             cutter.arm(timeout)
-                        work = _statement(conn, statement, params, timeout, action, source.session, source.cursor)
                         on_cancel = functools.partial(interrupt, conn, cutter, timeout)  # sync: pass
+                        session, bare = source.session, statement.bare
+                        if session is not None and bare is not None and session.direct:
+                            # The common statement, inline rather than in `_statement` (a call per
+                            # statement is a measurable share of a lock cycle): alone, prepared, on a
+                            # direct connection whose session carries its settings, if its deadline fits
+                            # theirs: never later (a millisecond of rounding aside), nor much earlier.
+                            timeout_ms = _SERVER_MS.get(timeout)
+                            if timeout_ms is None:
+                                timeout_ms = _server_ms(timeout)
+                            kept = session.timeout_ms
+                            if kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
+                                cursor = source.cursor or conn.cursor()
+                                if statement.marks:
+                                    params = {
+                                        **params,
+                                        "_session_key": session.key,
+                                        "_backend_pid": session.backend_pid,
+                                    }
+                                sent_at = now()
+                                try:
+                                    # Prepared on its first use on this connection (one more round trip, once).
+                                    # async-only
+                                    await auncancellable(cursor.execute(bare, params, prepare=True), on_cancel)
+                                    # end async-only
+                                    # sync-only
+                                    # cursor.execute(bare, params, prepare=True)
+                                    # end sync-only
+                                except psycopg.errors.FeatureNotSupported:
+                                    # async-only
+                                    return await auncancellable(_unprepared(cursor, params, bare, session), on_cancel)
+                                    # end async-only
+                                    # sync-only
+                                    # return _unprepared(cursor, params, bare, session)
+                                    # end sync-only
+                                # `_result`, inline.
+                                # async-only
+                                # (Rows already received are read without a wait: no cancellation lands here.)
+                                # end async-only
+                                pgresult = cursor.pgresult
+                                if statement.counted or pgresult is None or pgresult.status != _TUPLES_OK:
+                                    return _new_result(steps.Result, (cursor.rowcount, (), sent_at))
+                                rows = tuple(await cursor.fetchall())
+                                return _new_result(steps.Result, (cursor.rowcount, rows, sent_at))
+                        work = _statement(conn, statement, params, timeout, action, session)
                         return await auncancellable(work, on_cancel)  # sync: return work
                     except FAILURES as exc:
                         # As the statement left it, before the connection is put away.
@@ -398,8 +442,8 @@ async def _statement(
     timeout: float,
     action: str,
     session: ServerSession | None,
-    cursor: psycopg.AsyncCursor[Any] | None,
 ) -> steps.Result:
+    """A statement `AsyncEngine.send` does not send prepared itself: with its settings, bound on the client."""
     # How long the server may run it: less than the client's ``timeout``, by a margin
     # (`_server_ms`), read from what the same deadline gave before: a few deadlines recur.
     timeout_ms = _SERVER_MS.get(timeout)
@@ -413,23 +457,8 @@ async def _statement(
             bound = {**bound, "_session_key": None, "_backend_pid": conn.info.backend_pid}
         else:
             bound = {**bound, "_session_key": session.key, "_backend_pid": session.backend_pid}
-    bare = statement.bare
     settling = False
-    if session is not None and bare is not None:
-        kept = session.timeout_ms
-        if session.direct and kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
-            # The statement alone, prepared, on a direct connection whose session carries its settings.
-            cursor = cursor or conn.cursor()
-            sent_at = now()
-            try:
-                # Prepared on its first use on this connection (one more round trip, once).
-                await cursor.execute(bare, bound, prepare=True)
-            except psycopg.errors.FeatureNotSupported:
-                return await _unprepared(cursor, bound, bare, session)
-            # `_result`, inline: the common statement's reply read with no call of the library's.
-            pgresult = cursor.pgresult
-            rows = await cursor.fetchall() if pgresult is not None and pgresult.status == _TUPLES_OK else ()
-            return _new_result(steps.Result, (cursor.rowcount, tuple(rows), sent_at))
+    if session is not None and statement.bare is not None:
         # A connection's first lock statement asks whether it reaches PostgreSQL
         # directly and, if so, sets the session up; a statement whose deadline the
         # session's does not fit sets it again. Either way in the statement's own

@@ -103,8 +103,10 @@ class OwnConnection:
         self._cutter: Cutter | None = None
         self._used_at = 0.0
         self._replace = False
-        self._timeout = 0.0
-        self._asked_at = 0.0
+        self.timeout = 0.0
+        """The bound of the statement about to enter (``with`` the source itself), set by the engine."""
+        self.asked_at = 0.0
+        """When that statement asked for the connection, set with ``timeout``."""
         self._connect_failed: tuple[float, BaseException] | None = None
         """When the last connect failed, and how (None once one succeeds)."""
         self._in_use: tuple[psycopg.Connection[Any], Cutter]
@@ -121,23 +123,16 @@ class OwnConnection:
         """Drop the connection in use once the statement is over."""
         self._replace = True
 
-    def connection(self, timeout: float, asked_at: float) -> OwnConnection:
-        """The connection for one statement, as an ``with`` block: dropped after it if it broke.
-
-        Itself, not a generator-based context manager (one is entered per
-        statement); the gate lets one statement at a time in. A statement
-        that asked (at ``asked_at``) while another was connecting, and saw
-        that connect fail, fails with it rather than wait out a second one:
-        its bound stays one connect, however many statements queue behind.
-        """
-        self._timeout = timeout
-        self._asked_at = asked_at
-        return self
+    # The connection for one statement, as an ``with`` block on the source itself, its
+    # ``timeout`` and ``asked_at`` set first (no call per statement to make a block): dropped after it
+    # if it broke. The gate lets one statement at a time in. A statement that asked (at
+    # ``asked_at``) while another was connecting, and saw that connect fail, fails with it rather
+    # than wait out a second one: its bound stays one connect, however many statements queue behind.
 
     def __enter__(self) -> tuple[psycopg.Connection[Any], Cutter]:
         conn, cutter = self._conn, self._cutter
         if conn is None or cutter is None or now() - self._used_at > _IDLE_CHECK:
-            conn, cutter = self._open(self._timeout)
+            conn, cutter = self._open(self.timeout)
         self._replace = False
         self._in_use = conn, cutter
         return conn, cutter
@@ -166,7 +161,7 @@ class OwnConnection:
             self._drop()
         if self._conn is None or self._cutter is None:
             failed = self._connect_failed
-            if failed is not None and failed[0] >= self._asked_at:
+            if failed is not None and failed[0] >= self.asked_at:
                 raise failed[1]
             try:
                 conn = psycopg.Connection.connect(
@@ -240,14 +235,28 @@ class PooledConnection:
         self._replace = False
         self._cut_sessions = _CutSessions()
         self.connected_before = False
+        self.timeout = 0.0
+        """The bound of the statement about to enter (``with`` the source itself), set by the engine."""
+        self.asked_at = 0.0
+        """When it asked: the own connection's concern (the pool connects on its own schedule)."""
+        self._borrowed: contextlib.AbstractContextManager[tuple[psycopg.Connection[Any], Cutter]] | None = None
 
     def replace(self) -> None:
         """Hand the connection in use back closed, so the pool replaces it."""
         self._replace = True
 
+    def __enter__(self) -> tuple[psycopg.Connection[Any], Cutter]:
+        """A pooled connection for one statement (of ``timeout``), as the own connection is entered."""
+        self._borrowed = self._borrow(self.timeout)
+        return self._borrowed.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        borrowed, self._borrowed = self._borrowed, None
+        assert borrowed is not None
+        return borrowed.__exit__(*exc_info)
+
     @contextlib.contextmanager
-    def connection(self, timeout: float, asked_at: float) -> Iterator[tuple[psycopg.Connection[Any], Cutter]]:
-        # ``asked_at`` is the own connection's concern: the pool connects on its own schedule.
+    def _borrow(self, timeout: float) -> Iterator[tuple[psycopg.Connection[Any], Cutter]]:
         with self._pool.connection(timeout=timeout) as conn:
             self.connected_before = True
             cutter = Cutter(conn.fileno())

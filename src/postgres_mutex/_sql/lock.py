@@ -483,6 +483,7 @@ def _release_plain(names: Names) -> Statement:
 RETURNING {notify}"""
         ).format(table=names.table, notify=after_release("released")),
         preparable=True,
+        counted=True,  # its rows are the notifications' (void): a release reads how many it deleted
     )
 
 
