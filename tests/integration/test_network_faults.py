@@ -576,7 +576,8 @@ def test_the_lock_survives_a_postgres_restart(own_pg: PostgresServer, metrics: R
     mutex = Mutex(dsn, "restart-survivor", metrics=metrics, **FAST)  # type: ignore[arg-type]
     mutex.create_schema()
     with mutex.acquire():
-        own_pg.restart()
+        # Down until a heartbeat has met the outage: one that only falls between two is not seen.
+        own_pg.restart(while_down=lambda: wait_until(lambda: metrics.named("heartbeat_failed"), timeout=15))
         beats = len(metrics.named("heartbeat_latency"))
         wait_until(lambda: len(metrics.named("heartbeat_latency")) > beats + 3, timeout=15)
         assert mutex.held

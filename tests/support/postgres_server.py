@@ -24,7 +24,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from postgres_mutex._cli._embedded import EmbeddedPostgres, free_port
@@ -67,10 +67,20 @@ class PostgresServer:
         params.update(overrides)
         return " ".join(f"{key}={value}" for key, value in params.items())
 
-    def restart(self) -> None:
-        """Restart the server and wait until it takes connections again."""
+    def restart(self, while_down: Callable[[], object] | None = None) -> None:
+        """Restart the server and wait until it takes connections again.
+
+        ``while_down`` runs once the server is stopped, before it starts again:
+        on a server the suite started (a user's restart command is one step,
+        so there it is not run).
+        """
         if self._local is not None:
-            self._local.restart()
+            self._local.stop()
+            try:
+                if while_down is not None:
+                    while_down()
+            finally:
+                self._local.start()
             return
         assert self.restart_command is not None, "set POSTGRES_MUTEX_TEST_RESTART to restart your server"
         subprocess.run(self.restart_command, shell=True, check=True, timeout=120)  # noqa: S602 - the user's own command
