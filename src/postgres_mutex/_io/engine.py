@@ -528,7 +528,9 @@ class _Steps:
             listener = engine.listener
             if listener is None:
                 return False
-            self._subscription = listener.subscribe(op.channel, op.who)
+            self._subscription = listener.subscribe(op.channel, op.who, op.since, one_hold=op.one_hold)
+            if self._subscription.heard:
+                return False  # listened on since before the last attempt, and nothing heard: it saw every release
             return self._subscription.confirmed.wait(op.timeout)
         assert isinstance(op, steps.WaitForRelease)
         subscription, listener = self._subscription, engine.listener

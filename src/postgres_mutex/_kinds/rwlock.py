@@ -49,6 +49,7 @@ class Mode(LockKind):
     noun: ClassVar[str] = "read/write lock"
     holder_type: ClassVar[str] = "RWLock"
     takes_minimum_hold: ClassVar[bool] = False
+    single_hold: ClassVar[bool] = False
     direct: ClassVar[bool] = False
     alerts_left_to_watcher: ClassVar[bool] = True
 

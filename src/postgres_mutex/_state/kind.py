@@ -42,6 +42,9 @@ class LockKind:
     """Whether its acquire and release may go in plain calls, one statement each (`_io.acquisition`)."""
     alerts_left_to_watcher: ClassVar[bool] = False
     """Whether its holders' alerts are its watcher's alone (many holders, each alerted on once per episode)."""
+    single_hold: ClassVar[bool] = True
+    """Whether a release frees the one hold there is (a mutex's), so a waiter's next attempt stands for any
+    number of releases before it; a semaphore's frees one permit of many."""
     queues: ClassVar[bool] = False
     """Whether its waiters wait in line (a fair Mutex's, `_sql.fair`): a waiter's acquire queues it, a release
     may hand it the row, and a waiter that gives up leaves the line (its `stray_cleanup`)."""
