@@ -95,12 +95,12 @@ class Subscription:
     def __init__(self, channel: str, who: str | None = None, *, one_hold: bool = False) -> None:
         self.channel = channel
         self.who = who
+        """A waiter in line's acquire (a fair Mutex's ``wait_id``): a release that hands it the lock names it."""
         self.one_hold = one_hold
         """The lock has one hold (a Mutex): once this waiter is woken, its attempt sees any later release too."""
         self.heard = False
         """The listener LISTENed on the channel since before the waiter's last attempt was sent, and heard
         nothing there since: every release that attempt did not see is yet to be heard, so no attempt is due."""
-        """A waiter in line's acquire (a fair Mutex's ``wait_id``): a release that hands it the lock names it."""
         self.handed: tuple[int, int] | None = None
         """The hold a release handed this waiter: its token and ``acquired_at`` (µs since the epoch)."""
         self.confirmed = Event()
@@ -186,7 +186,7 @@ class Listener:
 
     @property
     def listening(self) -> frozenset[str]:
-        """The channels the connection LISTENs on right now (each until its last waiter leaves)."""
+        """The channels the connection LISTENs on right now (each until a while after its last waiter left)."""
         return frozenset(self._listening)
 
     def wait(self, subscription: Subscription, timeout: float) -> None:

@@ -22,8 +22,10 @@ process that exits or is killed leaves no registration behind), and are per
 database. A listener registers only on a direct connection (``pg_backend_pid()``
 is the process id the connection was given): behind a pooler a session-level
 lock could outlive the client on a shared server session. A process that stops
-waiting on a lock unregisters and stops LISTENing at once, so later releases
-reach none of its connections. In between it waits for the releases that may
+waiting on a lock unregisters and stops LISTENing a while later (at once if a
+release of another chose it meanwhile: `_io.listener_async`), so later
+releases reach none of its connections; a release never chooses the releasing
+process's own slot (`after_release`). In between it waits for the releases that may
 have chosen its slot to commit (each holds ``(key, -1)`` shared while it
 chooses, `unregister` takes it exclusively), so their notifications reach it
 before it stops hearing them, and it passes them on.
