@@ -15,8 +15,9 @@ that leaves without trying after its wake-up passes it on
 A notification with the payload `WAKE_ALL` (a change of a semaphore's N,
 which may free many permits at once) wakes every waiter, and so does a lost
 connection. Once the last waiter of a lock leaves, the listener
-keeps its registration there a while (`_REGISTERED_LINGER`, and
-`_AFTER_RELEASE` once the process released the lock), then stops LISTENing on
+keeps its registration there a while (`_REGISTERED_LINGER` if it left with the
+lock, until `_AFTER_RELEASE` after the process released it; else
+`_AFTER_RELEASE`), then stops LISTENing on
 the lock's channels: a process that waited on a lock is likely to wait on it
 again soon (a loop over one contended lock), and registering anew would cost
 each wait two round trips and an attempt. A process's own release does not
@@ -135,8 +136,8 @@ class Listener:
         # Per channel listened on (under the state lock): since when it is, or a notification on it was last
         # heard, whichever is later (`Subscription.heard`). Dropped before its UNLISTEN is sent.
         self._quiet_since: dict[str, float] = {}
-        # Per channel listened on whose last waiter left: when (its registration lingers a while).
-        self._left_at: dict[str, float] = {}
+        # Per channel listened on whose last waiter left: until when its registration lingers.
+        self._linger_until: dict[str, float] = {}
         self._closed = False
         self._defects = Defects("release listener")
 
@@ -152,21 +153,24 @@ class Listener:
         with self._host.state_lock:
             quiet_since = self._quiet_since.get(channel)
             subscription.heard = since is not None and quiet_since is not None and quiet_since <= since
-            self._left_at.pop(channel, None)
+            self._linger_until.pop(channel, None)
             self._subscriptions.setdefault(channel, {})[subscription] = None
             if (self._worker is None or not self._worker.running) and not self._closed:
                 self._worker = AWorker(self._run, name="postgres-mutex-listener")
         self._waker.wake()
         return subscription
 
-    def unsubscribe(self, subscription: Subscription) -> None:
+    def unsubscribe(self, subscription: Subscription, *, holding: bool = False) -> None:
+        """The waiter of ``subscription`` left; ``holding``: with the lock, which nobody else releases meanwhile."""
         with self._host.state_lock:
             waiting = self._subscriptions.get(subscription.channel)
             if waiting is not None:
                 waiting.pop(subscription, None)
                 if not waiting:
                     del self._subscriptions[subscription.channel]
-                    self._left_at[subscription.channel] = now()
+                    self._linger_until[subscription.channel] = now() + (
+                        _REGISTERED_LINGER if holding else _AFTER_RELEASE
+                    )
         self._waker.wake()
 
     def releasing(self, channel: str) -> int | None:
@@ -178,8 +182,8 @@ class Listener:
         wait, not so long that others' releases choose a process done with the lock.
         """
         with self._host.state_lock:
-            if channel not in self._subscriptions and channel in self._left_at:
-                self._left_at[channel] = min(self._left_at[channel], now() - _REGISTERED_LINGER + _AFTER_RELEASE)
+            if channel not in self._subscriptions and channel in self._linger_until:
+                self._linger_until[channel] = min(self._linger_until[channel], now() + _AFTER_RELEASE)
         return self._registered.get(channel)
 
     @property
@@ -263,9 +267,9 @@ class Listener:
                 self._quiet_since[lock_channel] = now()
             # Heard with nobody here waiting: other processes wait on the lock, and the releases that chose this
             # one would each be passed on. The registration lingers no longer (one wake-up passed on at most).
-            ended = lock_channel not in self._subscriptions and self._left_at.get(lock_channel, 0.0) > 0.0
+            ended = lock_channel not in self._subscriptions and self._linger_until.get(lock_channel, 0.0) > now()
             if ended:
-                self._left_at[lock_channel] = 0.0
+                self._linger_until[lock_channel] = now()
         if ended:
             self._waker.wake()
         if chosen is not None:
@@ -323,12 +327,12 @@ class Listener:
                     wanted = set(self._subscriptions)
                     passing, self._passing = self._passing, []
                     at = now()
-                    lingering = {c for c in listening - wanted if at - self._left_at.get(c, 0.0) < _REGISTERED_LINGER}
+                    lingering = {c for c in listening - wanted if at < self._linger_until.get(c, 0.0)}
                     dropping = listening - wanted - lingering
                     for channel in dropping:
                         # From now on a waiter subscribing there tries again once it is listened on anew.
                         self._quiet_since.pop(channel, None)
-                        self._left_at.pop(channel, None)
+                        self._linger_until.pop(channel, None)
                     if wanted or listening or passing:
                         idle_since = None
                     elif idle_since is None:
@@ -381,7 +385,7 @@ class Listener:
                     wait = MAX_SLICE
                     if lingering:
                         # Back when the first lingering registration is due to end.
-                        ends = min(self._left_at.get(c, 0.0) for c in lingering) + _REGISTERED_LINGER
+                        ends = min(self._linger_until.get(c, 0.0) for c in lingering)
                         wait = max(0.001, min(wait, ends - now()))
                     busy_until = self._reader.busy_until()
                     if busy_until > now() and self._failed is not conn:
