@@ -57,6 +57,7 @@ def params(texts: LibraryStatements, lock_name: str, instance_id: str, *, prefix
         "instance_id": instance_id,
         "stale_seconds": STALE_SECONDS,
         "channel": texts.channel,
+        "own_slot": None,
         # As the library binds them for a Mutex without reclaim_disconnected_after.
         "reclaim_seconds": None,
         "_session_key": None,

@@ -459,7 +459,7 @@ def test_an_uncontended_cycle_sends_two_statements_binding_only_what_they_read(
     # What each costs the client follows what it binds: the minimum hold and the session's
     # key are not bound by a holder that asks for neither.
     assert acquire == ["_session_key", "instance_id", "lock_name", "stale_seconds"]
-    assert release == ["acquired_at", "channel", "instance_id", "lock_name"]
+    assert release == ["acquired_at", "channel", "instance_id", "lock_name", "own_slot"]
 
 
 def test_an_uncontended_cycle_runs_little_python_of_the_librarys_own(

@@ -309,6 +309,9 @@ async def _release(engine: AsyncEngine, lock: LockState, caller: object) -> bool
             )
         else:
             statement, params = statements.release, lock.params()
+        listener = engine.listener
+        # The release wakes a waiter of another process, not this one's lingering registration.
+        params["own_slot"] = None if listener is None else listener.releasing(lock.channel)
         try:
             result = await engine.send(statement, params, lock.timing.operation_timeout, lock.release_action)
         except DatabaseError as exc:

@@ -517,6 +517,7 @@ class _Steps:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._subscription: Subscription | None = None
+        self._won = False  # the waiter of the subscription got the lock (its listener stays registered a while)
 
     def perform_now(self, op: steps.Op) -> Any:
         """Perform ``op`` if it needs no waiting (most steps of a cycle); else return `_WAITS`."""
@@ -528,6 +529,7 @@ class _Steps:
             return _WAITS if statements is None else statements
         if isinstance(op, steps.Keep):
             engine.keep(op.hold)
+            self._won = self._subscription is not None
             return None
         if isinstance(op, steps.Forget):
             engine.host.session.forget(op.hold)
@@ -568,7 +570,9 @@ class _Steps:
             listener = engine.listener
             if listener is None:
                 return False
-            self._subscription = listener.subscribe(op.channel, op.who)
+            self._subscription = listener.subscribe(op.channel, op.who, op.since, one_hold=op.one_hold)
+            if self._subscription.heard:
+                return False  # listened on since before the last attempt, and nothing heard: it saw every release
             return self._subscription.confirmed.wait(op.timeout)
         assert isinstance(op, steps.WaitForRelease)
         subscription, listener = self._subscription, engine.listener
@@ -592,8 +596,9 @@ class _Steps:
     def finish(self) -> None:
         subscription, self._subscription = self._subscription, None
         listener = self._engine.listener
+        won, self._won = self._won, False
         if subscription is not None and listener is not None:
-            listener.unsubscribe(subscription)
+            listener.unsubscribe(subscription, holding=won)
             if subscription.woken:
                 # Woken, but leaving without an attempt that used it (acquired meanwhile, stopped,
                 # out of time): the freed hold may still be free, so another waiter tries.

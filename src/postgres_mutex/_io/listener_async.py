@@ -14,8 +14,20 @@ that leaves without trying after its wake-up passes it on
 (`Listener.wake_one`), to another process if none of this one's can use it.
 A notification with the payload `WAKE_ALL` (a change of a semaphore's N,
 which may free many permits at once) wakes every waiter, and so does a lost
-connection. Once the last waiter of a lock leaves, the listener stops
-LISTENing on its channels at once: later releases wake none of its process.
+connection. Once the last waiter of a lock leaves, the listener
+keeps its registration there a while (`_REGISTERED_LINGER` if it left with the
+lock, until `_AFTER_RELEASE` after the process released it; else
+`_AFTER_RELEASE`), then stops LISTENing on
+the lock's channels: a process that waited on a lock is likely to wait on it
+again soon (a loop over one contended lock), and registering anew would cost
+each wait two round trips and an attempt. A process's own release does not
+wake it (`releasing`); the first release of another it hears meanwhile, when
+none of its waiters is there, is passed on, and ends the linger: a process
+done with a lock costs the others one wake-up passed on at most.
+
+A waiter whose listener LISTENed on the channel since before its last attempt
+was sent, and heard nothing on it since, needs no attempt after subscribing:
+every release the attempt did not see is yet to be heard (`Subscription.heard`).
 
 A notification reaches its waiter with nobody in between: the waiter reads
 the socket itself while it waits, or is woken by the callback that reads it
@@ -59,6 +71,15 @@ _LISTENER_LINGER = 10.0
 _LISTENER_FAILURES_REPORTED = 3
 _LISTENER_REPORT_EVERY = 60.0
 
+# How long the listener stays registered on a lock's channel after its last waiter there left (most often
+# with the lock: nobody else releases it meanwhile, and this process's own release does not wake it), and
+# after this process's release of it. Long enough for a loop over one contended lock to come back and wait
+# (no registration per wait); short enough that a process done with the lock is not chosen by others'
+# releases for long: the first such wake-up, passed on (one statement, a round trip later for the waiter
+# it reaches), ends the linger.
+_REGISTERED_LINGER = 5.0
+_AFTER_RELEASE = 0.1
+
 # The most channels a listener registers on at once: each registration holds two entries of
 # the server's shared lock table (64 per connection by default, for the whole server). A
 # process that waits on more locks at once LISTENs on the others without registering.
@@ -68,12 +89,17 @@ MOST_REGISTERED = 32
 class Subscription:
     """One waiter's interest in one lock's releases."""
 
-    __slots__ = ("channel", "confirmed", "handed", "released", "who", "woken")
+    __slots__ = ("channel", "confirmed", "handed", "heard", "one_hold", "released", "who", "woken")
 
-    def __init__(self, channel: str, who: str | None = None) -> None:
+    def __init__(self, channel: str, who: str | None = None, *, one_hold: bool = False) -> None:
         self.channel = channel
         self.who = who
         """A waiter in line's acquire (a fair Mutex's ``wait_id``): a release that hands it the lock names it."""
+        self.one_hold = one_hold
+        """The lock has one hold (a Mutex): once this waiter is woken, its attempt sees any later release too."""
+        self.heard = False
+        """The listener LISTENed on the channel since before the waiter's last attempt was sent, and heard
+        nothing there since: every release that attempt did not see is yet to be heard, so no attempt is due."""
         self.handed: tuple[int, int] | None = None
         """The hold a release handed this waiter: its token and ``acquired_at`` (µs since the epoch)."""
         self.confirmed = AEvent()
@@ -107,30 +133,62 @@ class Listener:
         # Channels whose wake-up no waiter of this process could use: passed on by the worker.
         self._passing: list[str] = []
         self._backend_pid: int | None = None
+        # Per channel listened on (under the state lock): since when it is, or a notification on it was last
+        # heard, whichever is later (`Subscription.heard`). Dropped before its UNLISTEN is sent.
+        self._quiet_since: dict[str, float] = {}
+        # Per channel listened on whose last waiter left: until when its registration lingers.
+        self._linger_until: dict[str, float] = {}
         self._closed = False
         self._defects = Defects("release listener")
 
-    def subscribe(self, channel: str, who: str | None = None) -> Subscription:
-        subscription = Subscription(channel, who)
+    def subscribe(
+        self, channel: str, who: str | None = None, since: float | None = None, *, one_hold: bool = False
+    ) -> Subscription:
+        """Subscribe a waiter to ``channel``'s releases; ``since``: when its last attempt was sent, if it knows.
+
+        If the channel was listened on since before ``since`` and nothing was
+        heard there since, the subscription is `Subscription.heard` at once.
+        """
+        subscription = Subscription(channel, who, one_hold=one_hold)
         with self._host.state_lock:
+            quiet_since = self._quiet_since.get(channel)
+            subscription.heard = since is not None and quiet_since is not None and quiet_since <= since
+            self._linger_until.pop(channel, None)
             self._subscriptions.setdefault(channel, {})[subscription] = None
             if (self._worker is None or not self._worker.running) and not self._closed:
                 self._worker = AWorker(self._run, name="postgres-mutex-listener")
         self._waker.wake()
         return subscription
 
-    def unsubscribe(self, subscription: Subscription) -> None:
+    def unsubscribe(self, subscription: Subscription, *, holding: bool = False) -> None:
+        """The waiter of ``subscription`` left; ``holding``: with the lock, which nobody else releases meanwhile."""
         with self._host.state_lock:
             waiting = self._subscriptions.get(subscription.channel)
             if waiting is not None:
                 waiting.pop(subscription, None)
                 if not waiting:
                     del self._subscriptions[subscription.channel]
+                    self._linger_until[subscription.channel] = now() + (
+                        _REGISTERED_LINGER if holding else _AFTER_RELEASE
+                    )
         self._waker.wake()
+
+    def releasing(self, channel: str) -> int | None:
+        """This process is about to release a hold of ``channel``'s lock: its slot there, which the release is
+        not to wake (`_sql.after_release`), if it is registered.
+
+        With nobody of this process waiting there, the registration lingers
+        `_AFTER_RELEASE` more at most: long enough for a loop to come back and
+        wait, not so long that others' releases choose a process done with the lock.
+        """
+        with self._host.state_lock:
+            if channel not in self._subscriptions and channel in self._linger_until:
+                self._linger_until[channel] = min(self._linger_until[channel], now() + _AFTER_RELEASE)
+        return self._registered.get(channel)
 
     @property
     def listening(self) -> frozenset[str]:
-        """The channels the connection LISTENs on right now (each until its last waiter leaves)."""
+        """The channels the connection LISTENs on right now (each until a while after its last waiter left)."""
         return frozenset(self._listening)
 
     async def wait(self, subscription: Subscription, timeout: float) -> None:
@@ -166,10 +224,15 @@ class Listener:
     def _wake_here(self, channel: str) -> bool:
         """Wake the longest waiting subscriber of ``channel`` not woken yet, if any (True then)."""
         with self._host.state_lock:
-            chosen = next((sub for sub in self._subscriptions.get(channel, ()) if not sub.woken), None)
+            waiting = self._subscriptions.get(channel, ())
+            chosen = next((sub for sub in waiting if not sub.woken), None)
             if chosen is not None:
                 # Marked under the lock: two releases heard at once must choose two different waiters.
                 chosen.woken = True
+            elif any(sub.one_hold for sub in waiting):
+                # A waiter here is woken, its attempt not sent yet (that clears `woken`): of a lock with one
+                # hold, that attempt sees this release too. Passed on, the wake-up would only go round.
+                return True
         if chosen is None:
             return False
         self.wake(chosen)
@@ -197,6 +260,18 @@ class Listener:
 
     def _released(self, channel: str, payload: str) -> None:
         chosen = self._slot_channels.get(channel)
+        lock_channel = channel if chosen is None else chosen
+        with self._host.state_lock:
+            # Heard: a waiter whose attempt was sent before now tries again once subscribed.
+            if lock_channel in self._quiet_since:
+                self._quiet_since[lock_channel] = now()
+            # Heard with nobody here waiting: other processes wait on the lock, and the releases that chose this
+            # one would each be passed on. The registration lingers no longer (one wake-up passed on at most).
+            ended = lock_channel not in self._subscriptions and self._linger_until.get(lock_channel, 0.0) > now()
+            if ended:
+                self._linger_until[lock_channel] = now()
+        if ended:
+            self._waker.wake()
         if chosen is not None:
             # This process alone was told (its slot's channel): one waiter here, else another process's.
             self.wake_one(chosen)
@@ -251,6 +326,13 @@ class Listener:
                 with self._host.state_lock:
                     wanted = set(self._subscriptions)
                     passing, self._passing = self._passing, []
+                    at = now()
+                    lingering = {c for c in listening - wanted if at < self._linger_until.get(c, 0.0)}
+                    dropping = listening - wanted - lingering
+                    for channel in dropping:
+                        # From now on a waiter subscribing there tries again once it is listened on anew.
+                        self._quiet_since.pop(channel, None)
+                        self._linger_until.pop(channel, None)
                     if wanted or listening or passing:
                         idle_since = None
                     elif idle_since is None:
@@ -268,12 +350,14 @@ class Listener:
                         listening.clear()
                         registered.clear()
                         slot_channels.clear()
+                        with self._host.state_lock:
+                            self._quiet_since.clear()
                         if failures:
                             self._wake_everyone()
                     conn, pid = self._conn, self._conn.info.backend_pid
                     for channel in passing:
                         await self._execute(conn, cutter, wake.pass_on(channel))
-                    for channel in sorted(listening - wanted):
+                    for channel in sorted(dropping):
                         # Nobody of this process waits there now: no release should wake it. A release
                         # that chose its slot first is heard still, and passed on (`_sql.wake.unregister`).
                         slot = registered.get(channel)
@@ -293,9 +377,16 @@ class Listener:
                         else:
                             await self._execute(conn, cutter, lock.listen(channel))
                             listening.add(channel)
+                        with self._host.state_lock:
+                            # Committed: every release from now on is heard.
+                            self._quiet_since[channel] = now()
                     self._confirm(listening)
                     failures, reported_at = 0, None
                     wait = MAX_SLICE
+                    if lingering:
+                        # Back when the first lingering registration is due to end.
+                        ends = min(self._linger_until.get(c, 0.0) for c in lingering)
+                        wait = max(0.001, min(wait, ends - now()))
                     busy_until = self._reader.busy_until()
                     if busy_until > now() and self._failed is not conn:
                         # A waiter reads the socket: this waits for a wake-up only, until that waiter's turn ends.
@@ -328,6 +419,8 @@ class Listener:
                         cutter.close()
                     cutter = None
                     self._drop()
+                    with self._host.state_lock:
+                        self._quiet_since.clear()
                     self._wake_everyone()
                     # Not a busy loop: a pause that grows, up to a few seconds.
                     await asleep(min(0.05 * 2**failures, 5.0))

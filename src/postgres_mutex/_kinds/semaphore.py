@@ -39,6 +39,7 @@ class Permits(LockKind):
     noun: ClassVar[str] = "semaphore"
     holder_type: ClassVar[str] = "Semaphore"
     takes_minimum_hold: ClassVar[bool] = False
+    single_hold: ClassVar[bool] = False
     direct: ClassVar[bool] = False
     alerts_left_to_watcher: ClassVar[bool] = True
     follows_lease: ClassVar[bool] = False  # its rows are taken over by statements that judge their own heartbeat

@@ -22,8 +22,10 @@ process that exits or is killed leaves no registration behind), and are per
 database. A listener registers only on a direct connection (``pg_backend_pid()``
 is the process id the connection was given): behind a pooler a session-level
 lock could outlive the client on a shared server session. A process that stops
-waiting on a lock unregisters and stops LISTENing at once, so later releases
-reach none of its connections. In between it waits for the releases that may
+waiting on a lock unregisters and stops LISTENing a while later (at once if a
+release of another chose it meanwhile: `_io.listener_async`), so later
+releases reach none of its connections; a release never chooses the releasing
+process's own slot (`after_release`). In between it waits for the releases that may
 have chosen its slot to commit (each holds ``(key, -1)`` shared while it
 chooses, `unregister` takes it exclusively), so their notifications reach it
 before it stops hearing them, and it passes them on.
@@ -65,13 +67,14 @@ def slot_channel(channel: str, slot: int) -> str:
     return f"{channel}_{slot}"
 
 
-def _taken_slot(channel: sql.Composable) -> sql.Composable:
+def _taken_slot(channel: sql.Composable, skip: sql.Composable) -> sql.Composable:
     """A slot another session holds, as text (NULL if none): one of the first `CHOSEN_AMONG` slots, at random,
     else the lowest beyond.
 
     A slot is free if a shared lock on it can be had; that lock is let go at
     once, so a release keeps no lock entry for the slots it looked at. The
-    session's own slot (a listener passing a wake-up on) counts as free.
+    session's own slot (a listener passing a wake-up on) counts as free, and so does ``skip`` (0: none), the
+    releasing process's own: its waiters, if any, are trying already.
     Chosen at random, not lowest first: a process back to wait takes the
     lowest free slot, and would be woken before those waiting longer.
     """
@@ -81,14 +84,20 @@ def _taken_slot(channel: sql.Composable) -> sql.Composable:
         "ELSE true END"
     ).format(key=key)
     return sql.SQL(
-        """coalesce((SELECT slot FROM generate_series(1, {among}) AS slot WHERE {taken} ORDER BY random() LIMIT 1),
-              (SELECT slot FROM generate_series({beyond}, {slots}) AS slot WHERE {taken} LIMIT 1))::text"""
+        """coalesce((SELECT slot FROM generate_series(1, {among}) AS slot WHERE slot <> {skip} AND {taken}
+               ORDER BY random() LIMIT 1),
+              (SELECT slot FROM generate_series({beyond}, {slots}) AS slot WHERE slot <> {skip} AND {taken}
+               LIMIT 1))::text"""
     ).format(
-        among=sql.Literal(CHOSEN_AMONG), beyond=sql.Literal(CHOSEN_AMONG + 1), slots=sql.Literal(SLOTS), taken=taken
+        among=sql.Literal(CHOSEN_AMONG),
+        beyond=sql.Literal(CHOSEN_AMONG + 1),
+        slots=sql.Literal(SLOTS),
+        taken=taken,
+        skip=skip,
     )
 
 
-def _wake_one(channel: sql.Composable) -> sql.Composable:
+def _wake_one(channel: sql.Composable, skip: sql.Composable) -> sql.Composable:
     """The channel whose notification wakes one waiter of the fleet: a registered process's slot's, else the lock's.
 
     Asks first whether anyone registered: the exclusive try succeeds only if
@@ -100,7 +109,12 @@ def _wake_one(channel: sql.Composable) -> sql.Composable:
         """CASE WHEN pg_try_advisory_xact_lock({key}, 0) THEN {channel}
             WHEN {choosing} IS NULL THEN {channel}
             ELSE coalesce({channel} || '_' || {taken}, {channel}) END"""
-    ).format(key=_KEY.format(channel=channel), channel=channel, choosing=_choosing(channel), taken=_taken_slot(channel))
+    ).format(
+        key=_KEY.format(channel=channel),
+        channel=channel,
+        choosing=_choosing(channel),
+        taken=_taken_slot(channel, skip),
+    )
 
 
 def _choosing(channel: sql.Composable) -> sql.Composable:
@@ -114,7 +128,9 @@ def _choosing(channel: sql.Composable) -> sql.Composable:
 
 def after_release(row: str) -> sql.Composable:
     """The notification of a release of ``row`` (a ``RETURNING`` of the deleted row), whose statement's
-    parameter ``channel`` names the lock's channel.
+    parameter ``channel`` names the lock's channel, and ``own_slot`` the releasing process's slot there
+    (NULL if none): a release does not wake its own process, which keeps its registration a while after
+    its waiter got the lock (`_io.listener_async`), and whose next acquire, if any, is sent already.
 
     A mutex's or a permit's release frees one hold: it wakes one waiter of
     the fleet (`_wake_one`). A read/write lock's (its row's name says so,
@@ -123,9 +139,12 @@ def after_release(row: str) -> sql.Composable:
     waiting writer's gate keeps out while the writer is not told.
     """
     channel = sql.SQL("{}::text").format(sql.Placeholder("channel"))
+    skip = sql.SQL("coalesce({}::int, 0)").format(sql.Placeholder("own_slot"))
     return sql.SQL(
         "pg_notify(CASE WHEN {row}.lock_name ~ (chr(31) || '[rw]') THEN {channel} ELSE {one} END, {each})"
-    ).format(row=sql.Identifier(row), channel=channel, one=_wake_one(channel), each=sql.Literal(WAKE_EACH_PROCESS))
+    ).format(
+        row=sql.Identifier(row), channel=channel, one=_wake_one(channel, skip), each=sql.Literal(WAKE_EACH_PROCESS)
+    )
 
 
 def register(channel: str, backend_pid: int) -> str:
@@ -203,7 +222,7 @@ def pass_on(channel: str) -> str:
         ).format(
             channel=literal,
             choosing=_choosing(literal),
-            taken=_taken_slot(literal),
+            taken=_taken_slot(literal, sql.SQL("0")),
             each=sql.Literal(WAKE_EACH_PROCESS),
         )
     )

@@ -376,6 +376,7 @@ def force_release(
         {
             "lock_name": lock_name,
             "channel": channel,
+            "own_slot": None,
             "ended_how": "force_released",
             "alert_seconds": None,  # the table does not know the holders' thresholds
         },
@@ -416,6 +417,7 @@ def set_permits(names: Names, semaphore: str, count: int, timeout: float) -> Flo
             "semaphore": semaphore,
             "permits": count,
             "channel": names.channel(semaphore, "semaphore"),
+            "own_slot": None,
             "ended_how": "force_released",
             "alert_seconds": None,
         },

@@ -317,7 +317,8 @@ class _Attempts:
                     listening = True
                     lock.events.waiting()
                     who = self.wait_id if lock.kind.queues else None
-                    if (yield Listen(lock.channel, lock.timing.operation_timeout, who)):
+                    since = reply.sent_at or None
+                    if (yield Listen(lock.channel, lock.timing.operation_timeout, who, since, lock.kind.single_hold)):
                         # Listening now: try again at once, lest a release before the LISTEN be missed.
                         continue
                 pause = lock.timing.poll_interval

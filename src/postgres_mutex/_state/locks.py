@@ -274,6 +274,7 @@ class LockState:
             "stale_seconds": self.timing.stale_threshold,
             "reclaim_seconds": self.timing.reclaim_disconnected_after,
             "channel": self.channel,
+            "own_slot": None,  # the release wakes any registered process (`Listener.releasing`)
             "acquired_at": None if hold is None else hold.acquired_at,
             "ended_how": "released",
             "alert_seconds": self.timing.alert_threshold,

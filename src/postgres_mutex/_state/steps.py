@@ -88,10 +88,13 @@ class Shape:
 
 @dataclass(frozen=True, slots=True)
 class Listen:
-    """Start hearing releases on ``channel``; the engine sends back True once it listens.
+    """Start hearing releases on ``channel``; the engine sends back True once it listens anew, when a release
+    may have gone unheard since the last attempt: the flow tries again at once.
 
     False where listening is impossible (a pool) or did not come about in
-    ``timeout`` seconds: the flow then polls.
+    ``timeout`` seconds: the flow then polls. False too where the channel was
+    listened on since before ``since`` and nothing was heard there since: no
+    release went unseen by the attempt sent then, and the flow waits.
     """
 
     channel: str
@@ -99,6 +102,10 @@ class Listen:
     who: str | None = None
     """The waiter's instance id, for a waiter in line (`LockKind.queues`): a release that hands it the lock
     names it."""
+    since: float | None = None
+    """When the flow's last attempt was sent (`Result.sent_at`), if it knows."""
+    one_hold: bool = False
+    """The lock has one hold (a Mutex, not a semaphore): a woken waiter's attempt stands for every release after."""
 
 
 @dataclass(frozen=True, slots=True)
