@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
@@ -162,6 +163,35 @@ def test_a_forced_release_reaches_the_holder_at_its_next_heartbeat(
             wait_until(lambda: not mutexes[0].held, timeout=3)
             assert time.monotonic() - forced_at < 1.5
         assert all(mutex.held for mutex in mutexes[1:])
+
+
+def _poll_for_update(dsn: str, name: str, stop: threading.Event) -> None:
+    """What a 0.1.0 contender's acquire does at every poll: lock the row (SELECT ... FOR UPDATE) for an instant."""
+    with psycopg.connect(dsn) as conn:
+        while not stop.is_set():
+            with conn.transaction():
+                conn.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (name,))
+                time.sleep(0.03)
+            time.sleep(0.002)
+
+
+def test_a_row_a_contender_keeps_locking_an_instant_at_a_time_stays_its_holders(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str, dsn: str
+) -> None:
+    stop = threading.Event()
+    poller = threading.Thread(target=_poll_for_update, args=(dsn, _names(lock_name)[0], stop), daemon=True)
+    poller.start()
+    try:
+        # Acquired while the contender polls: the heartbeats that point the rows at the lease meet its row locks.
+        held = _held(make_mutex, lock_name, LEASED)
+        holding = next(held)
+        wait_until(lambda: _following(admin, lock_name), timeout=5)
+        time.sleep(1.0)
+        assert all(mutex.held for mutex in holding), "a lock was declared lost while its row was still its own"
+    finally:
+        stop.set()
+        poller.join(timeout=5)
+    held.close()
 
 
 _HOLDER = """

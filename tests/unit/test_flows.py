@@ -339,6 +339,25 @@ def test_a_row_locked_by_another_session_is_waited_for_briefly_then_busy_not_los
     assert state.held, "retried soon; lost only if its lease runs out"
 
 
+def test_a_row_pointed_at_the_lease_and_renewed_on_the_waiting_try_stays_held() -> None:
+    state, other = lock(), lock("other", "b")
+    holds = [held(state, token=21), held(other, token=22)]
+    flow = heartbeat(holds, STATEMENTS, TRACING, 1.0, lease_key=42)
+    assert STATEMENTS.heartbeat_leased is not None
+    renew, renew_waiting = STATEMENTS.heartbeat_leased
+    assert step(flow).statement is renew
+    # Both answers end with the lease's revision.
+    again = step(flow, Result(2, ((21, False, True, 5), (22, True, True, 5)), now()))
+    assert again.statement is renew_waiting
+    with pytest.raises(StopIteration) as done:
+        step(flow, Result(1, ((21, True, True, 5),), now()))
+    outcome = done.value.value
+    assert outcome.lost == [], "renewed on the waiting try: not lost"
+    assert set(outcome.renewed) == set(holds)
+    assert outcome.revision == 5
+    assert state.held
+
+
 def test_a_hold_acquired_before_the_table_had_tokens_is_renewed_by_its_stamp() -> None:
     state = lock()
     state.begin_acquire(ACQUIRER)

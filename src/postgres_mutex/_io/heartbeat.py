@@ -391,6 +391,9 @@ class HeartbeatWorker:
         """The rows a per-row heartbeat renewed follow the lease from now on (a lost or busy one does not)."""
         lost = {hold for hold, _ in beat.lost}
         busy = set(beat.busy)
+        # A row this statement may have pointed at the lease that then turned out not to be held: detached by the
+        # next renewal (a row that does not follow the lease is left as it is).
+        lease.detach.update((hold.token, None) for hold in lost if hold.token is not None)
         for hold in batch:
             if hold not in lost and hold not in busy:
                 lease.rows[hold] = lease.own_heartbeat_due(hold, first=hold not in lease.rows)

@@ -108,8 +108,7 @@ def heartbeat(
             by_token, renew = True, statements.renew_lease_with_rows
         else:
             renewal = None
-        # The lease's revision ends the first statement's answer, where it renews or points rows at the lease.
-        revised = renewal is not None or (lease_key is not None and statements.heartbeat_leased is not None)
+        revised, revised_waiting = _revised(statements, lease_key, renewal)
         pending, waiting, reshaped = holds, False, False
         while pending:
             statement = renew_waiting if waiting else renew
@@ -133,7 +132,7 @@ def heartbeat(
                         by_token, renew = True, statements.renew_lease_with_rows
                     else:
                         renewal = None
-                    revised = renewal is not None or (lease_key is not None and statements.heartbeat_leased is not None)
+                    revised, revised_waiting = _revised(statements, lease_key, renewal)
                     continue
                 if not waiting:
                     set_outcome(span, "failed")
@@ -144,8 +143,8 @@ def heartbeat(
             if not beat.sent_at:
                 beat.sent_at, beat.latency = sent_at, now() - sent_at
             rows = reply.rows
-            if revised and not waiting:
-                if rows:
+            if revised_waiting if waiting else revised:
+                if rows and not waiting:
                     beat.revision = rows[0][-1]
                 rows = [row[:-1] for row in rows]
             answers = {tuple(row[:-2]): (row[-2], row[-1]) for row in rows}
@@ -174,6 +173,13 @@ def heartbeat(
         if beat.lost:
             mark_error(span, f"{len(beat.lost)} of {len(holds)} locks were lost: their rows were gone")
         return beat
+
+
+def _revised(statements: Statements, lease_key: int | None, renewal: LeaseRenewal | None) -> tuple[bool, bool]:
+    """Whether the answer of the first statement, and of its waiting twin, ends with the lease's revision: where
+    it renews the lease, or points its rows at it (the twin of the latter does too)."""
+    leased = lease_key is not None and statements.heartbeat_leased is not None
+    return renewal is not None or leased, leased
 
 
 def _heartbeat_statements(
