@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex
-from tests.support.fixtures import ROOT, RecordingMetrics, await_until, wait_until
+from tests.support.fixtures import ROOT, RecordingMetrics, await_until, freeze, wait_until
 
 # Thresholds that leave the lease room beside the statement's deadline (`heartbeat_flows.lease_within`): FAST's
 # do not, and their locks renew their rows one by one, as without a lease.
@@ -192,6 +192,22 @@ def test_a_row_a_contender_keeps_locking_an_instant_at_a_time_stays_its_holders(
         stop.set()
         poller.join(timeout=5)
     held.close()
+
+
+def test_a_row_locked_by_another_session_holds_up_no_other_locks_renewal(
+    holding: list[Mutex], admin: psycopg.Connection[Any], lock_name: str, dsn: str
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    with psycopg.connect(dsn) as other:
+        # An operator's transaction left open on one row, whose holder stops renewing it meanwhile: the lease's
+        # renewal is to detach that row from the lease.
+        other.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (_names(lock_name)[0],))
+        freeze(holding[0])
+        time.sleep(LEASED["stale_threshold"])
+        assert all(mutex.held for mutex in holding[1:]), "the other locks' heartbeats waited for that one row"
+        other.rollback()
+    # Detached once the row is free again: it turns stale by its own heartbeat.
+    wait_until(lambda: _rows(admin, lock_name)[_names(lock_name)[0]][2] is None, timeout=5)
 
 
 _HOLDER = """

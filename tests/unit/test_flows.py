@@ -543,8 +543,9 @@ def test_a_lease_renewal_extends_no_holds_trust() -> None:
     assert op.statement is STATEMENTS.renew_lease
     assert op.params == {"lease_key": 42, "detach": [3], "within": 600.0 - 5.0 - 1.0}
     with pytest.raises(StopIteration) as done:
-        flow.send(Result(1, ((5,),), now() + 1.0))
-    revision, _ = done.value.value
+        flow.send(Result(1, ((5, []),), now() + 1.0))
+    revision, kept, _ = done.value.value
+    assert kept == []
     assert revision == 5
     assert hold.lease_deadline == trusted_until, "trusted from its row's own heartbeat, never the lease's"
 
@@ -562,9 +563,10 @@ def test_the_rows_due_go_in_the_lease_renewals_statement_and_are_trusted_from_it
     assert (op.params["lease_key"], op.params["detach"], op.params["within"]) == (42, [3], 594.0)
     sent = now() + 1.0
     with pytest.raises(StopIteration) as done:
-        flow.send(Result(1, ((7, True, True, 5),), sent))
+        flow.send(Result(1, ((7, True, True, 5, [3]),), sent))
     beat = done.value.value
     assert beat.revision == 5
+    assert beat.kept == [3], "a row it could not detach is sent again"
     assert beat.renewed == [hold]
     assert hold.renewed_at == sent, "trusted from its own row's renewal"
 

@@ -355,15 +355,16 @@ class HeartbeatWorker:
             beat = self._engine.run(heartbeat_flows.heartbeat(due, statements, tracing, timeout, renewal=renewal))
             if beat.error is not None:
                 raise beat.error
-            revision = beat.revision
+            revision, kept = beat.revision, detach if beat.kept is None else beat.kept
             for hold in beat.renewed:
                 lease.rows[hold] = lease.own_heartbeat_due(hold, first=False)
         else:
-            revision, sent_at = self._engine.run(
+            revision, kept, sent_at = self._engine.run(
                 heartbeat_flows.renew_lease(attached, detach, statements, lease.key, timeout)
             )
             beat = heartbeat_flows.Beat([], [], now() - sent_at, sent_at=sent_at)
-        lease.detach.clear()
+        # Rows another session held locked were not detached: the next renewal tries them again.
+        lease.detach = dict.fromkeys(kept)
         if not attached:
             return beat, []
         seen, lease.seen = lease.seen, revision

@@ -410,12 +410,13 @@ def _heartbeats(
 
     ``leased``: the rows renewed point at the lease ``%(lease_key)s`` from now on, which the same statement makes
     exist, renewed (`_sql.leases`). ``renewing``: the statement renews that lease as `_sql.leases.renew` does, and
-    the rows it carries by themselves. Either way its answer ends with the lease's revision.
+    the rows it carries by themselves. Either way its answer ends with the lease's revision (renewing, then the
+    tokens it could not detach, `_sql.leases.kept`).
     """
     fmt = {
         "lease": leases.upsert(names) if leased else leases.renewal(names) if renewing else _NOTHING,
         "lease_renewal": sql.SQL(", lease_key = (SELECT lease_key FROM lease)") if leased else _NOTHING,
-        "revision": leases.REVISION if leased or renewing else _NOTHING,
+        "revision": leases.REVISION if leased else leases.revision_and_kept(names) if renewing else _NOTHING,
         "table": names.table,
         "alerted": heartbeat_alerts(names) if shape.history else _NOTHING,
         "marker": sessions.MARKER if shape.sessions else _NOTHING,

@@ -61,6 +61,9 @@ class Beat:
     """Renewed after their doubt was told, with how long they were in doubt."""
     revision: int | None = None
     """The lease's revision, where the statement renewed the lease too (None: it did not, or it lapsed)."""
+    kept: list[int] | None = None
+    """Where the statement renewed the lease too: the tokens it was to detach but could not (their rows locked by
+    another session), to send again."""
 
 
 @dataclass
@@ -143,6 +146,10 @@ def heartbeat(
             if not beat.sent_at:
                 beat.sent_at, beat.latency = sent_at, now() - sent_at
             rows = reply.rows
+            if renewal is not None and not waiting:
+                if rows:
+                    beat.kept = list(rows[0][-1])
+                rows = [row[:-1] for row in rows]
             if revised_waiting if waiting else revised:
                 if rows and not waiting:
                     beat.revision = rows[0][-1]
@@ -279,11 +286,13 @@ def lease_usable(holds: list[Hold], interval: float, timeout: float) -> bool:
 
 def renew_lease(
     holds: list[Hold], detach: list[int], statements: Statements, lease_key: int, timeout: float
-) -> Flow[tuple[int | None, float]]:
+) -> Flow[tuple[int | None, list[int], float]]:
     """Detach the rows of ``detach`` (tokens) from the lease, and renew the lease for ``holds``.
 
     Returns the lease's revision (None: it lapsed, or was never made, and
-    nothing was renewed) and when the statement was sent. Raises
+    nothing was renewed), the tokens of ``detach`` whose rows another session
+    held locked (not detached: to send again), and when the statement was
+    sent. Raises
     `DatabaseError` if the statement failed. Nothing is told here, and no
     hold's trust is extended: a holder trusts each lock from the last renewal
     of its row's own heartbeat (`own_heartbeat_period`), what a reader that
@@ -299,8 +308,10 @@ def renew_lease(
     params: dict[str, object] = {"lease_key": lease_key, "detach": detach, "within": within}
     action = f"heartbeat of {len(holds)} locks by their lease"
     reply = yield Execute(statement, params, timeout, action, urgent=True)
-    revision = reply.row[0] if reply.row is not None else None
-    return revision, reply.sent_at
+    row = reply.row
+    if row is None:
+        return None, list(detach), reply.sent_at
+    return row[0], list(row[1]), reply.sent_at
 
 
 def end_lease(detach: list[int], statements: Statements, lease_key: int, timeout: float) -> Flow[None]:
