@@ -17,7 +17,9 @@ from contextlib import ExitStack
 from typing import Any
 
 import psycopg
+import psycopg.conninfo
 import pytest
+from psycopg import sql
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex
 from tests.support.fixtures import ROOT, RecordingMetrics, await_until, freeze, wait_until
@@ -208,6 +210,22 @@ def test_a_row_locked_by_another_session_holds_up_no_other_locks_renewal(
         other.rollback()
     # Detached once the row is free again: it turns stale by its own heartbeat.
     wait_until(lambda: _rows(admin, lock_name)[_names(lock_name)[0]][2] is None, timeout=5)
+
+
+def test_locks_whose_lease_may_no_longer_be_renewed_are_renewed_row_by_row(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str, dml_role: str
+) -> None:
+    mutexes = [make_mutex(dsn=dml_role, lock_name=name, **LEASED) for name in _names(lock_name)]
+    with ExitStack() as stack:
+        for mutex in mutexes:
+            assert stack.enter_context(mutex.acquire())
+        wait_until(lambda: _following(admin, lock_name), timeout=5)
+        role = psycopg.conninfo.conninfo_to_dict(dml_role)["user"]
+        admin.execute(sql.SQL("REVOKE ALL ON mutex_lock_leases FROM {}").format(sql.Identifier(str(role))))
+        time.sleep(LEASED["stale_threshold"])
+        assert all(mutex.held for mutex in mutexes), "locks were lost with the lease's grant"
+        ages = [row[1] for row in _rows(admin, lock_name).values()]
+        assert max(ages) < LEASED["alert_threshold"], "each row renewed by itself"
 
 
 _HOLDER = """

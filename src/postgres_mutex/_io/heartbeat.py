@@ -28,6 +28,7 @@ from .._base.acompat import Cancelled, Event, Worker
 from .._base.clock import MAX_SLICE, now
 from .._state import flows, heartbeat_flows, steps
 from .._state.events import Defects
+from .._state.failures import PRIVILEGE, UNDEFINED_TABLE
 from .._state.locks import HeartbeatGroup, Hold
 from .._state.settings import retry_pause
 from ..errors import DatabaseError
@@ -82,6 +83,8 @@ class HeartbeatWorker:
         self._worker: Worker | None = None
         self._defects = Defects("heartbeat worker")
         self._leases: dict[object, _Lease] = {}
+        self._no_lease: set[str] = set()
+        """The tables whose leases this engine may not renew (their grant revoked, or dropped): rows one by one."""
 
     def keep(self, hold: Hold) -> None:
         """Renew ``hold`` from now on, with the other holds of its table and interval."""
@@ -226,7 +229,12 @@ class HeartbeatWorker:
             statements = None  # the first batch inspects the table again, and fails as it does
         # Few holds, thresholds too short for a lease (`heartbeat_flows.lease_usable`), or a pooler between (whose
         # queue may hold the lease's renewal past the deadline it must land within): rows renewed one by one.
-        usable = not self._engine.behind_pooler and heartbeat_flows.lease_usable(holds, group.interval, timeout)
+        table = holds[0].lock.names.table_name
+        usable = (
+            not self._engine.behind_pooler
+            and table not in self._no_lease
+            and heartbeat_flows.lease_usable(holds, group.interval, timeout)
+        )
         lease = self._lease(group) if usable and statements is not None and statements.renew_lease is not None else None
         if lease is not None:
             lease.statements = statements
@@ -235,8 +243,10 @@ class HeartbeatWorker:
             try:
                 first, by_lease = self._renew_lease(lease, holds, statements, group.tracing, timeout)
             except DatabaseError as exc:
-                self._round_failed(group, holds, exc, first=True)
-                return
+                if not self._lease_refused(group, table, exc):
+                    self._round_failed(group, holds, exc, first=True)
+                    return
+                lease, first, by_lease = None, None, []  # each row renewed by itself, in this round
             if first is not None:
                 started_at = first.sent_at
                 group.quiet_retry = False
@@ -268,6 +278,10 @@ class HeartbeatWorker:
                 try:
                     statements = self._engine.shape(batch[0].lock.names, timeout)
                     beat = self._engine.run(heartbeat_flows.heartbeat(batch, statements, group.tracing, timeout, key))
+                    if beat.error is not None and key is not None and self._lease_refused(group, table, beat.error):
+                        # Nothing was renewed: the same rows again, by themselves, in this round.
+                        lease = key = None
+                        beat = self._engine.run(heartbeat_flows.heartbeat(batch, statements, group.tracing, timeout))
                 except DatabaseError as exc:  # the inspection failed
                     beat = heartbeat_flows.Beat([], [], 0.0, exc)
                 if beat.error is not None:
@@ -316,6 +330,19 @@ class HeartbeatWorker:
         group.quiet_retry = False
         group.next_beat = now() + retry_pause(group.interval)
         self._host.session.post(_failed(holds, error))
+
+    def _lease_refused(self, group: HeartbeatGroup, table: str, error: DatabaseError) -> bool:
+        """Whether ``error`` says the lease may not be renewed on the group's table (its grant revoked, or the
+        leases' table dropped, since the table was inspected): then this engine stops using the lease there, and
+        renews each row by itself, as on a table without leases."""
+        if error.sqlstate not in (PRIVILEGE, UNDEFINED_TABLE):
+            return False
+        self._no_lease.add(table)
+        self._leases.pop(group.key, None)
+        logger.warning(
+            "the lease of the locks on %s could not be renewed (%s): each row is renewed by itself", table, error
+        )
+        return True
 
     def _lease(self, group: HeartbeatGroup) -> _Lease:
         lease = self._leases.get(group.key)
