@@ -578,6 +578,13 @@ def test_a_lease_is_used_only_where_the_thresholds_leave_it_room() -> None:
     many = heartbeat_flows.LEASE_FROM
     assert heartbeat_flows.lease_usable([hold] * many, 10.0, 5.0)
     assert not heartbeat_flows.lease_usable([hold] * (many - 1), 10.0, 5.0), "a few locks renew their rows"
+    other = lock("other", timing=DEFAULTS)
+    other.begin_acquire(ACQUIRER)
+    unleased = other.won(acquired_at=STAMP, token=8, sent_at=now(), owner=ME, span_context=None)
+    assert not heartbeat_flows.follows_lease(unleased)
+    assert not heartbeat_flows.lease_usable([hold] * (many - 1) + [unleased] * 10, 10.0, 5.0), (
+        "only the locks that may follow the lease count"
+    )
     assert heartbeat_flows.own_heartbeat_period(hold) == (600.0 - 10.0) / 3
     short = lock(timing=TIMING)  # a stale threshold shorter than the statement's deadline
     short.begin_acquire(ACQUIRER)

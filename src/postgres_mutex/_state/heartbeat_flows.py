@@ -274,13 +274,15 @@ old and rarer. From this many on, the rows' work is what the server spends
 
 
 def lease_usable(holds: list[Hold], interval: float, timeout: float) -> bool:
-    """Whether ``holds`` may follow a lease: there are at least `LEASE_FROM` of them, its renewal is not refused
-    before their next heartbeat, and their own heartbeats (`own_heartbeat_period`) come at least two intervals
-    apart. Else the lease would only add a statement: their rows are renewed one by one, as without it."""
+    """Whether ``holds`` may follow a lease: at least `LEASE_FROM` of them may (`follows_lease`), its renewal is
+    not refused before their next heartbeat, and their own heartbeats (`own_heartbeat_period`) come at least two
+    intervals apart. Else the lease would only add a statement: their rows are renewed one by one, as without
+    it."""
+    following = [hold for hold in holds if follows_lease(hold)]
     return (
-        len(holds) >= LEASE_FROM
-        and lease_within(holds, timeout) > 2 * interval
-        and all(own_heartbeat_period(hold) >= 2 * interval for hold in holds)
+        len(following) >= LEASE_FROM
+        and lease_within(following, timeout) > 2 * interval
+        and all(own_heartbeat_period(hold) >= 2 * interval for hold in following)
     )
 
 
