@@ -20,6 +20,7 @@ import psycopg
 import psycopg.conninfo
 import pytest
 from psycopg import sql
+from psycopg_pool import ConnectionPool
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex
 from tests.support.fixtures import ROOT, RecordingMetrics, await_until, freeze, wait_until
@@ -226,6 +227,23 @@ def test_locks_whose_lease_may_no_longer_be_renewed_are_renewed_row_by_row(
         assert all(mutex.held for mutex in mutexes), "locks were lost with the lease's grant"
         ages = [row[1] for row in _rows(admin, lock_name).values()]
         assert max(ages) < LEASED["alert_threshold"], "each row renewed by itself"
+
+
+def test_locks_held_through_an_applications_pool_renew_their_rows_one_by_one(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str, dsn: str
+) -> None:
+    # The pool's connections may go through a pooler the client cannot see, whose queue may hold the lease's
+    # renewal past the deadline it must land within.
+    with ConnectionPool(dsn, min_size=1, max_size=2, open=True, timeout=10) as pool:
+        mutexes = [make_mutex(pool=pool, lock_name=name, **LEASED) for name in _names(lock_name)]
+        with ExitStack() as stack:
+            for mutex in mutexes:
+                assert stack.enter_context(mutex.acquire())
+            time.sleep(5 * LEASED["heartbeat_interval"])
+            rows = _rows(admin, lock_name)
+            assert len(rows) == LOCKS
+            assert all(row[2] is None for row in rows.values()), "rows follow a lease through a pool"
+            assert max(row[1] for row in rows.values()) < LEASED["alert_threshold"]
 
 
 _HOLDER = """
