@@ -24,6 +24,7 @@ from psycopg_pool import ConnectionPool
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex
 from tests.support.fixtures import ROOT, RecordingMetrics, await_until, freeze, wait_until
+from tests.support.postgres_server import PASSWORD, PostgresServer
 
 # Thresholds that leave the lease room beside the statement's deadline (`heartbeat_flows.lease_within`): FAST's
 # do not, and their locks renew their rows one by one, as without a lease.
@@ -244,6 +245,53 @@ def test_locks_held_through_an_applications_pool_renew_their_rows_one_by_one(
             assert len(rows) == LOCKS
             assert all(row[2] is None for row in rows.values()), "rows follow a lease through a pool"
             assert max(row[1] for row in rows.values()) < LEASED["alert_threshold"]
+
+
+@contextlib.contextmanager
+def _role(pg: PostgresServer, admin: psycopg.Connection[Any], *grants: str) -> Iterator[str]:
+    """The DSN of a new login role granted ``grants`` (each ``PRIVILEGES ON object``); dropped after."""
+    role = f"mutex_lease_{uuid.uuid4().hex[:8]}"
+    admin.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), sql.Literal(PASSWORD)))
+    try:
+        for grant in grants:
+            admin.execute(f"GRANT {grant} TO {role}")
+        yield pg.dsn(user=role, password=PASSWORD)
+    finally:
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
+
+
+def test_a_role_that_may_only_read_judges_a_row_by_its_lease(
+    holding: list[Mutex], pg: PostgresServer, admin: psycopg.Connection[Any], lock_name: str, needs_superuser: None
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    name = _names(lock_name)[0]
+    admin.execute("UPDATE mutex_lock SET last_heartbeat = now() - interval '1 hour' WHERE lock_name = %s", (name,))
+    with _role(pg, admin, "SELECT ON mutex_lock", "SELECT ON mutex_lock_leases") as reader:
+        (seen,) = LockTable(reader).holders([name])
+    assert seen.seconds_since_heartbeat < LEASED["alert_threshold"], "a live holder shown as silent"
+
+
+def test_a_take_over_by_a_role_not_granted_the_leases_leaves_the_row_on_no_lease(
+    holding: list[Mutex],
+    make_mutex: Callable[..., Mutex],
+    pg: PostgresServer,
+    admin: psycopg.Connection[Any],
+    lock_name: str,
+    needs_superuser: None,
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    name = _names(lock_name)[0]
+    # Its own heartbeat stale, as a role that may not read the leases judges it.
+    admin.execute("UPDATE mutex_lock SET last_heartbeat = now() - interval '1 hour' WHERE lock_name = %s", (name,))
+    grants = ("SELECT, INSERT, UPDATE, DELETE ON mutex_lock", "USAGE ON SEQUENCE mutex_lock_token_seq")
+    with _role(pg, admin, *grants) as dml:
+        contender = make_mutex(dsn=dml, lock_name=name, instance_id="contender", **LEASED)
+        with contender.acquire() as acquired:
+            assert acquired
+            (lease_key,) = admin.execute("SELECT lease_key FROM mutex_lock WHERE lock_name = %s", (name,)).fetchone()
+            assert lease_key is None, "the new holder's row follows the former holder's lease"
+        contender.close()
 
 
 _HOLDER = """

@@ -326,7 +326,7 @@ class AsyncEngine:
                 rwlocks=bool(has_rwlocks),
                 holds=bool(has_hold_until),
                 fair=bool(has_queue),
-                leases=bool(has_leases),
+                **_sql.TableShape.with_leases(has_leases),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.
