@@ -289,8 +289,8 @@ def test_a_take_over_by_a_role_not_granted_the_leases_leaves_the_row_on_no_lease
         contender = make_mutex(dsn=dml, lock_name=name, instance_id="contender", **LEASED)
         with contender.acquire() as acquired:
             assert acquired
-            (lease_key,) = admin.execute("SELECT lease_key FROM mutex_lock WHERE lock_name = %s", (name,)).fetchone()
-            assert lease_key is None, "the new holder's row follows the former holder's lease"
+            row = admin.execute("SELECT lease_key FROM mutex_lock WHERE lock_name = %s", (name,)).fetchone()
+            assert row == (None,), "the new holder's row follows the former holder's lease"
         contender.close()
 
 
