@@ -294,6 +294,28 @@ def test_a_take_over_by_a_role_not_granted_the_leases_leaves_the_row_on_no_lease
         contender.close()
 
 
+def test_a_lapsed_lease_is_never_revived_and_its_rows_follow_a_new_one(
+    holding: list[Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    (lapsed,) = {row[2] for row in _rows(admin, lock_name).values()}
+    # Lapsed, as after a partition longer than the locks' stale threshold: a contender may have judged it stale.
+    admin.execute(
+        "UPDATE mutex_lock_leases SET last_heartbeat = now() - interval '1 hour' WHERE lease_key = %s", (lapsed,)
+    )
+    wait_until(
+        lambda: _following(admin, lock_name) and lapsed not in {row[2] for row in _rows(admin, lock_name).values()},
+        timeout=5,
+    )
+    age = admin.execute(
+        "SELECT EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 FROM mutex_lock_leases WHERE lease_key = %s",
+        (lapsed,),
+    ).fetchone()
+    assert age is not None
+    assert age[0] > 3000, "the lapsed lease was renewed again"
+    assert all(mutex.held for mutex in holding)
+
+
 _HOLDER = """
 import sys, time
 from contextlib import ExitStack

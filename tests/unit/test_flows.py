@@ -345,7 +345,9 @@ def test_a_row_pointed_at_the_lease_and_renewed_on_the_waiting_try_stays_held() 
     flow = heartbeat(holds, STATEMENTS, TRACING, 1.0, lease_key=42)
     assert STATEMENTS.heartbeat_leased is not None
     renew, renew_waiting = STATEMENTS.heartbeat_leased
-    assert step(flow).statement is renew
+    first = step(flow)
+    assert first.statement is renew
+    assert first.params["within"] == heartbeat_flows.lease_within(holds, 1.0), "a lapsed lease is not revived"
     # Both answers end with the lease's revision.
     again = step(flow, Result(2, ((21, False, True, 5), (22, True, True, 5)), now()))
     assert again.statement is renew_waiting

@@ -295,7 +295,13 @@ class HeartbeatWorker:
                 group.quiet_retry = False
                 if started_at is None:
                     started_at = beat.sent_at
-                if key is not None and lease is not None:
+                if key is not None and lease is not None and beat.revision is None:
+                    # The lease lapsed, and was not revived: these rows follow none now, and the next round
+                    # points them at a lease of a new key.
+                    if self._leases.get(group.key) is lease:
+                        self._leases[group.key] = _Lease(statements=statements)
+                    lease = None
+                elif key is not None and lease is not None:
                     self._attach(lease, batch, beat)
                     if lease.seen is None:
                         # What the next renewal's revision is compared to: a forced release of any row since

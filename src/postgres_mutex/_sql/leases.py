@@ -84,11 +84,15 @@ def effective_heartbeat(names: Names, row: sql.Composable) -> sql.Composable:
 
 def upsert(names: Names) -> sql.Composable:
     """The per-row heartbeat's part that makes the lease its rows now point at exist, renewed; with its revision,
-    which the statement answers (`REVISION`), the one its holder compares the next renewal's to."""
+    which the statement answers (`REVISION`), the one its holder compares the next renewal's to.
+
+    A lease that lapsed (``%(within)s``, as `renew` judges it) is not revived: the rows then follow no lease
+    (``lease_key`` NULL), the revision is NULL, and the holder draws a new key."""
     return sql.SQL(
         """lease AS (
   INSERT INTO {leases} AS lease (lease_key, last_heartbeat) VALUES (%(lease_key)s, now())
   ON CONFLICT (lease_key) DO UPDATE SET last_heartbeat = now()
+   WHERE lease.last_heartbeat > now() - make_interval(secs => %(within)s::float8)
   RETURNING lease.lease_key, lease.revision
 ), """
     ).format(leases=names.leases)

@@ -117,6 +117,8 @@ def heartbeat(
             statement = renew_waiting if waiting else renew
             params = _heartbeat_params(pending, tokens=by_token)
             params["lease_key"] = lease_key
+            if lease_key is not None:
+                params["within"] = lease_within(holds, timeout)
             if renewal is not None and not waiting:
                 params.update(lease_key=renewal.key, detach=renewal.detach, within=renewal.within)
             params["alert_seconds"] = holds[0].lock.timing.alert_threshold
