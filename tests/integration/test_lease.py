@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
@@ -16,10 +17,14 @@ from contextlib import ExitStack
 from typing import Any
 
 import psycopg
+import psycopg.conninfo
 import pytest
+from psycopg import sql
+from psycopg_pool import ConnectionPool
 
 from postgres_mutex import LockNotHeldError, LockTable, Mutex
-from tests.support.fixtures import ROOT, RecordingMetrics, await_until, wait_until
+from tests.support.fixtures import ROOT, RecordingMetrics, await_until, freeze, wait_until
+from tests.support.postgres_server import PASSWORD, PostgresServer
 
 # Thresholds that leave the lease room beside the statement's deadline (`heartbeat_flows.lease_within`): FAST's
 # do not, and their locks renew their rows one by one, as without a lease.
@@ -162,6 +167,153 @@ def test_a_forced_release_reaches_the_holder_at_its_next_heartbeat(
             wait_until(lambda: not mutexes[0].held, timeout=3)
             assert time.monotonic() - forced_at < 1.5
         assert all(mutex.held for mutex in mutexes[1:])
+
+
+def _poll_for_update(dsn: str, name: str, stop: threading.Event) -> None:
+    """What a 0.1.0 contender's acquire does at every poll: lock the row (SELECT ... FOR UPDATE) for an instant."""
+    with psycopg.connect(dsn) as conn:
+        while not stop.is_set():
+            with conn.transaction():
+                conn.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (name,))
+                time.sleep(0.03)
+            time.sleep(0.002)
+
+
+def test_a_row_a_contender_keeps_locking_an_instant_at_a_time_stays_its_holders(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str, dsn: str
+) -> None:
+    stop = threading.Event()
+    poller = threading.Thread(target=_poll_for_update, args=(dsn, _names(lock_name)[0], stop), daemon=True)
+    poller.start()
+    try:
+        # Acquired while the contender polls: the heartbeats that point the rows at the lease meet its row locks.
+        held = _held(make_mutex, lock_name, LEASED)
+        holding = next(held)
+        wait_until(lambda: _following(admin, lock_name), timeout=5)
+        time.sleep(1.0)
+        assert all(mutex.held for mutex in holding), "a lock was declared lost while its row was still its own"
+    finally:
+        stop.set()
+        poller.join(timeout=5)
+    held.close()
+
+
+def test_a_row_locked_by_another_session_holds_up_no_other_locks_renewal(
+    holding: list[Mutex], admin: psycopg.Connection[Any], lock_name: str, dsn: str
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    with psycopg.connect(dsn) as other:
+        # An operator's transaction left open on one row, whose holder stops renewing it meanwhile: the lease's
+        # renewal is to detach that row from the lease.
+        other.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (_names(lock_name)[0],))
+        freeze(holding[0])
+        time.sleep(LEASED["stale_threshold"])
+        assert all(mutex.held for mutex in holding[1:]), "the other locks' heartbeats waited for that one row"
+        other.rollback()
+    # Detached once the row is free again: it turns stale by its own heartbeat.
+    wait_until(lambda: _rows(admin, lock_name)[_names(lock_name)[0]][2] is None, timeout=5)
+
+
+def test_locks_whose_lease_may_no_longer_be_renewed_are_renewed_row_by_row(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str, dml_role: str
+) -> None:
+    mutexes = [make_mutex(dsn=dml_role, lock_name=name, **LEASED) for name in _names(lock_name)]
+    with ExitStack() as stack:
+        for mutex in mutexes:
+            assert stack.enter_context(mutex.acquire())
+        wait_until(lambda: _following(admin, lock_name), timeout=5)
+        role = psycopg.conninfo.conninfo_to_dict(dml_role)["user"]
+        admin.execute(sql.SQL("REVOKE ALL ON mutex_lock_leases FROM {}").format(sql.Identifier(str(role))))
+        time.sleep(LEASED["stale_threshold"])
+        assert all(mutex.held for mutex in mutexes), "locks were lost with the lease's grant"
+        ages = [row[1] for row in _rows(admin, lock_name).values()]
+        assert max(ages) < LEASED["alert_threshold"], "each row renewed by itself"
+
+
+def test_locks_held_through_an_applications_pool_renew_their_rows_one_by_one(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], lock_name: str, dsn: str
+) -> None:
+    # The pool's connections may go through a pooler the client cannot see, whose queue may hold the lease's
+    # renewal past the deadline it must land within.
+    with ConnectionPool(dsn, min_size=1, max_size=2, open=True, timeout=10) as pool:
+        mutexes = [make_mutex(pool=pool, lock_name=name, **LEASED) for name in _names(lock_name)]
+        with ExitStack() as stack:
+            for mutex in mutexes:
+                assert stack.enter_context(mutex.acquire())
+            time.sleep(5 * LEASED["heartbeat_interval"])
+            rows = _rows(admin, lock_name)
+            assert len(rows) == LOCKS
+            assert all(row[2] is None for row in rows.values()), "rows follow a lease through a pool"
+            assert max(row[1] for row in rows.values()) < LEASED["alert_threshold"]
+
+
+@contextlib.contextmanager
+def _role(pg: PostgresServer, admin: psycopg.Connection[Any], *grants: str) -> Iterator[str]:
+    """The DSN of a new login role granted ``grants`` (each ``PRIVILEGES ON object``); dropped after."""
+    role = f"mutex_lease_{uuid.uuid4().hex[:8]}"
+    admin.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), sql.Literal(PASSWORD)))
+    try:
+        for grant in grants:
+            admin.execute(f"GRANT {grant} TO {role}")
+        yield pg.dsn(user=role, password=PASSWORD)
+    finally:
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
+
+
+def test_a_role_that_may_only_read_judges_a_row_by_its_lease(
+    holding: list[Mutex], pg: PostgresServer, admin: psycopg.Connection[Any], lock_name: str, needs_superuser: None
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    name = _names(lock_name)[0]
+    admin.execute("UPDATE mutex_lock SET last_heartbeat = now() - interval '1 hour' WHERE lock_name = %s", (name,))
+    with _role(pg, admin, "SELECT ON mutex_lock", "SELECT ON mutex_lock_leases") as reader:
+        (seen,) = LockTable(reader).holders([name])
+    assert seen.seconds_since_heartbeat < LEASED["alert_threshold"], "a live holder shown as silent"
+
+
+def test_a_take_over_by_a_role_not_granted_the_leases_leaves_the_row_on_no_lease(
+    holding: list[Mutex],
+    make_mutex: Callable[..., Mutex],
+    pg: PostgresServer,
+    admin: psycopg.Connection[Any],
+    lock_name: str,
+    needs_superuser: None,
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    name = _names(lock_name)[0]
+    # Its own heartbeat stale, as a role that may not read the leases judges it.
+    admin.execute("UPDATE mutex_lock SET last_heartbeat = now() - interval '1 hour' WHERE lock_name = %s", (name,))
+    grants = ("SELECT, INSERT, UPDATE, DELETE ON mutex_lock", "USAGE ON SEQUENCE mutex_lock_token_seq")
+    with _role(pg, admin, *grants) as dml:
+        contender = make_mutex(dsn=dml, lock_name=name, instance_id="contender", **LEASED)
+        with contender.acquire() as acquired:
+            assert acquired
+            row = admin.execute("SELECT lease_key FROM mutex_lock WHERE lock_name = %s", (name,)).fetchone()
+            assert row == (None,), "the new holder's row follows the former holder's lease"
+        contender.close()
+
+
+def test_a_lapsed_lease_is_never_revived_and_its_rows_follow_a_new_one(
+    holding: list[Mutex], admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    wait_until(lambda: _following(admin, lock_name), timeout=5)
+    (lapsed,) = {row[2] for row in _rows(admin, lock_name).values()}
+    # Lapsed, as after a partition longer than the locks' stale threshold: a contender may have judged it stale.
+    admin.execute(
+        "UPDATE mutex_lock_leases SET last_heartbeat = now() - interval '1 hour' WHERE lease_key = %s", (lapsed,)
+    )
+    wait_until(
+        lambda: _following(admin, lock_name) and lapsed not in {row[2] for row in _rows(admin, lock_name).values()},
+        timeout=5,
+    )
+    age = admin.execute(
+        "SELECT EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 FROM mutex_lock_leases WHERE lease_key = %s",
+        (lapsed,),
+    ).fetchone()
+    assert age is not None
+    assert age[0] > 3000, "the lapsed lease was renewed again"
+    assert all(mutex.held for mutex in holding)
 
 
 _HOLDER = """

@@ -339,6 +339,27 @@ def test_a_row_locked_by_another_session_is_waited_for_briefly_then_busy_not_los
     assert state.held, "retried soon; lost only if its lease runs out"
 
 
+def test_a_row_pointed_at_the_lease_and_renewed_on_the_waiting_try_stays_held() -> None:
+    state, other = lock(), lock("other", "b")
+    holds = [held(state, token=21), held(other, token=22)]
+    flow = heartbeat(holds, STATEMENTS, TRACING, 1.0, lease_key=42)
+    assert STATEMENTS.heartbeat_leased is not None
+    renew, renew_waiting = STATEMENTS.heartbeat_leased
+    first = step(flow)
+    assert first.statement is renew
+    assert first.params["within"] == heartbeat_flows.lease_within(holds, 1.0), "a lapsed lease is not revived"
+    # Both answers end with the lease's revision.
+    again = step(flow, Result(2, ((21, False, True, 5), (22, True, True, 5)), now()))
+    assert again.statement is renew_waiting
+    with pytest.raises(StopIteration) as done:
+        step(flow, Result(1, ((21, True, True, 5),), now()))
+    outcome = done.value.value
+    assert outcome.lost == [], "renewed on the waiting try: not lost"
+    assert set(outcome.renewed) == set(holds)
+    assert outcome.revision == 5
+    assert state.held
+
+
 def test_a_hold_acquired_before_the_table_had_tokens_is_renewed_by_its_stamp() -> None:
     state = lock()
     state.begin_acquire(ACQUIRER)
@@ -524,8 +545,9 @@ def test_a_lease_renewal_extends_no_holds_trust() -> None:
     assert op.statement is STATEMENTS.renew_lease
     assert op.params == {"lease_key": 42, "detach": [3], "within": 600.0 - 5.0 - 1.0}
     with pytest.raises(StopIteration) as done:
-        flow.send(Result(1, ((5,),), now() + 1.0))
-    revision, _ = done.value.value
+        flow.send(Result(1, ((5, []),), now() + 1.0))
+    revision, kept, _ = done.value.value
+    assert kept == []
     assert revision == 5
     assert hold.lease_deadline == trusted_until, "trusted from its row's own heartbeat, never the lease's"
 
@@ -543,9 +565,10 @@ def test_the_rows_due_go_in_the_lease_renewals_statement_and_are_trusted_from_it
     assert (op.params["lease_key"], op.params["detach"], op.params["within"]) == (42, [3], 594.0)
     sent = now() + 1.0
     with pytest.raises(StopIteration) as done:
-        flow.send(Result(1, ((7, True, True, 5),), sent))
+        flow.send(Result(1, ((7, True, True, 5, [3]),), sent))
     beat = done.value.value
     assert beat.revision == 5
+    assert beat.kept == [3], "a row it could not detach is sent again"
     assert beat.renewed == [hold]
     assert hold.renewed_at == sent, "trusted from its own row's renewal"
 
@@ -557,6 +580,13 @@ def test_a_lease_is_used_only_where_the_thresholds_leave_it_room() -> None:
     many = heartbeat_flows.LEASE_FROM
     assert heartbeat_flows.lease_usable([hold] * many, 10.0, 5.0)
     assert not heartbeat_flows.lease_usable([hold] * (many - 1), 10.0, 5.0), "a few locks renew their rows"
+    other = lock("other", timing=DEFAULTS)
+    other.begin_acquire(ACQUIRER)
+    unleased = other.won(acquired_at=STAMP, token=8, sent_at=now(), owner=ME, span_context=None)
+    assert not heartbeat_flows.follows_lease(unleased)
+    assert not heartbeat_flows.lease_usable([hold] * (many - 1) + [unleased] * 10, 10.0, 5.0), (
+        "only the locks that may follow the lease count"
+    )
     assert heartbeat_flows.own_heartbeat_period(hold) == (600.0 - 10.0) / 3
     short = lock(timing=TIMING)  # a stale threshold shorter than the statement's deadline
     short.begin_acquire(ACQUIRER)

@@ -288,7 +288,11 @@ class Engine:
     @property
     def behind_pooler(self) -> bool:
         """Whether a connection of this engine was found to go through a pooler (PgBouncer): once found, for good
-        (a new connection to the same DSN goes through it too, and is asked again only by its first acquire)."""
+        (a new connection to the same DSN goes through it too, and is asked again only by its first acquire). An
+        application's pool (``pool=``, ``async_pool=``) is never asked, and may go through one: taken as if it
+        did."""
+        if isinstance(self._source, PooledConnection):
+            return True
         if not self._pooled:
             session = self._source.session
             self._pooled = session is not None and session.direct is False
@@ -329,7 +333,7 @@ class Engine:
                 rwlocks=bool(has_rwlocks),
                 holds=bool(has_hold_until),
                 fair=bool(has_queue),
-                leases=bool(has_leases),
+                **_sql.TableShape.with_leases(has_leases),
             )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.

@@ -28,6 +28,7 @@ from .._base.acompat import Cancelled, Event, Worker
 from .._base.clock import MAX_SLICE, now
 from .._state import flows, heartbeat_flows, steps
 from .._state.events import Defects
+from .._state.failures import PRIVILEGE, UNDEFINED_TABLE
 from .._state.locks import HeartbeatGroup, Hold
 from .._state.settings import retry_pause
 from ..errors import DatabaseError
@@ -82,6 +83,8 @@ class HeartbeatWorker:
         self._worker: Worker | None = None
         self._defects = Defects("heartbeat worker")
         self._leases: dict[object, _Lease] = {}
+        self._no_lease: set[str] = set()
+        """The tables whose leases this engine may not renew (their grant revoked, or dropped): rows one by one."""
 
     def keep(self, hold: Hold) -> None:
         """Renew ``hold`` from now on, with the other holds of its table and interval."""
@@ -226,7 +229,12 @@ class HeartbeatWorker:
             statements = None  # the first batch inspects the table again, and fails as it does
         # Few holds, thresholds too short for a lease (`heartbeat_flows.lease_usable`), or a pooler between (whose
         # queue may hold the lease's renewal past the deadline it must land within): rows renewed one by one.
-        usable = not self._engine.behind_pooler and heartbeat_flows.lease_usable(holds, group.interval, timeout)
+        table = holds[0].lock.names.table_name
+        usable = (
+            not self._engine.behind_pooler
+            and table not in self._no_lease
+            and heartbeat_flows.lease_usable(holds, group.interval, timeout)
+        )
         lease = self._lease(group) if usable and statements is not None and statements.renew_lease is not None else None
         if lease is not None:
             lease.statements = statements
@@ -235,8 +243,10 @@ class HeartbeatWorker:
             try:
                 first, by_lease = self._renew_lease(lease, holds, statements, group.tracing, timeout)
             except DatabaseError as exc:
-                self._round_failed(group, holds, exc, first=True)
-                return
+                if not self._lease_refused(group, table, exc):
+                    self._round_failed(group, holds, exc, first=True)
+                    return
+                lease, first, by_lease = None, None, []  # each row renewed by itself, in this round
             if first is not None:
                 started_at = first.sent_at
                 group.quiet_retry = False
@@ -268,6 +278,10 @@ class HeartbeatWorker:
                 try:
                     statements = self._engine.shape(batch[0].lock.names, timeout)
                     beat = self._engine.run(heartbeat_flows.heartbeat(batch, statements, group.tracing, timeout, key))
+                    if beat.error is not None and key is not None and self._lease_refused(group, table, beat.error):
+                        # Nothing was renewed: the same rows again, by themselves, in this round.
+                        lease = key = None
+                        beat = self._engine.run(heartbeat_flows.heartbeat(batch, statements, group.tracing, timeout))
                 except DatabaseError as exc:  # the inspection failed
                     beat = heartbeat_flows.Beat([], [], 0.0, exc)
                 if beat.error is not None:
@@ -281,7 +295,13 @@ class HeartbeatWorker:
                 group.quiet_retry = False
                 if started_at is None:
                     started_at = beat.sent_at
-                if key is not None and lease is not None:
+                if key is not None and lease is not None and beat.revision is None:
+                    # The lease lapsed, and was not revived: these rows follow none now, and the next round
+                    # points them at a lease of a new key.
+                    if self._leases.get(group.key) is lease:
+                        self._leases[group.key] = _Lease(statements=statements)
+                    lease = None
+                elif key is not None and lease is not None:
                     self._attach(lease, batch, beat)
                     if lease.seen is None:
                         # What the next renewal's revision is compared to: a forced release of any row since
@@ -316,6 +336,19 @@ class HeartbeatWorker:
         group.quiet_retry = False
         group.next_beat = now() + retry_pause(group.interval)
         self._host.session.post(_failed(holds, error))
+
+    def _lease_refused(self, group: HeartbeatGroup, table: str, error: DatabaseError) -> bool:
+        """Whether ``error`` says the lease may not be renewed on the group's table (its grant revoked, or the
+        leases' table dropped, since the table was inspected): then this engine stops using the lease there, and
+        renews each row by itself, as on a table without leases."""
+        if error.sqlstate not in (PRIVILEGE, UNDEFINED_TABLE):
+            return False
+        self._no_lease.add(table)
+        self._leases.pop(group.key, None)
+        logger.warning(
+            "the lease of the locks on %s could not be renewed (%s): each row is renewed by itself", table, error
+        )
+        return True
 
     def _lease(self, group: HeartbeatGroup) -> _Lease:
         lease = self._leases.get(group.key)
@@ -355,15 +388,16 @@ class HeartbeatWorker:
             beat = self._engine.run(heartbeat_flows.heartbeat(due, statements, tracing, timeout, renewal=renewal))
             if beat.error is not None:
                 raise beat.error
-            revision = beat.revision
+            revision, kept = beat.revision, detach if beat.kept is None else beat.kept
             for hold in beat.renewed:
                 lease.rows[hold] = lease.own_heartbeat_due(hold, first=False)
         else:
-            revision, sent_at = self._engine.run(
+            revision, kept, sent_at = self._engine.run(
                 heartbeat_flows.renew_lease(attached, detach, statements, lease.key, timeout)
             )
             beat = heartbeat_flows.Beat([], [], now() - sent_at, sent_at=sent_at)
-        lease.detach.clear()
+        # Rows another session held locked were not detached: the next renewal tries them again.
+        lease.detach = dict.fromkeys(kept)
         if not attached:
             return beat, []
         seen, lease.seen = lease.seen, revision
@@ -391,6 +425,9 @@ class HeartbeatWorker:
         """The rows a per-row heartbeat renewed follow the lease from now on (a lost or busy one does not)."""
         lost = {hold for hold, _ in beat.lost}
         busy = set(beat.busy)
+        # A row this statement may have pointed at the lease that then turned out not to be held: detached by the
+        # next renewal (a row that does not follow the lease is left as it is).
+        lease.detach.update((hold.token, None) for hold in lost if hold.token is not None)
         for hold in batch:
             if hold not in lost and hold not in busy:
                 lease.rows[hold] = lease.own_heartbeat_due(hold, first=hold not in lease.rows)

@@ -97,7 +97,7 @@ def release(names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX
     cleared = [sql.SQL("session_key = NULL, session_hold = NULL, reclaim_after = NULL")] if shape.sessions else []
     if shape.holds:
         cleared.append(sql.SQL("hold_until = NULL"))
-    if shape.leases:
+    if shape.lease_column:
         # Nor the releaser's lease, which would keep the row fresh however long the receiver is silent.
         cleared.append(sql.SQL("lease_key = NULL"))
     return statement(

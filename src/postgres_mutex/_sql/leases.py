@@ -34,7 +34,9 @@ What keeps it safe:
 - A hold the client stops renewing (released, lost, or frozen in a test) is
   *detached* in the same statement: its row's ``lease_key`` cleared and its
   own ``last_heartbeat`` set to the lease's, so it turns stale exactly when
-  it would have without a lease, never later or sooner.
+  it would have without a lease, never later or sooner. A row another
+  session holds locked is skipped, never waited for, and detached by a later
+  renewal: till then it follows a lease that stays fresh.
 
 An operator's forced release deletes a row without its holder; it bumps the
 lease's ``revision`` in the same statement, and a holder that sees the
@@ -82,11 +84,15 @@ def effective_heartbeat(names: Names, row: sql.Composable) -> sql.Composable:
 
 def upsert(names: Names) -> sql.Composable:
     """The per-row heartbeat's part that makes the lease its rows now point at exist, renewed; with its revision,
-    which the statement answers (`REVISION`), the one its holder compares the next renewal's to."""
+    which the statement answers (`REVISION`), the one its holder compares the next renewal's to.
+
+    A lease that lapsed (``%(within)s``, as `renew` judges it) is not revived: the rows then follow no lease
+    (``lease_key`` NULL), the revision is NULL, and the holder draws a new key."""
     return sql.SQL(
         """lease AS (
   INSERT INTO {leases} AS lease (lease_key, last_heartbeat) VALUES (%(lease_key)s, now())
   ON CONFLICT (lease_key) DO UPDATE SET last_heartbeat = now()
+   WHERE lease.last_heartbeat > now() - make_interval(secs => %(within)s::float8)
   RETURNING lease.lease_key, lease.revision
 ), """
     ).format(leases=names.leases)
@@ -95,6 +101,12 @@ def upsert(names: Names) -> sql.Composable:
 REVISION = sql.SQL(", (SELECT revision FROM lease)")
 """The heartbeat's last column where it renews the lease too (`upsert`, `renewal`): the lease's revision, NULL if
 it was not renewed."""
+
+
+def revision_and_kept(names: Names) -> sql.Composable:
+    """The heartbeat's last two columns where it renews the lease as `renew` does (`renewal`): the lease's revision
+    (NULL if it was not renewed) and the tokens it could not detach (`kept`)."""
+    return REVISION + sql.SQL(", ") + kept(names)
 
 
 def renewal(names: Names) -> sql.Composable:
@@ -112,11 +124,24 @@ _DETACHED_PART = sql.SQL("""detached AS (
      SET lease_key = NULL,
          last_heartbeat = GREATEST(held.last_heartbeat,
                                    (SELECT last_heartbeat FROM {leases} WHERE lease_key = %(lease_key)s))
-   WHERE held.token = ANY(%(detach)s::bigint[]) AND held.lease_key = %(lease_key)s
-  RETURNING 1
+   WHERE held.ctid = ANY(ARRAY(
+           SELECT ctid FROM {table}
+            WHERE token = ANY(%(detach)s::bigint[]) AND lease_key = %(lease_key)s
+              FOR NO KEY UPDATE SKIP LOCKED))
+  RETURNING held.token
 )""")
 """Rows that followed the lease and are no longer renewed (``detach``: their tokens) follow their own heartbeat,
-set to the lease's: they turn stale when they would have without a lease."""
+set to the lease's: they turn stale when they would have without a lease. A row another session holds locked
+is skipped (`kept`), never waited for: the lease's renewal, and with it every other row's, goes on."""
+
+
+def kept(names: Names) -> sql.Composable:
+    """The tokens of ``detach`` whose rows still follow the lease, skipped as locked by another session: the
+    holder sends them again with the next renewal."""
+    return sql.SQL(
+        "ARRAY(SELECT token FROM {table} WHERE token = ANY(%(detach)s::bigint[]) AND lease_key = %(lease_key)s"
+        " AND token NOT IN (SELECT token FROM detached))"
+    ).format(table=names.table)
 
 
 def _detached(names: Names) -> sql.Composable:
@@ -140,15 +165,18 @@ never from the lease, so a row judged without its lease is judged as its holder 
 
 
 def renew(names: Names) -> Statement:
-    """Detach the holds no longer renewed, then renew the lease unless it lapsed: one row ``(revision)``, or none.
+    """Detach the holds no longer renewed, then renew the lease unless it lapsed: one row ``(revision, kept)``.
 
-    No row: the lease lapsed (or was never made); the holder then renews its
-    rows one by one, which tells it which are still its own.
+    A NULL revision: the lease lapsed (or was never made); the holder then
+    renews its rows one by one, which tells it which are still its own.
+    ``kept``: the tokens not detached (`kept`), sent again next time.
     """
     return statement(
         names.table_name,
         "heartbeat",
-        sql.SQL("{detached}\n{renewed}").format(detached=_detached(names), renewed=_renewed(names)),
+        sql.SQL("{detached}, lease AS (\n  {renewed}\n)\nSELECT (SELECT revision FROM lease), {kept}").format(
+            detached=_detached(names), renewed=_renewed(names), kept=kept(names)
+        ),
     )
 
 

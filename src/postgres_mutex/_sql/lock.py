@@ -51,17 +51,38 @@ class TableShape:
     fair: bool = False
     """The fair locks' queue of waiters (``<table>_queue``, `_sql.fair`): a release hands the lock to the oldest."""
     leases: bool = False
-    """The leases' table (``<table>_leases``) and the ``lease_key`` column: a mutex's row may follow its holder's
-    lease, which one statement renews for every lock of a heartbeat group (`_sql.leases`)."""
+    """The leases' table (``<table>_leases``), which the role may read, and the ``lease_key`` column: a mutex's
+    row may follow its holder's lease, which one statement renews for every lock of a heartbeat group
+    (`_sql.leases`); a row is judged by the later of its own heartbeat and its lease's."""
+    lease_column: bool = False
+    """The ``lease_key`` column: a take-over or a hand-off clears it, so the new holder's row does not follow the
+    former holder's lease (whether or not the role may read the leases)."""
+    lease_renewal: bool = False
+    """The role may renew leases too (SELECT, INSERT, UPDATE, DELETE on the leases' table)."""
+
+    @staticmethod
+    def with_leases(level: int) -> dict[str, bool]:
+        """The lease fields of a shape, from the inspection's answer (`_sql.schema.inspect_table`)."""
+        return {"lease_column": level >= 1, "leases": level >= 2, "lease_renewal": level >= 3}
 
     @property
     def renews_by_lease(self) -> bool:
-        """Whether holders renew by lease here: a table with tokens and leases, and no history (whose alert
-        counts the per-row heartbeat keeps)."""
-        return self.leases and self.tokens and not self.history
+        """Whether holders renew by lease here: a table with tokens and leases the role may renew, and no
+        history (whose alert counts the per-row heartbeat keeps)."""
+        return self.lease_renewal and self.leases and self.tokens and not self.history
 
 
-CURRENT = TableShape(tokens=True, sessions=True, semaphores=True, rwlocks=True, holds=True, fair=True, leases=True)
+CURRENT = TableShape(
+    tokens=True,
+    sessions=True,
+    semaphores=True,
+    rwlocks=True,
+    holds=True,
+    fair=True,
+    leases=True,
+    lease_column=True,
+    lease_renewal=True,
+)
 
 _NOTHING = sql.SQL("")
 
@@ -257,16 +278,15 @@ _NOT_FAIR = {
 def _lease_parts(names: Names, shape: TableShape) -> dict[str, sql.Composable]:
     """The acquire's parts for leases (`_sql.leases`), kept apart: a row is judged by the later of its own heartbeat
     and its lease's, and a take-over stops following the former holder's lease."""
-    if not shape.leases:
-        return {
-            "current_heartbeat": sql.SQL("last_heartbeat"),
-            "existing_heartbeat": sql.SQL("existing.last_heartbeat"),
-            "lease_update": _NOTHING,
-        }
     return {
-        "current_heartbeat": leases.effective_heartbeat(names, names.table),
-        "existing_heartbeat": leases.effective_heartbeat(names, sql.Identifier("existing")),
-        "lease_update": sql.SQL(",\n         lease_key = NULL"),
+        "current_heartbeat": leases.effective_heartbeat(names, names.table)
+        if shape.leases
+        else sql.SQL("last_heartbeat"),
+        "existing_heartbeat": leases.effective_heartbeat(names, sql.Identifier("existing"))
+        if shape.leases
+        else sql.SQL("existing.last_heartbeat"),
+        # Cleared by any role, whether or not it may read the leases.
+        "lease_update": sql.SQL(",\n         lease_key = NULL") if shape.lease_column else _NOTHING,
     }
 
 
@@ -410,12 +430,13 @@ def _heartbeats(
 
     ``leased``: the rows renewed point at the lease ``%(lease_key)s`` from now on, which the same statement makes
     exist, renewed (`_sql.leases`). ``renewing``: the statement renews that lease as `_sql.leases.renew` does, and
-    the rows it carries by themselves. Either way its answer ends with the lease's revision.
+    the rows it carries by themselves. Either way its answer ends with the lease's revision (renewing, then the
+    tokens it could not detach, `_sql.leases.kept`).
     """
     fmt = {
         "lease": leases.upsert(names) if leased else leases.renewal(names) if renewing else _NOTHING,
         "lease_renewal": sql.SQL(", lease_key = (SELECT lease_key FROM lease)") if leased else _NOTHING,
-        "revision": leases.REVISION if leased or renewing else _NOTHING,
+        "revision": leases.REVISION if leased else leases.revision_and_kept(names) if renewing else _NOTHING,
         "table": names.table,
         "alerted": heartbeat_alerts(names) if shape.history else _NOTHING,
         "marker": sessions.MARKER if shape.sessions else _NOTHING,
@@ -637,8 +658,8 @@ SELECT instance_id, heartbeat_age, token, {notify}::text FROM released"""
             ended=_ended(names, shape),
             notify=after_release("released"),
             heartbeat=leases.effective_heartbeat(names, names.table) if shape.leases else sql.SQL("last_heartbeat"),
-            lease_key=sql.SQL(", lease_key") if shape.leases else _NOTHING,
-            revoked=leases.revoked(names, "released") if shape.leases else _NOTHING,
+            lease_key=sql.SQL(", lease_key") if shape.lease_renewal else _NOTHING,
+            revoked=leases.revoked(names, "released") if shape.lease_renewal else _NOTHING,
         ),
     )
 

@@ -208,9 +208,11 @@ CREATE INDEX IF NOT EXISTS {order} ON {queue} (lock_name, ticket)"""
 
 def inspect_table(names: Names) -> Statement:
     """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks,
-    has_hold_until, has_queue, has_leases)``, under its own deadline. Semaphores (read/write locks) count only once
-    their last migration step (the unique index) is done; leases once their column is added, and only for a role that
-    may read and write them (a role not granted them renews and judges each row by its own heartbeat, as 0.1.0 does)."""
+    has_hold_until, has_queue, leases)``, under its own deadline. Semaphores (read/write locks) count only once
+    their last migration step (the unique index) is done. ``leases`` (`TableShape.with_leases`): 0, no ``lease_key``
+    column; 1, the column but no lease the role may read (it clears the column where it takes a row over, and judges
+    each row by its own heartbeat, as 0.1.0 does); 2, leases it may read (it judges a row by its lease too); 3,
+    leases it may renew as well."""
     return statement(
         names.table_name,
         "inspection",
@@ -226,12 +228,15 @@ def inspect_table(names: Names) -> Statement:
        EXISTS (SELECT 1 FROM pg_attribute
                 WHERE attrelid = to_regclass({table_text}) AND attname = 'hold_until' AND NOT attisdropped),
        to_regclass({queue_text}) IS NOT NULL,
-       to_regclass({leases_text}) IS NOT NULL
-       AND EXISTS (SELECT 1 FROM pg_attribute
-                    WHERE attrelid = to_regclass({table_text}) AND attname = {lease_column} AND NOT attisdropped)
-       AND has_table_privilege(to_regclass({leases_text}), 'SELECT')
-       AND has_table_privilege(to_regclass({leases_text}), 'INSERT')
-       AND has_table_privilege(to_regclass({leases_text}), 'UPDATE')"""
+       CASE WHEN NOT EXISTS (SELECT 1 FROM pg_attribute
+                              WHERE attrelid = to_regclass({table_text}) AND attname = {lease_column}
+                                AND NOT attisdropped) THEN 0
+            WHEN to_regclass({leases_text}) IS NULL
+                 OR NOT has_table_privilege(to_regclass({leases_text}), 'SELECT') THEN 1
+            WHEN has_table_privilege(to_regclass({leases_text}), 'INSERT')
+                 AND has_table_privilege(to_regclass({leases_text}), 'UPDATE')
+                 AND has_table_privilege(to_regclass({leases_text}), 'DELETE') THEN 3
+            ELSE 2 END"""
         ).format(
             queue_text=names.queue_text,
             table_text=sql.Literal(render(names.table)),

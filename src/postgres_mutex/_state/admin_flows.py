@@ -168,7 +168,7 @@ def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
         rwlocks=bool(has_rwlocks),
         holds=bool(has_hold_until),
         fair=bool(has_queue),
-        leases=bool(has_leases),
+        **TableShape.with_leases(has_leases),
     )
 
 

@@ -61,6 +61,9 @@ class Beat:
     """Renewed after their doubt was told, with how long they were in doubt."""
     revision: int | None = None
     """The lease's revision, where the statement renewed the lease too (None: it did not, or it lapsed)."""
+    kept: list[int] | None = None
+    """Where the statement renewed the lease too: the tokens it was to detach but could not (their rows locked by
+    another session), to send again."""
 
 
 @dataclass
@@ -108,13 +111,14 @@ def heartbeat(
             by_token, renew = True, statements.renew_lease_with_rows
         else:
             renewal = None
-        # The lease's revision ends the first statement's answer, where it renews or points rows at the lease.
-        revised = renewal is not None or (lease_key is not None and statements.heartbeat_leased is not None)
+        revised, revised_waiting = _revised(statements, lease_key, renewal)
         pending, waiting, reshaped = holds, False, False
         while pending:
             statement = renew_waiting if waiting else renew
             params = _heartbeat_params(pending, tokens=by_token)
             params["lease_key"] = lease_key
+            if lease_key is not None:
+                params["within"] = lease_within(holds, timeout)
             if renewal is not None and not waiting:
                 params.update(lease_key=renewal.key, detach=renewal.detach, within=renewal.within)
             params["alert_seconds"] = holds[0].lock.timing.alert_threshold
@@ -133,7 +137,7 @@ def heartbeat(
                         by_token, renew = True, statements.renew_lease_with_rows
                     else:
                         renewal = None
-                    revised = renewal is not None or (lease_key is not None and statements.heartbeat_leased is not None)
+                    revised, revised_waiting = _revised(statements, lease_key, renewal)
                     continue
                 if not waiting:
                     set_outcome(span, "failed")
@@ -144,8 +148,12 @@ def heartbeat(
             if not beat.sent_at:
                 beat.sent_at, beat.latency = sent_at, now() - sent_at
             rows = reply.rows
-            if revised and not waiting:
+            if renewal is not None and not waiting:
                 if rows:
+                    beat.kept = list(rows[0][-1])
+                rows = [row[:-1] for row in rows]
+            if revised_waiting if waiting else revised:
+                if rows and not waiting:
                     beat.revision = rows[0][-1]
                 rows = [row[:-1] for row in rows]
             answers = {tuple(row[:-2]): (row[-2], row[-1]) for row in rows}
@@ -174,6 +182,13 @@ def heartbeat(
         if beat.lost:
             mark_error(span, f"{len(beat.lost)} of {len(holds)} locks were lost: their rows were gone")
         return beat
+
+
+def _revised(statements: Statements, lease_key: int | None, renewal: LeaseRenewal | None) -> tuple[bool, bool]:
+    """Whether the answer of the first statement, and of its waiting twin, ends with the lease's revision: where
+    it renews the lease, or points its rows at it (the twin of the latter does too)."""
+    leased = lease_key is not None and statements.heartbeat_leased is not None
+    return renewal is not None or leased, leased
 
 
 def _heartbeat_statements(
@@ -261,23 +276,27 @@ old and rarer. From this many on, the rows' work is what the server spends
 
 
 def lease_usable(holds: list[Hold], interval: float, timeout: float) -> bool:
-    """Whether ``holds`` may follow a lease: there are at least `LEASE_FROM` of them, its renewal is not refused
-    before their next heartbeat, and their own heartbeats (`own_heartbeat_period`) come at least two intervals
-    apart. Else the lease would only add a statement: their rows are renewed one by one, as without it."""
+    """Whether ``holds`` may follow a lease: at least `LEASE_FROM` of them may (`follows_lease`), its renewal is
+    not refused before their next heartbeat, and their own heartbeats (`own_heartbeat_period`) come at least two
+    intervals apart. Else the lease would only add a statement: their rows are renewed one by one, as without
+    it."""
+    following = [hold for hold in holds if follows_lease(hold)]
     return (
-        len(holds) >= LEASE_FROM
-        and lease_within(holds, timeout) > 2 * interval
-        and all(own_heartbeat_period(hold) >= 2 * interval for hold in holds)
+        len(following) >= LEASE_FROM
+        and lease_within(following, timeout) > 2 * interval
+        and all(own_heartbeat_period(hold) >= 2 * interval for hold in following)
     )
 
 
 def renew_lease(
     holds: list[Hold], detach: list[int], statements: Statements, lease_key: int, timeout: float
-) -> Flow[tuple[int | None, float]]:
+) -> Flow[tuple[int | None, list[int], float]]:
     """Detach the rows of ``detach`` (tokens) from the lease, and renew the lease for ``holds``.
 
     Returns the lease's revision (None: it lapsed, or was never made, and
-    nothing was renewed) and when the statement was sent. Raises
+    nothing was renewed), the tokens of ``detach`` whose rows another session
+    held locked (not detached: to send again), and when the statement was
+    sent. Raises
     `DatabaseError` if the statement failed. Nothing is told here, and no
     hold's trust is extended: a holder trusts each lock from the last renewal
     of its row's own heartbeat (`own_heartbeat_period`), what a reader that
@@ -293,8 +312,10 @@ def renew_lease(
     params: dict[str, object] = {"lease_key": lease_key, "detach": detach, "within": within}
     action = f"heartbeat of {len(holds)} locks by their lease"
     reply = yield Execute(statement, params, timeout, action, urgent=True)
-    revision = reply.row[0] if reply.row is not None else None
-    return revision, reply.sent_at
+    row = reply.row
+    if row is None:
+        return None, list(detach), reply.sent_at
+    return row[0], list(row[1]), reply.sent_at
 
 
 def end_lease(detach: list[int], statements: Statements, lease_key: int, timeout: float) -> Flow[None]:
