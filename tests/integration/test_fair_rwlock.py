@@ -265,6 +265,7 @@ def _params(name: str, instance_id: str, mode: str = "write", acquired_at: objec
         "instance_id": instance_id, "stale_seconds": 30.0, "reclaim_seconds": None, "channel": "mutex_lock_test",
         "acquired_at": acquired_at, "ended_how": "released", "alert_seconds": 10.0, "hold_seconds": None,
         "waiter_live_seconds": 30.0, "wait_id": f"{instance_id}/1", "_session_key": None, "_backend_pid": None,
+        "own_slot": None,
     }  # fmt: skip
 
 

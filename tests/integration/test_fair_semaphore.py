@@ -303,7 +303,7 @@ def _params(name: str, instance_id: str, acquired_at: object = None) -> dict[str
         "lock_name": name, "semaphore": name, "permits": 2, "instance_id": instance_id, "stale_seconds": 30.0,
         "reclaim_seconds": None, "channel": "mutex_lock_test", "acquired_at": acquired_at, "ended_how": "released",
         "alert_seconds": 10.0, "hold_seconds": None, "waiter_live_seconds": 30.0, "wait_id": f"{instance_id}/1",
-        "_session_key": None, "_backend_pid": None,
+        "_session_key": None, "_backend_pid": None, "own_slot": None,
     }  # fmt: skip
 
 

@@ -23,10 +23,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore, _sql
+from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore
 from postgres_mutex._base import clock
 from postgres_mutex._io.listener import Listener
 from postgres_mutex._io.listener_async import MOST_REGISTERED
+from postgres_mutex._sql import wake
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
 from tests.support.fixtures import channel_of, listens, process_listens, wait_until
@@ -392,7 +393,7 @@ def test_a_defect_in_the_release_listener_is_logged_once_and_waiters_are_still_w
 ) -> None:
     # An unexpected exception (not the database's answer) in the listener's work must not end
     # it: every waiter of the process would be left to its poll_interval.
-    real = _sql.register
+    real = wake.register
     failed: list[float] = []
 
     def register(*args: Any, **kwargs: Any) -> str:
@@ -401,7 +402,7 @@ def test_a_defect_in_the_release_listener_is_logged_once_and_waiters_are_still_w
             raise RuntimeError("a defect in the listener")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_sql, "register", register)
+    monkeypatch.setattr(wake, "register", register)
     holder = make_mutex()
     waiter = make_mutex(poll_interval=30.0)  # only a wake-up hands the lock over in time
     got: list[float] = []
