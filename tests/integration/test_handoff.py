@@ -506,3 +506,35 @@ def _subscribed(mutex: Mutex) -> bool:
     """``mutex``'s acquire waits for a release: its attempt found the lock held, and it listens."""
     listener = core_of(mutex.client).engine().listener
     return listener is not None and mutex._lock.channel in listener._subscriptions
+
+
+def test_no_process_among_many_looping_on_one_lock_is_starved(dsn: str, schema: None) -> None:
+    # Twelve processes (a client each: a listener each, a slot each) take one lock in turn as fast as
+    # they can. Each keeps its slot while it loops; wake-ups must still reach the slots above the
+    # first eight, or their processes wait until their acquire's timeout (their poll is far off).
+    name = f"starve-{uuid.uuid4().hex[:10]}"
+    clients = [MutexClient(dsn) for _ in range(12)]
+    counts, timeouts = [0] * len(clients), [0] * len(clients)
+    stop = time.monotonic() + 6.0
+
+    def loop(index: int) -> None:
+        mutex = clients[index].mutex(name, **{**QUIET, "poll_interval": 30.0})
+        while time.monotonic() < stop:
+            try:
+                with mutex.acquire(timeout=4.0):
+                    counts[index] += 1
+                    time.sleep(0.002)
+            except LockAcquisitionTimeout:
+                timeouts[index] += 1
+
+    threads = [threading.Thread(target=loop, args=(index,)) for index in range(len(clients))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30.0)
+    finally:
+        for client in clients:
+            client.close()
+    assert timeouts == [0] * len(clients), f"acquisitions {counts}, timed out {timeouts}"
+    assert min(counts) > 0, counts

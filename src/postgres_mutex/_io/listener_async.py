@@ -182,8 +182,12 @@ class Listener:
         wait, not so long that others' releases choose a process done with the lock.
         """
         with self._host.state_lock:
-            if channel not in self._subscriptions and channel in self._linger_until:
-                self._linger_until[channel] = min(self._linger_until[channel], now() + _AFTER_RELEASE)
+            waiting = self._subscriptions.get(channel)
+            if waiting is None:
+                if channel in self._linger_until:
+                    self._linger_until[channel] = min(self._linger_until[channel], now() + _AFTER_RELEASE)
+            elif any(not subscription.woken for subscription in waiting):
+                return None  # a waiter of this process sleeps (another Mutex of the name): it may be the one woken
         return self._registered.get(channel)
 
     @property
@@ -333,6 +337,8 @@ class Listener:
                         # From now on a waiter subscribing there tries again once it is listened on anew.
                         self._quiet_since.pop(channel, None)
                         self._linger_until.pop(channel, None)
+                    for channel in [c for c in self._linger_until if c not in listening and c not in wanted]:
+                        del self._linger_until[channel]  # never listened on, or lost with a connection
                     if wanted or listening or passing:
                         idle_since = None
                     elif idle_since is None:
@@ -356,7 +362,7 @@ class Listener:
                             self._wake_everyone()
                     conn, pid = self._conn, self._conn.info.backend_pid
                     for channel in passing:
-                        await self._execute(conn, cutter, wake.pass_on(channel))
+                        await self._execute(conn, cutter, wake.pass_on(channel, registered.get(channel)))
                     for channel in sorted(dropping):
                         # Nobody of this process waits there now: no release should wake it. A release
                         # that chose its slot first is heard still, and passed on (`_sql.wake.unregister`).

@@ -53,7 +53,8 @@ SLOTS = 128
 """The most processes registered on one lock's channel at once; the others LISTEN on the lock's own channel."""
 
 CHOSEN_AMONG = 8
-"""A release looks at this many slots from the first, and chooses one taken among them at random."""
+"""How far a release looks past its own slot for the next one taken, and how many slots from the first it
+chooses among when it has no slot of its own."""
 
 _KEY = sql.SQL("(hashtext({channel}) & 2147483647)")
 """The channel's advisory-lock key (the first of two int4 keys): the same in every session of a server."""
@@ -67,16 +68,21 @@ def slot_channel(channel: str, slot: int) -> str:
     return f"{channel}_{slot}"
 
 
-def _taken_slot(channel: sql.Composable, skip: sql.Composable) -> sql.Composable:
-    """A slot another session holds, as text (NULL if none): one of the first `CHOSEN_AMONG` slots, at random,
-    else the lowest beyond.
+def _taken_slot(channel: sql.Composable, skip: sql.Composable, after: sql.Composable) -> sql.Composable:
+    """A slot another session holds, as text (NULL if none): the next taken after ``after`` (the chooser's
+    own slot; 0: none), within `CHOSEN_AMONG`; else one of the first `CHOSEN_AMONG` slots, at random; else
+    the lowest beyond.
 
     A slot is free if a shared lock on it can be had; that lock is let go at
     once, so a release keeps no lock entry for the slots it looked at. The
     session's own slot (a listener passing a wake-up on) counts as free, and so does ``skip`` (0: none), the
-    releasing process's own: its waiters, if any, are trying already.
-    Chosen at random, not lowest first: a process back to wait takes the
-    lowest free slot, and would be woken before those waiting longer.
+    releasing process's own, when none of its waiters sleeps: its next attempt, if any, is sent already.
+    In turn from the chooser's own slot: a process that holds the lock again
+    and again keeps its slot (its registration lingers), so a choice among
+    the lowest slots alone would never reach those above them; slots are
+    taken lowest first, so the next one taken is seldom far. At random, not
+    lowest first, without a slot of one's own: a process back to wait takes
+    the lowest free slot, and would be woken before those waiting longer.
     """
     key = _SLOT_KEY.format(channel=channel)
     taken = sql.SQL(
@@ -84,7 +90,9 @@ def _taken_slot(channel: sql.Composable, skip: sql.Composable) -> sql.Composable
         "ELSE true END"
     ).format(key=key)
     return sql.SQL(
-        """coalesce((SELECT slot FROM generate_series(1, {among}) AS slot WHERE slot <> {skip} AND {taken}
+        """coalesce((SELECT slot FROM generate_series({after} + 1, least({after} + {among}, {slots})) AS slot
+               WHERE {after} > 0 AND slot <> {skip} AND {taken} ORDER BY slot LIMIT 1),
+              (SELECT slot FROM generate_series(1, {among}) AS slot WHERE slot <> {skip} AND {taken}
                ORDER BY random() LIMIT 1),
               (SELECT slot FROM generate_series({beyond}, {slots}) AS slot WHERE slot <> {skip} AND {taken}
                LIMIT 1))::text"""
@@ -94,6 +102,7 @@ def _taken_slot(channel: sql.Composable, skip: sql.Composable) -> sql.Composable
         slots=sql.Literal(SLOTS),
         taken=taken,
         skip=skip,
+        after=after,
     )
 
 
@@ -113,7 +122,7 @@ def _wake_one(channel: sql.Composable, skip: sql.Composable) -> sql.Composable:
         key=_KEY.format(channel=channel),
         channel=channel,
         choosing=_choosing(channel),
-        taken=_taken_slot(channel, skip),
+        taken=_taken_slot(channel, skip, skip),
     )
 
 
@@ -212,8 +221,9 @@ def stop_listening(channel: str, slot: int | None) -> str:
     return render(sql.SQL("{}; UNLISTEN {}").format(unlisten, sql.Identifier(slot_channel(channel, slot))))
 
 
-def pass_on(channel: str) -> str:
-    """Hand a wake-up this process cannot use to another registered process (else to every process)."""
+def pass_on(channel: str, slot: int | None) -> str:
+    """Hand a wake-up this process cannot use to another registered process (else to every process): the next
+    in turn after ``slot``, this process's own (None: not registered)."""
     literal = sql.SQL("{}::text").format(sql.Literal(channel))
     return render(
         sql.SQL(
@@ -222,7 +232,7 @@ def pass_on(channel: str) -> str:
         ).format(
             channel=literal,
             choosing=_choosing(literal),
-            taken=_taken_slot(literal, sql.SQL("0")),
+            taken=_taken_slot(literal, sql.SQL("0"), sql.Literal(slot or 0)),
             each=sql.Literal(WAKE_EACH_PROCESS),
         )
     )
