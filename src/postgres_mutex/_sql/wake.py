@@ -69,20 +69,21 @@ def slot_channel(channel: str, slot: int) -> str:
 
 
 def _taken_slot(channel: sql.Composable, skip: sql.Composable, after: sql.Composable) -> sql.Composable:
-    """A slot another session holds, as text (NULL if none): the next taken after ``after`` (the chooser's
-    own slot; 0: none), within `CHOSEN_AMONG`; else one of the first `CHOSEN_AMONG` slots, at random; else
-    the lowest beyond.
+    """A slot another session holds, as text (NULL if none): one of the `CHOSEN_AMONG` slots after ``after``
+    (the chooser's own slot; 0: none), at random; else one of the first `CHOSEN_AMONG`, at random; else the
+    lowest beyond.
 
     A slot is free if a shared lock on it can be had; that lock is let go at
     once, so a release keeps no lock entry for the slots it looked at. The
     session's own slot (a listener passing a wake-up on) counts as free, and so does ``skip`` (0: none), the
     releasing process's own, when none of its waiters sleeps: its next attempt, if any, is sent already.
-    In turn from the chooser's own slot: a process that holds the lock again
-    and again keeps its slot (its registration lingers), so a choice among
-    the lowest slots alone would never reach those above them; slots are
-    taken lowest first, so the next one taken is seldom far. At random, not
-    lowest first, without a slot of one's own: a process back to wait takes
-    the lowest free slot, and would be woken before those waiting longer.
+    After the chooser's own slot: a process that holds the lock again and
+    again keeps its slot (its registration lingers), so a choice among the
+    lowest slots alone would never reach those above them. At random, not
+    the next one: the releaser, trying again at once, often takes the lock
+    back before the one it woke, and would wake that same one each time.
+    Not lowest first either: a process back to wait takes the lowest free
+    slot, and would be woken before those waiting longer.
     """
     key = _SLOT_KEY.format(channel=channel)
     taken = sql.SQL(
@@ -91,7 +92,7 @@ def _taken_slot(channel: sql.Composable, skip: sql.Composable, after: sql.Compos
     ).format(key=key)
     return sql.SQL(
         """coalesce((SELECT slot FROM generate_series({after} + 1, least({after} + {among}, {slots})) AS slot
-               WHERE {after} > 0 AND slot <> {skip} AND {taken} ORDER BY slot LIMIT 1),
+               WHERE {after} > 0 AND slot <> {skip} AND {taken} ORDER BY random() LIMIT 1),
               (SELECT slot FROM generate_series(1, {among}) AS slot WHERE slot <> {skip} AND {taken}
                ORDER BY random() LIMIT 1),
               (SELECT slot FROM generate_series({beyond}, {slots}) AS slot WHERE slot <> {skip} AND {taken}
