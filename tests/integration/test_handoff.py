@@ -538,3 +538,34 @@ def test_no_process_among_many_looping_on_one_lock_is_starved(dsn: str, schema: 
             client.close()
     assert timeouts == [0] * len(clients), f"acquisitions {counts}, timed out {timeouts}"
     assert min(counts) > 0, counts
+
+
+def test_clients_looping_on_one_lock_share_it_fairly(dsn: str, schema: None) -> None:
+    # Four processes (a client each) take one lock in turn, holding it 2 ms. A release wakes another
+    # process's waiter, and the releaser's next acquire lets that one go first: were it to try at once, it
+    # would often take the lock back before the one it woke, and one process would get most of the turns.
+    name = f"shares-{uuid.uuid4().hex[:10]}"
+    clients = [MutexClient(dsn) for _ in range(4)]
+    counts = [0] * len(clients)
+    stop = time.monotonic() + 4.0
+
+    def loop(index: int) -> None:
+        mutex = clients[index].mutex(name, **QUIET)
+        while time.monotonic() < stop:
+            with mutex.acquire(timeout=10.0):
+                counts[index] += 1
+                time.sleep(0.002)
+
+    threads = [threading.Thread(target=loop, args=(index,)) for index in range(len(clients))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30.0)
+    finally:
+        for client in clients:
+            client.close()
+    # Each within 1.5x of the fair share either way (the bench's target is 2x, over processes of their own).
+    fair = sum(counts) / len(counts)
+    assert min(counts) >= fair / 1.5, f"turns per process: {counts}"
+    assert max(counts) <= fair * 1.5, f"turns per process: {counts}"

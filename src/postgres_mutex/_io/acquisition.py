@@ -103,6 +103,7 @@ class Acquisition:
                 or engine.deadline is not None
                 or self._hold_at_least is not None
                 or not lock.tracing.silent()
+                or (self._blocking and lock.gave_way_at is not None)
             ):
                 self._hold = engine.run(self._flow(owner, None))
                 return self._hold is not None
@@ -307,6 +308,10 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
         if result.rowcount <= 0:
             flowed = True
             return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=result))
+        if listener is not None:
+            # The channel it notified: a slot's (`_sql.wake`) if it woke another process's waiter.
+            woke = result.rows[0][0]
+            lock.gave_way_at = result.sent_at if woke and woke != lock.channel else None
         events = lock.events
         if not events.quiet or logger.isEnabledFor(DEBUG):  # else `released` tells nobody
             events.released(NO_SPAN, deleted=True)

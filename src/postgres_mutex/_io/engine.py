@@ -235,7 +235,7 @@ class Engine:
                                     return _unprepared(cursor, params, bare, session)
                                 # `_result`, inline.
                                 pgresult = cursor.pgresult
-                                if statement.counted or pgresult is None or pgresult.status != _TUPLES_OK:
+                                if pgresult is None or pgresult.status != _TUPLES_OK:
                                     return _new_result(steps.Result, (cursor.rowcount, (), sent_at))
                                 rows = tuple(cursor.fetchall())
                                 return _new_result(steps.Result, (cursor.rowcount, rows, sent_at))

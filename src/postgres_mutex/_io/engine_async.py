@@ -272,7 +272,7 @@ class AsyncEngine:
                                 # (Rows already received are read without a wait: no cancellation lands here.)
                                 # end async-only
                                 pgresult = cursor.pgresult
-                                if statement.counted or pgresult is None or pgresult.status != _TUPLES_OK:
+                                if pgresult is None or pgresult.status != _TUPLES_OK:
                                     return _new_result(steps.Result, (cursor.rowcount, (), sent_at))
                                 rows = tuple(await cursor.fetchall())
                                 return _new_result(steps.Result, (cursor.rowcount, rows, sent_at))

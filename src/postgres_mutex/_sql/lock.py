@@ -482,7 +482,9 @@ def _release(names: Names, shape: TableShape, what: str, *, scope: sql.Composabl
   RETURNING lock_name, instance_id, acquired_at, last_heartbeat
 ){ended}
 SELECT {notify} FROM released"""
-        ).format(table=names.table, scope=scope, ended=_ended(names, shape), notify=after_release("released")),
+        ).format(
+            table=names.table, scope=scope, ended=_ended(names, shape), notify=after_release("released", answered=True)
+        ),
         preparable=preparable,
     )
 
@@ -493,7 +495,7 @@ def _release_plain(names: Names) -> Statement:
     Such a hold's row has no ``hold_until`` to keep it for (its acquire wrote
     NULL), and no history row to end: the row goes, and the same
     notification as `_release`'s wakes the lock's waiters, from the DELETE's
-    own ``RETURNING``, one row per row deleted.
+    own ``RETURNING``, one row per row deleted: the channel notified.
     """
     return statement(
         names.table_name,
@@ -502,9 +504,8 @@ def _release_plain(names: Names) -> Statement:
             """DELETE FROM {table} AS released
  WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s AND acquired_at = %(acquired_at)s
 RETURNING {notify}"""
-        ).format(table=names.table, notify=after_release("released")),
+        ).format(table=names.table, notify=after_release("released", answered=True)),
         preparable=True,
-        counted=True,  # its rows are the notifications' (void): a release reads how many it deleted
     )
 
 

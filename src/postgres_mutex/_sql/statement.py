@@ -53,9 +53,6 @@ class Statement:
     marks: bool = False
     """It names or asks about holders' sessions (`_sql.sessions`): the engine binds
     ``_session_key`` (its connection's key, None on a pool's) and ``_backend_pid``."""
-    counted: bool = False
-    """Only how many rows it answered is read, never the rows themselves: the engine may leave
-    them undecoded (`steps.Result.rows` empty), as decoding them is a share of a lock cycle."""
 
 
 def render(composed: sql.Composable) -> str:
@@ -70,11 +67,10 @@ def statement(
     *,
     preparable: bool = False,
     marks: bool = False,
-    counted: bool = False,
 ) -> Statement:
     """A statement sent with its own settings; ``preparable``: also kept bare, for a direct connection."""
     text = render(composed)
-    return Statement(SETTINGS + text, table, what, text if preparable else None, marks, counted)
+    return Statement(SETTINGS + text, table, what, text if preparable else None, marks)
 
 
 def schema_change(table: str, what: str, composed: sql.Composable) -> Statement:

@@ -11,9 +11,10 @@ process (`after_release`). A release that finds nobody registered notifies
 the lock's own channel with `WAKE_EACH_PROCESS`: every listener wakes one
 waiter of its own, as when a listener could not register.
 
-Finding the slot costs a release a probe of each of the first `CHOSEN_AMONG`
-slots (a try and an unlock of a shared lock, each one entry of one
-lock-manager partition), more only if none of those is taken, and the first
+Finding the slot costs a release a probe of each of the `CHOSEN_AMONG` slots
+on either side of its own, or of the first `CHOSEN_AMONG` (a try and an unlock
+of a shared lock, each one entry of one lock-manager partition), more only if
+none of those is taken, and the first
 question, whether ``(key, 0)`` is free, spares even that when
 nobody waits: no scan of ``pg_locks``, which takes every partition's lock.
 
@@ -53,7 +54,7 @@ SLOTS = 128
 """The most processes registered on one lock's channel at once; the others LISTEN on the lock's own channel."""
 
 CHOSEN_AMONG = 8
-"""How far a release looks past its own slot for the next one taken, and how many slots from the first it
+"""How far a release looks on either side of its own slot for one taken, and how many slots from the first it
 chooses among when it has no slot of its own."""
 
 _KEY = sql.SQL("(hashtext({channel}) & 2147483647)")
@@ -68,22 +69,23 @@ def slot_channel(channel: str, slot: int) -> str:
     return f"{channel}_{slot}"
 
 
-def _taken_slot(channel: sql.Composable, skip: sql.Composable, after: sql.Composable) -> sql.Composable:
-    """A slot another session holds, as text (NULL if none): one of the `CHOSEN_AMONG` slots after ``after``
-    (the chooser's own slot; 0: none), at random; else one of the first `CHOSEN_AMONG`, at random; else the
-    lowest beyond.
+def _taken_slot(channel: sql.Composable, skip: sql.Composable, near: sql.Composable) -> sql.Composable:
+    """A slot another session holds, as text (NULL if none): one of the `CHOSEN_AMONG` slots on either side of
+    ``near`` (the chooser's own slot; 0: none), at random; else one of the first `CHOSEN_AMONG`, at random;
+    else the lowest beyond.
 
     A slot is free if a shared lock on it can be had; that lock is let go at
     once, so a release keeps no lock entry for the slots it looked at. The
     session's own slot (a listener passing a wake-up on) counts as free, and so does ``skip`` (0: none), the
     releasing process's own, when none of its waiters sleeps: its next attempt, if any, is sent already.
-    After the chooser's own slot: a process that holds the lock again and
+    Around the chooser's own slot: a process that holds the lock again and
     again keeps its slot (its registration lingers), so a choice among the
-    lowest slots alone would never reach those above them. At random, not
-    the next one: the releaser, trying again at once, often takes the lock
-    back before the one it woke, and would wake that same one each time.
-    Not lowest first either: a process back to wait takes the lowest free
-    slot, and would be woken before those waiting longer.
+    lowest slots alone would never reach those above them. On both sides
+    and at random: each process then wakes its neighbours alike, and is
+    woken as often as they are (with up to `CHOSEN_AMONG` + 1 processes,
+    every one by every other). Not the next one in turn: the one woken
+    would be the same each time. Not lowest first either: a process back to
+    wait takes the lowest free slot, and would be woken before those waiting longer.
     """
     key = _SLOT_KEY.format(channel=channel)
     taken = sql.SQL(
@@ -91,8 +93,9 @@ def _taken_slot(channel: sql.Composable, skip: sql.Composable, after: sql.Compos
         "ELSE true END"
     ).format(key=key)
     return sql.SQL(
-        """coalesce((SELECT slot FROM generate_series({after} + 1, least({after} + {among}, {slots})) AS slot
-               WHERE {after} > 0 AND slot <> {skip} AND {taken} ORDER BY random() LIMIT 1),
+        """coalesce((SELECT slot FROM generate_series(greatest({near} - {among}, 1), least({near} + {among}, {slots}))
+                      AS slot
+               WHERE {near} > 0 AND slot <> {near} AND slot <> {skip} AND {taken} ORDER BY random() LIMIT 1),
               (SELECT slot FROM generate_series(1, {among}) AS slot WHERE slot <> {skip} AND {taken}
                ORDER BY random() LIMIT 1),
               (SELECT slot FROM generate_series({beyond}, {slots}) AS slot WHERE slot <> {skip} AND {taken}
@@ -103,7 +106,7 @@ def _taken_slot(channel: sql.Composable, skip: sql.Composable, after: sql.Compos
         slots=sql.Literal(SLOTS),
         taken=taken,
         skip=skip,
-        after=after,
+        near=near,
     )
 
 
@@ -136,7 +139,7 @@ def _choosing(channel: sql.Composable) -> sql.Composable:
     return sql.SQL("pg_try_advisory_xact_lock_shared({key}, -1)").format(key=_KEY.format(channel=channel))
 
 
-def after_release(row: str) -> sql.Composable:
+def after_release(row: str, *, answered: bool = False) -> sql.Composable:
     """The notification of a release of ``row`` (a ``RETURNING`` of the deleted row), whose statement's
     parameter ``channel`` names the lock's channel, and ``own_slot`` the releasing process's slot there
     (NULL if none): a release does not wake its own process, which keeps its registration a while after
@@ -147,14 +150,25 @@ def after_release(row: str) -> sql.Composable:
     `_state.rows`) wakes one waiter of each process: its waiters wait in two
     modes, and one chosen without regard to mode could be a reader the
     waiting writer's gate keeps out while the writer is not told.
+
+    ``answered``: the expression is the channel notified (text), not void: a
+    slot's channel (`slot_channel`) says another process was chosen and woken,
+    which the releaser's next acquire lets go first (`_state.flows`). The
+    choice is made once, in a subquery the planner keeps apart (``OFFSET 0``):
+    the channel answered is the one notified.
     """
     channel = sql.SQL("{}::text").format(sql.Placeholder("channel"))
     skip = sql.SQL("coalesce({}::int, 0)").format(sql.Placeholder("own_slot"))
-    return sql.SQL(
-        "pg_notify(CASE WHEN {row}.lock_name ~ (chr(31) || '[rw]') THEN {channel} ELSE {one} END, {each})"
-    ).format(
-        row=sql.Identifier(row), channel=channel, one=_wake_one(channel, skip), each=sql.Literal(WAKE_EACH_PROCESS)
+    choice = sql.SQL("CASE WHEN {row}.lock_name ~ (chr(31) || '[rw]') THEN {channel} ELSE {one} END").format(
+        row=sql.Identifier(row), channel=channel, one=_wake_one(channel, skip)
     )
+    each = sql.Literal(WAKE_EACH_PROCESS)
+    if not answered:
+        return sql.SQL("pg_notify({choice}, {each})").format(choice=choice, each=each)
+    return sql.SQL(
+        "(SELECT chosen.channel FROM (SELECT {choice} AS channel OFFSET 0) AS chosen, "
+        "pg_notify(chosen.channel, {each}) AS notified)"
+    ).format(choice=choice, each=each)
 
 
 def register(channel: str, backend_pid: int) -> str:
@@ -223,8 +237,8 @@ def stop_listening(channel: str, slot: int | None) -> str:
 
 
 def pass_on(channel: str, slot: int | None) -> str:
-    """Hand a wake-up this process cannot use to another registered process (else to every process): the next
-    in turn after ``slot``, this process's own (None: not registered)."""
+    """Hand a wake-up this process cannot use to another registered process (else to every process): one
+    near ``slot``, this process's own (None: not registered), as a release chooses (`_taken_slot`)."""
     literal = sql.SQL("{}::text").format(sql.Literal(channel))
     return render(
         sql.SQL(

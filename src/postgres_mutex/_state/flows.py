@@ -54,6 +54,12 @@ _MIN_STATEMENT_TIMEOUT = 0.1
 _CLEANUP_LOOK = 0.01  # seconds between looks at a clean-up on the wire (rare: after an interrupted statement)
 _LOST_RACE_PAUSE = 0.05  # seconds at most before a read/write lock's next attempt after a race lost
 
+# How long after a release that woke another process's waiter this Mutex's next blocking acquire lets that
+# waiter go first (`LockState.gave_way_at`): the woken one tries within a round trip or two; past this, it
+# has, and the acquire tries at once as any does. A wait begun this way still ends at the first release heard,
+# at the latest after a poll_interval, as any waiter's.
+_GIVE_WAY_FOR = 1.0
+
 # At most so many attempts are sent again at once when the reply says it may win (`LockKind.again_at_once`).
 _QUICK_RETRIES = 5
 
@@ -200,6 +206,15 @@ class _Attempts:
         handed: tuple[int, int] | None = None
         try:
             yield from self._after_cleanup_on_the_wire()
+            gave_way_at, lock.gave_way_at = lock.gave_way_at, None
+            if self.first is None and self.blocking and gave_way_at is not None and now() - gave_way_at < _GIVE_WAY_FOR:
+                # This Mutex's last release woke another process's waiter: that one goes first, and this
+                # acquire waits for a release as if its attempt had found the lock held. A release heard
+                # since that one (it may be free again) is tried at once, as after any LISTEN.
+                listening = True
+                lock.events.waiting()
+                if not (yield Listen(lock.channel, lock.timing.operation_timeout, None, gave_way_at, True)):
+                    yield WaitForRelease(_until(self.deadline, lock.timing.poll_interval), self.stop)
             while True:
                 first, self.first = self.first, None
                 if handed is not None and lock.kind.handed_whole and not (self.stop is not None and self.stop.is_set()):

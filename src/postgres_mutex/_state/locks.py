@@ -208,6 +208,10 @@ class LockState:
         self.hold: Hold | None = None
         self.last_holder: str | None = None
         """Who held the lock at this Mutex's last contended attempt, for messages."""
+        self.gave_way_at: float | None = None
+        """When this Mutex's last release (sent then) woke a waiting process other than this one: its next
+        blocking acquire lets that waiter go first (`_state.flows`), as a queue would, rather than take
+        the lock back before the waiter it woke can try."""
         self.stray_row_possible = False
         """An acquire of ours went unanswered: a stray row may be in the table."""
         self.stray_row_may_land_until = 0.0
