@@ -308,7 +308,7 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
         if result.rowcount <= 0:
             flowed = True
             return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=result))
-        if listener is not None:
+        if listener is not None and result.rows:
             # The channel it notified: a slot's (`_sql.wake`) if it woke another process's waiter.
             woke = result.rows[0][0]
             lock.gave_way_at = result.sent_at if woke and woke != lock.channel else None
