@@ -8,6 +8,8 @@ row can be written and removed. Every critical section is logged on the
 machine's monotonic clock and checked for overlaps; each process's share of
 the cycles shows how fair the lock was.
 
+With ``fair``, the same on a fair Mutex (``fair=True``).
+
 With ``permits``, the same on a `Semaphore` of that many permits: the ideal
 is N times the lock's, and "overlaps" counts the sections that began while
 N others were in theirs (none may).
@@ -34,6 +36,7 @@ HOLD = 0.002
 """How long each cycle holds the lock (seconds)."""
 
 LOCK = "bench-contended"
+FAIR_LOCK = "bench-contended-fair"
 SEMAPHORE = "bench-contended-semaphore"
 RWLOCK = "bench-contended-rwlock"
 
@@ -46,8 +49,10 @@ def run(
     floor: float,
     permits: int | None = None,
     modes: list[str] | None = None,
+    *,
+    fair: bool = False,
 ) -> dict[str, Any]:
-    config = {"dsn": dsn, "table": table, "hold": HOLD, "permits": permits}
+    config = {"dsn": dsn, "table": table, "hold": HOLD, "permits": permits, "fair": fair}
     configs = [{**config, "mode": mode} for mode in modes] if modes else [config] * processes
     with workers("contention", configs) as started:
         reports = run_window(started, seconds)
@@ -70,6 +75,7 @@ def run(
     return {
         "permits": permits,
         "modes": modes,
+        "fair": fair,
         "processes": len(configs),
         "seconds": seconds,
         "hold_ms": HOLD * 1e3,
@@ -112,7 +118,8 @@ def work(config: dict[str, Any], channel: Channel) -> None:
         mutex = RWLock(config["dsn"], RWLOCK, table=config["table"])
         acquire = mutex.read if mode == "read" else mutex.write
     elif config["permits"] is None:
-        mutex = Mutex(config["dsn"], LOCK, table=config["table"])
+        fair = bool(config.get("fair"))
+        mutex = Mutex(config["dsn"], FAIR_LOCK if fair else LOCK, table=config["table"], fair=fair)
         acquire = mutex.acquire
     else:
         mutex = Semaphore(config["dsn"], SEMAPHORE, permits=int(config["permits"]), table=config["table"])

@@ -15,7 +15,8 @@ baseline, plain psycopg sending the library's own statements as the library
 sends them, with a LISTEN connection of its own and ``conn.notifies()``
 (`RawWaiter`): what a hand-off costs with the same SQL and nothing else.
 A third pair hands a `Semaphore` of one permit back and forth: the same
-hand-off through a permit row. `bench.rwlocks` runs a pair of its own, an
+hand-off through a permit row; a fourth, a fair Mutex (``fair=True``), whose
+release hands the row to the waiter. `bench.rwlocks` runs a pair of its own, an
 `RWLock`'s writer and reader, whose hand-offs alternate: writer to reader,
 reader to writer (`pairs`, with each worker's ``mode``).
 """
@@ -50,6 +51,7 @@ BLOCK = 25
 
 LOCKS = {
     "mutex": "bench-handoff",
+    "fair": "bench-handoff-fair",
     "raw": "bench-handoff-raw",
     "semaphore": "bench-handoff-semaphore",
     "rwlock": "bench-handoff-rwlock",
@@ -127,16 +129,19 @@ def pairs(
 
 
 def run(dsn: str, table: str, handoffs: int, *, max_seconds: float) -> dict[str, Any]:
-    flavours = ("mutex", "raw", "semaphore")
+    flavours = ("mutex", "raw", "semaphore", "fair")
     made = pairs(dsn, table, {f: ({"flavour": f}, {"flavour": f}) for f in flavours}, handoffs, max_seconds)
-    mutex, raw, semaphore = made["mutex"].figures(), made["raw"].figures(), made["semaphore"].figures()
-    semaphore["p50_to_raw"] = round(semaphore["p50_ms"] / raw["p50_ms"], 3)
-    semaphore["p99_to_raw"] = round(semaphore["p99_ms"] / raw["p99_ms"], 3)
+    mutex, raw = made["mutex"].figures(), made["raw"].figures()
+    semaphore, fair = made["semaphore"].figures(), made["fair"].figures()
+    for figures in (semaphore, fair):
+        figures["p50_to_raw"] = round(figures["p50_ms"] / raw["p50_ms"], 3)
+        figures["p99_to_raw"] = round(figures["p99_ms"] / raw["p99_ms"], 3)
     return {
         "settle_s": SETTLE,
         **mutex,
         "raw": raw,
         "semaphore": semaphore,
+        "fair": fair,
         "p50_to_raw": round(mutex["p50_ms"] / raw["p50_ms"], 3),
         "p99_to_raw": round(mutex["p99_ms"] / raw["p99_ms"], 3),
     }
@@ -144,7 +149,7 @@ def run(dsn: str, table: str, handoffs: int, *, max_seconds: float) -> dict[str,
 
 def work(config: dict[str, Any], channel: Channel) -> None:
     waiter: _MutexWaiter | RawWaiter
-    if config["flavour"] in ("mutex", "semaphore", "rwlock"):
+    if config["flavour"] in ("mutex", "fair", "semaphore", "rwlock"):
         waiter = _MutexWaiter(config["dsn"], config["table"], config["flavour"], config.get("mode"))
     else:
         waiter = RawWaiter(config["dsn"], config["table"])
@@ -175,7 +180,7 @@ class _MutexWaiter:
             self._mutex = RWLock(dsn, LOCKS["rwlock"], table=table)
             self._acquire = self._mutex.read if mode == "read" else self._mutex.write
         else:
-            self._mutex = Mutex(dsn, LOCKS["mutex"], table=table)
+            self._mutex = Mutex(dsn, LOCKS[flavour], table=table, fair=flavour == "fair")
             self._acquire = self._mutex.acquire
         self._holding = contextlib.ExitStack()
 

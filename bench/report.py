@@ -140,6 +140,10 @@ MANY_LOCKS_MAX_MS = 20.0
 WAITERS = (1, 10, 100)
 """The waiters' targets are shown for these counts and judged on the largest one measured against the first."""
 
+ARRIVAL_WAITERS = 10
+"""The arrival-order target holds for this many waiters, each in a process of its own: a run with fewer does not
+judge it."""
+
 WAITERS_STATEMENTS_GROWTH = 2.0
 """Our reading of "a release costs a few statements, not one per waiter": statements per hand-off with the most
 waiters at most this many times the single waiter's (one statement per waiter would be a hundred times)."""
@@ -307,7 +311,30 @@ def _waiters_rows(waiters: dict[str, Any], results: dict[str, Any]) -> list[Targ
             None if ratio is None or single is None else ratio <= WAITERS_TARGET,
         )
     )
+    order = waiters.get("arrival")
+    target = (
+        "fair Mutex: waiters acquire in the order they came "
+        f"(overtakes with {ARRIVAL_WAITERS} waiters in as many processes: 0)"
+    )
+    if order is None:
+        rows.append(TargetRow(target, NOT_MEASURED, None))
+    else:
+        judged = order["waiters"] >= ARRIVAL_WAITERS
+        rows.append(
+            TargetRow(
+                target,
+                f"{_arrival(order)}" + ("" if judged else f" (fewer than {ARRIVAL_WAITERS} waiters: not judged)"),
+                order["overtakes"] == 0 if judged else None,
+            )
+        )
     return rows
+
+
+def _arrival(order: dict[str, Any]) -> str:
+    return (
+        f"{order['overtakes']} overtakes in {order['pairs']:,} pairs of waiters "
+        f"({order['waiters']} waiters, {order['rounds']} rounds)"
+    )
 
 
 HOT_SHARE = 0.99
@@ -527,6 +554,7 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
     for label, figures, ratio in (
         ("Mutex: `acquire(blocking=True)`, woken by the library's listener", handoff, handoff),
         ("Semaphore of 1 permit: the same, a permit row for the lock's", handoff["semaphore"], handoff["semaphore"]),
+        ("fair Mutex (`fair=True`): the release hands the row to the waiter", handoff["fair"], handoff["fair"]),
         ("baseline: the same statements on plain psycopg, woken by its own LISTEN", handoff["raw"], None),
     ):
         rows.append(
@@ -570,7 +598,11 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
         ],
         [
             [
-                "Mutex" if contended.get("permits") is None else f"Semaphore of {contended['permits']}",
+                f"Semaphore of {contended['permits']}"
+                if contended.get("permits") is not None
+                else "fair Mutex"
+                if contended.get("fair")
+                else "Mutex",
                 str(contended["processes"]),
                 f"{contended['hold_ms']:g} ms (measured {contended['hold_measured_ms']} ms)",
                 _number(contended["cycles_per_s"]),
@@ -579,7 +611,11 @@ def sections(results: dict[str, Any]) -> dict[str, list[str]]:
                 f"{contended['share_min'] * 100:.0f} to {contended['share_max'] * 100:.0f} %",
                 f"{contended.get('most_at_once', 1)} ({contended['overlaps']})",
             ]
-            for contended in (results["contended"], results["contended"]["semaphore"])
+            for contended in (
+                results["contended"],
+                results["contended"]["fair_mutex"],
+                results["contended"]["semaphore"],
+            )
         ],
     )
 
@@ -832,6 +868,19 @@ def _waiters(waiters: dict[str, Any]) -> list[str]:
             ],
             rows,
         ),
+        *_arrival_lines(waiters.get("arrival")),
+    ]
+
+
+def _arrival_lines(order: dict[str, Any] | None) -> list[str]:
+    """The fair Mutex's order of arrival, under the waiters' table (`bench.arrival`)."""
+    if order is None:
+        return []
+    return [
+        "",
+        f"A fair Mutex (`fair=True`), {order['waiters']} waiters each in a process of its own, all blocked in "
+        "`acquire()` behind one holder, the queue's order (the tickets their first attempts drew) against the "
+        f"order their acquires returned, each holding {order['hold_ms']:g} ms: **{_arrival(order)}**.",
     ]
 
 

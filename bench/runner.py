@@ -25,6 +25,7 @@ import psycopg
 import postgres_mutex
 
 from . import (
+    arrival,
     ceiling,
     contention,
     fastpath,
@@ -73,6 +74,8 @@ class Plan:
     waiters: tuple[int, ...]
     waiters_seconds: float
     waiters_warmup: float
+    arrival_waiters: int
+    arrival_rounds: int
     load_locks: int
     load_window: float
     load_every: float
@@ -96,6 +99,8 @@ FULL = Plan(
     waiters=(1, 10, 100),
     waiters_seconds=10.0,
     waiters_warmup=2.0,
+    arrival_waiters=10,
+    arrival_rounds=10,
     load_locks=10_000,
     load_window=180.0,
     load_every=10.0,
@@ -119,6 +124,8 @@ QUICK = Plan(
     waiters=(1, 4),
     waiters_seconds=1.5,
     waiters_warmup=0.5,
+    arrival_waiters=3,
+    arrival_rounds=2,
     load_locks=500,
     load_window=6.0,
     load_every=2.0,
@@ -285,13 +292,19 @@ def _measure_the_library(
         timed["insert_delete"].median,
         permits=CONTENDED_PERMITS,
     )
+    progress(f"contended throughput, a fair Mutex, {plan.contended_processes} processes, the same window")
+    results["contended"]["fair_mutex"] = contention.run(
+        dsn, table, plan.contended_processes, plan.contended_seconds, timed["insert_delete"].median, fair=True
+    )
 
     results["rwlocks"] = _measure_rwlocks(
         plan,
         dsn,
         table,
         floor=timed["insert_delete"].median,
-        mutex_contended={key: value for key, value in results["contended"].items() if key != "semaphore"},
+        mutex_contended={
+            key: value for key, value in results["contended"].items() if key not in ("semaphore", "fair_mutex")
+        },
     )
 
     results["ceiling"] = []
@@ -333,7 +346,10 @@ def _measure_waiters(plan: Plan, dsn: str, table: str) -> dict[str, Any]:
         f"many waiters on one lock: {', '.join(map(str, plan.waiters))} waiters, {plan.waiters_seconds:g} s each "
         f"after {plan.waiters_warmup:g} s"
     )
-    return waiters.run_all(dsn, table, plan.waiters, seconds=plan.waiters_seconds, warmup=plan.waiters_warmup)
+    measured = waiters.run_all(dsn, table, plan.waiters, seconds=plan.waiters_seconds, warmup=plan.waiters_warmup)
+    progress(f"arrival order: {plan.arrival_waiters} waiters of a fair Mutex, {plan.arrival_rounds} rounds")
+    measured["arrival"] = arrival.run(dsn, table, plan.arrival_waiters, plan.arrival_rounds)
+    return measured
 
 
 def _measure_table_load(plan: Plan, dsn: str, throwaway: bool) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 from .channel import Channel
 
 MODES = {
+    "arrival": "bench.arrival",
     "ceiling": "bench.ceiling",
     "contention": "bench.contention",
     "handoff": "bench.handoff",

@@ -25,6 +25,7 @@ import psycopg
 import pytest
 
 from bench.report import LATENCY_LABELS, SECTIONS, TARGETS_TITLE
+from bench.servers import TABLE
 from postgres_mutex._state.heartbeat_flows import BATCH
 from tests.support.fixtures import ROOT
 
@@ -90,6 +91,9 @@ def test_the_history_is_timed_next_to_the_same_operations_without_it(
             "SELECT to_regclass('mutex_lock_bench_hist'), to_regclass('mutex_lock_bench_hist_history')"
         ).fetchone()
     assert left == (None, None), "the bench drops its tables"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        queue = conn.execute("SELECT to_regclass(%s)", (f"{TABLE}_queue",)).fetchone()
+    assert queue == (None,), "the bench drops its fair locks' queue"
 
 
 @pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
@@ -105,6 +109,10 @@ def test_no_two_holders_ever_overlapped(quick_run: tuple[dict[str, Any], str, Pa
     assert results["contended"]["semaphore"]["cycles"] > 0
     assert results["contended"]["semaphore"]["overlaps"] == 0
     assert results["contended"]["semaphore"]["most_at_once"] <= results["contended"]["semaphore"]["permits"]
+    assert results["handoff"]["fair"]["handoffs"] > 0
+    assert results["handoff"]["fair"]["acquired_before_release"] == 0
+    assert results["contended"]["fair_mutex"]["cycles"] > 0
+    assert results["contended"]["fair_mutex"]["overlaps"] == 0
     for run in results["ceiling"]:
         assert all(run[kind]["cycles"] > 0 for kind in ("advisory", "insert_delete", "mutex"))
 
@@ -174,6 +182,16 @@ def test_many_waiters_on_one_lock_are_counted_in_statements_per_hand_off(
         assert run["p50_to_single"] == pytest.approx(run["p50_ms"] / runs[0]["p50_ms"], rel=0.01)
     assert runs[0]["p50_to_single"] == 1.0
     assert "## Many waiters on one lock" in stdout
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)
+def test_a_fair_mutexs_waiters_in_many_processes_acquire_in_the_order_they_came(
+    quick_run: tuple[dict[str, Any], str, Path],
+) -> None:
+    order = quick_run[0]["waiters"]["arrival"]
+    assert order["waiters"] >= 3
+    assert order["pairs"] == order["rounds"] * order["waiters"] * (order["waiters"] - 1) // 2
+    assert order["overtakes"] == 0
 
 
 @pytest.mark.timeout(QUICK_RUN_TIMEOUT + 20)

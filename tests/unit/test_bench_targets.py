@@ -232,6 +232,23 @@ def test_many_waiters_are_judged_on_statements_that_do_not_grow_and_on_the_hand_
     assert row(quick, "100 waiters on one lock: hand-off p50") == (NOT_MEASURED, "n/a")
 
 
+def arrival(waiters: int, overtakes: int) -> dict[str, Any]:
+    return {"waiters": waiters, "rounds": 2, "hold_ms": 2.0, "pairs": waiters * (waiters - 1), "overtakes": overtakes}
+
+
+def test_a_fair_mutex_is_judged_on_overtakes_among_ten_waiters_and_only_then() -> None:
+    section = waiters((1, 4.0, 2.0), (10, 5.0, 2.5), (100, 8.0, 3.0))
+    target = "fair Mutex: waiters acquire in the order they came"
+    assert row({"waiters": section}, target) == (NOT_MEASURED, "n/a")
+    measured, verdict = row({"waiters": {**section, "arrival": arrival(10, 0)}}, target)
+    assert verdict == "met"
+    assert "0 overtakes in 90 pairs of waiters (10 waiters, 2 rounds)" in measured
+    assert row({"waiters": {**section, "arrival": arrival(10, 1)}}, target)[1] == "**not met**"
+    measured, verdict = row({"waiters": {**section, "arrival": arrival(3, 0)}}, target)
+    assert verdict == "n/a"
+    assert "fewer than 10 waiters" in measured
+
+
 def table_load(*, hot: float | None = 1.0, table: int = 0, index: int = 0, locks: int = 10_000) -> dict[str, Any]:
     return {
         "locks": locks,
