@@ -578,20 +578,20 @@ def test_a_lease_is_used_only_where_the_thresholds_leave_it_room() -> None:
     state.begin_acquire(ACQUIRER)
     hold = state.won(acquired_at=STAMP, token=7, sent_at=now(), owner=ME, span_context=None, plain=True)
     many = heartbeat_flows.LEASE_FROM
-    assert heartbeat_flows.lease_usable([hold] * many, 10.0, 5.0)
-    assert not heartbeat_flows.lease_usable([hold] * (many - 1), 10.0, 5.0), "a few locks renew their rows"
+    assert heartbeat_flows.lease_fit([hold] * many, 10.0, 5.0) == 600.0 - 5.0 - 1.0
+    assert heartbeat_flows.lease_fit([hold] * (many - 1), 10.0, 5.0) is None, "a few locks renew their rows"
     other = lock("other", timing=DEFAULTS)
     other.begin_acquire(ACQUIRER)
     unleased = other.won(acquired_at=STAMP, token=8, sent_at=now(), owner=ME, span_context=None)
     assert not heartbeat_flows.follows_lease(unleased)
-    assert not heartbeat_flows.lease_usable([hold] * (many - 1) + [unleased] * 10, 10.0, 5.0), (
+    assert heartbeat_flows.lease_fit([hold] * (many - 1) + [unleased] * 10, 10.0, 5.0) is None, (
         "only the locks that may follow the lease count"
     )
     assert heartbeat_flows.own_heartbeat_period(hold) == (600.0 - 10.0) / 3
     short = lock(timing=TIMING)  # a stale threshold shorter than the statement's deadline
     short.begin_acquire(ACQUIRER)
     fast = short.won(acquired_at=STAMP, token=8, sent_at=now(), owner=ME, span_context=None, plain=True)
-    assert not heartbeat_flows.lease_usable([fast] * many, 0.1, 2.0)
+    assert heartbeat_flows.lease_fit([fast] * many, 0.1, 2.0) is None
     minimum = lock(timing=DEFAULTS)
     minimum.begin_acquire(ACQUIRER)
     kept = minimum.won(acquired_at=STAMP, token=9, sent_at=now(), owner=ME, span_context=None, plain=False)

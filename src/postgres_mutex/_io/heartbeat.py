@@ -227,21 +227,25 @@ class HeartbeatWorker:
             statements: Statements | None = self._engine.shape(holds[0].lock.names, timeout)
         except DatabaseError:
             statements = None  # the first batch inspects the table again, and fails as it does
-        # Few holds, thresholds too short for a lease (`heartbeat_flows.lease_usable`), or a pooler between (whose
+        # Few holds, thresholds too short for a lease (`heartbeat_flows.lease_fit`), or a pooler between (whose
         # queue may hold the lease's renewal past the deadline it must land within): rows renewed one by one.
         table = holds[0].lock.names.table_name
-        usable = (
-            not self._engine.behind_pooler
-            and table not in self._no_lease
-            and heartbeat_flows.lease_usable(holds, group.interval, timeout)
+        within = (
+            None
+            if self._engine.behind_pooler or table in self._no_lease
+            else heartbeat_flows.lease_fit(holds, group.interval, timeout)
         )
-        lease = self._lease(group) if usable and statements is not None and statements.renew_lease is not None else None
+        lease = (
+            self._lease(group)
+            if within is not None and statements is not None and statements.renew_lease is not None
+            else None
+        )
         if lease is not None:
             lease.statements = statements
         by_row: list[Hold] = holds
-        if lease is not None and statements is not None:
+        if lease is not None and statements is not None and within is not None:
             try:
-                first, by_lease = self._renew_lease(lease, holds, statements, group.tracing, timeout)
+                first, by_lease = self._renew_lease(lease, holds, statements, group.tracing, timeout, within)
             except DatabaseError as exc:
                 if not self._lease_refused(group, table, exc):
                     self._round_failed(group, holds, exc, first=True)
@@ -357,24 +361,28 @@ class HeartbeatWorker:
         return lease
 
     def _renew_lease(
-        self, lease: _Lease, holds: list[Hold], statements: Statements, tracing: Tracing, timeout: float
+        self,
+        lease: _Lease,
+        holds: list[Hold],
+        statements: Statements,
+        tracing: Tracing,
+        timeout: float,
+        within: float,
     ) -> tuple[heartbeat_flows.Beat | None, list[Hold]]:
         """Renew the lease, detach the rows no longer renewed, and renew by themselves the rows whose own heartbeat
         is due (`_Lease.own_heartbeat_due`, at most `heartbeat_flows.BATCH` of them, the longest due first), in
         one statement. Returns what it did for those rows (None: no statement was needed) and the holds the lease
-        alone renewed.
+        alone renewed. ``within``: how old the lease may be for the renewal to land (`heartbeat_flows.lease_fit`).
 
         None are renewed by the lease alone unless its revision is the one
         last seen (a forced release changes it; a lapsed lease has none):
         then each row is renewed by itself, which tells which are still held.
         Raises `DatabaseError` if the statement failed.
         """
-        live = set(holds)
-        for hold in list(lease.rows):
-            if hold not in live:
-                del lease.rows[hold]
-                if hold.token is not None:
-                    lease.detach[hold.token] = None
+        for hold in lease.rows.keys() - set(holds):
+            del lease.rows[hold]
+            if hold.token is not None:
+                lease.detach[hold.token] = None
         attached = [hold for hold in holds if hold in lease.rows]
         if not attached and not lease.detach:
             return None, []
@@ -383,7 +391,6 @@ class HeartbeatWorker:
         due = due[: heartbeat_flows.BATCH]
         detach = list(lease.detach)
         if due:
-            within = heartbeat_flows.lease_within(attached, timeout)
             renewal = heartbeat_flows.LeaseRenewal(lease.key, detach, within)
             beat = self._engine.run(heartbeat_flows.heartbeat(due, statements, tracing, timeout, renewal=renewal))
             if beat.error is not None:
@@ -393,7 +400,7 @@ class HeartbeatWorker:
                 lease.rows[hold] = lease.own_heartbeat_due(hold, first=False)
         else:
             revision, kept, sent_at = self._engine.run(
-                heartbeat_flows.renew_lease(attached, detach, statements, lease.key, timeout)
+                heartbeat_flows.renew_lease(attached, detach, statements, lease.key, timeout, within)
             )
             beat = heartbeat_flows.Beat([], [], now() - sent_at, sent_at=sent_at)
         # Rows another session held locked were not detached: the next renewal tries them again.
@@ -481,7 +488,9 @@ def _renewed(beats: list[heartbeat_flows.Beat]) -> Any:
     def report() -> None:
         for beat in beats:
             for hold in beat.renewed:
-                hold.lock.events.heartbeat_renewed(beat.latency)
+                events = hold.lock.events
+                if not events.quiet:  # else nobody is told (thousands of holds, at times)
+                    events.heartbeat_renewed(beat.latency)
             for hold, seconds in beat.confirmed:
                 hold.lock.events.confirmed(seconds)
             for hold, error in beat.lost:

@@ -8,6 +8,7 @@ client's event thread. Nothing here does I/O.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -263,7 +264,7 @@ def own_heartbeat_period(hold: Hold) -> float:
 
 
 LEASE_FROM = 16
-"""The fewest holds of a heartbeat group that follow a lease (`lease_usable`).
+"""The fewest holds of a heartbeat group that follow a lease (`lease_fit`).
 
 Fewer are renewed row by row every interval, exactly as on a table without
 leases: a statement renewing a few rows costs the server about what one
@@ -275,23 +276,42 @@ old and rarer. From this many on, the rows' work is what the server spends
 """
 
 
-def lease_usable(holds: list[Hold], interval: float, timeout: float) -> bool:
-    """Whether ``holds`` may follow a lease: at least `LEASE_FROM` of them may (`follows_lease`), its renewal is
-    not refused before their next heartbeat, and their own heartbeats (`own_heartbeat_period`) come at least two
-    intervals apart. Else the lease would only add a statement: their rows are renewed one by one, as without
+def lease_fit(holds: list[Hold], interval: float, timeout: float) -> float | None:
+    """How old the lease of ``holds`` may be for its renewal to land (`lease_within` of those that follow it), if
+    they may follow a lease: at least `LEASE_FROM` of them may (`follows_lease`), its renewal is not refused
+    before their next heartbeat, and their own heartbeats (`own_heartbeat_period`) come at least two intervals
+    apart. Else None: the lease would only add a statement, and their rows are renewed one by one, as without
     it."""
-    following = [hold for hold in holds if follows_lease(hold)]
-    return (
-        len(following) >= LEASE_FROM
-        and lease_within(following, timeout) > 2 * interval
-        and all(own_heartbeat_period(hold) >= 2 * interval for hold in following)
-    )
+    # One pass, asked each round of every hold of the group (thousands, at times): what it reads of a hold
+    # is fixed for the hold's life, and kept on it (`Hold.lease_period`).
+    following = 0
+    shortest = math.inf
+    for hold in holds:
+        period = hold.lease_period
+        if period is None:
+            period = hold.lease_period = own_heartbeat_period(hold) if follows_lease(hold) else -1.0
+        if period < 0:
+            continue
+        if period < 2 * interval:
+            return None
+        following += 1
+        stale = hold.lock.timing.stale_threshold
+        if stale < shortest:
+            shortest = stale
+    within = shortest - timeout - 1.0
+    return within if following >= LEASE_FROM and within > 2 * interval else None
 
 
 def renew_lease(
-    holds: list[Hold], detach: list[int], statements: Statements, lease_key: int, timeout: float
+    holds: list[Hold],
+    detach: list[int],
+    statements: Statements,
+    lease_key: int,
+    timeout: float,
+    within: float | None = None,
 ) -> Flow[tuple[int | None, list[int], float]]:
-    """Detach the rows of ``detach`` (tokens) from the lease, and renew the lease for ``holds``.
+    """Detach the rows of ``detach`` (tokens) from the lease, and renew the lease for ``holds``; ``within``: how
+    old it may be for the renewal to land, if the caller knows (`lease_fit`), else `lease_within` of ``holds``.
 
     Returns the lease's revision (None: it lapsed, or was never made, and
     nothing was renewed), the tokens of ``detach`` whose rows another session
@@ -308,7 +328,8 @@ def renew_lease(
     """
     statement = statements.renew_lease
     assert statement is not None
-    within = lease_within(holds, timeout) if holds else 0.0
+    if within is None:
+        within = lease_within(holds, timeout) if holds else 0.0
     params: dict[str, object] = {"lease_key": lease_key, "detach": detach, "within": within}
     action = f"heartbeat of {len(holds)} locks by their lease"
     reply = yield Execute(statement, params, timeout, action, urgent=True)

@@ -98,6 +98,7 @@ class Hold:
         "generation",
         "group",
         "lease_deadline",
+        "lease_period",
         "lock",
         "owner",
         "paused",
@@ -150,6 +151,9 @@ class Hold:
         """Heartbeats skip it, as they would a frozen process's: how tests freeze a holder in-process."""
         self.generation = lock.generation
         """The acquire that won it (`LockState.generation`)."""
+        self.lease_period: float | None = None
+        """How often its row's own heartbeat is renewed while it follows its group's lease, -1 if it may not
+        follow one (`heartbeat_flows.lease_fit`, which works it out once); None until then."""
 
     @property
     def trusted_until(self) -> float:
