@@ -508,63 +508,53 @@ def _subscribed(mutex: Mutex) -> bool:
     return listener is not None and mutex._lock.channel in listener._subscriptions
 
 
-def test_no_process_among_many_looping_on_one_lock_is_starved(dsn: str, schema: None) -> None:
-    # Twelve processes (a client each: a listener each, a slot each) take one lock in turn as fast as
-    # they can. Each keeps its slot while it loops; wake-ups must still reach the slots above the
-    # first eight, or their processes wait until their acquire's timeout (their poll is far off).
-    name = f"starve-{uuid.uuid4().hex[:10]}"
-    clients = [MutexClient(dsn) for _ in range(12)]
-    counts, timeouts = [0] * len(clients), [0] * len(clients)
-    stop = time.monotonic() + 6.0
+def _take_turns(
+    dsn: str, processes: int, seconds: float, timeout: float, **options: Any
+) -> tuple[list[int], list[int]]:
+    """``processes`` clients (a listener each, a slot each) take one new lock in turn for ``seconds``, holding it
+    2 ms each time: how many times each acquired it, and how many of its acquires ran out of ``timeout``."""
+    name = f"turns-{uuid.uuid4().hex[:10]}"
+    clients = [MutexClient(dsn) for _ in range(processes)]
+    counts, timeouts = [0] * processes, [0] * processes
+    stop = time.monotonic() + seconds
 
     def loop(index: int) -> None:
-        mutex = clients[index].mutex(name, **{**QUIET, "poll_interval": 30.0})
+        mutex = clients[index].mutex(name, **{**QUIET, **options})
         while time.monotonic() < stop:
             try:
-                with mutex.acquire(timeout=4.0):
+                with mutex.acquire(timeout=timeout):
                     counts[index] += 1
                     time.sleep(0.002)
             except LockAcquisitionTimeout:
                 timeouts[index] += 1
 
-    threads = [threading.Thread(target=loop, args=(index,)) for index in range(len(clients))]
+    threads = [threading.Thread(target=loop, args=(index,)) for index in range(processes)]
     try:
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(30.0)
+            thread.join(seconds + timeout + 20.0)
     finally:
         for client in clients:
             client.close()
-    assert timeouts == [0] * len(clients), f"acquisitions {counts}, timed out {timeouts}"
+    return counts, timeouts
+
+
+def test_no_process_among_many_looping_on_one_lock_is_starved(dsn: str, schema: None) -> None:
+    # Twelve processes take one lock in turn as fast as they can. Each keeps its slot while it loops;
+    # wake-ups must still reach the slots above the first eight, or their processes wait until their
+    # acquire's timeout (their poll is far off).
+    counts, timeouts = _take_turns(dsn, 12, 6.0, 4.0, poll_interval=30.0)
+    assert timeouts == [0] * len(counts), f"acquisitions {counts}, timed out {timeouts}"
     assert min(counts) > 0, counts
 
 
 def test_clients_looping_on_one_lock_share_it_fairly(dsn: str, schema: None) -> None:
-    # Four processes (a client each) take one lock in turn, holding it 2 ms. A release wakes another
-    # process's waiter, and the releaser's next acquire lets that one go first: were it to try at once, it
-    # would often take the lock back before the one it woke, and one process would get most of the turns.
-    name = f"shares-{uuid.uuid4().hex[:10]}"
-    clients = [MutexClient(dsn) for _ in range(4)]
-    counts = [0] * len(clients)
-    stop = time.monotonic() + 4.0
-
-    def loop(index: int) -> None:
-        mutex = clients[index].mutex(name, **QUIET)
-        while time.monotonic() < stop:
-            with mutex.acquire(timeout=10.0):
-                counts[index] += 1
-                time.sleep(0.002)
-
-    threads = [threading.Thread(target=loop, args=(index,)) for index in range(len(clients))]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30.0)
-    finally:
-        for client in clients:
-            client.close()
+    # Four processes take one lock in turn, holding it 2 ms. A release wakes another process's waiter, and
+    # the releaser's next acquire lets that one go first: were it to try at once, it would often take the
+    # lock back before the one it woke, and one process would get most of the turns.
+    counts, timeouts = _take_turns(dsn, 4, 4.0, 10.0)
+    assert timeouts == [0] * len(counts), f"acquisitions {counts}, timed out {timeouts}"
     # Each within 1.5x of the fair share either way (the bench's target is 2x, over processes of their own).
     fair = sum(counts) / len(counts)
     assert min(counts) >= fair / 1.5, f"turns per process: {counts}"
