@@ -426,6 +426,72 @@ def test_watch_serves_metrics_that_show_a_lock_going_stale(
     holder.close()
 
 
+def test_watch_ends_on_sigterm_wherever_the_signal_lands() -> None:
+    """SIGTERM ends ``watch`` at any point of its main thread once it watches: there the handler may
+    interrupt the very wait it ends. Each run lands the handler at one more point (from the watcher's
+    start on, in the command and the threading machinery); past the last, a real SIGTERM ends the run."""
+    code = f"""
+        import os, queue, signal, sys, threading
+        from postgres_mutex._cli import _admin
+        from postgres_mutex.cli import main
+        from postgres_mutex.watcher import StaleWatcher
+        from tests.support.signal_points import RunAtCheck
+
+        state = {{"armed": False, "fired": False}}
+        start = StaleWatcher.start
+
+        def armed_start(self):
+            start(self)
+            state["armed"] = True
+
+        StaleWatcher.start = armed_start
+
+        class AfterStart(RunAtCheck):  # the points from the watcher's start on, until a signal came
+            def _check(self, frame):
+                if state["armed"] and not state["fired"]:
+                    super()._check(frame)
+
+        def watched(name):
+            return name in (threading.__file__, queue.__file__, _admin.__file__)
+
+        def fire():
+            state["fired"] = True
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+
+        def backstop():  # past the last point: the real signal, as a pod's stop sends it
+            if not state["fired"]:
+                state["fired"] = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        for at in range(1, 200):
+            state.update(armed=False, fired=False)
+            handler = AfterStart(at, fire, watched)
+            timer = threading.Timer(1.0, backstop)
+            timer.start()
+            print("at", at, flush=True)
+            sys.settrace(handler)
+            try:
+                code = main(["watch", "--dsn", "postgresql://app@127.0.0.1:{free_port()}/db?connect_timeout=2",
+                             "--listen", "127.0.0.1:0", "--interval", "0.2"])
+            finally:
+                sys.settrace(None)
+                timer.cancel()
+            print("ended", code, handler.where or "by the real signal", flush=True)
+            if not handler.where:
+                break
+    """
+    with subprocess.Popen(python(code), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+        try:
+            stdout, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, _ = proc.communicate()
+    lines = stdout.splitlines()
+    assert lines, "the program started"
+    assert lines[-1] == "ended 0 by the real signal", f"watch did not end after {lines[-2:]}"
+    assert len(lines) > 2, "the handler landed at a point before the real signal"
+
+
 # -- demo ---------------------------------------------------------------------------
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import queue
 import signal
 import sys
-import threading
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -310,12 +310,18 @@ def cmd_watch(args: argparse.Namespace) -> int:
         server, thread = start_http_server(int(port_text), addr=host, registry=registry)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
-    stop = threading.Event()
-    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
+    # The handler may run at any point of this thread, inside a wait included: a `threading.Event`
+    # set there would wait for the lock its own `wait` holds, for good. A SimpleQueue's `put` and
+    # `get` are single C calls, safe to interleave, and a signal that came first waits in the queue.
+    signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+    previous = {
+        signum: signal.signal(signum, lambda received, _: signals.put(received))
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
     say(f"watching table {args.table} every {args.interval:g}s; metrics on http://{args.listen}/metrics")
     watcher.start()
     try:
-        stop.wait()
+        signals.get()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
