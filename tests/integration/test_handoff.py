@@ -175,6 +175,52 @@ def test_a_change_of_the_number_of_permits_reaches_every_waiter(dsn: str, admin:
             assert time.monotonic() - started < 20.0, "some waiters slept until their poll"
 
 
+def test_the_waiters_of_one_process_share_its_polls_and_still_find_a_lock_freed_silently(
+    pg: PostgresServer, dsn: str, schema: None
+) -> None:
+    """Five threads of one process wait on one Mutex: a poll by any of them finds what the others' would, so
+    the process polls once per ``poll_interval``, not five times; and that one poll still takes a lock freed
+    with no release to wake anyone (its row deleted by hand)."""
+    name = f"handoff-{uuid.uuid4().hex[:10]}"
+    pause, waiters, polls = 0.2, 5, 8
+    proxy = FaultProxy(pg.host, pg.port)
+    counted_dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
+    options = {**QUIET, "poll_interval": pause}
+    acquired: list[float] = []
+    try:
+        with MutexClient(dsn) as direct, MutexClient(counted_dsn) as client:
+            holder = direct.mutex(name, **QUIET)
+            assert holder.acquire().__enter__()
+            before = proxy.ready_for_query
+
+            def wait_for_it() -> None:
+                with client.mutex(name, **options).acquire(timeout=30.0) as got:
+                    assert got
+                    acquired.append(time.monotonic())
+
+            threads = [threading.Thread(target=wait_for_it, daemon=True) for _ in range(waiters)]
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: proxy.ready_for_query - before >= 2 * waiters + 1, timeout=30)
+            wait_until(lambda: len(_registered_pids(dsn, channel_of(name))) == 1, timeout=30)
+            started, counted = time.monotonic(), proxy.ready_for_query
+            wait_until(lambda: proxy.ready_for_query - counted >= polls, timeout=30)
+            took = time.monotonic() - started
+            # One poll per pause: the first at once at worst, the others a pause apart. Five waiters each
+            # polling would make them in a fifth of that.
+            assert took >= (polls - 1) * pause * 0.7, f"{polls} polls in {took:.2f}s: each waiter polled"
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (name,))
+            freed = time.monotonic()
+            wait_until(lambda: bool(acquired), timeout=10)
+            assert acquired[0] - freed < 10 * pause, "the shared poll found the freed lock late"
+            for thread in threads:
+                thread.join(30.0)
+            assert len(acquired) == waiters, "every waiter had the lock in turn"
+    finally:
+        proxy.close()
+
+
 def test_a_wake_up_no_waiter_of_the_process_can_use_is_passed_on(
     dsn: str, admin: psycopg.Connection[Any], schema: None
 ) -> None:

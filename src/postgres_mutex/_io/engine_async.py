@@ -627,6 +627,12 @@ class _Steps:
         stop = op.stop
         with contextlib.nullcontext() if stop is None else stop.waking(functools.partial(listener.wake, subscription)):
             await listener.wait(subscription, op.seconds)
+            while op.shared_until is not None and not subscription.released.is_set():
+                # Another waiter of this process attempted during the pause: that was this pause's poll.
+                left = min(listener.poll_due(subscription, op.seconds), op.shared_until - now())
+                if left <= 0:
+                    break
+                await listener.wait(subscription, left)
         handed = listener.take_handed(subscription)
         if handed is not None:
             return handed  # a fair lock handed to this waiter: the flow takes it without an attempt

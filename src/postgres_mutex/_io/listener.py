@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -81,6 +82,9 @@ _LISTENER_REPORT_EVERY = 60.0
 # it reaches), ends the linger.
 _REGISTERED_LINGER = 5.0
 _AFTER_RELEASE = 0.1
+
+# A poll due this soon is made now: an attempt a moment ago was this waiter's own.
+_POLL_TOLERANCE = 0.001
 
 # The most channels a listener registers on at once: each registration holds two entries of
 # the server's shared lock table (64 per connection by default, for the whole server). A
@@ -140,6 +144,9 @@ class Listener:
         self._quiet_since: dict[str, float] = {}
         # Per channel listened on whose last waiter left: until when its registration lingers.
         self._linger_until: dict[str, float] = {}
+        # Per channel waited on (under the state lock): when this process's waiters last attempted, or a
+        # waiter's poll was due (`poll_due`). Dropped with the channel's last waiter.
+        self._attempted_at: dict[str, float] = {}
         self._closed = False
         self._defects = Defects("release listener")
 
@@ -170,6 +177,7 @@ class Listener:
                 waiting.pop(subscription, None)
                 if not waiting:
                     del self._subscriptions[subscription.channel]
+                    self._attempted_at.pop(subscription.channel, None)
                     self._linger_until[subscription.channel] = now() + (
                         _REGISTERED_LINGER if holding else _AFTER_RELEASE
                     )
@@ -252,8 +260,21 @@ class Listener:
         """
         with self._host.state_lock:
             woken, subscription.woken = subscription.woken, False
+            self._attempted_at[subscription.channel] = now()
         subscription.released.clear()
         return woken
+
+    def poll_due(self, subscription: Subscription, pause: float) -> float:
+        """How much longer ``subscription``'s waiter may wait before it polls: 0 if no waiter of this process
+        attempted on its channel within ``pause`` (this waiter polls then, and the others count that poll as
+        theirs), else until a ``pause`` after the latest attempt there."""
+        with self._host.state_lock:
+            current = now()
+            left = self._attempted_at.get(subscription.channel, -math.inf) + pause - current
+            if left > _POLL_TOLERANCE:
+                return left
+            self._attempted_at[subscription.channel] = current
+            return 0.0
 
     def take_handed(self, subscription: Subscription) -> tuple[int, int] | None:
         """The hold a release handed ``subscription``'s waiter (its token and ``acquired_at`` in µs), if any:

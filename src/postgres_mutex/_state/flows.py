@@ -10,6 +10,7 @@ Nothing here does I/O. The heartbeat's flows are in `_state.heartbeat_flows`, th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -341,7 +342,12 @@ class _Attempts:
                     # Released before its minimum hold ended: its heartbeat is that end, and the lock is not
                     # free before it. Polling sooner would only find it held; a forced release still wakes us.
                     pause = max(pause, -result.heartbeat_age)
-                handed = yield WaitForRelease(_until(self.deadline, pause), self.stop)
+                wait = _until(self.deadline, pause)
+                # The process's waiters on a lock with one hold share its polls (`WaitForRelease.shared_until`):
+                # one poll per pause, whatever their number. Not the last wait before the deadline: it ends in
+                # this waiter's own attempt.
+                shared = lock.kind.single_hold and not lock.kind.queues and wait >= pause
+                handed = yield WaitForRelease(wait, self.stop, _shared_until(self.deadline) if shared else None)
         except GeneratorExit:
             # Closed, its engine gone (an exception landed between two steps): it takes no more
             # steps. Whoever ran it undoes the acquire (`abandon`), steps and all.
@@ -545,6 +551,10 @@ def died_while_idle(exc: DatabaseError) -> bool:
 
 def _passed(deadline: float | None) -> bool:
     return deadline is not None and now() >= deadline
+
+
+def _shared_until(deadline: float | None) -> float:
+    return math.inf if deadline is None else deadline
 
 
 def _until(deadline: float | None, pause: float) -> float:

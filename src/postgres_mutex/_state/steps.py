@@ -112,11 +112,15 @@ class Listen:
 class WaitForRelease:
     """Wait up to ``seconds`` for the release announced on the channel `Listen` subscribed to (or just wait).
 
-    With a ``stop``, the wait also ends the moment it is set.
+    With a ``stop``, the wait also ends the moment it is set. With ``shared_until``, the wait is a poll's
+    pause on a lock with one hold: another waiter of this process that attempts meanwhile makes that poll for
+    both (its attempt sees what this one's would), so the wait goes on until a pause after the process's last
+    attempt there, until ``shared_until`` at the latest.
     """
 
     seconds: float
     stop: StopSignal | None = None
+    shared_until: float | None = None
 
 
 class StopSignal:
