@@ -651,6 +651,7 @@ class Reader:
         self._waker = waker
         self._guard = threading.Lock()
         self._until = 0.0
+        self._turn: object | None = None  # the reading waiter's turn, which only it ends
         self._baton = _Baton()
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
@@ -667,6 +668,7 @@ class Reader:
         """Wait until ``released`` is set or ``timeout`` passes, reading the socket ``fd`` meanwhile if no other
         waiter does; ``drain`` reads it (False: the connection failed). True if this waiter read it."""
         deadline = now() + timeout
+        turn = object()
         taken = False
         try:
             # Taken inside the try: an exception landing just after (a signal handler's) still gives
@@ -674,7 +676,7 @@ class Reader:
             with self._guard:
                 taken = fd is not None and self._until < now()
                 if taken:
-                    self._until = deadline
+                    self._until, self._turn = deadline, turn
             if not taken:
                 released.wait(timeout)
                 return False
@@ -704,7 +706,11 @@ class Reader:
                         break
         finally:
             if taken:
-                self._until = 0.0
+                with self._guard:
+                    # Once its deadline passed, another waiter may have taken the socket before this one
+                    # left: that one's turn stays, or a release's poke would no longer reach it.
+                    if self._turn is turn:
+                        self._until, self._turn = 0.0, None
         return True
 
     def poke(self) -> None:
