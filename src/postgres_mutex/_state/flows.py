@@ -200,6 +200,18 @@ class _Attempts:
         self.quick_retries = 0
         self.held: int | None = None  # how many rows of the lock were held, at the last attempt
 
+    def _wait_for_release(self, pause: float) -> WaitForRelease:
+        """A wait for a release, ``pause`` at most before the next poll, and never past the deadline.
+
+        The process's waiters on a lock with one hold share its polls (`WaitForRelease.shared_until`): one
+        poll per pause, whatever their number. Not the last wait before the deadline: it ends in this
+        waiter's own attempt.
+        """
+        wait = _until(self.deadline, pause)
+        if not (self.lock.kind.single_hold and not self.lock.kind.queues and wait >= pause):
+            return WaitForRelease(wait, self.stop)
+        return WaitForRelease(wait, self.stop, math.inf if self.deadline is None else self.deadline)
+
     def until_done(self, owner: object) -> Flow[Hold | None]:
         lock = self.lock
         listening = False
@@ -215,7 +227,7 @@ class _Attempts:
                 listening = True
                 lock.events.waiting()
                 if not (yield Listen(lock.channel, lock.timing.operation_timeout, None, gave_way_at, True)):
-                    yield WaitForRelease(_until(self.deadline, lock.timing.poll_interval), self.stop)
+                    yield self._wait_for_release(lock.timing.poll_interval)
             while True:
                 first, self.first = self.first, None
                 if handed is not None and lock.kind.handed_whole and not (self.stop is not None and self.stop.is_set()):
@@ -342,12 +354,7 @@ class _Attempts:
                     # Released before its minimum hold ended: its heartbeat is that end, and the lock is not
                     # free before it. Polling sooner would only find it held; a forced release still wakes us.
                     pause = max(pause, -result.heartbeat_age)
-                wait = _until(self.deadline, pause)
-                # The process's waiters on a lock with one hold share its polls (`WaitForRelease.shared_until`):
-                # one poll per pause, whatever their number. Not the last wait before the deadline: it ends in
-                # this waiter's own attempt.
-                shared = lock.kind.single_hold and not lock.kind.queues and wait >= pause
-                handed = yield WaitForRelease(wait, self.stop, _shared_until(self.deadline) if shared else None)
+                handed = yield self._wait_for_release(pause)
         except GeneratorExit:
             # Closed, its engine gone (an exception landed between two steps): it takes no more
             # steps. Whoever ran it undoes the acquire (`abandon`), steps and all.
@@ -551,10 +558,6 @@ def died_while_idle(exc: DatabaseError) -> bool:
 
 def _passed(deadline: float | None) -> bool:
     return deadline is not None and now() >= deadline
-
-
-def _shared_until(deadline: float | None) -> float:
-    return math.inf if deadline is None else deadline
 
 
 def _until(deadline: float | None, pause: float) -> float:
