@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from postgres_mutex._io.listener_async import MOST_REGISTERED
 from postgres_mutex._sql import wake
 from postgres_mutex.client import core_of
 from tests.support.faultproxy import FaultProxy
-from tests.support.fixtures import channel_of, listens, process_listens, wait_until
+from tests.support.fixtures import RecordingMetrics, channel_of, listens, process_listens, wait_until
 from tests.support.postgres_server import PostgresServer
 
 # Long enough that no waiter polls and no heartbeat goes out while the hand-offs run:
@@ -175,50 +176,55 @@ def test_a_change_of_the_number_of_permits_reaches_every_waiter(dsn: str, admin:
             assert time.monotonic() - started < 20.0, "some waiters slept until their poll"
 
 
+class _HeldAt(RecordingMetrics):
+    """When each attempt that found the lock held was made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held_at: list[float] = []
+
+    def contended(self, lock_name: str, *, instance_id: str) -> None:
+        self.held_at.append(time.monotonic())
+
+
 def test_the_waiters_of_one_process_share_its_polls_and_still_find_a_lock_freed_silently(
-    pg: PostgresServer, dsn: str, schema: None
+    dsn: str, schema: None
 ) -> None:
     """Five threads of one process wait on one Mutex: a poll by any of them finds what the others' would, so
     the process polls once per ``poll_interval``, not five times; and that one poll still takes a lock freed
     with no release to wake anyone (its row deleted by hand)."""
     name = f"handoff-{uuid.uuid4().hex[:10]}"
-    pause, waiters, polls = 0.2, 5, 8
-    proxy = FaultProxy(pg.host, pg.port)
-    counted_dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
-    options = {**QUIET, "poll_interval": pause}
+    pause, waiters, gaps = 0.2, 5, 5
+    attempts = _HeldAt()
     acquired: list[float] = []
-    try:
-        with MutexClient(dsn) as direct, MutexClient(counted_dsn) as client:
-            holder = direct.mutex(name, **QUIET)
-            assert holder.acquire().__enter__()
-            before = proxy.ready_for_query
+    with MutexClient(dsn) as direct, MutexClient(dsn) as client:
+        holder = direct.mutex(name, **QUIET)
+        assert holder.acquire().__enter__()
 
-            def wait_for_it() -> None:
-                with client.mutex(name, **options).acquire(timeout=30.0) as got:
-                    assert got
-                    acquired.append(time.monotonic())
+        def wait_for_it() -> None:
+            mutex = client.mutex(name, **{**QUIET, "poll_interval": pause}, metrics=attempts)
+            with mutex.acquire(timeout=30.0) as got:
+                assert got
+                acquired.append(time.monotonic())
 
-            threads = [threading.Thread(target=wait_for_it, daemon=True) for _ in range(waiters)]
-            for thread in threads:
-                thread.start()
-            wait_until(lambda: proxy.ready_for_query - before >= 2 * waiters + 1, timeout=30)
-            wait_until(lambda: len(_registered_pids(dsn, channel_of(name))) == 1, timeout=30)
-            started, counted = time.monotonic(), proxy.ready_for_query
-            wait_until(lambda: proxy.ready_for_query - counted >= polls, timeout=30)
-            took = time.monotonic() - started
-            # One poll per pause: the first at once at worst, the others a pause apart. Five waiters each
-            # polling would make them in a fifth of that.
-            assert took >= (polls - 1) * pause * 0.7, f"{polls} polls in {took:.2f}s: each waiter polled"
-            with psycopg.connect(dsn, autocommit=True) as admin:
-                admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (name,))
-            freed = time.monotonic()
-            wait_until(lambda: bool(acquired), timeout=10)
-            assert acquired[0] - freed < 10 * pause, "the shared poll found the freed lock late"
-            for thread in threads:
-                thread.join(30.0)
-            assert len(acquired) == waiters, "every waiter had the lock in turn"
-    finally:
-        proxy.close()
+        threads = [threading.Thread(target=wait_for_it, daemon=True) for _ in range(waiters)]
+        for thread in threads:
+            thread.start()
+        # Each waiter tries once or twice as it begins to wait (before and after its LISTEN); every
+        # attempt after those is a poll.
+        wait_until(lambda: len(attempts.held_at) >= 2 * waiters + gaps + 1, timeout=30)
+        polls = attempts.held_at[-(gaps + 1) :]
+        apart = sorted(later - earlier for earlier, later in itertools.pairwise(polls))
+        # One poll per pause; five waiters each polling would poll five times as often.
+        assert apart[gaps // 2] >= pause * 0.7, f"polls {[round(gap, 3) for gap in apart]}s apart: each waiter polled"
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("DELETE FROM mutex_lock WHERE lock_name = %s", (name,))
+        freed = time.monotonic()
+        wait_until(lambda: bool(acquired), timeout=10)
+        assert acquired[0] - freed < 10 * pause, "the shared poll found the freed lock late"
+        for thread in threads:
+            thread.join(30.0)
+        assert len(acquired) == waiters, "every waiter had the lock in turn"
 
 
 def test_a_wake_up_no_waiter_of_the_process_can_use_is_passed_on(
