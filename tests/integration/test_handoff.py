@@ -561,17 +561,19 @@ def _subscribed(mutex: Mutex) -> bool:
 
 
 def _take_turns(
-    dsn: str, processes: int, seconds: float, timeout: float, **options: Any
+    dsn: str, processes: int, seconds: float, timeout: float, threads_each: int = 1, **options: Any
 ) -> tuple[list[int], list[int]]:
     """``processes`` clients (a listener each, a slot each) take one new lock in turn for ``seconds``, holding it
-    2 ms each time: how many times each acquired it, and how many of its acquires ran out of ``timeout``."""
+    2 ms each time, from ``threads_each`` threads each: how many times each client acquired it, and how many of
+    its acquires ran out of ``timeout``."""
     name = f"turns-{uuid.uuid4().hex[:10]}"
     clients = [MutexClient(dsn) for _ in range(processes)]
     counts, timeouts = [0] * processes, [0] * processes
     stop = time.monotonic() + seconds
 
     def loop(index: int) -> None:
-        mutex = clients[index].mutex(name, **{**QUIET, **options})
+        mutex = clients[index % processes].mutex(name, **{**QUIET, **options})
+        index %= processes
         while time.monotonic() < stop:
             try:
                 with mutex.acquire(timeout=timeout):
@@ -580,7 +582,7 @@ def _take_turns(
             except LockAcquisitionTimeout:
                 timeouts[index] += 1
 
-    threads = [threading.Thread(target=loop, args=(index,)) for index in range(processes)]
+    threads = [threading.Thread(target=loop, args=(index,)) for index in range(processes * threads_each)]
     try:
         for thread in threads:
             thread.start()
@@ -597,6 +599,14 @@ def test_no_process_among_many_looping_on_one_lock_is_starved(dsn: str, schema: 
     # wake-ups must still reach the slots above the first eight, or their processes wait until their
     # acquire's timeout (their poll is far off).
     counts, timeouts = _take_turns(dsn, 12, 6.0, 4.0, poll_interval=30.0)
+    assert timeouts == [0] * len(counts), f"acquisitions {counts}, timed out {timeouts}"
+    assert min(counts) > 0, counts
+
+
+def test_no_process_is_starved_when_several_of_its_threads_wait_too(dsn: str, schema: None) -> None:
+    # As above, each process with two threads looping: when one releases, the other waits, so the release
+    # may wake its own process too; it must still choose among its neighbours' slots, not the first eight.
+    counts, timeouts = _take_turns(dsn, 12, 6.0, 4.0, threads_each=2, poll_interval=30.0)
     assert timeouts == [0] * len(counts), f"acquisitions {counts}, timed out {timeouts}"
     assert min(counts) > 0, counts
 

@@ -183,7 +183,8 @@ class Listener:
 
     def releasing(self, channel: str) -> int | None:
         """This process is about to release a hold of ``channel``'s lock: its slot there, which the release is
-        not to wake (`_sql.after_release`), if it is registered.
+        not to wake, if it is registered; its negative if a waiter of this process sleeps there, which the
+        release may wake (`_sql.wake.after_release`).
 
         With nobody of this process waiting there, the registration lingers
         `_AFTER_RELEASE` more at most: long enough for a loop to come back and
@@ -191,12 +192,13 @@ class Listener:
         """
         with self._host.state_lock:
             waiting = self._subscriptions.get(channel)
+            slot = self._registered.get(channel)
             if waiting is None:
                 if channel in self._linger_until:
                     self._linger_until[channel] = min(self._linger_until[channel], now() + _AFTER_RELEASE)
-            elif any(not subscription.woken for subscription in waiting):
-                return None  # a waiter of this process sleeps (another Mutex of the name): it may be the one woken
-        return self._registered.get(channel)
+            elif slot is not None and any(not subscription.woken for subscription in waiting):
+                return -slot  # a waiter of this process sleeps (another Mutex of the name): it may be the one woken
+        return slot
 
     @property
     def listening(self) -> frozenset[str]:

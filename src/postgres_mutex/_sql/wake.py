@@ -110,8 +110,9 @@ def _taken_slot(channel: sql.Composable, skip: sql.Composable, near: sql.Composa
     )
 
 
-def _wake_one(channel: sql.Composable, skip: sql.Composable) -> sql.Composable:
-    """The channel whose notification wakes one waiter of the fleet: a registered process's slot's, else the lock's.
+def _wake_one(channel: sql.Composable, skip: sql.Composable, near: sql.Composable) -> sql.Composable:
+    """The channel whose notification wakes one waiter of the fleet: a registered process's slot's, else the lock's;
+    chosen around slot ``near`` (0: none), never ``skip`` (0: none) (`_taken_slot`).
 
     Asks first whether anyone registered: the exclusive try succeeds only if
     nobody holds ``(key, 0)``, and then holds it to the end of the statement's
@@ -126,7 +127,7 @@ def _wake_one(channel: sql.Composable, skip: sql.Composable) -> sql.Composable:
         key=_KEY.format(channel=channel),
         channel=channel,
         choosing=_choosing(channel),
-        taken=_taken_slot(channel, skip, skip),
+        taken=_taken_slot(channel, skip, near),
     )
 
 
@@ -143,7 +144,10 @@ def after_release(row: str, *, answered: bool = False) -> sql.Composable:
     """The notification of a release of ``row`` (a ``RETURNING`` of the deleted row), whose statement's
     parameter ``channel`` names the lock's channel, and ``own_slot`` the releasing process's slot there
     (NULL if none): a release does not wake its own process, which keeps its registration a while after
-    its waiter got the lock (`_io.listener_async`), and whose next acquire, if any, is sent already.
+    its waiter got the lock (`_io.listener_async`), and whose next acquire, if any, is sent already. Its
+    negative (``-slot``) when a waiter of that process sleeps: the release may wake it then, and still
+    chooses among the slot's neighbours, or the processes registered above the first `CHOSEN_AMONG` slots
+    would never be chosen by a process whose threads take turns on the lock.
 
     A mutex's or a permit's release frees one hold: it wakes one waiter of
     the fleet (`_wake_one`). A read/write lock's (its row's name says so,
@@ -158,9 +162,10 @@ def after_release(row: str, *, answered: bool = False) -> sql.Composable:
     the channel answered is the one notified.
     """
     channel = sql.SQL("{}::text").format(sql.Placeholder("channel"))
-    skip = sql.SQL("coalesce({}::int, 0)").format(sql.Placeholder("own_slot"))
+    own = sql.SQL("coalesce({}::int, 0)").format(sql.Placeholder("own_slot"))
+    skip, near = sql.SQL("greatest({}, 0)").format(own), sql.SQL("abs({})").format(own)
     choice = sql.SQL("CASE WHEN {row}.lock_name ~ (chr(31) || '[rw]') THEN {channel} ELSE {one} END").format(
-        row=sql.Identifier(row), channel=channel, one=_wake_one(channel, skip)
+        row=sql.Identifier(row), channel=channel, one=_wake_one(channel, skip, near)
     )
     each = sql.Literal(WAKE_EACH_PROCESS)
     if not answered:
