@@ -572,8 +572,7 @@ def _take_turns(
     stop = time.monotonic() + seconds
 
     def loop(index: int) -> None:
-        mutex = clients[index % processes].mutex(name, **{**QUIET, **options})
-        index %= processes
+        mutex = clients[index].mutex(name, **{**QUIET, **options})
         while time.monotonic() < stop:
             try:
                 with mutex.acquire(timeout=timeout):
@@ -582,7 +581,7 @@ def _take_turns(
             except LockAcquisitionTimeout:
                 timeouts[index] += 1
 
-    threads = [threading.Thread(target=loop, args=(index,)) for index in range(processes * threads_each)]
+    threads = [threading.Thread(target=loop, args=(index,)) for index in range(processes) for _ in range(threads_each)]
     try:
         for thread in threads:
             thread.start()
