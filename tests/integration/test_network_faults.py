@@ -117,6 +117,23 @@ def test_on_a_direct_connection_acquire_and_release_are_parsed_once_then_only_ru
     assert proxy.sent("B") - runs == 20, "each acquire and release runs a prepared statement"
 
 
+def test_a_blocking_acquire_with_a_short_timeout_is_not_parsed_again_either(
+    make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
+) -> None:
+    """A deadline shorter than the session's (a blocking acquire's, which counts down) goes with the prepared
+    statement, not in a text the server parses and plans again at each attempt."""
+    mutex = make_mutex(proxy_dsn, **QUIET)
+    for _ in range(2):
+        with mutex.acquire(blocking=True, timeout=1.0):
+            pass
+    parsed, simple = proxy.sent("P"), proxy.sent("Q")
+    for timeout in (1.0, 0.5, 0.25, 1.5, 0.8) * 2:
+        with mutex.acquire(blocking=True, timeout=timeout):
+            pass
+    assert proxy.sent("P") == parsed, "a statement parsed again"
+    assert proxy.sent("Q") == simple, "a statement sent as a simple query, to be parsed and planned again"
+
+
 async def test_async_statements_are_parsed_once_per_connection(
     amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
 ) -> None:
@@ -127,6 +144,20 @@ async def test_async_statements_are_parsed_once_per_connection(
     parsed, simple = proxy.sent("P"), proxy.sent("Q")
     for _ in range(5):
         async with mutex.acquire_async():
+            pass
+    assert (proxy.sent("P"), proxy.sent("Q")) == (parsed, simple)
+
+
+async def test_async_blocking_acquires_with_short_timeouts_are_parsed_once_too(
+    amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
+) -> None:
+    mutex = amake_mutex(proxy_dsn, **QUIET)
+    for _ in range(2):
+        async with mutex.acquire_async(blocking=True, timeout=1.0):
+            pass
+    parsed, simple = proxy.sent("P"), proxy.sent("Q")
+    for timeout in (1.0, 0.5, 0.25, 1.5, 0.8):
+        async with mutex.acquire_async(blocking=True, timeout=timeout):
             pass
     assert (proxy.sent("P"), proxy.sent("Q")) == (parsed, simple)
 

@@ -118,7 +118,7 @@ class ServerSession:
     """What the library knows of, and set on, the server session of one connection of its own.
 
     Found out with the connection's first lock statement (`_sql.session_setup`),
-    set again with any whose deadline the session's does not fit, and
+    set again with any whose deadline is much longer than the session's, and
     forgotten with the connection: a new connection starts a new session.
     """
 
