@@ -117,21 +117,24 @@ def test_on_a_direct_connection_acquire_and_release_are_parsed_once_then_only_ru
     assert proxy.sent("B") - runs == 20, "each acquire and release runs a prepared statement"
 
 
-def test_a_blocking_acquire_with_a_short_timeout_is_not_parsed_again_either(
+def test_a_blocking_acquire_with_a_short_timeout_leaves_its_release_prepared(
     make_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
 ) -> None:
-    """A deadline shorter than the session's (a blocking acquire's, which counts down) goes with the prepared
-    statement, not in a text the server parses and plans again at each attempt."""
-    mutex = make_mutex(proxy_dsn, **QUIET)
-    for _ in range(2):
+    """A deadline much shorter than the session's (a blocking acquire's, which counts down) goes with its own
+    statement, which the server parses and plans, and leaves the session's: the release after it still fits
+    it, and runs prepared."""
+    mutex = make_mutex(proxy_dsn, operation_timeout=5.0, **QUIET)  # each timeout below is under half of it
+    for _ in range(3):  # the connection, its session, and the release's first use
         with mutex.acquire(blocking=True, timeout=1.0):
             pass
-    parsed, simple = proxy.sent("P"), proxy.sent("Q")
-    for timeout in (1.0, 0.5, 0.25, 1.5, 0.8) * 2:
+    parsed, simple, runs = proxy.sent("P"), proxy.sent("Q"), proxy.sent("B")
+    timeouts = (1.0, 0.5, 0.25, 1.5, 0.8) * 2
+    for timeout in timeouts:
         with mutex.acquire(blocking=True, timeout=timeout):
             pass
     assert proxy.sent("P") == parsed, "a statement parsed again"
-    assert proxy.sent("Q") == simple, "a statement sent as a simple query, to be parsed and planned again"
+    assert proxy.sent("Q") - simple == len(timeouts), "the acquires alone sent as simple queries"
+    assert proxy.sent("B") - runs == len(timeouts), "each release runs its prepared statement"
 
 
 async def test_async_statements_are_parsed_once_per_connection(
@@ -148,18 +151,19 @@ async def test_async_statements_are_parsed_once_per_connection(
     assert (proxy.sent("P"), proxy.sent("Q")) == (parsed, simple)
 
 
-async def test_async_blocking_acquires_with_short_timeouts_are_parsed_once_too(
+async def test_async_blocking_acquires_with_short_timeouts_leave_their_releases_prepared(
     amake_mutex: Callable[..., Mutex], proxy: FaultProxy, proxy_dsn: str
 ) -> None:
-    mutex = amake_mutex(proxy_dsn, **QUIET)
-    for _ in range(2):
+    mutex = amake_mutex(proxy_dsn, operation_timeout=5.0, **QUIET)
+    for _ in range(3):
         async with mutex.acquire_async(blocking=True, timeout=1.0):
             pass
-    parsed, simple = proxy.sent("P"), proxy.sent("Q")
-    for timeout in (1.0, 0.5, 0.25, 1.5, 0.8):
+    parsed, simple, runs = proxy.sent("P"), proxy.sent("Q"), proxy.sent("B")
+    timeouts = (1.0, 0.5, 0.25, 1.5, 0.8)
+    for timeout in timeouts:
         async with mutex.acquire_async(blocking=True, timeout=timeout):
             pass
-    assert (proxy.sent("P"), proxy.sent("Q")) == (parsed, simple)
+    assert (proxy.sent("P"), proxy.sent("Q") - simple, proxy.sent("B") - runs) == (parsed, len(timeouts), len(timeouts))
 
 
 @contextlib.contextmanager

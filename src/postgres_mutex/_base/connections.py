@@ -118,11 +118,11 @@ class ServerSession:
     """What the library knows of, and set on, the server session of one connection of its own.
 
     Found out with the connection's first lock statement (`_sql.session_setup`),
-    set again with any whose deadline is much longer than the session's, and
+    set again with any whose deadline does not fit the session's, and
     forgotten with the connection: a new connection starts a new session.
     """
 
-    __slots__ = ("backend_pid", "direct", "key", "pooler_told", "retired", "timeout_ms")
+    __slots__ = ("backend_pid", "direct", "key", "longest_ms", "pooler_told", "retired", "timeout_ms")
 
     def __init__(self, backend_pid: int) -> None:
         self.backend_pid = backend_pid
@@ -134,6 +134,9 @@ class ServerSession:
         """Whether it reaches PostgreSQL with no pooler between; None until the first statement asks."""
         self.timeout_ms: int | None = None
         """The session's ``statement_timeout`` as the library last set it (direct connections only)."""
+        self.longest_ms: int | None = None
+        """The ``statement_timeout`` the session was last set for a statement of the longest deadline yet: a
+        shorter one is set for the session only while that deadline still fits it (`_io.engine_async`)."""
         self.pooler_told = False
         """Told that behind a pooler a hold with ``reclaim_disconnected_after`` falls back to the thresholds."""
         self.retired = False

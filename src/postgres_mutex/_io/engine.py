@@ -66,9 +66,8 @@ _CLIENT_MARGIN = 0.05
 # On a direct connection the server's deadline is the session's. A statement
 # goes prepared under it if it fits the statement's own server deadline: never
 # later (a millisecond of rounding aside), and not below this share of it,
-# which would cut the statement short for no reason. One with a shorter
-# deadline goes prepared with its own (`_shorter`); one with a much longer
-# deadline sets the session's again.
+# which would cut the statement short for no reason. One with a much shorter
+# deadline carries its own, for its transaction, and leaves the session's.
 _SESSION_TIMEOUT_FLOOR = 0.5
 
 # The least a statement gets once the exit's budget is nearly spent: enough for
@@ -217,12 +216,11 @@ class Engine:
                             # statement is a measurable share of a lock cycle): alone, prepared, on a
                             # direct connection whose session carries its settings, if its deadline fits
                             # theirs: never later (a millisecond of rounding aside), nor much earlier.
-                            # Shorter, it carries its own.
                             timeout_ms = _SERVER_MS.get(timeout)
                             if timeout_ms is None:
                                 timeout_ms = _server_ms(timeout)
                             kept = session.timeout_ms
-                            if kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept:
+                            if kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
                                 cursor = source.cursor or conn.cursor()
                                 if statement.marks:
                                     params = {
@@ -230,11 +228,6 @@ class Engine:
                                         "_session_key": session.key,
                                         "_backend_pid": session.backend_pid,
                                     }
-                                if kept > timeout_ms + 1:
-                                    # A deadline shorter than the session's (a blocking acquire's counts down):
-                                    # its own for its transaction, in the same round trip, still prepared.
-                                    shorter = _shorter(conn, cursor, bare, params, timeout_ms, session)
-                                    return shorter
                                 sent_at = now()
                                 try:
                                     # Prepared on its first use on this connection (one more round trip, once).
@@ -432,13 +425,19 @@ def _statement(
             bound = {**bound, "_session_key": None, "_backend_pid": conn.info.backend_pid}
         else:
             bound = {**bound, "_session_key": session.key, "_backend_pid": session.backend_pid}
-    settling = False
-    if session is not None and statement.bare is not None:
+    settling = lengthening = False
+    if session is not None and statement.bare is not None and session.direct is not False:
         # A connection's first lock statement asks whether it reaches PostgreSQL
-        # directly and, if so, sets the session up; a statement whose deadline the
-        # session's does not fit sets it again. Either way in the statement's own
+        # directly and, if so, sets the session up; a statement whose deadline is much
+        # longer than the session's sets it again. Either way in the statement's own
         # message, which carries its settings for its transaction: no extra round trip.
-        settling = session.direct is not False
+        # One whose deadline is shorter (a blocking acquire's counts down) sets it only
+        # if the longest deadline still fits it; else it leaves the session's alone: the
+        # next statement, with the usual deadline, fits it still and goes prepared, where
+        # setting it back would send that one unprepared too.
+        kept, longest = session.timeout_ms, session.longest_ms
+        lengthening = kept is None or longest is None or kept < timeout_ms * _SESSION_TIMEOUT_FLOOR
+        settling = lengthening or (longest is not None and longest * _SESSION_TIMEOUT_FLOOR <= timeout_ms)
     text = statement.text
     if settling:
         text += "; " + _sql.session_setup(conn.info.backend_pid, timeout_ms)
@@ -454,6 +453,8 @@ def _statement(
         answer, result = results[-1], results[-2]
         session.direct = answer.rows[0][0] is True
         session.timeout_ms = timeout_ms if session.direct else None
+        if lengthening:
+            session.longest_ms = session.timeout_ms
         _tell_pooler(action, params, session)
         return result
     if session is not None and session.direct is False:
@@ -489,36 +490,6 @@ def _tell_pooler(action: str, params: Mapping[str, object], session: ServerSessi
             "(it is reclaimed after stale_threshold, as without the option)",
             action,
         )
-
-
-def _shorter(
-    conn: psycopg.Connection[Any],
-    cursor: psycopg.Cursor[Any],
-    bare: str,
-    params: Mapping[str, object],
-    timeout_ms: int,
-    session: ServerSession,
-) -> steps.Result:
-    """A prepared statement under a server-side deadline shorter than its session's, in one round trip.
-
-    Its deadline, set for its transaction alone (`_sql.SHORTER_DEADLINE`), and the statement go in one
-    pipeline: one transaction, which the server bounds by the deadline in effect as each statement
-    starts, and whose end puts the session's back. Sent unprepared with its settings instead, an
-    acquire's statement would be planned anew each time: two to three times the round trip. Refused
-    as `_unprepared` says, it runs again unprepared, under the same deadline.
-    """
-    sent_at = now()
-    try:
-        with conn.pipeline():
-            cursor.execute(_sql.SHORTER_DEADLINE, (str(timeout_ms),), prepare=True)
-            cursor.execute(bare, params, prepare=True)
-    except psycopg.errors.FeatureNotSupported:
-        session.retired = True
-        sent_at = now()
-        with conn.pipeline():
-            cursor.execute(_sql.SHORTER_DEADLINE, (str(timeout_ms),), prepare=True)
-            cursor.execute(bare, params, prepare=False)
-    return _result(cursor, sent_at)
 
 
 def _unprepared(

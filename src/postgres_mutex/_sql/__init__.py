@@ -21,7 +21,7 @@ from .integrations import (
 from .lock import CURRENT, Statements, TableShape, listen, unlisten
 from .names import Names
 from .schema import create_history, create_table, history_retention, inspect_table, migrate_steps, pages_have_room
-from .statement import SHORTER_DEADLINE, Statement, end_session_left_behind, session_setup
+from .statement import Statement, end_session_left_behind, session_setup
 from .wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, slot_channel, stop_listening, unregister
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "GRANTS",
     "HISTORY_ENDINGS",
     "INTEGRATIONS",
-    "SHORTER_DEADLINE",
     "WAKE_ALL",
     "WAKE_EACH_PROCESS",
     "WAKE_FAIR",

@@ -28,9 +28,6 @@ from psycopg import sql
 # Before every statement, in its own transaction: a server-side deadline and
 # the isolation the statements are written for. The timeout is in milliseconds.
 SETTINGS = "SET LOCAL statement_timeout = %(_server_timeout_ms)s; SET LOCAL transaction_isolation = 'read committed'; "
-SHORTER_DEADLINE = "SELECT set_config('statement_timeout', %s, true)"
-"""A prepared statement's server-side deadline, shorter than its session's, for its transaction alone: sent
-before it in the same pipeline, as one round trip and one transaction (`_io.engine_async`)."""
 SCHEMA_CHANGE_SETTINGS = "SET LOCAL lock_timeout = '50ms'; " + SETTINGS
 """For a change of the schema: it waits a moment at most for the table's lock, and the caller retries.
 
