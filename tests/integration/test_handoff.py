@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore
 from postgres_mutex._base import clock
@@ -266,6 +267,89 @@ def test_a_wake_up_no_waiter_of_the_process_can_use_is_passed_on(
         assert holder.acquire().__enter__()
         waited = asyncio.run(scenario(holder))
     assert waited < 20.0, "the wake-up was not passed on: the waiter slept until its poll"
+
+
+def test_a_release_made_while_a_process_gives_its_slot_back_is_heard_where_it_chose(dsn: str) -> None:
+    """A release that comes while another process gives its slot back waits for that to end before it
+    chooses a slot, so the process it chooses hears it before it stops listening, even if that one gives
+    its slot back next.
+
+    Processes ending their linger at once (a burst of waiters served) give
+    their slots back together, and a release chose among the slots while
+    one of them waited to: its process could then stop listening before the
+    release committed, and the wake-up was lost, its waiters asleep until
+    their poll. The release's choice is the library's own, made by hand in a
+    transaction held open, to order what takes a millisecond otherwise.
+    """
+    channel = channel_of(f"handoff-{uuid.uuid4().hex[:10]}")
+    key = "(hashtext(%s) & 2147483647)"
+    choose = sql.SQL("SELECT {} FROM (SELECT 'x'::text AS lock_name) AS released").format(
+        wake.after_release("released", answered=True)
+    )
+    heard: list[tuple[str, str]] = []
+    heard_then: list[tuple[str, str]] = []  # by the time the slot was given back
+    chosen: list[str] = []
+    commit = threading.Event()
+    limit = "SET statement_timeout = '20s'"
+    with (
+        psycopg.connect(dsn, autocommit=True) as leaving,
+        psycopg.connect(dsn) as in_flight,
+        psycopg.connect(dsn, autocommit=True) as giving_back,
+        psycopg.connect(dsn) as releasing,
+    ):
+        for conn in (leaving, in_flight, giving_back, releasing):
+            conn.execute(limit)
+        in_flight.commit()
+        releasing.commit()
+        leaving.add_notify_handler(lambda notify: heard.append((notify.channel, notify.payload)))
+        cursor = leaving.execute(wake.register(channel, leaving.info.backend_pid), prepare=False)
+        slot = None
+        while True:  # the slot taken: the row of the one statement that answers rows
+            slot = cursor.fetchone()[0] if cursor.description else slot  # type: ignore[index]
+            if not cursor.nextset():
+                break
+        assert slot is not None, "the leaving process registered"
+
+        def waits_for_a_lock(conn: psycopg.Connection[Any]) -> bool:
+            with psycopg.connect(dsn, autocommit=True) as look:
+                query = "SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted"
+                return look.execute(query, (conn.info.backend_pid,)).fetchone() is not None
+
+        def release() -> None:
+            row = releasing.execute(choose, {"channel": channel, "own_slot": None}).fetchone()
+            chosen.append(row[0] if row else "")
+            commit.wait(20.0)
+            releasing.commit()
+
+        # A release's choice in flight, and a process giving its slot back that waits for it to commit.
+        in_flight.execute(f"SELECT pg_advisory_xact_lock_shared({key}, -1)", (channel,))
+        gives_back = threading.Thread(
+            target=giving_back.execute, args=(f"SELECT pg_advisory_xact_lock({key}, -1)", (channel,)), daemon=True
+        )
+        gives_back.start()
+        wait_until(lambda: waits_for_a_lock(giving_back), timeout=20)
+        releaser = threading.Thread(target=release, daemon=True)
+        releaser.start()
+        wait_until(lambda: bool(chosen) or waits_for_a_lock(releasing), timeout=20)
+        in_flight.commit()
+        gives_back.join(20.0)
+        wait_until(lambda: bool(chosen), timeout=20)
+        assert chosen == [wake.slot_channel(channel, slot)], "the release chose the one process registered"
+
+        def leave() -> None:
+            leaving.execute(wake.unregister(channel, slot))
+            heard_then.extend(heard)
+            leaving.execute(wake.stop_listening(channel, slot))
+
+        # That process gives its slot back now, and stops listening once the releases that chose it committed.
+        leaves = threading.Thread(target=leave, daemon=True)
+        leaves.start()
+        wait_until(lambda: not leaves.is_alive() or waits_for_a_lock(leaving), timeout=20)
+        commit.set()
+        releaser.join(20.0)
+        leaves.join(20.0)
+    woken = (wake.slot_channel(channel, slot), wake.WAKE_EACH_PROCESS)
+    assert woken in heard_then, "the process the release chose was not told before it stopped listening"
 
 
 def test_a_release_reaches_no_process_that_stopped_waiting(dsn: str, pg: PostgresServer, schema: None) -> None:

@@ -287,6 +287,8 @@ class Listener:
 
     def _released(self, channel: str, payload: str) -> None:
         chosen = self._slot_channels.get(channel)
+        if chosen is not None and payload == wake.UNREGISTERED:
+            return  # this process's own, as it gives the slot back: the releases before it were heard
         lock_channel = channel if chosen is None else chosen
         with self._host.state_lock:
             # Heard: a waiter whose attempt was sent before now tries again once subscribed.

@@ -50,6 +50,10 @@ WAKE_ALL = "*"
 WAKE_EACH_PROCESS = ""
 """The payload of a notification that wakes one waiter in each listening process (nobody registered)."""
 
+UNREGISTERED = "unregistered"
+"""The payload of the notification a process sends its own slot's channel as it gives the slot back
+(`unregister`): never a wake-up."""
+
 SLOTS = 128
 """The most processes registered on one lock's channel at once; the others LISTEN on the lock's own channel."""
 
@@ -134,10 +138,14 @@ def _wake_one(channel: sql.Composable, skip: sql.Composable, near: sql.Composabl
 def _choosing(channel: sql.Composable) -> sql.Composable:
     """Held while a slot is chosen, to the end of the transaction that notifies it (never NULL).
 
-    Shared, and only tried: releases never wait for each other, nor for a
-    process unregistering (whose slot, let go already, is not chosen).
+    Shared: releases never wait for each other. They wait for a process
+    giving its slot back (`unregister`) only while that one waits for the
+    choices already made to commit, a moment. Taken, not tried: a try fails
+    while an unregister waits for the lock, and a choice made without it
+    could pick the slot of a process that stops listening before the
+    notification commits, a wake-up lost until the waiters' poll.
     """
-    return sql.SQL("pg_try_advisory_xact_lock_shared({key}, -1)").format(key=_KEY.format(channel=channel))
+    return sql.SQL("pg_advisory_xact_lock_shared({key}, -1)").format(key=_KEY.format(channel=channel))
 
 
 def after_release(row: str, *, answered: bool = False) -> sql.Composable:
@@ -216,19 +224,26 @@ _PLAIN = re.compile(r"[a-z0-9_]{1,60}")
 
 
 def unregister(channel: str, slot: int) -> str:
-    """Give the slot on ``channel`` back, once the releases that may have chosen it have committed.
+    """Give the slot on ``channel`` back, once the releases that may have chosen it have committed, and hear
+    their notifications before the statement's reply, so before `stop_listening`.
 
-    Their notifications reach the listener before its next statement (the
-    server delivers them as the connection goes idle), which is `stop_listening`.
+    A release's notification is queued before its locks are let go, but
+    the server signals the listener only after: left to that signal, it
+    could come after the UNLISTEN, and be dropped. So the statement also
+    notifies the slot's channel itself (`UNREGISTERED`): a session reads the
+    queue, up to its own notification, before it answers, and the
+    releases' come before it there.
     """
     return render(
         sql.SQL(
             "SELECT pg_advisory_unlock({slot_key}, {slot}), pg_advisory_unlock_shared({key}, 0), "
-            "pg_advisory_xact_lock({key}, -1)"
+            "pg_advisory_xact_lock({key}, -1), pg_notify({slot_channel}, {unregistered})"
         ).format(
             slot_key=_SLOT_KEY.format(channel=sql.Literal(channel)),
             slot=sql.Literal(slot),
             key=_KEY.format(channel=sql.Literal(channel)),
+            slot_channel=sql.Literal(slot_channel(channel, slot)),
+            unregistered=sql.Literal(UNREGISTERED),
         )
     )
 
