@@ -86,6 +86,49 @@ def test_a_serializable_session_default_cannot_turn_contention_into_errors(
     assert True in outcomes
 
 
+def test_the_statements_kept_prepared_are_planned_once_not_at_every_run(
+    dsn: str, lock_name: str, schema: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each statement the library keeps prepared on its connection runs the plan made for it once.
+
+    Left to choose, the server planned a permit's and a read/write hold's
+    release anew at every run, which cost more than running it: a semaphore's
+    cycle took 0.77 ms where it takes 0.58.
+    """
+    prepared_on: set[psycopg.Connection[Any]] = set()
+    execute = psycopg.Cursor.execute
+
+    def noting(cursor: psycopg.Cursor[Any], query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if kwargs.get("prepare"):
+            prepared_on.add(cursor.connection)
+        return execute(cursor, query, params, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", noting)
+    runs = 12
+    with postgres_mutex.MutexClient(dsn) as client:
+        locks = [
+            client.mutex(lock_name),
+            client.mutex(f"{lock_name}-fair", fair=True),
+            client.mutex(f"{lock_name}-reclaimed", reclaim_disconnected_after=30.0),
+            client.semaphore(f"{lock_name}-permits", permits=3),
+        ]
+        rwlock = client.rwlock(f"{lock_name}-rw")
+        for _ in range(runs):
+            for lock in locks:
+                with lock.acquire() as acquired:
+                    assert acquired
+            for hold in (rwlock.read, rwlock.write):
+                with hold() as acquired:
+                    assert acquired
+        (conn,) = prepared_on
+        plans = conn.execute(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements", prepare=False
+        ).fetchall()
+    assert len(plans) >= 8, "every lock kind's acquire and release are kept prepared"
+    planned_each_run = [" ".join(text.split())[:80] for text, _, custom in plans if custom >= runs]
+    assert planned_each_run == [], "planned anew at every run"
+
+
 def test_positional_and_keyword_construction_are_equivalent(dsn: str, lock_name: str) -> None:
     positional = Mutex(dsn, lock_name)
     keyword = Mutex(dsn=dsn, lock_name=lock_name)

@@ -87,11 +87,19 @@ def session_setup(backend_pid: int, timeout_ms: int) -> str:
     so a different one means a pooler sits between, and the settings are not
     made. Sent after a lock statement in the same message; the answer is the
     first column of the message's last result.
+
+    The statements the library prepares are planned once, for any values
+    (``plan_cache_mode``): their parameters are single values matched
+    against a unique key, so one plan suits all. Left to choose, the server
+    re-planned some of them at every execution (a release of a permit or a
+    read/write hold, whose ``own_slot`` prunes a branch when planned for its
+    value), which cost more than running them.
     """
     return render(
         sql.SQL(
             """SELECT direct, CASE WHEN direct THEN
        set_config('default_transaction_isolation', 'read committed', false)
+       || set_config('plan_cache_mode', 'force_generic_plan', false)
        || set_config('statement_timeout', {timeout_ms}, false) END
   FROM (SELECT pg_backend_pid() = {backend_pid} AS direct) AS connection"""
         ).format(backend_pid=sql.Literal(backend_pid), timeout_ms=sql.Literal(str(timeout_ms)))
