@@ -19,6 +19,9 @@ import pytest
 
 import postgres_mutex
 from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, LockNotHeldError, Mutex
+from postgres_mutex._sql.lock import CURRENT, Statements
+from postgres_mutex._sql.names import Names
+from postgres_mutex._sql.statement import Statement
 from postgres_mutex.client import core_of
 from tests.support.fixtures import (
     FAST,
@@ -488,10 +491,14 @@ def test_an_uncontended_cycle_sends_two_statements_binding_only_what_they_read(
         assert acquired
     sent: list[list[str]] = []
     execute = psycopg.Cursor.execute
+    # Prepared statements go with numbered placeholders: their parameters' names, from the statements themselves.
+    statements = vars(Statements(Names("mutex_lock"), CURRENT)).values()
+    named = {made.numbered: made.names for made in statements if isinstance(made, Statement) and made.numbered}
 
     def recording(self: psycopg.Cursor[Any], query: Any, params: Any = None, **kwargs: Any) -> Any:
         if isinstance(query, str) and "mutex_lock" in query:
-            sent.append(sorted(set(re.findall(r"%\((\w+)\)s", query))))
+            names = named.get(query) or re.findall(r"%\((\w+)\)s", query)
+            sent.append(sorted(set(names)))
         return execute(self, query, params, **kwargs)
 
     monkeypatch.setattr(psycopg.Cursor, "execute", recording)

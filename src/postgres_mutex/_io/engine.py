@@ -210,8 +210,8 @@ class Engine:
                         else:
                             cutter.arm(timeout)
                         pass
-                        session, bare = source.session, statement.bare
-                        if session is not None and bare is not None and session.direct:
+                        session, numbered = source.session, statement.numbered
+                        if session is not None and numbered is not None and session.direct:
                             # The common statement, inline rather than in `_statement` (a call per
                             # statement is a measurable share of a lock cycle): alone, prepared, on a
                             # direct connection whose session carries its settings, if its deadline fits
@@ -221,19 +221,20 @@ class Engine:
                                 timeout_ms = _server_ms(timeout)
                             kept = session.timeout_ms
                             if kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
-                                cursor = source.cursor or conn.cursor()
+                                cursor = source.cursor or psycopg.RawCursor(conn)
                                 if statement.marks:
                                     params = {
                                         **params,
                                         "_session_key": session.key,
                                         "_backend_pid": session.backend_pid,
                                     }
+                                values = [params[name] for name in statement.names]
                                 sent_at = now()
                                 try:
                                     # Prepared on its first use on this connection (one more round trip, once).
-                                    cursor.execute(bare, params, prepare=True)
+                                    cursor.execute(numbered, values, prepare=True)
                                 except psycopg.errors.FeatureNotSupported:
-                                    return _unprepared(cursor, params, bare, session)
+                                    return _unprepared(cursor, values, numbered, session)
                                 # `_result`, inline.
                                 pgresult = cursor.pgresult
                                 if pgresult is None or pgresult.status != _TUPLES_OK:
@@ -493,7 +494,7 @@ def _tell_pooler(action: str, params: Mapping[str, object], session: ServerSessi
 
 
 def _unprepared(
-    cursor: psycopg.Cursor[Any], params: Mapping[str, object], bare: str, session: ServerSession
+    cursor: psycopg.RawCursor[Any], values: list[object], numbered: str, session: ServerSession
 ) -> steps.Result:
     """A prepared statement refused with "cached plan must not change result type": it runs again unprepared.
 
@@ -505,7 +506,7 @@ def _unprepared(
     """
     session.retired = True
     sent_at = now()
-    cursor.execute(bare, params, prepare=False)
+    cursor.execute(numbered, values, prepare=False)
     return _result(cursor, sent_at)
 
 

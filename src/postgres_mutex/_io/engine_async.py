@@ -234,8 +234,8 @@ class AsyncEngine:
                         else:
                             cutter.arm(timeout)
                         on_cancel = functools.partial(interrupt, conn, cutter, timeout)  # sync: pass
-                        session, bare = source.session, statement.bare
-                        if session is not None and bare is not None and session.direct:
+                        session, numbered = source.session, statement.numbered
+                        if session is not None and numbered is not None and session.direct:
                             # The common statement, inline rather than in `_statement` (a call per
                             # statement is a measurable share of a lock cycle): alone, prepared, on a
                             # direct connection whose session carries its settings, if its deadline fits
@@ -245,28 +245,30 @@ class AsyncEngine:
                                 timeout_ms = _server_ms(timeout)
                             kept = session.timeout_ms
                             if kept is not None and timeout_ms * _SESSION_TIMEOUT_FLOOR <= kept <= timeout_ms + 1:
-                                cursor = source.cursor or conn.cursor()
+                                cursor = source.cursor or psycopg.AsyncRawCursor(conn)
                                 if statement.marks:
                                     params = {
                                         **params,
                                         "_session_key": session.key,
                                         "_backend_pid": session.backend_pid,
                                     }
+                                values = [params[name] for name in statement.names]
                                 sent_at = now()
                                 try:
                                     # Prepared on its first use on this connection (one more round trip, once).
                                     # async-only
-                                    await auncancellable(cursor.execute(bare, params, prepare=True), on_cancel)
+                                    await auncancellable(cursor.execute(numbered, values, prepare=True), on_cancel)
                                     # end async-only
                                     # sync-only
-                                    # cursor.execute(bare, params, prepare=True)
+                                    # cursor.execute(numbered, values, prepare=True)
                                     # end sync-only
                                 except psycopg.errors.FeatureNotSupported:
                                     # async-only
-                                    return await auncancellable(_unprepared(cursor, params, bare, session), on_cancel)
+                                    again = _unprepared(cursor, values, numbered, session)
+                                    return await auncancellable(again, on_cancel)
                                     # end async-only
                                     # sync-only
-                                    # return _unprepared(cursor, params, bare, session)
+                                    # return _unprepared(cursor, values, numbered, session)
                                     # end sync-only
                                 # `_result`, inline.
                                 # async-only
@@ -530,7 +532,7 @@ def _tell_pooler(action: str, params: Mapping[str, object], session: ServerSessi
 
 
 async def _unprepared(
-    cursor: psycopg.AsyncCursor[Any], params: Mapping[str, object], bare: str, session: ServerSession
+    cursor: psycopg.AsyncRawCursor[Any], values: list[object], numbered: str, session: ServerSession
 ) -> steps.Result:
     """A prepared statement refused with "cached plan must not change result type": it runs again unprepared.
 
@@ -542,7 +544,7 @@ async def _unprepared(
     """
     session.retired = True
     sent_at = now()
-    await cursor.execute(bare, params, prepare=False)
+    await cursor.execute(numbered, values, prepare=False)
     return await _result(cursor, sent_at)
 
 

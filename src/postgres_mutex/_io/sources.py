@@ -115,7 +115,7 @@ class OwnConnection:
         self.connected_before = False
         self.session: ServerSession | None = None
         """The session of the connection in use (None before the first connect)."""
-        self.cursor: psycopg.Cursor[Any] | None = None
+        self.cursor: psycopg.RawCursor[Any] | None = None
         """The connection's cursor for its prepared statements: reused, since making one
         per statement is a measurable share of a lock cycle."""
 
@@ -174,7 +174,7 @@ class OwnConnection:
             self._conn, self._cutter = conn, Cutter(conn.fileno())
             self._backend_pid = conn.info.backend_pid
             self.session = ServerSession(self._backend_pid)
-            self.cursor = conn.cursor()
+            self.cursor = psycopg.RawCursor(conn)
             self.connected_before = True
             try:
                 self._cut_sessions.end(conn, self._cutter, timeout)

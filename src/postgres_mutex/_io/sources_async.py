@@ -113,7 +113,7 @@ class OwnConnection:
         self.connected_before = False
         self.session: ServerSession | None = None
         """The session of the connection in use (None before the first connect)."""
-        self.cursor: psycopg.AsyncCursor[Any] | None = None
+        self.cursor: psycopg.AsyncRawCursor[Any] | None = None
         """The connection's cursor for its prepared statements: reused, since making one
         per statement is a measurable share of a lock cycle."""
 
@@ -172,7 +172,7 @@ class OwnConnection:
             self._conn, self._cutter = conn, Cutter(conn.fileno())
             self._backend_pid = conn.info.backend_pid
             self.session = ServerSession(self._backend_pid)
-            self.cursor = conn.cursor()
+            self.cursor = psycopg.AsyncRawCursor(conn)
             self.connected_before = True
             try:
                 await self._cut_sessions.end(conn, self._cutter, timeout)

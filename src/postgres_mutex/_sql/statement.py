@@ -21,7 +21,8 @@ session and nothing is prepared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from psycopg import sql
 
@@ -53,6 +54,36 @@ class Statement:
     marks: bool = False
     """It names or asks about holders' sessions (`_sql.sessions`): the engine binds
     ``_session_key`` (its connection's key, None on a pool's) and ``_backend_pid``."""
+    numbered: str | None = field(default=None, init=False)
+    """`bare` with ``$1``, ``$2``... for its placeholders, as the server reads it, sent with `names`' values in
+    order (`psycopg.RawCursor`): psycopg converts ``%(name)s`` placeholders in Python at every execute, and keeps
+    the conversion only for statements under 4 KiB, which a semaphore's or a fair lock's acquire is not."""
+    names: tuple[str, ...] = field(default=(), init=False)
+    """The parameters of `numbered`, in order."""
+
+    def __post_init__(self) -> None:
+        if self.bare is not None:
+            numbered, names = _numbered(self.bare)
+            object.__setattr__(self, "numbered", numbered)
+            object.__setattr__(self, "names", names)
+
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%|%")
+
+
+def _numbered(text: str) -> tuple[str, tuple[str, ...]]:
+    """``text``'s placeholders numbered, as psycopg numbers them (a name used twice is one parameter)."""
+    names: dict[str, int] = {}
+
+    def number(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name is None:
+            if match.group(0) == "%%":
+                return "%"
+            raise ValueError(f"a % that is neither a placeholder nor escaped, in {text[:80]!r}")
+        return f"${names.setdefault(name, len(names) + 1)}"
+
+    return _PLACEHOLDER.sub(number, text), tuple(names)
 
 
 def render(composed: sql.Composable) -> str:
