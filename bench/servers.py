@@ -74,10 +74,17 @@ def _version(dsn: str) -> str:
 @contextlib.contextmanager
 def bench_table(dsn: str, name: str = TABLE, *, history: bool = False) -> Iterator[str]:
     """A lock table of the bench's, fresh; dropped (with its sequence, semaphores, read/write lock gates, leases,
-    fair locks' queue and any history) at the end."""
+    fair locks' queue, functions and any history) at the end."""
     names = Names(name)
-    drop = sql.SQL("DROP TABLE IF EXISTS {}, {}, {}, {}, {}, {} CASCADE").format(
-        sql.Identifier(name), names.history, names.semaphores, names.rwlocks, names.leases, names.queue
+    drop = sql.SQL("DROP TABLE IF EXISTS {}, {}, {}, {}, {}, {} CASCADE; DROP FUNCTION IF EXISTS {}, {}").format(
+        sql.Identifier(name),
+        names.history,
+        names.semaphores,
+        names.rwlocks,
+        names.leases,
+        names.queue,
+        names.acquire_function,
+        names.wake_function,
     )
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(drop)

@@ -13,6 +13,7 @@ bound on the client), never prepared.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -40,7 +41,8 @@ class LibraryStatements:
 
 def library_statements(table: str, lock_name: str) -> LibraryStatements:
     names = Names(table)
-    statements = Statements(names, CURRENT)
+    # The table as `LockTable.create` makes it, with the functions of the common acquire and release.
+    statements = Statements(names, dataclasses.replace(CURRENT, functions=True))
     # What a Mutex without a minimum hold or reclaim_disconnected_after sends: the plain pair.
     sent_acquire = statements.acquire_plain or statements.acquire
     sent_release = statements.release_plain or statements.release

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import re
@@ -492,7 +493,8 @@ def test_an_uncontended_cycle_sends_two_statements_binding_only_what_they_read(
     sent: list[list[str]] = []
     execute = psycopg.Cursor.execute
     # Prepared statements go with numbered placeholders: their parameters' names, from the statements themselves.
-    statements = vars(Statements(Names("mutex_lock"), CURRENT)).values()
+    # The table as `create_schema` makes it: the common pair are functions on the server (`_sql.functions`).
+    statements = vars(Statements(Names("mutex_lock"), dataclasses.replace(CURRENT, functions=True))).values()
     named = {made.numbered: made.names for made in statements if isinstance(made, Statement) and made.numbered}
 
     def recording(self: psycopg.Cursor[Any], query: Any, params: Any = None, **kwargs: Any) -> Any:

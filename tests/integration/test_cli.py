@@ -528,6 +528,8 @@ def test_demo_on_your_own_server_leaves_no_table_behind(dsn: str, admin: psycopg
     assert int(counted.group(1)) == shown, "the summary counts the alerts the timeline shows"
     leftovers = admin.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE 'postgres_mutex_demo_%'").fetchall()
     assert leftovers == []
+    functions = admin.execute("SELECT proname FROM pg_proc WHERE proname LIKE 'postgres_mutex_demo_%'").fetchall()
+    assert functions == []
 
 
 # -- errors, help, secrets -----------------------------------------------------------

@@ -329,3 +329,117 @@ def test_a_role_without_privileges_gets_a_clear_error(
         mutex.close()
     finally:
         admin.execute(f"DROP ROLE {role}")
+
+
+# -- the functions of the common acquire and release (`_sql.functions`) ---------------------------------
+
+
+def _functions(admin: psycopg.Connection[Any], table: str) -> list[str]:
+    """The functions made with ``table``: its common acquire's and its release's choice of whom to wake."""
+    rows = admin.execute(
+        "SELECT proname FROM pg_proc WHERE proname = ANY(%s) ORDER BY proname", ([f"{table}_acquire", f"{table}_wake"],)
+    ).fetchall()
+    return [name for (name,) in rows]
+
+
+def _contend_and_reclaim(monkeypatch: pytest.MonkeyPatch, dsn: str, lock_name: str, table: str = "mutex_lock") -> None:
+    """What a lock does on the table, whichever way its statements reach it: held, refused to a rival, reclaimed;
+    and none of its statements refused by the server on the way (a refused one is retried, and costs a round trip)."""
+    refused: list[str] = []
+    execute = psycopg.Cursor.execute
+
+    def counting(self: psycopg.Cursor[Any], query: Any, params: Any = None, **kwargs: Any) -> Any:
+        try:
+            return execute(self, query, params, **kwargs)
+        except psycopg.DatabaseError as exc:
+            refused.append(str(exc))
+            raise
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", counting)
+    holder = Mutex(dsn, lock_name, table=table, **FAST)  # type: ignore[arg-type]
+    rival = Mutex(dsn, lock_name, table=table, **FAST)  # type: ignore[arg-type]
+    try:
+        with holder.acquire() as acquired:
+            assert acquired
+            with rival.acquire() as second:
+                assert not second
+        with rival.acquire() as after_release:
+            assert after_release
+        with frozen_holder(holder), rival.acquire(blocking=True, timeout=10) as reclaimed:
+            assert reclaimed
+    finally:
+        holder.close()
+        rival.close()
+    assert refused == []
+
+
+def test_create_schema_makes_the_functions_of_the_common_acquire_and_release(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = fresh_table()
+    LockTable(dsn, table=table).create()
+    try:
+        assert _functions(admin, table) == [f"{table}_acquire", f"{table}_wake"]
+        _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
+    finally:
+        admin.execute(f'DROP TABLE "{table}" CASCADE')
+        admin.execute(f'DROP FUNCTION "{table}_acquire", "{table}_wake"')
+
+
+def test_a_role_that_may_not_execute_the_functions_locks_with_the_statements_they_stand_for(
+    dml_role: str, lock_name: str, admin: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Some databases revoke EXECUTE from PUBLIC by default; a role granted only the README's DML still locks.
+    functions = "mutex_lock_acquire(text, text, float8, bigint), mutex_lock_wake(text, int, text)"
+    admin.execute(f"REVOKE EXECUTE ON FUNCTION {functions} FROM PUBLIC")
+    try:
+        _contend_and_reclaim(monkeypatch, dml_role, lock_name)
+    finally:
+        admin.execute(f"GRANT EXECUTE ON FUNCTION {functions} TO PUBLIC")
+
+
+def test_migrate_makes_the_functions_a_table_lacks(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = fresh_table()
+    LockTable(dsn, table=table).create()
+    admin.execute(f'DROP FUNCTION "{table}_acquire", "{table}_wake"')
+    try:
+        _contend_and_reclaim(monkeypatch, dsn, lock_name, table)  # without them: the statements
+        assert LockTable(dsn, table=table).migrate() is True
+        assert _functions(admin, table) == [f"{table}_acquire", f"{table}_wake"]
+        assert LockTable(dsn, table=table).migrate() is False
+        _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
+    finally:
+        admin.execute(f'DROP TABLE "{table}" CASCADE')
+        admin.execute(f'DROP FUNCTION IF EXISTS "{table}_acquire", "{table}_wake"')
+
+
+def test_functions_left_by_a_dropped_table_are_not_called_for_an_older_table_of_its_name(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = fresh_table()
+    LockTable(dsn, table=table).create()
+    # Dropped (the functions stay: nothing ties them to it) and made again with tokens but none of the later
+    # columns, as a table migrated by an earlier release: the functions' bodies would read columns it lacks.
+    admin.execute(f'DROP TABLE "{table}" CASCADE')
+    admin.execute(
+        f"""CREATE SEQUENCE "{table}_token_seq" AS bigint;
+CREATE TABLE "{table}" (
+  lock_name      VARCHAR(64) NOT NULL,
+  locked         INT NOT NULL DEFAULT 1,
+  instance_id    VARCHAR(64) NOT NULL,
+  last_heartbeat TIMESTAMPTZ NOT NULL,
+  acquired_at    TIMESTAMPTZ NOT NULL,
+  token          BIGINT DEFAULT nextval('"{table}_token_seq"'),
+  CONSTRAINT "uq_{table}" UNIQUE (locked, lock_name),
+  CHECK (locked = 1)
+);
+CREATE UNIQUE INDEX "{table}_token_key" ON "{table}" (token)"""
+    )
+    try:
+        assert _functions(admin, table) == [f"{table}_acquire", f"{table}_wake"]
+        _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
+    finally:
+        admin.execute(f'DROP TABLE "{table}" CASCADE')
+        admin.execute(f'DROP FUNCTION IF EXISTS "{table}_acquire", "{table}_wake"')

@@ -8,18 +8,22 @@ only for statements under 4 KiB; a semaphore's acquire is over).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 from psycopg import sql
 
+from postgres_mutex._sql.functions import define
 from postgres_mutex._sql.lock import CURRENT, Statements
 from postgres_mutex._sql.names import Names
 from postgres_mutex._sql.statement import Statement, statement
 
 
 def _prepared() -> list[Statement]:
-    made = vars(Statements(Names("mutex_lock"), CURRENT)).values()
+    # With and without the table's functions (`_sql.functions`), whose calls are prepared too.
+    shapes = (CURRENT, dataclasses.replace(CURRENT, functions=True))
+    made = [one for shape in shapes for one in vars(Statements(Names("mutex_lock"), shape)).values()]
     return [one for one in made if isinstance(one, Statement) and one.bare is not None]
 
 
@@ -50,3 +54,11 @@ def test_a_name_used_twice_is_one_parameter_and_an_escaped_percent_is_a_percent(
 def test_a_percent_that_is_no_placeholder_is_refused_when_the_statement_is_made() -> None:
     with pytest.raises(ValueError, match="neither a placeholder nor escaped"):
         statement("mutex_lock", "test", sql.SQL("SELECT 1 % 2"), preparable=True)
+
+
+def test_a_function_body_whose_placeholders_are_not_its_parameters_is_refused_when_it_is_made() -> None:
+    # The call binds the statement's values in the parameters' order: a body that numbers them otherwise
+    # would read one value for another.
+    body = sql.SQL("BEGIN PERFORM %(b)s::text, %(a)s::text; END")
+    with pytest.raises(ValueError, match=r"uses \('b', 'a'\), not \('a', 'b'\)"):
+        define("mutex_lock", "test", sql.Identifier("f"), ("a", "b"), body, returns="RETURNS void")

@@ -219,9 +219,14 @@ def _drop_table(dsn: str, setup: Any, table: str) -> None:
     setup.close()
     with contextlib.suppress(Exception), psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
         # The demo's table is a plain name of its own; its token sequence goes with it, and the tables of
-        # its semaphores, read/write locks' gates, fair locks' queue and leases.
+        # its semaphores, read/write locks' gates, fair locks' queue and leases; its functions do not.
         tables = [table, f"{table}_semaphores", f"{table}_rwlocks", f"{table}_queue", f"{table}_leases"]
-        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.SQL(", ").join(map(sql.Identifier, tables))))
+        functions = [f"{table}_acquire", f"{table}_wake"]
+        conn.execute(
+            sql.SQL("DROP TABLE IF EXISTS {}; DROP FUNCTION IF EXISTS {}").format(
+                sql.SQL(", ").join(map(sql.Identifier, tables)), sql.SQL(", ").join(map(sql.Identifier, functions))
+            )
+        )
 
 
 @contextlib.contextmanager

@@ -307,17 +307,7 @@ class Engine:
             op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
             row = (self.execute(op)).row
             assert row is not None
-            (
-                exists,
-                has_token,
-                has_history,
-                has_sessions,
-                has_semaphores,
-                has_rwlocks,
-                has_hold_until,
-                has_queue,
-                has_leases,
-            ) = row
+            exists, shape = _sql.TableShape.inspected(row)
             if not exists:
                 raise SchemaError(
                     phrase(
@@ -327,16 +317,6 @@ class Engine:
                     ),
                     sqlstate="42P01",
                 )
-            shape = _sql.TableShape(
-                tokens=bool(has_token),
-                history=bool(has_history),
-                sessions=bool(has_sessions),
-                semaphores=bool(has_semaphores),
-                rwlocks=bool(has_rwlocks),
-                holds=bool(has_hold_until),
-                fair=bool(has_queue),
-                **_sql.TableShape.with_leases(has_leases),
-            )
             statements = Statements(names, shape)
             # Told once per client: its engines and flows that find the history gone at once share it.
             if self.host.shapes.learn(statements):

@@ -18,7 +18,7 @@ from .integrations import (
     create_integration_table,
     integration_table_exists,
 )
-from .lock import CURRENT, Statements, TableShape, listen, unlisten
+from .lock import CURRENT, Statements, TableShape, create_functions, listen, unlisten
 from .names import Names
 from .schema import create_history, create_table, history_retention, inspect_table, migrate_steps, pages_have_room
 from .statement import Statement, end_session_left_behind, session_setup
@@ -38,6 +38,7 @@ __all__ = [
     "Statement",
     "Statements",
     "TableShape",
+    "create_functions",
     "create_history",
     "create_integration_table",
     "create_table",

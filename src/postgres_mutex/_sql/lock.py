@@ -17,17 +17,18 @@ same statements then write (`_sql.history`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from psycopg import sql
 
 from . import leases, sessions
+from .functions import ACQUIRE, WAKE, Function, define
 from .history import acquire_history, heartbeat_alerts, hold_ended, read_history
 from .kinds import added
 from .names import Names
 from .queue import acquire_parts
-from .statement import Statement, render, statement
-from .wake import after_release
+from .statement import Statement, render, schema_change, statement
+from .wake import WAKE_EACH_PROCESS, after_release, nobody_waits
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,33 @@ class TableShape:
     former holder's lease (whether or not the role may read the leases)."""
     lease_renewal: bool = False
     """The role may renew leases too (SELECT, INSERT, UPDATE, DELETE on the leases' table)."""
+    functions_made: bool = False
+    """The common acquire's and release's functions (`lock_functions`) are there, whoever may execute them."""
+    functions: bool = False
+    """The common acquire and release are functions on the server the role may execute (`lock_functions`), on a
+    table with every column their bodies read, whose leases the role may read."""
+
+    @classmethod
+    def inspected(cls, row: tuple[object, ...]) -> tuple[bool, TableShape]:
+        """Whether the table exists, and its shape, from `_sql.schema.inspect_table`'s row."""
+        exists, token, history, sessions_, semaphores, rwlocks, hold_until, queue, lease_level, functions = row
+        assert isinstance(lease_level, int)
+        assert isinstance(functions, int)
+        shape = cls(
+            tokens=bool(token),
+            history=bool(history),
+            sessions=bool(sessions_),
+            semaphores=bool(semaphores),
+            rwlocks=bool(rwlocks),
+            holds=bool(hold_until),
+            fair=bool(queue),
+            functions_made=functions >= 1,
+            **cls.with_leases(lease_level),
+        )
+        # Their bodies are the plain statements of the table's current shape (`CURRENT`): a table recreated
+        # in an older shape keeps functions that no longer fit it.
+        fits = shape.tokens and shape.sessions and shape.holds and shape.lease_column and shape.leases
+        return bool(exists), replace(shape, functions=functions == 2 and fits)
 
     @staticmethod
     def with_leases(level: int) -> dict[str, bool]:
@@ -131,6 +159,10 @@ class Statements:
         plain = shape.tokens and not shape.history
         self.acquire_plain: Statement | None = _acquire(names, shape, plain=True) if plain else None
         self.release_plain: Statement | None = _release_plain(names) if plain else None
+        if plain and shape.functions:
+            # The same pair, each set up on the server only as far as it runs (`_sql.functions`).
+            self.acquire_plain = lock_functions(names)[0].call
+            self.release_plain = _release_plain(names, wake=names.wake_function)
         self.heartbeat, self.heartbeat_waiting = _heartbeats(names, shape, _BY_HOLD)
         self.heartbeat_by_token: tuple[Statement, Statement] | None = (
             _heartbeats(names, shape, _BY_TOKEN) if shape.tokens else None
@@ -203,30 +235,32 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False, fair: bool
 
     ``fair``: a fair lock's (`_sql.queue`), which also queues the caller while the lock is not won.
     """
-    tokens = shape.tokens
-    written: Mapping[str, sql.Composable]
-    if not shape.sessions:
-        written = dict.fromkeys(sessions.written_by_acquire(), _NOTHING)
-    elif plain:
-        written = sessions.UNNAMED_BY_ACQUIRE
-    else:
-        written = sessions.written_by_acquire()
-    hold = _minimum_hold(shape, plain=plain)
     return statement(
         names.table_name,
         "acquire",
-        sql.SQL(
-            """WITH current AS (
+        _ACQUIRE.format(**_acquire_parts(names, shape, plain=plain, fair=fair)),
+        preparable=True,
+        marks=shape.sessions,
+    )
+
+
+_INSERT = sql.SQL(
+    """INSERT INTO {table} AS fresh
+         (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column}{session_columns}{hold_column})
+  {rows}(%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token}{session_values}{hold_value}){rows_if}
+  ON CONFLICT (locked, lock_name) DO NOTHING
+  RETURNING acquired_at, {inserted_token} AS token"""
+)
+"""The acquire's INSERT: wins if no row exists, and leaves a row that exists alone (`_acquire`)."""
+
+_ACQUIRE = sql.SQL(
+    """WITH current AS (
   SELECT instance_id, acquired_at,
          EXTRACT(EPOCH FROM now() - {current_heartbeat})::float8 AS heartbeat_age, {released} AS released
     FROM {table}
    WHERE locked = 1 AND lock_name = %(lock_name)s
 ){marker}{ahead}, inserted AS (
-  INSERT INTO {table} AS fresh
-         (lock_name, locked, instance_id, last_heartbeat, acquired_at{token_column}{session_columns}{hold_column})
-  {rows}(%(lock_name)s, 1, %(instance_id)s, now(), now(){new_token}{session_values}{hold_value}){rows_if}
-  ON CONFLICT (locked, lock_name) DO NOTHING
-  RETURNING acquired_at, {inserted_token} AS token
+  {insert}
 ), taken AS (
   UPDATE {table} AS existing
      SET instance_id = %(instance_id)s,
@@ -240,30 +274,43 @@ def _acquire(names: Names, shape: TableShape, *, plain: bool = False, fair: bool
   RETURNING existing.acquired_at, {taken_token} AS token
 ){history}{queued}
 {answer}"""
-        ).format(
-            answer=(_PLAIN if plain else _ANSWER).format(was_released=hold["was_released"]),
-            table=names.table,
-            token_column=sql.SQL(", token") if tokens else _NOTHING,
-            new_token=sql.SQL(", nextval({})").format(names.sequence_text) if tokens else _NOTHING,
-            update_token=sql.SQL(",\n         token = nextval({})").format(names.sequence_text) if tokens else _NOTHING,
-            # Without a token column in this shape, still read one if the table has
-            # gained it since (a migration while this process ran): the flow
-            # then inspects the table again.
-            inserted_token=sql.SQL("fresh.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("fresh")),
-            taken_token=sql.SQL("existing.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("existing")),
-            history=acquire_history(names) if shape.history and not plain else _NOTHING,
-            marker=sessions.MARKER if shape.sessions and not plain else _NOTHING,
-            disconnected=sql.SQL("\n          OR {}").format(sessions.disconnected("existing"))
-            if shape.sessions
-            else _NOTHING,
-            **written,
-            **hold,
-            **(acquire_parts(names) if fair else _NOT_FAIR),
-            **_lease_parts(names, shape),
-        ),
-        preparable=True,
-        marks=shape.sessions,
-    )
+)
+
+
+def _acquire_parts(names: Names, shape: TableShape, *, plain: bool, fair: bool) -> dict[str, sql.Composable]:
+    """What `_ACQUIRE` and `_INSERT` are made of for ``shape`` (`_acquire`)."""
+    tokens = shape.tokens
+    written: Mapping[str, sql.Composable]
+    if not shape.sessions:
+        written = dict.fromkeys(sessions.written_by_acquire(), _NOTHING)
+    elif plain:
+        written = sessions.UNNAMED_BY_ACQUIRE
+    else:
+        written = sessions.written_by_acquire()
+    hold = _minimum_hold(shape, plain=plain)
+    parts = {
+        "answer": (_PLAIN if plain else _ANSWER).format(was_released=hold["was_released"]),
+        "table": names.table,
+        "token_column": sql.SQL(", token") if tokens else _NOTHING,
+        "new_token": sql.SQL(", nextval({})").format(names.sequence_text) if tokens else _NOTHING,
+        "update_token": sql.SQL(",\n         token = nextval({})").format(names.sequence_text) if tokens else _NOTHING,
+        # Without a token column in this shape, still read one if the table has
+        # gained it since (a migration while this process ran): the flow
+        # then inspects the table again.
+        "inserted_token": sql.SQL("fresh.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("fresh")),
+        "taken_token": sql.SQL("existing.token") if tokens else _TOKEN_IF_ANY.format(sql.Identifier("existing")),
+        "history": acquire_history(names) if shape.history and not plain else _NOTHING,
+        "marker": sessions.MARKER if shape.sessions and not plain else _NOTHING,
+        "disconnected": sql.SQL("\n          OR {}").format(sessions.disconnected("existing"))
+        if shape.sessions
+        else _NOTHING,
+        **written,
+        **hold,
+        **(acquire_parts(names) if fair else _NOT_FAIR),
+        **_lease_parts(names, shape),
+    }
+    parts["insert"] = _INSERT.format(**parts)
+    return parts
 
 
 _NOT_FAIR = {
@@ -489,14 +536,30 @@ SELECT {notify} FROM released"""
     )
 
 
-def _release_plain(names: Names) -> Statement:
+def _release_plain(names: Names, *, wake: sql.Identifier | None = None) -> Statement:
     """`_release` as a bare DELETE, for a hold acquired without a minimum hold on a table without a history.
 
     Such a hold's row has no ``hold_until`` to keep it for (its acquire wrote
     NULL), and no history row to end: the row goes, and the same
     notification as `_release`'s wakes the lock's waiters, from the DELETE's
     own ``RETURNING``, one row per row deleted: the channel notified.
+
+    ``wake``: the table's function that chooses whom to wake (`lock_functions`), called only when someone
+    registered (`_sql.wake.nobody_waits`): the server sets up the choice's subqueries only then.
     """
+    notify = after_release("released", answered=True)
+    if wake is not None:
+        channel = sql.SQL("{}::text").format(sql.Placeholder("channel"))
+        notify = sql.SQL(
+            """CASE WHEN {nobody_waits} THEN {channel} || pg_notify({channel}, {each})::text
+            ELSE {wake}({channel}, {own_slot}::int, "released".lock_name) END"""
+        ).format(
+            nobody_waits=nobody_waits("released"),
+            channel=channel,
+            each=sql.Literal(WAKE_EACH_PROCESS),
+            wake=wake,
+            own_slot=sql.Placeholder("own_slot"),
+        )
     return statement(
         names.table_name,
         "release",
@@ -504,8 +567,70 @@ def _release_plain(names: Names) -> Statement:
             """DELETE FROM {table} AS released
  WHERE locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s AND acquired_at = %(acquired_at)s
 RETURNING {notify}"""
-        ).format(table=names.table, notify=after_release("released", answered=True)),
+        ).format(table=names.table, notify=notify),
         preparable=True,
+    )
+
+
+def lock_functions(names: Names) -> tuple[Function, Function]:
+    """The plain acquire (`Statements.acquire_plain`) as a function, and the release's choice of whom to wake.
+
+    The acquire tries the INSERT first (the plain acquire's own) and answers
+    its row when it won; the whole plain acquire runs only when a row was in
+    the way. ``use_column``: the answer's names (``acquired_at``, ``token``)
+    are columns too, and in the statements they are the columns.
+
+    The wake-up is `after_release`'s choice of a registered process's slot
+    and its notification, which the plain release calls only when someone
+    registered (`_release_plain`).
+    """
+    parts = _acquire_parts(names, CURRENT, plain=True, fair=False)
+    acquire = sql.SQL(
+        """
+#variable_conflict use_column
+BEGIN
+  {insert}
+  INTO acquired_at, token;
+  IF FOUND THEN
+    won := true;
+    RETURN;
+  END IF;
+  {plain}
+  INTO won, holder, heartbeat_age, acquired_at, token;
+END
+"""
+    ).format(insert=parts["insert"], plain=_ACQUIRE.format(**parts))
+    wake = sql.SQL(
+        """
+BEGIN
+  RETURN (SELECT {notify} FROM (SELECT %(lock_name)s::text AS lock_name) AS released);
+END
+"""
+    ).format(notify=after_release("released", answered=True))
+    return (
+        define(
+            names.table_name,
+            "acquire",
+            names.acquire_function,
+            ACQUIRE,
+            acquire,
+            returns="OUT won boolean, OUT holder varchar, OUT heartbeat_age float8, OUT acquired_at timestamptz, "
+            "OUT token bigint",
+        ),
+        define(names.table_name, "release", names.wake_function, WAKE, wake, returns="RETURNS text"),
+    )
+
+
+def create_functions(names: Names) -> Statement:
+    """Make the table's functions (`lock_functions`) unless they are there.
+
+    After the table, in a transaction of their own: their bodies are checked against what they read. A
+    table left without them (its maker stopped in between) gets the statements until `migrate` makes them.
+    """
+    return schema_change(
+        names.table_name,
+        "create the functions of the common acquire and release",
+        sql.SQL(";\n").join(function.create for function in lock_functions(names)),
     )
 
 

@@ -118,6 +118,9 @@ class Names:
         self.leases = sql.Identifier(*self.leases_parts)
         self.leases_text = sql.Literal(render(self.leases))
         self.leases_pkey = sql.Identifier(_derived(self.parts, "_leases_pkey")[-1])
+        # The common acquire, and a release's choice of whom to wake, as functions on the server (`_sql.functions`).
+        self.acquire_function = sql.Identifier(*_derived(self.parts, "_acquire"))
+        self.wake_function = sql.Identifier(*_derived(self.parts, "_wake"))
 
     @functools.cached_property
     def fence(self) -> str:

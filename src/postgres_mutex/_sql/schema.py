@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from psycopg import sql
 
+from .functions import ACQUIRE, WAKE, signature
 from .history import FAMILY, HISTORY_ENDINGS
 from .leases import COLUMN as LEASE_COLUMN
 from .leases import add_column as add_lease_column
@@ -208,11 +209,13 @@ CREATE INDEX IF NOT EXISTS {order} ON {queue} (lock_name, ticket)"""
 
 def inspect_table(names: Names) -> Statement:
     """What the table has: one row ``(exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks,
-    has_hold_until, has_queue, leases)``, under its own deadline. Semaphores (read/write locks) count only once
-    their last migration step (the unique index) is done. ``leases`` (`TableShape.with_leases`): 0, no ``lease_key``
-    column; 1, the column but no lease the role may read (it clears the column where it takes a row over, and judges
-    each row by its own heartbeat, as 0.1.0 does); 2, leases it may read (it judges a row by its lease too); 3,
-    leases it may renew as well."""
+    has_hold_until, has_queue, leases, functions)``, under its own deadline (`TableShape.inspected` reads it).
+    Semaphores (read/write locks) count only once their last migration step (the unique index) is done.
+    ``leases`` (`TableShape.with_leases`): 0, no ``lease_key`` column; 1, the column but no lease the role may
+    read (it clears the column where it takes a row over, and judges each row by its own heartbeat, as 0.1.0
+    does); 2, leases it may read (it judges a row by its lease too); 3, leases it may renew as well.
+    ``functions``: 0, the functions of the common acquire and release (`_sql.functions`) are not there; 1, they
+    are, but the role may not execute them; 2, it may."""
     return statement(
         names.table_name,
         "inspection",
@@ -236,8 +239,14 @@ def inspect_table(names: Names) -> Statement:
             WHEN has_table_privilege(to_regclass({leases_text}), 'INSERT')
                  AND has_table_privilege(to_regclass({leases_text}), 'UPDATE')
                  AND has_table_privilege(to_regclass({leases_text}), 'DELETE') THEN 3
-            ELSE 2 END"""
+            ELSE 2 END,
+       CASE WHEN to_regprocedure({acquire_function}) IS NULL OR to_regprocedure({wake_function}) IS NULL THEN 0
+            WHEN has_function_privilege(to_regprocedure({acquire_function}), 'EXECUTE')
+                 AND has_function_privilege(to_regprocedure({wake_function}), 'EXECUTE') THEN 2
+            ELSE 1 END"""
         ).format(
+            acquire_function=signature(names.acquire_function, ACQUIRE),
+            wake_function=signature(names.wake_function, WAKE),
             queue_text=names.queue_text,
             table_text=sql.Literal(render(names.table)),
             semaphores_text=names.semaphores_text,

@@ -63,7 +63,7 @@ class Statement:
 
     def __post_init__(self) -> None:
         if self.bare is not None:
-            numbered, names = _numbered(self.bare)
+            numbered, names = number_placeholders(self.bare)
             object.__setattr__(self, "numbered", numbered)
             object.__setattr__(self, "names", names)
 
@@ -71,7 +71,7 @@ class Statement:
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%|%")
 
 
-def _numbered(text: str) -> tuple[str, tuple[str, ...]]:
+def number_placeholders(text: str) -> tuple[str, tuple[str, ...]]:
     """``text``'s placeholders numbered, as psycopg numbers them (a name used twice is one parameter)."""
     names: dict[str, int] = {}
 

@@ -124,15 +124,34 @@ def _wake_one(channel: sql.Composable, skip: sql.Composable, near: sql.Composabl
     its waiter's next attempt sees this release.
     """
     return sql.SQL(
-        """CASE WHEN pg_try_advisory_xact_lock({key}, 0) THEN {channel}
+        """CASE WHEN {nobody} THEN {channel}
             WHEN {choosing} IS NULL THEN {channel}
             ELSE coalesce({channel} || '_' || {taken}, {channel}) END"""
     ).format(
-        key=_KEY.format(channel=channel),
+        nobody=_nobody_registered(channel),
         channel=channel,
         choosing=_choosing(channel),
         taken=_taken_slot(channel, skip, near),
     )
+
+
+def _nobody_registered(channel: sql.Composable) -> sql.Composable:
+    """True if nobody holds ``(key, 0)``: no process registered on ``channel``; held to the transaction's end then."""
+    return sql.SQL("pg_try_advisory_xact_lock({key}, 0)").format(key=_KEY.format(channel=channel))
+
+
+def nobody_waits(row: str) -> sql.Composable:
+    """True when `after_release` of ``row`` would notify the lock's own channel with `WAKE_EACH_PROCESS` because
+    nobody registered there (`_wake_one`'s first question, with the same lock kept); False for a read/write lock's
+    row, and when someone registered. Lets a caller skip the choice of a slot (`_sql.functions`)."""
+    return sql.SQL("NOT {rw} AND {nobody}").format(
+        rw=_RW_ROW.format(row=sql.Identifier(row)),
+        nobody=_nobody_registered(sql.SQL("{}::text").format(sql.Placeholder("channel"))),
+    )
+
+
+_RW_ROW = sql.SQL("{row}.lock_name ~ (chr(31) || '[rw]')")
+"""A read/write lock's row (`_state.rows`), which wakes one waiter of each process (`after_release`)."""
 
 
 def _choosing(channel: sql.Composable) -> sql.Composable:
@@ -172,8 +191,8 @@ def after_release(row: str, *, answered: bool = False) -> sql.Composable:
     channel = sql.SQL("{}::text").format(sql.Placeholder("channel"))
     own = sql.SQL("coalesce({}::int, 0)").format(sql.Placeholder("own_slot"))
     skip, near = sql.SQL("greatest({}, 0)").format(own), sql.SQL("abs({})").format(own)
-    choice = sql.SQL("CASE WHEN {row}.lock_name ~ (chr(31) || '[rw]') THEN {channel} ELSE {one} END").format(
-        row=sql.Identifier(row), channel=channel, one=_wake_one(channel, skip, near)
+    choice = sql.SQL("CASE WHEN {rw} THEN {channel} ELSE {one} END").format(
+        rw=_RW_ROW.format(row=sql.Identifier(row)), channel=channel, one=_wake_one(channel, skip, near)
     )
     each = sql.Literal(WAKE_EACH_PROCESS)
     if not answered:

@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 # Errors two sessions creating the same objects at once can get: the loser
 # sees the winner's catalog rows once it commits; one more try sees them exist.
-_CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710"})
+_CONCURRENT_CREATE = frozenset({"23505", "42P07", "42710", "42723"})
 
 # Between a forced release's tries: the client's other statements (heartbeats) go first.
 _FORCED_RELEASE_PAUSE = 0.02
@@ -54,6 +54,7 @@ def create_table(
             return shape.tokens
         try:
             yield Execute(_sql.create_table(names), {}, timeout, action)
+            yield Execute(_sql.create_functions(names), {}, timeout, action)
             if history:
                 yield from create_history(names, timeout, history_retention, exists=shape.history)
             return True
@@ -157,19 +158,7 @@ def inspect(names: Names, timeout: float) -> Flow[tuple[bool, TableShape]]:
     """Whether the table exists, and its shape: a token column, a history, the session columns, semaphores."""
     reply = yield Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
     assert reply.row is not None
-    exists, has_token, has_history, has_sessions, has_semaphores, has_rwlocks, has_hold_until, has_queue, has_leases = (
-        reply.row
-    )
-    return bool(exists), TableShape(
-        tokens=bool(has_token),
-        history=bool(has_history),
-        sessions=bool(has_sessions),
-        semaphores=bool(has_semaphores),
-        rwlocks=bool(has_rwlocks),
-        holds=bool(has_hold_until),
-        fair=bool(has_queue),
-        **TableShape.with_leases(has_leases),
-    )
+    return TableShape.inspected(reply.row)
 
 
 def migrate(
@@ -192,20 +181,28 @@ def migrate(
                 table=names.table_name,
             )
         )
-    if shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds and shape.fair:
+    if (
+        shape.tokens
+        and shape.sessions
+        and shape.semaphores
+        and shape.rwlocks
+        and shape.holds
+        and shape.fair
+        and shape.functions_made
+    ):
         history_asked = history and (not shape.history or history_retention is not None)
         room = yield Execute(_sql.pages_have_room(names), {}, timeout, f"lookup of table {names.table_name}")
         if not history_asked and room.row is not None and room.row[0]:
             # Nothing to do: found by reading the catalog, which any role may, not by changes only the owner may make.
             return False
     give_up_at = now() + max(timeout, 30.0)
-    for step in _sql.migrate_steps(names):
+    for step in [*_sql.migrate_steps(names), _sql.create_functions(names)]:
         yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
     if history:
         yield from create_history(names, timeout, history_retention, exists=shape.history)
-    return not (shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds) or (
-        history and not shape.history
-    )
+    return not (
+        shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds and shape.functions_made
+    ) or (history and not shape.history)
 
 
 def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:
