@@ -20,8 +20,8 @@ to `SELECT 1` measured in the same rounds:
   of 3 nobody else holds: the same cycle taking a permit row;
 - ``mutex_sync_reclaim``: the same with ``reclaim_disconnected_after``: its row names
   its session, in the same statements (no round trip of its own);
-- ``raw_bare_async``, ``raw_bare_unprepared_async``, ``raw_prefixed_async``,
-  ``mutex_async``: the same on an
+- ``insert_delete_async``, ``raw_bare_async``, ``raw_bare_unprepared_async``,
+  ``raw_prefixed_async``, ``mutex_async``: the same on an
   `AsyncConnection` and ``async with mutex.acquire_async(blocking=False)``.
 """
 
@@ -70,6 +70,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
             Measure("mutex_sync", _cycle(sync_mutex)),
             Measure("mutex_sync_reclaim", _cycle(reclaim_mutex)),
             Measure("semaphore_sync", _cycle(semaphore)),
+            Measure("insert_delete_async", aop=_ainsert_delete(aconn, table)),
             Measure("raw_bare_async", aop=AsyncRawCycle(aconn, table, "bench-araw-bare", prefixed=False)),
             Measure(
                 "raw_bare_unprepared_async",
@@ -107,6 +108,17 @@ def _insert_delete(conn: psycopg.Connection[Any], table: str) -> Any:
     def cycle() -> None:
         conn.execute(insert, ("bench-insert-delete", "bench-insert-delete-instance"))
         if conn.execute(delete, ("bench-insert-delete",)).rowcount != 1:
+            raise RuntimeError("the DELETE deleted nothing")
+
+    return cycle
+
+
+def _ainsert_delete(conn: psycopg.AsyncConnection[Any], table: str) -> Any:
+    insert, delete = insert_delete(table)
+
+    async def cycle() -> None:
+        await conn.execute(insert, ("bench-insert-delete-async", "bench-insert-delete-instance"))
+        if (await conn.execute(delete, ("bench-insert-delete-async",))).rowcount != 1:
             raise RuntimeError("the DELETE deleted nothing")
 
     return cycle
