@@ -9,6 +9,7 @@ statement's rows decide, hold by hold, which locks carry on and which are lost.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import threading
 import time
@@ -28,7 +29,7 @@ from postgres_mutex._state.flows import FirstAttempt, clean_up
 from postgres_mutex._state.flows import acquire as acquire_flow
 from postgres_mutex._state.flows import release as release_flow
 from postgres_mutex._state.heartbeat_flows import heartbeat
-from postgres_mutex._state.locks import LEASE_EXPIRED, ROW_GONE, Hold, HoldStatus, LockState, Phase
+from postgres_mutex._state.locks import LEASE_EXPIRED, ROW_GONE, HeartbeatGroup, Hold, HoldStatus, LockState, Phase
 from postgres_mutex._state.settings import Timing
 from postgres_mutex._state.steps import (
     Cleanup,
@@ -573,25 +574,54 @@ def test_the_rows_due_go_in_the_lease_renewals_statement_and_are_trusted_from_it
     assert hold.renewed_at == sent, "trusted from its own row's renewal"
 
 
+def lease_fit(holds: list[Hold], interval: float, timeout: float) -> float | None:
+    """`heartbeat_flows.fit` of ``holds``, counted as their group counts them."""
+    return heartbeat_flows.fit(collections.Counter(map(heartbeat_flows.facts, holds)), interval, timeout)
+
+
+def test_a_group_counts_what_its_holds_are_as_they_come_and_go() -> None:
+    # A heartbeat round reads the group's counts, not every hold (thousands, at times): they must stay those of
+    # the holds it has, whatever order holds are kept and forgotten in, and twice over.
+    leased, other = lock(timing=DEFAULTS), lock("other", timing=DEFAULTS)
+    holds = []
+    for index, state in enumerate([leased] * heartbeat_flows.LEASE_FROM + [other]):
+        state.begin_acquire(ACQUIRER)
+        plain = state is leased
+        holds.append(state.won(acquired_at=STAMP, token=index, sent_at=now(), owner=ME, span_context=None, plain=plain))
+        state.phase = Phase.IDLE
+    group = HeartbeatGroup("key", 10.0, TRACING)
+    for hold in holds + holds[:3]:
+        group.add(hold, heartbeat_flows.facts(hold))
+    assert group.counts == collections.Counter(map(heartbeat_flows.facts, holds))
+    assert heartbeat_flows.fit(group.counts, 10.0, 5.0) == lease_fit(holds, 10.0, 5.0) == 600.0 - 5.0 - 1.0
+    for hold in [holds[0], holds[0], holds[-1]]:
+        group.discard(hold)
+    assert group.counts == collections.Counter(map(heartbeat_flows.facts, holds[1:-1]))
+    assert heartbeat_flows.fit(group.counts, 10.0, 5.0) is None, "one lock too few to follow a lease"
+    for hold in holds:
+        group.discard(hold)
+    assert (group.holds, group.counts) == ({}, {})
+
+
 def test_a_lease_is_used_only_where_the_thresholds_leave_it_room() -> None:
     state = lock(timing=DEFAULTS)
     state.begin_acquire(ACQUIRER)
     hold = state.won(acquired_at=STAMP, token=7, sent_at=now(), owner=ME, span_context=None, plain=True)
     many = heartbeat_flows.LEASE_FROM
-    assert heartbeat_flows.lease_fit([hold] * many, 10.0, 5.0) == 600.0 - 5.0 - 1.0
-    assert heartbeat_flows.lease_fit([hold] * (many - 1), 10.0, 5.0) is None, "a few locks renew their rows"
+    assert lease_fit([hold] * many, 10.0, 5.0) == 600.0 - 5.0 - 1.0
+    assert lease_fit([hold] * (many - 1), 10.0, 5.0) is None, "a few locks renew their rows"
     other = lock("other", timing=DEFAULTS)
     other.begin_acquire(ACQUIRER)
     unleased = other.won(acquired_at=STAMP, token=8, sent_at=now(), owner=ME, span_context=None)
     assert not heartbeat_flows.follows_lease(unleased)
-    assert heartbeat_flows.lease_fit([hold] * (many - 1) + [unleased] * 10, 10.0, 5.0) is None, (
+    assert lease_fit([hold] * (many - 1) + [unleased] * 10, 10.0, 5.0) is None, (
         "only the locks that may follow the lease count"
     )
     assert heartbeat_flows.own_heartbeat_period(hold) == (600.0 - 10.0) / 3
     short = lock(timing=TIMING)  # a stale threshold shorter than the statement's deadline
     short.begin_acquire(ACQUIRER)
     fast = short.won(acquired_at=STAMP, token=8, sent_at=now(), owner=ME, span_context=None, plain=True)
-    assert heartbeat_flows.lease_fit([fast] * many, 0.1, 2.0) is None
+    assert lease_fit([fast] * many, 0.1, 2.0) is None
     minimum = lock(timing=DEFAULTS)
     minimum.begin_acquire(ACQUIRER)
     kept = minimum.won(acquired_at=STAMP, token=9, sent_at=now(), owner=ME, span_context=None, plain=False)

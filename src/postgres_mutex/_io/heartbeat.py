@@ -96,7 +96,7 @@ class HeartbeatWorker:
             new_group = group is None
             if group is None:
                 group = self.groups[key] = HeartbeatGroup(key, lock.timing.heartbeat_interval, lock.tracing)
-            group.holds[hold] = None
+            group.add(hold, heartbeat_flows.facts(hold))
             hold.group = group
             if self._worker is None:  # `_start_worker`'s first look, inline: a worker mostly runs
                 self._start_worker()
@@ -215,11 +215,17 @@ class HeartbeatWorker:
                     self.groups.pop(group.key, None)
                     ended = self._leases.pop(group.key, None)
                 group.next_beat = now() + group.interval
+            # What the heartbeat reads of every hold in the group, counted as they come and go: a few entries.
+            # A hold that is not live this round only makes what follows stricter.
+            counts = dict(group.counts)
         if not holds:
             if ended is not None:
                 self._end_lease(ended)
             return
-        timeout = min(hold.lock.timing.operation_timeout for hold in holds)
+        timeout = min(operation_timeout for operation_timeout, _, _, _ in counts)
+        # Holds the lease alone renews are told as heartbeats of each only where someone listens (thousands).
+        told_each = not all(quiet for _, _, _, quiet in counts)
+        fit = heartbeat_flows.fit(counts, group.interval, timeout)
         renewed: list[heartbeat_flows.Beat] = []
         started_at: float | None = None
         retry_at: float | None = None
@@ -227,14 +233,10 @@ class HeartbeatWorker:
             statements: Statements | None = self._engine.shape(holds[0].lock.names, timeout)
         except DatabaseError:
             statements = None  # the first batch inspects the table again, and fails as it does
-        # Few holds, thresholds too short for a lease (`heartbeat_flows.lease_fit`), or a pooler between (whose
+        # Few holds, thresholds too short for a lease (`heartbeat_flows.fit`), or a pooler between (whose
         # queue may hold the lease's renewal past the deadline it must land within): rows renewed one by one.
         table = holds[0].lock.names.table_name
-        within = (
-            None
-            if self._engine.behind_pooler or table in self._no_lease
-            else heartbeat_flows.lease_fit(holds, group.interval, timeout)
-        )
+        within = None if self._engine.behind_pooler or table in self._no_lease else fit
         lease = (
             self._lease(group)
             if within is not None and statements is not None and statements.renew_lease is not None
@@ -245,24 +247,26 @@ class HeartbeatWorker:
         by_row: list[Hold] = holds
         if lease is not None and statements is not None and within is not None:
             try:
-                first, by_lease = self._renew_lease(lease, holds, statements, group.tracing, timeout, within)
+                first, by_lease, left = self._renew_lease(lease, holds, statements, group.tracing, timeout, within)
             except DatabaseError as exc:
                 if not self._lease_refused(group, table, exc):
                     self._round_failed(group, holds, exc, first=True)
                     return
-                lease, first, by_lease = None, None, []  # each row renewed by itself, in this round
+                lease, first, by_lease, left = None, None, [], holds  # each row renewed by itself, in this round
+            by_row = left
             if first is not None:
                 started_at = first.sent_at
                 group.quiet_retry = False
                 # The holds whose rows the lease's statement renewed by themselves, and those the lease alone
                 # did: a heartbeat of each, to the hooks and the metrics (the latter's trust left as it was).
-                done = set(by_lease).union(first.renewed, first.busy, (hold for hold, _ in first.lost))
-                by_row = [hold for hold in holds if hold not in done]
                 if first.busy:
                     retry_at = now() + retry_pause(group.interval)
                     self._host.session.post(_failed(first.busy, None))
                 told = heartbeat_flows.Beat(
-                    first.renewed + by_lease, first.lost, first.latency, confirmed=first.confirmed
+                    first.renewed + by_lease if told_each else first.renewed,
+                    first.lost,
+                    first.latency,
+                    confirmed=first.confirmed,
                 )
                 if told.lost:
                     self._host.session.post(_renewed([told]))
@@ -368,36 +372,57 @@ class HeartbeatWorker:
         tracing: Tracing,
         timeout: float,
         within: float,
-    ) -> tuple[heartbeat_flows.Beat | None, list[Hold]]:
+    ) -> tuple[heartbeat_flows.Beat | None, list[Hold], list[Hold]]:
         """Renew the lease, detach the rows no longer renewed, and renew by themselves the rows whose own heartbeat
         is due (`_Lease.own_heartbeat_due`, at most `heartbeat_flows.BATCH` of them, the longest due first), in
-        one statement. Returns what it did for those rows (None: no statement was needed) and the holds the lease
-        alone renewed. ``within``: how old the lease may be for the renewal to land (`heartbeat_flows.lease_fit`).
+        one statement. Returns what it did for those rows (None: no statement was needed), the holds the lease
+        alone renewed, and the holds left to renew by themselves in this round (in the order of ``holds``): those
+        whose rows do not follow the lease, and those due but not carried. ``within``: how old the lease may be
+        for the renewal to land (`heartbeat_flows.fit`).
 
         None are renewed by the lease alone unless its revision is the one
         last seen (a forced release changes it; a lapsed lease has none):
         then each row is renewed by itself, which tells which are still held.
         Raises `DatabaseError` if the statement failed.
+
+        One pass over ``holds`` sorts them, and one over those the lease
+        renews tells which are still not due once the statement is answered:
+        a round costs a few passes over thousands of holds, not one per
+        question.
         """
-        for hold in lease.rows.keys() - set(holds):
-            del lease.rows[hold]
-            if hold.token is not None:
-                lease.detach[hold.token] = None
-        attached = [hold for hold in holds if hold in lease.rows]
-        if not attached and not lease.detach:
-            return None, []
+        rows = lease.rows
         current = now()
-        due = sorted((hold for hold in attached if lease.rows[hold] <= current), key=lease.rows.__getitem__)
-        due = due[: heartbeat_flows.BATCH]
+        attached: list[Hold] = []
+        due: list[Hold] = []
+        alone: list[Hold] = []
+        for hold in holds:
+            due_at = rows.get(hold)
+            if due_at is None:
+                alone.append(hold)
+            else:
+                attached.append(hold)
+                if due_at <= current:
+                    due.append(hold)
+        if len(attached) != len(rows):
+            # Rows whose holds are no longer renewed (released, lost, paused): detached by this renewal.
+            live = set(attached)
+            for hold in [hold for hold in rows if hold not in live]:
+                del rows[hold]
+                if hold.token is not None:
+                    lease.detach[hold.token] = None
+        if not attached and not lease.detach:
+            return None, [], alone
+        due.sort(key=rows.__getitem__)
+        carried, late = due[: heartbeat_flows.BATCH], due[heartbeat_flows.BATCH :]
         detach = list(lease.detach)
-        if due:
+        if carried:
             renewal = heartbeat_flows.LeaseRenewal(lease.key, detach, within)
-            beat = self._engine.run(heartbeat_flows.heartbeat(due, statements, tracing, timeout, renewal=renewal))
+            beat = self._engine.run(heartbeat_flows.heartbeat(carried, statements, tracing, timeout, renewal=renewal))
             if beat.error is not None:
                 raise beat.error
             revision, kept = beat.revision, detach if beat.kept is None else beat.kept
             for hold in beat.renewed:
-                lease.rows[hold] = lease.own_heartbeat_due(hold, first=False)
+                rows[hold] = lease.own_heartbeat_due(hold, first=False)
         else:
             revision, kept, sent_at = self._engine.run(
                 heartbeat_flows.renew_lease(attached, detach, statements, lease.key, timeout, within)
@@ -406,13 +431,26 @@ class HeartbeatWorker:
         # Rows another session held locked were not detached: the next renewal tries them again.
         lease.detach = dict.fromkeys(kept)
         if not attached:
-            return beat, []
+            return beat, [], alone
         seen, lease.seen = lease.seen, revision
         if revision is None or revision != seen:
-            return beat, []
+            # Each row by itself: those the statement did not carry.
+            done = set(carried)
+            return beat, [], [hold for hold in holds if hold not in done]
+        if len(due) == len(attached):
+            return beat, [], alone + late
         current = now()
-        carried = set(due)
-        return beat, [hold for hold in attached if hold not in carried and lease.rows[hold] > current]
+        # Carried (renewed, lost or busy: told with the statement's beat) or left already.
+        seen_to = set(due)
+        by_lease: list[Hold] = []
+        for hold in attached:
+            if hold in seen_to:
+                continue
+            if rows[hold] > current:
+                by_lease.append(hold)
+            else:
+                late.append(hold)  # due since the pass above: by itself, this round
+        return beat, by_lease, alone + late
 
     def _end_lease(self, lease: _Lease) -> None:
         """Delete the lease of a group that holds nothing any more, rather than leave its row for good."""

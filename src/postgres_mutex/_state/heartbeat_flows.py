@@ -9,6 +9,7 @@ client's event thread. Nothing here does I/O.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -16,7 +17,7 @@ from .._base.clock import now
 from .._observe.tracing import AttributeValue, Tracing, mark_error, set_outcome
 from ..errors import DatabaseError, LockNotHeldError
 from .failures import SHAPE_CHANGED
-from .locks import ROW_GONE, Hold, LockState
+from .locks import ROW_GONE, Facts, Hold, LockState
 from .steps import BRIEF_WAIT, Execute, Flow, Shape, Tell
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ def own_heartbeat_period(hold: Hold) -> float:
 
 
 LEASE_FROM = 16
-"""The fewest holds of a heartbeat group that follow a lease (`lease_fit`).
+"""The fewest holds of a heartbeat group that follow a lease (`fit`).
 
 Fewer are renewed row by row every interval, exactly as on a table without
 leases: a statement renewing a few rows costs the server about what one
@@ -276,28 +277,30 @@ old and rarer. From this many on, the rows' work is what the server spends
 """
 
 
-def lease_fit(holds: list[Hold], interval: float, timeout: float) -> float | None:
-    """How old the lease of ``holds`` may be for its renewal to land (`lease_within` of those that follow it), if
+def facts(hold: Hold) -> Facts:
+    """`Facts` of ``hold``: read once, as it is kept (`_state.locks.HeartbeatGroup.add`)."""
+    lock = hold.lock
+    timing = lock.timing
+    period = own_heartbeat_period(hold) if follows_lease(hold) else -1.0
+    return timing.operation_timeout, period, timing.stale_threshold, lock.events.quiet
+
+
+def fit(counts: Mapping[Facts, int], interval: float, timeout: float) -> float | None:
+    """How old the lease of holds may be for its renewal to land (`lease_within` of those that follow it), if
     they may follow a lease: at least `LEASE_FROM` of them may (`follows_lease`), its renewal is not refused
     before their next heartbeat, and their own heartbeats (`own_heartbeat_period`) come at least two intervals
     apart. Else None: the lease would only add a statement, and their rows are renewed one by one, as without
-    it."""
-    # One pass, asked each round of every hold of the group (thousands, at times): what it reads of a hold
-    # is fixed for the hold's life, and kept on it (`Hold.lease_period`).
+    it. ``counts``: how many holds have each `Facts` (a group keeps them as its holds come and go, so a round
+    over thousands of holds reads a few entries, not every hold)."""
     following = 0
     shortest = math.inf
-    for hold in holds:
-        period = hold.lease_period
-        if period is None:
-            period = hold.lease_period = own_heartbeat_period(hold) if follows_lease(hold) else -1.0
+    for (_, period, stale, _), count in counts.items():
         if period < 0:
             continue
         if period < 2 * interval:
             return None
-        following += 1
-        stale = hold.lock.timing.stale_threshold
-        if stale < shortest:
-            shortest = stale
+        following += count
+        shortest = min(shortest, stale)
     within = shortest - timeout - 1.0
     return within if following >= LEASE_FROM and within > 2 * interval else None
 
@@ -311,7 +314,7 @@ def renew_lease(
     within: float | None = None,
 ) -> Flow[tuple[int | None, list[int], float]]:
     """Detach the rows of ``detach`` (tokens) from the lease, and renew the lease for ``holds``; ``within``: how
-    old it may be for the renewal to land, if the caller knows (`lease_fit`), else `lease_within` of ``holds``.
+    old it may be for the renewal to land, if the caller knows (`fit`), else `lease_within` of ``holds``.
 
     Returns the lease's revision (None: it lapsed, or was never made, and
     nothing was renewed), the tokens of ``detach`` whose rows another session

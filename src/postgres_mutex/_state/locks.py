@@ -98,7 +98,6 @@ class Hold:
         "generation",
         "group",
         "lease_deadline",
-        "lease_period",
         "lock",
         "owner",
         "paused",
@@ -151,9 +150,6 @@ class Hold:
         """Heartbeats skip it, as they would a frozen process's: how tests freeze a holder in-process."""
         self.generation = lock.generation
         """The acquire that won it (`LockState.generation`)."""
-        self.lease_period: float | None = None
-        """How often its row's own heartbeat is renewed while it follows its group's lease, -1 if it may not
-        follow one (`heartbeat_flows.lease_fit`, which works it out once); None until then."""
 
     @property
     def trusted_until(self) -> float:
@@ -588,19 +584,44 @@ class LockState:
         self.cleanup_sender = None
 
 
+Facts = tuple[float, float, float, bool]
+"""What the heartbeat reads of a hold, fixed for the hold's life (`_state.heartbeat_flows.facts`): its
+``operation_timeout``, how often its row's own heartbeat is renewed while it follows its group's lease (-1: it may
+not follow one), its ``stale_threshold``, and whether its heartbeats are told to nobody (`LockEvents.quiet`)."""
+
+
 class HeartbeatGroup:
     """The holds of one engine on one table that share a heartbeat interval: renewed by one statement."""
 
-    __slots__ = ("holds", "interval", "key", "next_beat", "quiet_retry", "tracing")
+    __slots__ = ("counts", "holds", "interval", "key", "next_beat", "quiet_retry", "tracing")
 
     def __init__(self, key: object, interval: float, tracing: Tracing) -> None:
         self.key = key
         self.interval = interval
         self.tracing = tracing
-        self.holds: dict[Hold, None] = {}
+        self.holds: dict[Hold, Facts] = {}
+        """Its holds, in the order they were kept, each with what the heartbeat reads of it
+        (`_state.heartbeat_flows.facts`); changed by `add` and `discard` alone, under the state lock."""
+        self.counts: dict[Facts, int] = {}
+        """How many of `holds` have each `Facts`: what a heartbeat round reads of them all, in a few entries
+        rather than a pass over thousands of holds (`_state.heartbeat_flows.fit`)."""
         self.next_beat = now() + interval
         self.quiet_retry = False
         """The last heartbeat failed on a connection the server had closed while idle, and was retried at once."""
+
+    def add(self, hold: Hold, facts: Facts) -> None:
+        if hold not in self.holds:
+            self.holds[hold] = facts
+            self.counts[facts] = self.counts.get(facts, 0) + 1
+
+    def discard(self, hold: Hold) -> None:
+        facts = self.holds.pop(hold, None)
+        if facts is not None:
+            left = self.counts[facts] - 1
+            if left:
+                self.counts[facts] = left
+            else:
+                del self.counts[facts]
 
     def live(self) -> list[Hold]:
         return [hold for hold in self.holds if hold.status is HoldStatus.HELD and not hold.paused]

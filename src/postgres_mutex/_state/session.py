@@ -82,7 +82,7 @@ class Session:
         with self.state_lock:
             group = hold.group
             if group is not None:
-                group.holds.pop(hold, None)
+                group.discard(hold)
                 hold.group = None
             untold = (
                 hold.status is HoldStatus.ENDED
