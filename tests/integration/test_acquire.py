@@ -20,8 +20,9 @@ import pytest
 
 import postgres_mutex
 from postgres_mutex import LockAcquisitionTimeout, LockAlreadyHeldError, LockNotHeldError, Mutex
-from postgres_mutex._sql.lock import CURRENT, Statements
+from postgres_mutex._sql.lock import Statements
 from postgres_mutex._sql.names import Names
+from postgres_mutex._sql.shape import CURRENT
 from postgres_mutex._sql.statement import Statement
 from postgres_mutex.client import core_of
 from tests.support.fixtures import (

@@ -16,7 +16,8 @@ import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, RWLock
 from postgres_mutex._sql import Names
-from postgres_mutex._sql.lock import CURRENT, Statements
+from postgres_mutex._sql.lock import Statements
+from postgres_mutex._sql.shape import CURRENT
 from postgres_mutex._state.rows import rw_row_name
 from tests.support.exclusion import overlaps, read_log
 from tests.support.fixtures import ROOT, wait_until

@@ -16,7 +16,8 @@ import pytest
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, PermitsMismatchError, Semaphore
 from postgres_mutex._sql import Names
-from postgres_mutex._sql.lock import CURRENT, Statements
+from postgres_mutex._sql.lock import Statements
+from postgres_mutex._sql.shape import CURRENT
 from tests.support.exclusion import read_log
 from tests.support.fixtures import ROOT, wait_until
 from tests.support.timing import FAST

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -443,3 +444,70 @@ CREATE UNIQUE INDEX "{table}_token_key" ON "{table}" (token)"""
     finally:
         admin.execute(f'DROP TABLE "{table}" CASCADE')
         admin.execute(f'DROP FUNCTION IF EXISTS "{table}_acquire", "{table}_wake"')
+
+
+def test_functions_another_role_made_first_are_never_called(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch, needs_superuser: None
+) -> None:
+    # A role that may create in the schema makes the functions before the table's owner does: a client must not
+    # trust an answer of theirs (this one says every acquire won), and the owner's making them finds them there.
+    table, role = fresh_table(), f"mutex_squatter_{uuid.uuid4().hex[:8]}"
+    admin.execute(f"CREATE ROLE {role}; GRANT CREATE ON SCHEMA public TO {role}")
+    try:
+        admin.execute(f"SET ROLE {role}")
+        admin.execute(
+            f'''CREATE FUNCTION "{table}_acquire"(text, text, float8, bigint, OUT won boolean, OUT holder varchar,
+  OUT heartbeat_age float8, OUT acquired_at timestamptz, OUT token bigint)
+  LANGUAGE sql AS $$ SELECT true, NULL::varchar, NULL::float8, now(), 1::bigint $$;
+CREATE FUNCTION "{table}_wake"(text, int, text) RETURNS text LANGUAGE sql AS $$ SELECT $1 $$'''
+        )
+        admin.execute("RESET ROLE")
+        LockTable(dsn, table=table).create()
+        _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
+    finally:
+        admin.execute("RESET ROLE")
+        admin.execute(f'DROP TABLE IF EXISTS "{table}" CASCADE')
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
+
+
+def test_functions_dropped_while_locks_are_in_use_leave_them_working(
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], dsn: str, lock_name: str
+) -> None:
+    table = fresh_table()
+    LockTable(dsn, table=table).create()
+    holder, rival = make_mutex(table=table), make_mutex(table=table)
+    try:
+        with holder.acquire() as acquired:  # the table inspected: its functions in use
+            assert acquired
+        admin.execute(f'DROP FUNCTION "{table}_acquire", "{table}_wake"')
+        for _ in range(2):
+            with holder.acquire() as acquired:
+                assert acquired
+                with rival.acquire() as second:
+                    assert not second
+        with rival.acquire() as after:
+            assert after
+    finally:
+        admin.execute(f'DROP TABLE "{table}" CASCADE')
+
+
+def test_migrate_by_a_role_that_may_not_make_the_functions_says_so_and_leaves_the_table_usable(
+    dml_role: str, dsn: str, admin: psycopg.Connection[Any], lock_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A table made before its functions, migrated at start-up by the application's role (no CREATE): nothing in
+    # the table changes, the role is told what it could not make, and its locks use the statements.
+    admin.execute("DROP FUNCTION mutex_lock_acquire, mutex_lock_wake")
+    try:
+        with caplog.at_level(logging.WARNING, logger="postgres_mutex"):
+            assert LockTable(dml_role).migrate() is False
+        assert "its functions could not be made" in caplog.text
+        assert "permission denied" in caplog.text
+        holder = Mutex(dml_role, lock_name, **FAST)  # type: ignore[arg-type]
+        rival = Mutex(dml_role, lock_name, **FAST)  # type: ignore[arg-type]
+        with holder.acquire() as acquired, rival.acquire() as second:
+            assert (acquired, second) == (True, False)
+        holder.close()
+        rival.close()
+    finally:
+        assert LockTable(dsn).migrate() is True, "the owner makes them"

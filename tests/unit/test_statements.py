@@ -15,8 +15,9 @@ import pytest
 from psycopg import sql
 
 from postgres_mutex._sql.functions import define
-from postgres_mutex._sql.lock import CURRENT, Statements
+from postgres_mutex._sql.lock import Statements
 from postgres_mutex._sql.names import Names
+from postgres_mutex._sql.shape import CURRENT
 from postgres_mutex._sql.statement import Statement, statement
 
 

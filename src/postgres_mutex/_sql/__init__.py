@@ -18,9 +18,10 @@ from .integrations import (
     create_integration_table,
     integration_table_exists,
 )
-from .lock import CURRENT, Statements, TableShape, create_functions, listen, unlisten
+from .lock import Statements, create_functions, listen, unlisten
 from .names import Names
 from .schema import create_history, create_table, history_retention, inspect_table, migrate_steps, pages_have_room
+from .shape import CURRENT, TableShape
 from .statement import Statement, end_session_left_behind, session_setup
 from .wake import WAKE_ALL, WAKE_EACH_PROCESS, pass_on, register, slot_channel, stop_listening, unregister
 

@@ -56,8 +56,8 @@ from .statement import Statement, statement
 from .wake import after_release
 
 if TYPE_CHECKING:
-    from .lock import TableShape
     from .names import Names
+    from .shape import TableShape
 
 WAKE_FAIR = "fair "
 """A notification's payload that names the one waiter handed the lock: after it, the waiter's acquire

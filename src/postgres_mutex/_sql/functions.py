@@ -42,7 +42,6 @@ _TYPES = {
     "instance_id": "text",
     "stale_seconds": "float8",
     "_session_key": "bigint",
-    "acquired_at": "timestamptz",
     "channel": "text",
     "own_slot": "int",
 }
@@ -60,7 +59,7 @@ class Function:
 
 
 def signature(name: sql.Identifier, params: tuple[str, ...]) -> sql.Literal:
-    """The function ``name`` with ``params`` (`ACQUIRE`, `RELEASE`), as ``to_regprocedure`` reads it."""
+    """The function ``name`` with ``params`` (`ACQUIRE`, `WAKE`), as ``to_regprocedure`` reads it."""
     return sql.Literal(render(sql.SQL("{}({})").format(name, _types(params))))
 
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .lock import TableShape
     from .names import Names
+    from .shape import TableShape
     from .statement import Statement
 
 Adder = Callable[["Names", "TableShape"], Mapping[str, "Statement | None"]]

@@ -38,8 +38,8 @@ from .queue import writer_parts
 from .statement import Statement, statement
 
 if TYPE_CHECKING:
-    from .lock import TableShape
     from .names import Names
+    from .shape import TableShape
 
 _GATE = """WITH gate_made AS (
   INSERT INTO {rwlocks} (name, mode) VALUES (%(rwlock)s, {first_mode})

@@ -215,7 +215,8 @@ def inspect_table(names: Names) -> Statement:
     read (it clears the column where it takes a row over, and judges each row by its own heartbeat, as 0.1.0
     does); 2, leases it may read (it judges a row by its lease too); 3, leases it may renew as well.
     ``functions``: 0, the functions of the common acquire and release (`_sql.functions`) are not there; 1, they
-    are, but the role may not execute them; 2, it may."""
+    are, but the role may not execute them, or another role than the table's owner made them (a role that may
+    create in the schema could have made them first: their answers would be trusted); 2, they may be used."""
     return statement(
         names.table_name,
         "inspection",
@@ -242,7 +243,12 @@ def inspect_table(names: Names) -> Statement:
             ELSE 2 END,
        CASE WHEN to_regprocedure({acquire_function}) IS NULL OR to_regprocedure({wake_function}) IS NULL THEN 0
             WHEN has_function_privilege(to_regprocedure({acquire_function}), 'EXECUTE')
-                 AND has_function_privilege(to_regprocedure({wake_function}), 'EXECUTE') THEN 2
+                 AND has_function_privilege(to_regprocedure({wake_function}), 'EXECUTE')
+                 AND (SELECT count(DISTINCT owner) = 1 FROM (
+                        SELECT relowner FROM pg_class WHERE oid = to_regclass({table_text})
+                        UNION ALL SELECT proowner FROM pg_proc WHERE oid = to_regprocedure({acquire_function})
+                        UNION ALL SELECT proowner FROM pg_proc WHERE oid = to_regprocedure({wake_function})
+                      ) AS owners (owner)) THEN 2
             ELSE 1 END"""
         ).format(
             acquire_function=signature(names.acquire_function, ACQUIRE),

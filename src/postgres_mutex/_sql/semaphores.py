@@ -28,8 +28,8 @@ from .statement import Statement, statement
 from .wake import WAKE_ALL, after_release
 
 if TYPE_CHECKING:
-    from .lock import TableShape
     from .names import Names
+    from .shape import TableShape
 
 _NOTHING = sql.SQL("")
 

@@ -6,6 +6,7 @@ the lock flows, they do no I/O and own their retries and deadlines.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
@@ -19,6 +20,8 @@ from ..errors import DatabaseError, OperationTimeout, SchemaError, phrase
 from .failures import CANCELLED, LOCK_NOT_AVAILABLE, PRIVILEGE, SERIALIZATION_FAILURE, UNDEFINED_COLUMN
 from .rows import SEPARATOR, row_of, rw_row_name
 from .steps import BRIEF_WAIT, Execute, Flow, Pause, Result, Shape
+
+logger = logging.getLogger("postgres_mutex")
 
 T = TypeVar("T")
 
@@ -181,28 +184,44 @@ def migrate(
                 table=names.table_name,
             )
         )
-    if (
-        shape.tokens
-        and shape.sessions
-        and shape.semaphores
-        and shape.rwlocks
-        and shape.holds
-        and shape.fair
-        and shape.functions_made
-    ):
+    give_up_at = now() + max(timeout, 30.0)
+    complete = shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds and shape.fair
+    if complete:
         history_asked = history and (not shape.history or history_retention is not None)
         room = yield Execute(_sql.pages_have_room(names), {}, timeout, f"lookup of table {names.table_name}")
         if not history_asked and room.row is not None and room.row[0]:
-            # Nothing to do: found by reading the catalog, which any role may, not by changes only the owner may make.
-            return False
-    give_up_at = now() + max(timeout, 30.0)
-    for step in [*_sql.migrate_steps(names), _sql.create_functions(names)]:
+            # Nothing to change in the table: found by reading the catalog, which any role may, not by changes only
+            # the owner may make. Its functions, if it was made before them, by a role that may.
+            return False if shape.functions_made else (yield from _create_functions(names, timeout, give_up_at))
+    for step in _sql.migrate_steps(names):
         yield from _change_schema(step, timeout, f"migration of table {names.table_name}: {step.what}", give_up_at)
+    made = False if shape.functions_made else (yield from _create_functions(names, timeout, give_up_at))
     if history:
         yield from create_history(names, timeout, history_retention, exists=shape.history)
-    return not (
-        shape.tokens and shape.sessions and shape.semaphores and shape.rwlocks and shape.holds and shape.functions_made
-    ) or (history and not shape.history)
+    return not complete or made or (history and not shape.history)
+
+
+def _create_functions(names: Names, timeout: float, give_up_at: float) -> Flow[bool]:
+    """Make the table's functions (`_sql.functions`); True if made. A role that may not (no CREATE on the schema)
+    is told so, once per migration, and the table is used through its statements, as before them: they decide
+    the same, only at more cost to the server."""
+    statement = _sql.create_functions(names)
+    try:
+        yield from _change_schema(
+            statement, timeout, f"migration of table {names.table_name}: {statement.what}", give_up_at
+        )
+    except DatabaseError as exc:  # a SchemaError among them, naming the table's owner: the server's words instead
+        if exc.sqlstate != PRIVILEGE:
+            raise
+        refused = exc.__cause__ if isinstance(exc.__cause__, DatabaseError) else exc
+        logger.warning(
+            "migration of table %s: its functions could not be made (%s); locks use its statements, which cost "
+            "the server more: run the migration as a role that may create in its schema",
+            names.table_name,
+            _server_words(refused),
+        )
+        return False
+    return True
 
 
 def _change_schema(statement: Statement, timeout: float, action: str, give_up_at: float) -> Flow[None]:

@@ -24,8 +24,10 @@ CANCELLED = "57014"
 PRIVILEGE = "42501"
 UNDEFINED_COLUMN = "42703"
 UNDEFINED_TABLE = "42P01"
-SHAPE_CHANGED = frozenset({UNDEFINED_TABLE, UNDEFINED_COLUMN})
-"""A statement named a table or column that is not there: the table changed since it was inspected."""
+UNDEFINED_FUNCTION = "42883"
+SHAPE_CHANGED = frozenset({UNDEFINED_TABLE, UNDEFINED_COLUMN, UNDEFINED_FUNCTION})
+"""A statement named a table, a column or one of the table's functions (`_sql.functions`) that is not there: the
+table changed since it was inspected."""
 SERIALIZATION_FAILURE = "40001"
 FOREIGN_KEY_VIOLATION = "23503"
 UNIQUE_VIOLATION = "23505"
