@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -343,6 +343,15 @@ def _functions(admin: psycopg.Connection[Any], table: str) -> list[str]:
     return [name for (name,) in rows]
 
 
+@pytest.fixture
+def own_table(admin: psycopg.Connection[Any]) -> Iterator[str]:
+    """A lock table's name of the test's own; after it, the table and the functions made with it are dropped."""
+    table = fresh_table()
+    yield table
+    admin.execute(f'DROP TABLE IF EXISTS "{table}" CASCADE')
+    admin.execute(f'DROP FUNCTION IF EXISTS "{table}_acquire", "{table}_wake"')
+
+
 def _contend_and_reclaim(monkeypatch: pytest.MonkeyPatch, dsn: str, lock_name: str, table: str = "mutex_lock") -> None:
     """What a lock does on the table, whichever way its statements reach it: held, refused to a rival, reclaimed;
     and none of its statements refused by the server on the way (a refused one is retried, and costs a round trip)."""
@@ -375,16 +384,11 @@ def _contend_and_reclaim(monkeypatch: pytest.MonkeyPatch, dsn: str, lock_name: s
 
 
 def test_create_schema_makes_the_functions_of_the_common_acquire_and_release(
-    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch, own_table: str
 ) -> None:
-    table = fresh_table()
-    LockTable(dsn, table=table).create()
-    try:
-        assert _functions(admin, table) == [f"{table}_acquire", f"{table}_wake"]
-        _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
-    finally:
-        admin.execute(f'DROP TABLE "{table}" CASCADE')
-        admin.execute(f'DROP FUNCTION "{table}_acquire", "{table}_wake"')
+    LockTable(dsn, table=own_table).create()
+    assert _functions(admin, own_table) == [f"{own_table}_acquire", f"{own_table}_wake"]
+    _contend_and_reclaim(monkeypatch, dsn, lock_name, own_table)
 
 
 def test_a_role_that_may_not_execute_the_functions_locks_with_the_statements_they_stand_for(
@@ -400,26 +404,22 @@ def test_a_role_that_may_not_execute_the_functions_locks_with_the_statements_the
 
 
 def test_migrate_makes_the_functions_a_table_lacks(
-    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch, own_table: str
 ) -> None:
-    table = fresh_table()
+    table = own_table
     LockTable(dsn, table=table).create()
     admin.execute(f'DROP FUNCTION "{table}_acquire", "{table}_wake"')
-    try:
-        _contend_and_reclaim(monkeypatch, dsn, lock_name, table)  # without them: the statements
-        assert LockTable(dsn, table=table).migrate() is True
-        assert _functions(admin, table) == [f"{table}_acquire", f"{table}_wake"]
-        assert LockTable(dsn, table=table).migrate() is False
-        _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
-    finally:
-        admin.execute(f'DROP TABLE "{table}" CASCADE')
-        admin.execute(f'DROP FUNCTION IF EXISTS "{table}_acquire", "{table}_wake"')
+    _contend_and_reclaim(monkeypatch, dsn, lock_name, table)  # without them: the statements
+    assert LockTable(dsn, table=table).migrate() is True
+    assert _functions(admin, table) == [f"{table}_acquire", f"{table}_wake"]
+    assert LockTable(dsn, table=table).migrate() is False
+    _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
 
 
 def test_functions_left_by_a_dropped_table_are_not_called_for_an_older_table_of_its_name(
-    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch, own_table: str
 ) -> None:
-    table = fresh_table()
+    table = own_table
     LockTable(dsn, table=table).create()
     # Dropped (the functions stay: nothing ties them to it) and made again with tokens but none of the later
     # columns, as a table migrated by an earlier release: the functions' bodies would read columns it lacks.
@@ -438,20 +438,21 @@ CREATE TABLE "{table}" (
 );
 CREATE UNIQUE INDEX "{table}_token_key" ON "{table}" (token)"""
     )
-    try:
-        assert _functions(admin, table) == [f"{table}_acquire", f"{table}_wake"]
-        _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
-    finally:
-        admin.execute(f'DROP TABLE "{table}" CASCADE')
-        admin.execute(f'DROP FUNCTION IF EXISTS "{table}_acquire", "{table}_wake"')
+    assert _functions(admin, table) == [f"{table}_acquire", f"{table}_wake"]
+    _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
 
 
 def test_functions_another_role_made_first_are_never_called(
-    dsn: str, admin: psycopg.Connection[Any], lock_name: str, monkeypatch: pytest.MonkeyPatch, needs_superuser: None
+    dsn: str,
+    admin: psycopg.Connection[Any],
+    lock_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    needs_superuser: None,
+    own_table: str,
 ) -> None:
     # A role that may create in the schema makes the functions before the table's owner does: a client must not
     # trust an answer of theirs (this one says every acquire won), and the owner's making them finds them there.
-    table, role = fresh_table(), f"mutex_squatter_{uuid.uuid4().hex[:8]}"
+    table, role = own_table, f"mutex_squatter_{uuid.uuid4().hex[:8]}"
     admin.execute(f"CREATE ROLE {role}; GRANT CREATE ON SCHEMA public TO {role}")
     try:
         admin.execute(f"SET ROLE {role}")
@@ -466,30 +467,26 @@ CREATE FUNCTION "{table}_wake"(text, int, text) RETURNS text LANGUAGE sql AS $$ 
         _contend_and_reclaim(monkeypatch, dsn, lock_name, table)
     finally:
         admin.execute("RESET ROLE")
-        admin.execute(f'DROP TABLE IF EXISTS "{table}" CASCADE')
         admin.execute(f"DROP OWNED BY {role}")
         admin.execute(f"DROP ROLE {role}")
 
 
 def test_functions_dropped_while_locks_are_in_use_leave_them_working(
-    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], dsn: str, lock_name: str
+    make_mutex: Callable[..., Mutex], admin: psycopg.Connection[Any], dsn: str, lock_name: str, own_table: str
 ) -> None:
-    table = fresh_table()
+    table = own_table
     LockTable(dsn, table=table).create()
     holder, rival = make_mutex(table=table), make_mutex(table=table)
-    try:
-        with holder.acquire() as acquired:  # the table inspected: its functions in use
+    with holder.acquire() as acquired:  # the table inspected: its functions in use
+        assert acquired
+    admin.execute(f'DROP FUNCTION "{table}_acquire", "{table}_wake"')
+    for _ in range(2):
+        with holder.acquire() as acquired:
             assert acquired
-        admin.execute(f'DROP FUNCTION "{table}_acquire", "{table}_wake"')
-        for _ in range(2):
-            with holder.acquire() as acquired:
-                assert acquired
-                with rival.acquire() as second:
-                    assert not second
-        with rival.acquire() as after:
-            assert after
-    finally:
-        admin.execute(f'DROP TABLE "{table}" CASCADE')
+            with rival.acquire() as second:
+                assert not second
+    with rival.acquire() as after:
+        assert after
 
 
 def test_migrate_by_a_role_that_may_not_make_the_functions_says_so_and_leaves_the_table_usable(
