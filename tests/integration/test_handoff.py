@@ -570,13 +570,22 @@ def test_a_defect_in_the_release_listener_is_logged_once_and_waiters_are_still_w
 PER_CONTENDED_CYCLE = 4.0
 
 
-def test_a_hand_off_between_two_clients_taking_turns_costs_three_round_trips(pg: PostgresServer, schema: None) -> None:
+# A fair lock's: the attempt that queues the waiter, and the release that hands it the row (and says so). 2.0
+# measured; 5 to 6 when the releaser, hearing its own hand-off, unregistered and its next wait registered anew
+# (and attempted once more, since newly listening).
+PER_FAIR_HAND_OFF = 2.5
+
+
+@pytest.mark.parametrize("fair", [False, True], ids=["mutex", "fair"])
+def test_a_hand_off_between_two_clients_taking_turns_costs_three_round_trips(
+    pg: PostgresServer, schema: None, fair: bool
+) -> None:
     name = f"handoff-{uuid.uuid4().hex[:10]}"
     proxy = FaultProxy(pg.host, pg.port)
     counted_dsn = pg.dsn(host="127.0.0.1", port=proxy.port, sslmode="disable", gssencmode="disable")
     try:
         with MutexClient(counted_dsn) as first, MutexClient(counted_dsn) as second:
-            holder, waiter = first.mutex(name, **QUIET), second.mutex(name, **QUIET)
+            holder, waiter = first.mutex(name, fair=fair, **QUIET), second.mutex(name, fair=fair, **QUIET)
             holding = holder.acquire()
             assert holding.__enter__()
             counts: list[int] = []
@@ -602,7 +611,9 @@ def test_a_hand_off_between_two_clients_taking_turns_costs_three_round_trips(pg:
             holding.__exit__(None, None, None)
     finally:
         proxy.close()
-    assert sum(counts) / len(counts) <= PER_CONTENDED_CYCLE, f"round trips per hand-off: {counts}"
+    assert sum(counts) / len(counts) <= (PER_FAIR_HAND_OFF if fair else PER_CONTENDED_CYCLE), (
+        f"round trips per hand-off: {counts}"
+    )
 
 
 def test_clients_looping_on_one_lock_cost_few_round_trips_a_cycle(pg: PostgresServer, schema: None) -> None:

@@ -296,7 +296,13 @@ class Listener:
                 self._quiet_since[lock_channel] = now()
             # Heard with nobody here waiting: other processes wait on the lock, and the releases that chose this
             # one would each be passed on. The registration lingers no longer (one wake-up passed on at most).
-            ended = lock_channel not in self._subscriptions and self._linger_until.get(lock_channel, 0.0) > now()
+            # Not for a fair lock's hand-off (this process's own, most often): it names its waiter, and nobody
+            # passes it on.
+            ended = (
+                lock_channel not in self._subscriptions
+                and self._linger_until.get(lock_channel, 0.0) > now()
+                and not payload.startswith(fair.WAKE_FAIR)
+            )
             if ended:
                 self._linger_until[lock_channel] = now()
         if ended:
