@@ -271,7 +271,8 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
     the background, as the flow would.
     """
     statements = engine.host.shapes.get(lock.names.table_name)
-    if statements is None or not lock.kind.direct or engine.deadline is not None or not lock.tracing.silent():
+    kind = lock.kind
+    if statements is None or not kind.releases_direct or engine.deadline is not None or not lock.tracing.silent():
         return engine.run(flows.release(lock, lock.tracing, caller=caller))
     releaser = object()
     settled = False  # the row's fate is known: deleted, gone, or the flow's to settle
@@ -283,7 +284,7 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
             return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser)))
         engine.host.session.forget(hold)
         plain = statements.release_plain
-        if plain is not None and hold.plain:
+        if plain is not None and hold.plain and kind.direct:
             # No minimum hold to keep the row for: a DELETE of it, binding only what it reads.
             statement, params = (
                 plain,
@@ -295,7 +296,7 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
                 },
             )
         else:
-            statement, params = statements.release, lock.params()
+            statement, params = kind.release_statement(statements), lock.params()
         listener = engine.listener
         # The release wakes a waiter of another process, not this one's lingering registration.
         params["own_slot"] = None if listener is None else listener.releasing(lock.channel)
@@ -308,7 +309,7 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
         if result.rowcount <= 0:
             flowed = True
             return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=result))
-        if listener is not None and result.rows:
+        if listener is not None and result.rows and kind.direct:
             # The channel it notified: a slot's (`_sql.wake`) if it woke another process's waiter.
             woke = result.rows[0][0]
             lock.gave_way_at = result.sent_at if woke and woke != lock.channel else None
