@@ -407,8 +407,14 @@ def test_no_module_waits_on_a_socket_with_select() -> None:
         str(path.relative_to(SRC))
         for path in SRC.rglob("*.py")
         for node in ast.walk(ast.parse(path.read_text()))
-        if (isinstance(node, ast.Import) and any(alias.name == "select" for alias in node.names))
-        or (isinstance(node, ast.ImportFrom) and node.module == "select")
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and (node.value.id, node.attr) in (("select", "select"), ("selectors", "SelectSelector"))
+        )
+        or (
+            isinstance(node, ast.ImportFrom) and node.module == "select" and any(a.name == "select" for a in node.names)
+        )
     )
     assert users == []
 

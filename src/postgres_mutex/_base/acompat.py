@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import os
+import select
 import selectors
 import sys
 import threading
@@ -499,12 +501,25 @@ def ready_to_read(fds: tuple[int, ...], timeout: float) -> set[int]:
 
     poll() where there is one, never select(): a process with many sockets open (a web server's)
     hands the library descriptors above 1,023, which select() refuses; epoll costs a descriptor.
+    The poll object itself, not a `selectors.PollSelector`: a waiter woken by a release calls
+    this on its way to the lock, where a selector's bookkeeping costs dozens of Python calls.
     """
-    selector: selectors.BaseSelector = getattr(selectors, "PollSelector", selectors.DefaultSelector)()
-    with selector:
-        for fd in fds:
-            selector.register(fd, selectors.EVENT_READ)
-        return {key.fd for key, _ in selector.select(max(timeout, 0.0))}
+    if _poll is None:
+        selector = selectors.DefaultSelector()
+        with selector:
+            for fd in fds:
+                selector.register(fd, selectors.EVENT_READ)
+            return {key.fd for key, _ in selector.select(max(timeout, 0.0))}
+    poller = _poll()
+    for fd in fds:
+        poller.register(fd, _READABLE)
+    # In milliseconds, rounded up as selectors rounds: a wait never ends before its time. Any event
+    # counts (a hang-up, an error): the caller's read then finds out what it was.
+    return {fd for fd, _ in poller.poll(math.ceil(max(timeout, 0.0) * 1e3))}
+
+
+_poll = getattr(select, "poll", None)
+_READABLE = getattr(select, "POLLIN", 1)
 
 
 class AWaker:
