@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .._base.acompat import PASS_SLICE, let_others_run
 from .._base.clock import MAX_SLICE, now, slice_until
 from .._base.threads import start_thread
 from .locks import LEASE_EXPIRED, HeartbeatGroup, Hold, HoldStatus, StateLock
@@ -107,14 +108,17 @@ class Session:
         thread, on time. Returns when something is next due about a hold (None: nothing is held).
 
         One pass over the holds, which looks closer only at those with something due: with
-        thousands of holds, this pass is most of the event thread's work.
+        thousands of holds, this pass is most of the event thread's work. In slices
+        (`let_others_run`): a lock cycle of the process whose reply came meanwhile need not wait for it.
         """
         current = now()
         with self.state_lock:
             held = self._held()
         due: float | None = None
         lost: list[tuple[Hold, LockNotHeldError]] = []
-        for hold in held:
+        for index, hold in enumerate(held):
+            if index % PASS_SLICE == PASS_SLICE - 1:
+                let_others_run()
             hold_due = _next_due(hold)
             if hold_due <= current:
                 self._expire(hold, current, lost)
