@@ -29,7 +29,9 @@ connections. Measured:
 - then, no longer idle: a Mutex cycle on one more lock, in that process and
   through the proxy, again and again for a while: its p99.9 and max say how
   long the process's other lock operations wait when they arrive during the
-  heartbeat of N locks on the shared connection.
+  heartbeat of N locks on the shared connection. The same cycles, for as
+  long, in the same process before it took the N locks are their baseline:
+  the tail the machine gives a cycle when nothing else is held.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def run(
         if thresholds is not None:
             config["thresholds"] = thresholds
         with workers("many-locks", [config]) as (worker,):
+            # The same cycles first, holding none: what the machine's own noise makes of a p99.9.
+            worker.send(cmd="cycle", seconds=cycling)
+            alone = worker.receive(cycling + 30.0)
             worker.send(cmd="hold")
             held = worker.receive(60.0 + locks * 0.05)
             time.sleep(settle)
@@ -136,6 +141,10 @@ def run(
         "cycle_while_holding_p99_ms": round(percentile(cycled["samples"], 0.99) * 1e3, 3),
         "cycle_while_holding_p999_ms": round(percentile(cycled["samples"], 0.999) * 1e3, 3),
         "cycle_while_holding_max_ms": round(max(cycled["samples"]) * 1e3, 3),
+        "cycles_holding_none": alone["cycles"],
+        "cycle_holding_none_p50_ms": round(median(alone["samples"]) * 1e3, 3),
+        "cycle_holding_none_p999_ms": round(percentile(alone["samples"], 0.999) * 1e3, 3),
+        "cycle_holding_none_max_ms": round(max(alone["samples"]) * 1e3, 3),
         "release_all_s": released["release_s"],
     }
 
