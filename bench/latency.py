@@ -20,6 +20,8 @@ to `SELECT 1` measured in the same rounds:
   of 3 nobody else holds: the same cycle taking a permit row;
 - ``mutex_sync_reclaim``: the same with ``reclaim_disconnected_after``: its row names
   its session, in the same statements (no round trip of its own);
+- ``fair_sync``: the same cycle of a fair Mutex (``fair=True``), whose acquire also
+  asks whether anyone waits in line before it;
 - ``insert_delete_async``, ``raw_bare_async``, ``raw_bare_unprepared_async``,
   ``raw_prefixed_async``, ``mutex_async``: the same on an
   `AsyncConnection` and ``async with mutex.acquire_async(blocking=False)``.
@@ -56,6 +58,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
     reclaim_mutex = Mutex(dsn, "bench-cycle-reclaim", table=table, reclaim_disconnected_after=30.0)
     async_mutex = Mutex(dsn, "bench-cycle-async", table=table)
     semaphore = Semaphore(dsn, "bench-cycle-semaphore", permits=3, table=table)
+    fair_mutex = Mutex(dsn, "bench-cycle-fair", table=table, fair=True)
     try:
         aconn = runner.run(psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name=APPLICATION_NAME))
         measures = [
@@ -70,6 +73,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
             Measure("mutex_sync", _cycle(sync_mutex)),
             Measure("mutex_sync_reclaim", _cycle(reclaim_mutex)),
             Measure("semaphore_sync", _cycle(semaphore)),
+            Measure("fair_sync", _cycle(fair_mutex)),
             Measure("insert_delete_async", aop=_ainsert_delete(aconn, table)),
             Measure("raw_bare_async", aop=AsyncRawCycle(aconn, table, "bench-araw-bare", prefixed=False)),
             Measure(
@@ -86,6 +90,7 @@ def run(dsn: str, table: str, sizes: Sizes) -> dict[str, Timed]:
         sync_mutex.close()
         reclaim_mutex.close()
         semaphore.close()
+        fair_mutex.close()
         runner.run(async_mutex.aclose())
         runner.run(sync_mutex.client.aclose())
         runner.close()

@@ -58,6 +58,7 @@ LATENCY_LABELS = {
     "mutex_sync": "**Mutex cycle, sync**: `with mutex.acquire()`",
     "semaphore_sync": "**Semaphore cycle, sync**: `with semaphore.acquire()` (3 permits, none held)",
     "mutex_sync_reclaim": "Mutex cycle, sync, with `reclaim_disconnected_after` (its row names its session)",
+    "fair_sync": "fair Mutex cycle, sync: `with mutex.acquire()` on a Mutex with `fair=True` (nobody in line)",
     "insert_delete_async": "async: plain INSERT + DELETE of a lock row (the async cycle's floor)",
     "raw_bare_async": "async: acquire + release, bare, psycopg defaults",
     "raw_bare_unprepared_async": "async: acquire + release, bare, never prepared",
