@@ -515,13 +515,16 @@ def test_an_uncontended_cycle_sends_two_statements_binding_only_what_they_read(
     assert release == ["acquired_at", "channel", "instance_id", "lock_name", "own_slot"]
 
 
+@pytest.mark.parametrize("fair", [False, True], ids=["mutex", "fair"])
 def test_an_uncontended_cycle_runs_little_python_of_the_librarys_own(
-    make_mutex: Callable[..., Mutex], caplog: pytest.LogCaptureFixture
+    make_mutex: Callable[..., Mutex], caplog: pytest.LogCaptureFixture, fair: bool
 ) -> None:
     # What a cycle costs the client beyond its two statements is the library's own Python: its
     # calls (psycopg's and the standard library's aside) stay few, with no hook, span or DEBUG log.
+    # A fair Mutex's too, whose statements also ask the line of waiters: 52 calls measured (a Mutex's
+    # 38), and 91 when its acquire went through the flow's steps.
     caplog.set_level(logging.INFO, logger="postgres_mutex")
-    mutex = make_mutex()
+    mutex = make_mutex(fair=fair)
     for _ in range(3):  # the connection's first statements set its session up and prepare
         with mutex.acquire() as acquired:
             assert acquired

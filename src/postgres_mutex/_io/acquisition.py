@@ -127,12 +127,24 @@ class Acquisition:
                     return self._hold is not None
                 if lock.timing.reclaim_disconnected_after is not None and not statements.shape.sessions:
                     lock.events.sessions_unnamed(lock.names.table_name)
+                kind = lock.kind
                 plain = statements.acquire_plain
-                if plain is not None and lock.timing.reclaim_disconnected_after is None:
+                if plain is not None and lock.timing.reclaim_disconnected_after is None and not kind.queues:
                     # No session to name and no minimum hold: the statement that binds only what it reads.
                     statement, params = plain, lock.plain_acquire_params
-                else:
+                elif not kind.queues:
                     statement, params = statements.acquire, lock.params()
+                elif kind.migrated(statements):
+                    # A fair lock's: its attempt also queues it, under this acquire's name, if it does not win.
+                    statement, params = kind.acquire_statement(statements, lock.lock_name), lock.params()
+                    params["wait_id"] = flows.wait_id(lock, generation)
+                else:
+                    # Its table may have been migrated since it was inspected: the flow looks again.
+                    flowed = True
+                    self._hold = engine.run(
+                        self._flow(owner, flows.FirstAttempt(generation, started, statements, timeout, False, None))
+                    )
+                    return self._hold is not None
                 possible_before = lock.attempt_sent()
                 attempts = 1
                 reply: steps.Result | DatabaseError
@@ -272,7 +284,7 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
     """
     statements = engine.host.shapes.get(lock.names.table_name)
     kind = lock.kind
-    if statements is None or not kind.releases_direct or engine.deadline is not None or not lock.tracing.silent():
+    if statements is None or not kind.direct or engine.deadline is not None or not lock.tracing.silent():
         return engine.run(flows.release(lock, lock.tracing, caller=caller))
     releaser = object()
     settled = False  # the row's fate is known: deleted, gone, or the flow's to settle
@@ -284,7 +296,7 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
             return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser)))
         engine.host.session.forget(hold)
         plain = statements.release_plain
-        if plain is not None and hold.plain and kind.direct:
+        if plain is not None and hold.plain and not kind.queues:
             # No minimum hold to keep the row for: a DELETE of it, binding only what it reads.
             statement, params = (
                 plain,
@@ -309,7 +321,7 @@ def _release(engine: Engine, lock: LockState, caller: object) -> bool:
         if result.rowcount <= 0:
             flowed = True
             return engine.run(flows.release(lock, lock.tracing, caller=caller, began=(hold, releaser), first=result))
-        if listener is not None and result.rows and kind.direct:
+        if listener is not None and result.rows and not kind.queues:
             # The channel it notified: a slot's (`_sql.wake`) if it woke another process's waiter.
             woke = result.rows[0][0]
             lock.gave_way_at = result.sent_at if woke and woke != lock.channel else None

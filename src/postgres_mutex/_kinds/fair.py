@@ -33,8 +33,6 @@ def waiter_live_seconds(timing: Timing) -> float:
 class FairKind(LockKind):
     """A fair Mutex's: one holder at a time, and the lock handed to waiters in the order they came."""
 
-    # Its acquire is the flow's (a waiter's place in line); its release is one statement, as a Mutex's.
-    direct: ClassVar[bool] = False
     takes_minimum_hold: ClassVar[bool] = False
     queues: ClassVar[bool] = True
 

@@ -41,7 +41,6 @@ class Permits(LockKind):
     takes_minimum_hold: ClassVar[bool] = False
     single_hold: ClassVar[bool] = False
     direct: ClassVar[bool] = False
-    releases_direct: ClassVar[bool] = False
     alerts_left_to_watcher: ClassVar[bool] = True
     follows_lease: ClassVar[bool] = False  # its rows are taken over by statements that judge their own heartbeat
 

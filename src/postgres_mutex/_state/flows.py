@@ -373,8 +373,7 @@ class _Attempts:
 
     @property
     def wait_id(self) -> str:
-        """This acquire, as a fair lock's queue names it: a hand-off meant for an earlier acquire is not taken."""
-        return f"{self.lock.instance_id}/{self.generation}"
+        return wait_id(self.lock, self.generation)
 
     def _take_handed(self, handed: tuple[int, int], owner: object) -> Flow[Hold | None]:
         """The hold a fair lock's release handed this waiter (its token, its ``acquired_at`` in µs), taken;
@@ -499,6 +498,12 @@ class _Attempts:
         lock.events.attempt_failed(span, exc, retrying_in=pause)
         yield Pause(pause)
         return True
+
+
+def wait_id(lock: LockState, generation: int) -> str:
+    """An acquire (the ``generation`` it began), as a fair lock's queue names it: a hand-off meant for an earlier
+    acquire is not taken."""
+    return f"{lock.instance_id}/{generation}"
 
 
 def budget(lock: LockState, *, blocking: bool, timeout: float | None, started: float) -> float | None:

@@ -39,9 +39,8 @@ class LockKind:
     takes_minimum_hold: ClassVar[bool] = True
     """Whether ``hold_at_least`` applies: a mutex's hold may outlast its release, nothing else's."""
     direct: ClassVar[bool] = True
-    """Whether its acquire and release may go in plain calls, one statement each (`_io.acquisition`)."""
-    releases_direct: ClassVar[bool] = True
-    """Whether its release may go in plain calls: one statement (`release_statement`), its reply a row count."""
+    """Whether its acquire and release may go in plain calls, one statement each (`_io.acquisition`): its
+    acquire's win a mutex's five columns, its release's reply a row count."""
     alerts_left_to_watcher: ClassVar[bool] = False
     """Whether its holders' alerts are its watcher's alone (many holders, each alerted on once per episode)."""
     follows_lease: ClassVar[bool] = True
