@@ -79,7 +79,8 @@ class FirstAttempt:
     statement_timeout: float
     possible_before: bool
     reply: Result | DatabaseError | None
-    """None: the acquire began, and sent nothing yet (a clean-up of ours was on the wire)."""
+    """None: the acquire began, and sent nothing yet (a clean-up of ours was on the wire, or the table, as last
+    inspected, lacked what the lock's kind needs: the flow inspects it again)."""
 
 
 def acquire(
@@ -373,6 +374,7 @@ class _Attempts:
 
     @property
     def wait_id(self) -> str:
+        """This acquire, as a fair lock's queue names it (`wait_id`)."""
         return wait_id(self.lock, self.generation)
 
     def _take_handed(self, handed: tuple[int, int], owner: object) -> Flow[Hold | None]:
