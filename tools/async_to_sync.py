@@ -60,7 +60,6 @@ RENAMES = {
     "AWaker": "Waker",
     "AReader": "Reader",
     "asleep": "sleep",
-    "alet_others_run": "let_others_run",
     "aacquire_lock": "acquire_lock",
     "auncancellable": "uncancellable",
     "ato_the_end": "to_the_end",

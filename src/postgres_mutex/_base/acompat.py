@@ -353,26 +353,6 @@ def sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
-PASS_SLICE = 1000
-"""How many holds a background pass over thousands of them looks at before it lets others run."""
-
-_STEP_ASIDE = 2e-5
-"""How long a background thread steps aside, between slices of a long pass: a sleep of zero gives the
-interpreter's lock up and most often takes it straight back, before a waiting thread wakes to take it."""
-
-
-async def alet_others_run() -> None:
-    """Let the loop's other tasks run, between slices of a background pass over thousands of holds."""
-    await asyncio.sleep(0)
-
-
-def let_others_run() -> None:
-    """Let a thread that waits for the interpreter's lock (a lock cycle whose reply came) run, between slices
-    of a background pass over thousands of holds: held for a whole pass, the lock would keep it waiting for
-    milliseconds, up to the interpreter's switch interval."""
-    time.sleep(_STEP_ASIDE)
-
-
 async def aacquire_lock(lock: threading.Lock, timeout: float | None = None) -> bool:
     """Take a thread lock from a task without blocking the event loop; False if ``timeout`` ran out first.
 

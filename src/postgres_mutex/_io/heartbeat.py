@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._base.acompat import PASS_SLICE, Cancelled, Event, Worker, let_others_run
+from .._base.acompat import Cancelled, Event, Worker
 from .._base.clock import MAX_SLICE, now
 from .._state import flows, heartbeat_flows, steps
 from .._state.events import Defects
@@ -395,10 +395,7 @@ class HeartbeatWorker:
         attached: list[Hold] = []
         due: list[Hold] = []
         alone: list[Hold] = []
-        for index, hold in enumerate(holds):
-            if index % PASS_SLICE == PASS_SLICE - 1:
-                # In slices: a lock cycle of the process whose reply came meanwhile need not wait for the pass.
-                let_others_run()
+        for hold in holds:
             due_at = rows.get(hold)
             if due_at is None:
                 alone.append(hold)
@@ -446,9 +443,7 @@ class HeartbeatWorker:
         # Carried (renewed, lost or busy: told with the statement's beat) or left already.
         seen_to = set(due)
         by_lease: list[Hold] = []
-        for index, hold in enumerate(attached):
-            if index % PASS_SLICE == PASS_SLICE - 1:
-                let_others_run()
+        for hold in attached:
             if hold in seen_to:
                 continue
             if rows[hold] > current:

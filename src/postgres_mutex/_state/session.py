@@ -26,7 +26,6 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._base.acompat import PASS_SLICE, let_others_run
 from .._base.clock import MAX_SLICE, now, slice_until
 from .._base.threads import start_thread
 from .locks import LEASE_EXPIRED, HeartbeatGroup, Hold, HoldStatus, StateLock
@@ -108,17 +107,14 @@ class Session:
         thread, on time. Returns when something is next due about a hold (None: nothing is held).
 
         One pass over the holds, which looks closer only at those with something due: with
-        thousands of holds, this pass is most of the event thread's work. In slices
-        (`let_others_run`): a lock cycle of the process whose reply came meanwhile need not wait for it.
+        thousands of holds, this pass is most of the event thread's work.
         """
         current = now()
         with self.state_lock:
             held = self._held()
         due: float | None = None
         lost: list[tuple[Hold, LockNotHeldError]] = []
-        for index, hold in enumerate(held):
-            if index % PASS_SLICE == PASS_SLICE - 1:
-                let_others_run()
+        for hold in held:
             hold_due = _next_due(hold)
             if hold_due <= current:
                 self._expire(hold, current, lost)
