@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from postgres_mutex import LockTable, Mutex, MutexClient, MutexError, RWLock, Semaphore
+from postgres_mutex import LockTable, Mutex, MutexClient, MutexError, OperationTimeout, RWLock, Semaphore
 from postgres_mutex._io.sources import OwnConnection
 from postgres_mutex._state.heartbeat_flows import BATCH
 from postgres_mutex._state.settings import Timing
@@ -384,14 +384,22 @@ def test_a_slow_callback_never_delays_a_heartbeat(make_mutex: Callable[..., Mute
     assert lost == []
 
 
+@pytest.mark.parametrize("clean_up", [False, True], ids=["alone", "beside-a-clean-up"])
 def test_a_stuck_acquire_never_delays_a_heartbeat_past_the_lease(
-    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str, clean_up: bool
 ) -> None:
     # A lease (stale_threshold less an interval: 3 s) that one stuck statement's second leaves room in,
     # on a busy machine, and that six of them, one after another, would run out.
     holder = make_mutex(heartbeat_interval=0.2, alert_threshold=1.5, stale_threshold=3.2)
     rival_name = f"{lock_name}-stuck"
-    with holder.acquire(), psycopg.connect(dsn) as blocker:
+    with holder.acquire(), psycopg.connect(dsn) as blocker, psycopg.connect(dsn) as row_locker:
+        if clean_up:
+            # A release the database did not answer in time: the heartbeat worker deletes the row
+            # later, and must not wait behind the stuck acquires for its turn (renewing nothing).
+            # Each of its tries waits a quarter of a second for the row, locked until the end.
+            other = make_mutex(lock_name=f"{lock_name}-other", operation_timeout=0.25)
+            with pytest.raises(OperationTimeout, match="deleted in the background"), other.acquire():
+                row_locker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (f"{lock_name}-other",))
         # Another session's uncommitted insert: an acquire of that lock waits on the server.
         blocker.execute(
             "INSERT INTO mutex_lock (lock_name, instance_id, last_heartbeat, acquired_at) "
@@ -409,6 +417,7 @@ def test_a_stuck_acquire_never_delays_a_heartbeat_past_the_lease(
         for thread in threads:
             thread.join(timeout=20)
         blocker.rollback()
+        row_locker.rollback()
 
 
 def _try_once(mutex: Mutex) -> None:

@@ -300,11 +300,12 @@ class Engine:
             self._pooled = session is not None and session.direct is False
         return self._pooled
 
-    def shape(self, names: Names, timeout: float, *, fresh: bool = False) -> Statements:
+    def shape(self, names: Names, timeout: float, *, fresh: bool = False, urgent: bool = False) -> Statements:
         """The statements for this table's shape; the table is inspected once per client, or again if ``fresh``."""
         statements = None if fresh else self.host.shapes.get(names.table_name)
         if statements is None:
-            op = steps.Execute(_sql.inspect_table(names), {}, timeout, f"lookup of table {names.table_name}")
+            action = f"lookup of table {names.table_name}"
+            op = steps.Execute(_sql.inspect_table(names), {}, timeout, action, urgent)
             row = (self.execute(op)).row
             assert row is not None
             exists, shape = _sql.TableShape.inspected(row)
@@ -556,7 +557,7 @@ class _Steps:
                     listener.wake_one(subscription.channel)
                 raise
         if isinstance(op, steps.Shape):
-            return engine.shape(op.names, op.timeout, fresh=op.fresh)
+            return engine.shape(op.names, op.timeout, fresh=op.fresh, urgent=op.urgent)
         if isinstance(op, steps.Pause):
             sleep(op.seconds)
             return not engine.closed

@@ -230,7 +230,7 @@ class HeartbeatWorker:
         started_at: float | None = None
         retry_at: float | None = None
         try:
-            statements: Statements | None = self._engine.shape(holds[0].lock.names, timeout)
+            statements: Statements | None = self._engine.shape(holds[0].lock.names, timeout, urgent=True)
         except DatabaseError:
             statements = None  # the first batch inspects the table again, and fails as it does
         # Few holds, thresholds too short for a lease (`heartbeat_flows.fit`), or a pooler between (whose
@@ -284,7 +284,7 @@ class HeartbeatWorker:
             for index, (batch, follows) in enumerate(batches):
                 key = lease.key if follows and lease is not None else None
                 try:
-                    statements = self._engine.shape(batch[0].lock.names, timeout)
+                    statements = self._engine.shape(batch[0].lock.names, timeout, urgent=True)
                     beat = self._engine.run(heartbeat_flows.heartbeat(batch, statements, group.tracing, timeout, key))
                     if beat.error is not None and key is not None and self._lease_refused(group, table, beat.error):
                         # Nothing was renewed: the same rows again, by themselves, in this round.

@@ -228,7 +228,7 @@ class HeartbeatWorker:
         started_at: float | None = None
         retry_at: float | None = None
         try:
-            statements: Statements | None = await self._engine.shape(holds[0].lock.names, timeout)
+            statements: Statements | None = await self._engine.shape(holds[0].lock.names, timeout, urgent=True)
         except DatabaseError:
             statements = None  # the first batch inspects the table again, and fails as it does
         # Few holds, thresholds too short for a lease (`heartbeat_flows.fit`), or a pooler between (whose
@@ -284,7 +284,7 @@ class HeartbeatWorker:
             for index, (batch, follows) in enumerate(batches):
                 key = lease.key if follows and lease is not None else None
                 try:
-                    statements = await self._engine.shape(batch[0].lock.names, timeout)
+                    statements = await self._engine.shape(batch[0].lock.names, timeout, urgent=True)
                     beat = await self._engine.run(
                         heartbeat_flows.heartbeat(batch, statements, group.tracing, timeout, key)
                     )

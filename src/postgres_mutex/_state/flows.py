@@ -648,7 +648,8 @@ def release(
                 # Failed or cut off: the row may remain. Delete it later.
                 yield Schedule(scoped_cleanup(lock, hold))
                 settled = True
-                error = DatabaseError(
+                # Of the failure's own class: a release cut at its deadline is an `OperationTimeout`.
+                error = type(exc)(
                     f"{exc}; the lock row is deleted in the background as soon as the database answers "
                     f"(else another instance may reclaim it after stale_threshold, {lock.timing.stale_threshold:g}s)",
                     transient=exc.transient,
@@ -738,17 +739,20 @@ def clean_up(cleanup: Cleanup) -> Flow[bool]:
     lock = cleanup.lock
     if cleanup.superseded:
         return True  # an acquire began since: it takes any row of ours back itself
-    statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout)
+    statements: Statements = yield Shape(lock.names, lock.timing.operation_timeout, urgent=True)
     params = {**lock.params(), "acquired_at": cleanup.acquired_at, "ended_how": cleanup.ended_how}
     if cleanup.row_name is not None:
         params["lock_name"] = cleanup.row_name
     stray = cleanup.acquired_at is None
     stray_statement = lock.kind.stray_cleanup(statements)
+    # Urgent, as a heartbeat is: the heartbeat worker sends it, and renews nothing while it waits.
+    # Queued behind the process's acquires stuck on a busy lock, it would let the leases run out.
     result: Result = yield Execute(
         (stray_statement or statements.cleanup) if stray else lock.kind.release_statement(statements),
         params,
         lock.timing.operation_timeout,
         lock.describe("clean-up"),
+        urgent=True,
         stray_row=cleanup if stray else None,
     )
     if result.rowcount:

@@ -131,7 +131,7 @@ def heartbeat(
                 if exc.sqlstate in SHAPE_CHANGED and not reshaped:
                     # Rejected before it ran (at parse time): nothing renewed, safe to send again.
                     reshaped = True
-                    statements = yield Shape(holds[0].lock.names, timeout, fresh=True)
+                    statements = yield Shape(holds[0].lock.names, timeout, fresh=True, urgent=True)
                     if statements.heartbeat_leased is None:
                         lease_key = None
                     by_token, renew, renew_waiting = _heartbeat_statements(holds, statements, lease_key)

@@ -35,7 +35,8 @@ class Execute:
     """Run one statement within ``timeout`` seconds; the engine sends back a `Result`.
 
     Failures come back as `DatabaseError` thrown into the flow. ``urgent``
-    statements (heartbeats) go before others waiting for the connection.
+    statements (the heartbeat worker's: heartbeats and clean-ups) go before
+    others waiting for the connection.
     """
 
     statement: Statement
@@ -84,6 +85,8 @@ class Shape:
     timeout: float
     fresh: bool = False
     """Inspect the table again even if the engine knows its shape (it changed since)."""
+    urgent: bool = False
+    """Inspect it as an urgent statement (`Execute.urgent`): the heartbeat worker's."""
 
 
 @dataclass(frozen=True, slots=True)
