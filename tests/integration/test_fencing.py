@@ -257,9 +257,11 @@ def test_a_fenced_transaction_makes_a_reclaim_wait_until_it_ends(
             wait_until(
                 lambda: (
                     admin.execute(
-                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                        # The acquire's opening: pg_stat_activity keeps a statement's first 1024 bytes only.
-                        ("%WITH current AS%",),
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND (query LIKE %s OR query LIKE %s)",
+                        # The acquire's opening (pg_stat_activity keeps a statement's first 1024 bytes
+                        # only), or its call of the table's acquire function.
+                        ("%WITH current AS%", '%\\_acquire"(%'),
                     ).fetchone()
                     == (1,)
                 ),

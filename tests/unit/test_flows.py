@@ -117,7 +117,7 @@ def test_an_acquire_interrupted_mid_statement_hands_its_possible_row_to_the_back
     state = lock()
     flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER)
     attempt = until_execute(flow)
-    assert attempt.statement is STATEMENTS.acquire
+    assert attempt.statement is STATEMENTS.acquire_plain
     scheduled = flow.throw(interruption)
     assert isinstance(scheduled, Schedule), "the statement may have inserted our row: remove it, later"
     assert scheduled.cleanup.acquired_at is None, "its stamp is unknown: any row of ours"
@@ -210,6 +210,39 @@ def test_a_blocking_acquire_listens_tries_again_at_once_then_stops_listening() -
     assert state.held
     assert state.hold is not None
     assert state.hold.token == 7
+
+
+@pytest.mark.parametrize("asks", ["nothing more", "reclaim_disconnected_after", "hold_at_least"])
+def test_a_waiters_attempts_win_by_the_insert_alone_unless_it_asks_for_more(asks: str) -> None:
+    # The plain acquire (the table's function) tries the INSERT first, and runs the rest only when a
+    # row is in the way: the attempt after a release wins with less of the server's time. It names no
+    # session and keeps no minimum hold: an acquire that asks for either sends the whole statement.
+    timing = TIMING
+    if asks == "reclaim_disconnected_after":
+        timing = dataclasses.replace(TIMING, reclaim_disconnected_after=1.0)
+    state = lock(timing=timing)
+    flow = acquire_flow(
+        state,
+        TRACING,
+        blocking=True,
+        timeout=10,
+        owner=ME,
+        acquirer=ACQUIRER,
+        hold_at_least=1.0 if asks == "hold_at_least" else None,
+    )
+    first = until_execute(flow)
+    assert isinstance(step(flow, contended_row()), Listen)
+    retry = step(flow, True)
+    assert isinstance(retry, Execute)
+    assert isinstance(step(flow, contended_row()), WaitForRelease)
+    after_release = step(flow)
+    assert isinstance(after_release, Execute)
+    expected = STATEMENTS.acquire_plain if asks == "nothing more" else STATEMENTS.acquire
+    assert expected is not None
+    assert [first.statement, retry.statement, after_release.statement] == [expected] * 3
+    if asks == "nothing more":
+        assert after_release.params == state.plain_acquire_params, "it binds only what the statement reads"
+    flow.close()
 
 
 def test_an_acquire_waits_for_a_clean_up_on_the_wire_before_sending() -> None:
@@ -492,7 +525,7 @@ def test_a_busy_lock_found_by_the_first_attempt_goes_on_waiting_in_the_flow() ->
     flow = acquire_flow(state, TRACING, blocking=True, timeout=5.0, owner=ME, acquirer=ACQUIRER, first=first)
     assert isinstance(step(flow), Listen), "the first attempt's reply counts: it listens, then tries again"
     again = until_execute(flow, True)
-    assert again.statement is STATEMENTS.acquire
+    assert again.statement is STATEMENTS.acquire_plain
     assert isinstance(step(flow, acquired_row()), Keep)
     assert isinstance(step(flow), StopListening)
     with pytest.raises(StopIteration) as done:
@@ -510,7 +543,7 @@ def test_a_failed_first_attempt_is_retried_by_the_flow_once_at_once() -> None:
     first = _first_attempt(state, died)
     flow = acquire_flow(state, TRACING, blocking=False, timeout=None, owner=ME, acquirer=ACQUIRER, first=first)
     again = until_execute(flow)
-    assert again.statement is STATEMENTS.acquire, "a connection found dead on use: one prompt retry"
+    assert again.statement is STATEMENTS.acquire_plain, "a connection found dead on use: one prompt retry"
     assert state.stray_row_may_land_until > now(), "the unanswered first attempt may still land"
 
 

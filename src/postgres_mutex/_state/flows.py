@@ -264,17 +264,24 @@ class _Attempts:
                             self.statements = yield Shape(lock.names, statement_timeout, fresh=True)  # migrated since?
                             if not self.statements.shape.holds:
                                 raise no_minimum_hold(lock)
-                        params = lock.params()
-                        params["hold_seconds"] = self.hold_at_least
-                        if lock.kind.queues:
-                            params["wait_id"] = self.wait_id
-                        lock.kind.acquiring(params, blocking=self.blocking)
-                        reply = yield Execute(
-                            lock.kind.acquire_statement(self.statements, lock.lock_name),
-                            params,
-                            statement_timeout,
-                            lock.describe("acquire"),
-                        )
+                        kind, plain = lock.kind, self.statements.acquire_plain
+                        if (
+                            plain is not None
+                            and kind.direct
+                            and not kind.queues
+                            and self.hold_at_least is None
+                            and lock.timing.reclaim_disconnected_after is None
+                        ):
+                            # As the first attempt's (`Acquisition`): a waiter's attempt after a release
+                            # wins by its INSERT alone, the rest of the statement only when a row is in the way.
+                            statement, params = plain, lock.plain_acquire_params
+                        else:
+                            statement, params = kind.acquire_statement(self.statements, lock.lock_name), lock.params()
+                            params["hold_seconds"] = self.hold_at_least
+                            if kind.queues:
+                                params["wait_id"] = self.wait_id
+                            kind.acquiring(params, blocking=self.blocking)
+                        reply = yield Execute(statement, params, statement_timeout, lock.describe("acquire"))
                     elif isinstance(first.reply, DatabaseError):
                         raise first.reply
                     else:
