@@ -39,6 +39,7 @@ from postgres_mutex._state.steps import (
     Keep,
     Listen,
     Pause,
+    Releasing,
     Result,
     Schedule,
     Shape,
@@ -320,6 +321,22 @@ def test_releasing_a_lost_lock_sends_nothing_in_the_callers_time() -> None:
     assert isinstance(scheduled, Schedule), "the row may still be ours: delete it in the background"
     with pytest.raises(LockNotHeldError, match="lease ran out"):
         step(flow)
+
+
+def test_a_release_the_flow_sends_wakes_another_process_not_its_own_registration() -> None:
+    # Whatever sends it (a semaphore's and a read/write lock's always, a Mutex's when a span records):
+    # the slot this process registered while it waited is the one a release must not choose.
+    state = lock()
+    held(state)
+    flow = release_flow(state, TRACING, caller=ME)
+    assert isinstance(step(flow), Forget)
+    asked = step(flow)
+    assert asked == Releasing(state.channel)
+    delete = until_execute(flow, 3)
+    assert delete.params["own_slot"] == 3
+    with pytest.raises(StopIteration) as done:
+        step(flow, Result(1, (("",),)))
+    assert done.value.value is True
 
 
 def test_a_release_from_another_thread_is_recorded_for_the_holding_block() -> None:

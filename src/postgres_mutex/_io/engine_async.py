@@ -577,6 +577,9 @@ class _Steps:
         if isinstance(op, steps.StopListening):
             self.finish()
             return None
+        if isinstance(op, steps.Releasing):
+            listener = engine.listener
+            return None if listener is None else listener.releasing(op.channel)
         return _WAITS
 
     async def perform(self, op: steps.Op) -> Any:

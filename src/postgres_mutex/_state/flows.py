@@ -11,7 +11,7 @@ Nothing here does I/O. The heartbeat's flows are in `_state.heartbeat_flows`, th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,6 +30,7 @@ from .steps import (
     Keep,
     Listen,
     Pause,
+    Releasing,
     Result,
     Schedule,
     Shape,
@@ -649,8 +650,13 @@ def release(
                 settled = True
                 raise hold.error()
             timeout = lock.timing.operation_timeout
+            params = lock.params()
+            if first is None:  # sent here: it wakes another process's waiter, not this one's registration
+                params["own_slot"] = yield Releasing(lock.channel)
             try:
-                result = yield from _execute_in_shape(lock, lock.kind.release_statement, timeout, "release", first)
+                result = yield from _execute_in_shape(
+                    lock, lock.kind.release_statement, params, timeout, "release", first
+                )
             except DatabaseError as exc:
                 # Failed or cut off: the row may remain. Delete it later.
                 yield Schedule(scoped_cleanup(lock, hold))
@@ -694,6 +700,7 @@ def release(
 def _execute_in_shape(
     lock: LockState,
     pick: Callable[[Statements], Statement],
+    params: Mapping[str, object],
     timeout: float,
     verb: str,
     first: Result | DatabaseError | None = None,
@@ -711,14 +718,14 @@ def _execute_in_shape(
         if first is not None:
             return first
         statements: Statements = yield Shape(lock.names, timeout)
-        result: Result = yield Execute(pick(statements), lock.params(), timeout, lock.describe(verb))
+        result: Result = yield Execute(pick(statements), params, timeout, lock.describe(verb))
         return result
     except DatabaseError as exc:
         if exc.sqlstate not in SHAPE_CHANGED:
             raise
     # Rejected before it ran (at parse time): nothing was done, it is safe to send again.
     statements = yield Shape(lock.names, timeout, fresh=True)
-    again: Result = yield Execute(pick(statements), lock.params(), timeout, lock.describe(verb))
+    again: Result = yield Execute(pick(statements), params, timeout, lock.describe(verb))
     return again
 
 

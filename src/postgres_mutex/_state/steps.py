@@ -168,6 +168,15 @@ class StopListening:
 
 
 @dataclass(frozen=True, slots=True)
+class Releasing:
+    """This process is about to release a hold of ``channel``'s lock: the engine answers the release's
+    ``own_slot`` (`Listener.releasing`; None without a listener), so that it wakes another process's waiter
+    rather than this one's lingering registration."""
+
+    channel: str
+
+
+@dataclass(frozen=True, slots=True)
 class Keep:
     """Renew ``hold`` with the engine's heartbeats from now on."""
 
@@ -226,5 +235,5 @@ class Schedule:
     cleanup: Cleanup
 
 
-Op = Execute | Pause | Shape | Listen | WaitForRelease | StopListening | Keep | Forget | Tell | Schedule
+Op = Execute | Pause | Shape | Listen | WaitForRelease | StopListening | Releasing | Keep | Forget | Tell | Schedule
 Flow = Generator[Op, Any, T]
