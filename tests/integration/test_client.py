@@ -420,6 +420,26 @@ def test_a_stuck_acquire_never_delays_a_heartbeat_past_the_lease(
         row_locker.rollback()
 
 
+def test_clean_ups_waiting_on_locked_rows_never_hold_the_heartbeats_past_the_lease(
+    make_mutex: Callable[..., Mutex], dsn: str, lock_name: str
+) -> None:
+    # Releases the database did not answer in time: the heartbeat worker deletes their rows later,
+    # and each try waits out an operation_timeout while the rows stay locked. One such try between
+    # two heartbeats fits in the lease; six in a row would not.
+    holder = make_mutex(heartbeat_interval=0.2, alert_threshold=1.5, stale_threshold=3.2)
+    slow = {"heartbeat_interval": 1.0, "alert_threshold": 5.0, "stale_threshold": 10.0, "operation_timeout": 0.8}
+    others = [make_mutex(lock_name=f"{lock_name}-other-{n}", **slow) for n in range(6)]
+    with holder.acquire(), psycopg.connect(dsn) as row_locker:
+        for other in others:
+            with pytest.raises(OperationTimeout, match="deleted in the background"), other.acquire():
+                row_locker.execute("SELECT 1 FROM mutex_lock WHERE lock_name = %s FOR UPDATE", (other.lock_name,))
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            assert holder.held, "a heartbeat goes between the clean-ups"
+            time.sleep(0.05)
+        row_locker.rollback()
+
+
 def _try_once(mutex: Mutex) -> None:
     with mutex.acquire() as acquired:
         assert not acquired, "busy: another session is writing that row"

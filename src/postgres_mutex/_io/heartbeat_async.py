@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import random
 import secrets
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from .engine_async import AsyncEngine
 
 logger = logging.getLogger("postgres_mutex")
+_DUE = operator.attrgetter("due")
 
 # How long the worker stays once nothing is held: locks come and go in bursts,
 # and a worker started per acquire would cost more than the lock.
@@ -156,7 +158,11 @@ class HeartbeatWorker:
                             # well succeed, and ending here would let every hold expire.
                             self._defect("renewing the holds", exc)
                             group.next_beat = now() + retry_pause(group.interval)
-                for cleanup in cleanups:
+                # The longest due first; none while a heartbeat is due. A clean-up may wait out its
+                # operation_timeout (its row locked by another session): heartbeats go between any two.
+                for cleanup in sorted(cleanups, key=_DUE):
+                    if any(group.next_beat <= now() for group in groups):
+                        break
                     if cleanup.due <= now():
                         try:
                             await self._clean(cleanup)
