@@ -339,6 +339,23 @@ def test_a_release_the_flow_sends_wakes_another_process_not_its_own_registration
     assert done.value.value is True
 
 
+def test_a_release_sent_again_after_its_first_send_met_a_changed_table_still_leaves_its_process_out() -> None:
+    state = lock()
+    hold = held(state)
+    releaser = object()
+    assert state.begin_release(ME, releaser) is hold
+    changed = DatabaseError("column gone", sqlstate="42703")
+    flow = release_flow(state, TRACING, caller=ME, began=(hold, releaser), first=changed)
+    assert isinstance(step(flow), Forget)
+    assert step(flow) == Releasing(state.channel)
+    inspect = step(flow, 5)
+    assert isinstance(inspect, Shape)
+    assert inspect.fresh, "the table changed: inspected again"
+    again = step(flow, STATEMENTS)
+    assert isinstance(again, Execute)
+    assert again.params["own_slot"] == 5
+
+
 def test_a_release_from_another_thread_is_recorded_for_the_holding_block() -> None:
     state = lock()
     hold = held(state)

@@ -160,10 +160,10 @@ class HeartbeatWorker:
                             # well succeed, and ending here would let every hold expire.
                             self._defect("renewing the holds", exc)
                             group.next_beat = now() + retry_pause(group.interval)
-                # The longest due first; none while a heartbeat is due. A clean-up may wait out its
-                # operation_timeout (its row locked by another session): heartbeats go between any two.
-                for cleanup in sorted(cleanups, key=_DUE):
-                    if any(group.next_beat <= now() for group in groups):
+                # The longest due first, and a due heartbeat between any two: a clean-up may wait out
+                # its operation_timeout (its row locked by another session). One at least each round.
+                for index, cleanup in enumerate(sorted(cleanups, key=_DUE)):
+                    if index and any(group.next_beat <= now() for group in groups):
                         break
                     if cleanup.due <= now():
                         try:

@@ -651,7 +651,7 @@ def release(
                 raise hold.error()
             timeout = lock.timing.operation_timeout
             params = lock.params()
-            if first is None:  # sent here: it wakes another process's waiter, not this one's registration
+            if not isinstance(first, Result):  # sent here: it wakes another process, not this one's registration
                 params["own_slot"] = yield Releasing(lock.channel)
             try:
                 result = yield from _execute_in_shape(

@@ -347,7 +347,7 @@ def end_lease(detach: list[int], statements: Statements, lease_key: int, timeout
     follow it (`_sql.leases.end`). Raises `DatabaseError` if the statement failed."""
     statement = statements.end_lease
     assert statement is not None
-    yield Execute(statement, {"lease_key": lease_key, "detach": detach}, timeout, "end of a lease")
+    yield Execute(statement, {"lease_key": lease_key, "detach": detach}, timeout, "end of a lease", urgent=True)
 
 
 def busy_error(hold: Hold) -> DatabaseError:
