@@ -474,8 +474,10 @@ def table_locked(dsn: str, table: str) -> Iterator[None]:
 
 
 def _waiting_on_a_lock(conn: psycopg.Connection[Any]) -> bool:
+    # An acquire's statement, or its call of the table's acquire function (whose INSERT waits).
     found = conn.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%%INSERT INTO%%'"
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND (query LIKE %s OR query LIKE %s)",
+        ("%INSERT INTO%", '%\\_acquire"(%'),
     ).fetchone()
     return bool(found and found[0])
 
