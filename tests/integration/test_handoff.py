@@ -15,6 +15,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import select
 import threading
 import time
 import uuid
@@ -388,6 +389,72 @@ def test_a_release_reaches_no_process_that_stopped_waiting(dsn: str, pg: Postgre
     finally:
         proxy.close()
     assert delivered == 0, f"{delivered} releases were delivered to a process that no longer waits"
+
+
+def test_a_waiter_whose_attempt_won_the_release_told_to_it_neither_passes_it_on_nor_stops_listening(
+    dsn: str, schema: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter's attempt made as its listener began to listen can see a release whose wake-up reaches that
+    listener only as the waiter leaves with the lock: the wake-up told of what the attempt saw. It is not
+    passed on (another process's waiter would try for nothing), and the process stays registered on the
+    lock as one that takes it does, rather than as one that has stopped waiting.
+
+    The release is made while the waiter is about to attempt, its listener registered; the listener's
+    thread reads its socket only once the waiter has the lock, as a busy machine's might.
+    """
+    name = f"handoff-{uuid.uuid4().hex[:10]}"
+    passed_on: list[str] = []
+    pass_on = wake.pass_on
+
+    def counted_pass_on(channel: str, slot: int | None) -> str:
+        passed_on.append(channel)
+        return pass_on(channel, slot)
+
+    monkeypatch.setattr(wake, "pass_on", counted_pass_on)
+    hold, held = threading.Event(), threading.Event()
+    waits_after: list[float] = []
+
+    with MutexClient(dsn) as holding_client, MutexClient(dsn) as waiting_client:
+        holder, waiter = holding_client.mutex(name, **QUIET), waiting_client.mutex(name, **QUIET)
+        assert holder.acquire().__enter__()
+        subscribe = Listener.subscribe
+
+        def release_as_it_listens(listener: Listener, *args: Any, **kwargs: Any) -> Any:
+            subscription = subscribe(listener, *args, **kwargs)
+            assert subscription.confirmed.wait(10.0), "the waiter's listener registered"
+            waker = listener._waker
+            wait_readable = waker.wait_readable
+
+            def slow_to_read(fd: int | None, timeout: float, drain: Callable[[], None]) -> None:
+                if hold.is_set():
+                    held.set()
+                    return wait_readable(None, timeout, drain)
+                waits_after.append(time.monotonic())
+                return wait_readable(fd, timeout, drain)
+
+            monkeypatch.setattr(waker, "wait_readable", slow_to_read)
+            hold.set()
+            waker.wake()
+            assert held.wait(10.0)
+            holder.release()
+            conn = listener._conn
+            assert conn is not None
+            assert select.select([conn.fileno()], [], [], 10.0)[0], "the release's wake-up reached the listener"
+            return subscription
+
+        monkeypatch.setattr(Listener, "subscribe", release_as_it_listens)
+        acquisition = waiter.acquire(timeout=10.0)
+        assert acquisition.__enter__(), "the waiter's attempt took the lock"
+        listener = core_of(waiting_client).engine().listener
+        assert listener is not None
+        hold.clear()
+        listener._waker.wake()
+        # Its thread reads the socket, then goes round once more (where a wake-up is passed on, and a
+        # registration ended): two waits of its thread begun since.
+        wait_until(lambda: len(waits_after) >= 2, timeout=10)
+        assert passed_on == [], "the wake-up its own attempt had used was passed on"
+        assert waiter._lock.channel in listener.listening, "the process stopped listening on the lock it holds"
+        acquisition.__exit__(None, None, None)
 
 
 def test_a_waiting_thread_is_woken_by_the_release_itself_not_by_the_listener_thread(

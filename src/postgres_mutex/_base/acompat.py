@@ -609,6 +609,10 @@ class AReader:
         """The listener's connection, for the listener's own use: a task's is never shared."""
         return contextlib.nullcontext()
 
+    def drain_if_free(self, drain: Callable[[], bool]) -> None:
+        """Read the socket now if nobody uses the connection: a task never does, the listener's task reads it
+        whenever it is readable, before the task whose wait ends runs."""
+
     async def wait(self, released: AEvent, fd: int | None, drain: Callable[[], bool], timeout: float) -> bool:
         """Wait until ``released`` is set or ``timeout`` passes; False: the listener read the socket, not this."""
         await released.wait(timeout)
@@ -678,6 +682,16 @@ class Reader:
 
     def using(self) -> _Baton:
         return self._baton
+
+    def drain_if_free(self, drain: Callable[[], bool]) -> None:
+        """Read the socket now with ``drain``, if nobody uses the connection (else whoever does reads it)."""
+        baton = self._baton.try_take()
+        if baton is not None:
+            try:
+                drain()
+            finally:
+                with contextlib.suppress(RuntimeError):
+                    baton.release()
 
     def wait(self, released: Event, fd: int | None, drain: Callable[[], bool], timeout: float) -> bool:
         """Wait until ``released`` is set or ``timeout`` passes, reading the socket ``fd`` meanwhile if no other

@@ -603,7 +603,8 @@ class _Steps:
         won, self._won = self._won, False
         if subscription is not None and listener is not None:
             listener.unsubscribe(subscription, holding=won)
-            if subscription.woken:
+            if subscription.woken and not (won and subscription.one_hold):
                 # Woken, but leaving without an attempt that used it (acquired meanwhile, stopped,
-                # out of time): the freed hold may still be free, so another waiter tries.
+                # out of time): the freed hold may still be free, so another waiter tries. Not when
+                # this waiter took the lock's one hold: that wake-up told of what its attempt saw.
                 listener.wake_one(subscription.channel)

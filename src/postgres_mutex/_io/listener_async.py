@@ -11,7 +11,9 @@ costs one attempt and one delivery across the fleet, not one per waiter nor
 one per process (no thundering herd). A notification on the lock's own
 channel (nobody could register) wakes one waiter of each process. A waiter
 that leaves without trying after its wake-up passes it on
-(`Listener.wake_one`), to another process if none of this one's can use it.
+(`Listener.wake_one`), to another process if none of this one's can use it; one
+that leaves with the lock first takes what was heard already, most often the
+release its own attempt saw as it won.
 A notification with the payload `WAKE_ALL` (a change of a semaphore's N,
 which may free many permits at once) wakes every waiter, and so does a lost
 connection. Once the last waiter of a lock leaves, the listener
@@ -169,6 +171,12 @@ class Listener:
 
     def unsubscribe(self, subscription: Subscription, *, holding: bool = False) -> None:
         """The waiter of ``subscription`` left; ``holding``: with the lock, which nobody else releases meanwhile."""
+        conn = self._conn
+        if holding and conn is not None and conn is not self._failed:
+            # What was heard already is most often the release its own attempt saw as it won (the attempt
+            # raced it): told to this waiter, still here, it is used. Read once nobody of this process
+            # waits, it would be passed on, and end the registration's linger as a stranger's release does.
+            self._reader.drain_if_free(functools.partial(self._drain_here, conn))
         with self._host.state_lock:
             waiting = self._subscriptions.get(subscription.channel)
             if waiting is not None:
