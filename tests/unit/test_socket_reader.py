@@ -9,6 +9,7 @@ was ended is no longer told when a release wakes it, and sleeps on till its own 
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 
@@ -62,3 +63,44 @@ def test_a_reader_leaving_after_its_deadline_leaves_the_next_readers_turn_alone(
             os.close(fd)
         reader.close()
         waker.close()
+
+
+def test_a_reader_woken_by_what_it_drains_writes_nothing_to_wake_itself() -> None:
+    """The reader's own wake-up, set as it drains the socket, ends its wait with no write to its pipe: a
+    system call on the hand-off's path, and a byte its next wait would go round its loop to read. Another
+    thread's wake-up still writes, and ends the wait at once."""
+    reader = Reader(Waker())
+    socket_read, socket_write = os.pipe()
+    released = Event()
+
+    def drain() -> bool:
+        os.read(socket_read, 1)  # a release's notification, for this very waiter
+        released.set()
+        reader.poke()  # as `Listener.wake` does
+        return True
+
+    try:
+        os.write(socket_write, b"!")
+        assert reader.wait(released, socket_read, drain, 10.0)
+        assert released.is_set()
+        assert not select.select([reader._read], [], [], 0)[0], "the reader wrote to its own pipe to wake itself"
+
+        # Another thread's wake-up (a stop, or the listener's thread) reaches the reader through the pipe.
+        other = Event()
+        returned: list[float] = []
+        waiting = threading.Thread(
+            target=lambda: returned.append(reader.wait(other, socket_read, lambda: True, 10.0)), daemon=True
+        )
+        waiting.start()
+        wait_until(lambda: reader.busy_until() > time.monotonic(), timeout=10)
+        woken = time.monotonic()
+        other.set()
+        reader.poke()
+        waiting.join(10.0)
+        assert returned, "the reader's wait did not end"
+        assert time.monotonic() - woken < 0.5, "the reader slept on after another thread woke it"
+    finally:
+        released.set()
+        for fd in (socket_read, socket_write):
+            os.close(fd)
+        reader.close()

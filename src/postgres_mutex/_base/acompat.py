@@ -671,6 +671,7 @@ class Reader:
         self._guard = threading.Lock()
         self._until = 0.0
         self._turn: object | None = None  # the reading waiter's turn, which only it ends
+        self._draining: int | None = None  # the thread of the reading waiter, while it drains the socket
         self._baton = _Baton()
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
@@ -726,9 +727,11 @@ class Reader:
                         # The listener's thread has the connection: it hands out what it reads.
                         released.wait(min(left, _BATON_BUSY))
                         continue
+                    self._draining = threading.get_ident()
                     try:
                         ok = drain()
                     finally:
+                        self._draining = None
                         with contextlib.suppress(RuntimeError):
                             baton.release()
                     if not ok:
@@ -743,8 +746,12 @@ class Reader:
         return True
 
     def poke(self) -> None:
-        """End a reading waiter's wait on the socket, to look at its event again."""
-        if self._until:
+        """End a reading waiter's wait on the socket, to look at its event again.
+
+        Not from the reading waiter's thread as it drains the socket: it looks at its event right after (a
+        write to the pipe would cost its hand-off a system call, and its next wait another round of the loop).
+        """
+        if self._until and self._draining != threading.get_ident():
             with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
                 os.write(self._write, b"\0")
 
