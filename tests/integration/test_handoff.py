@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
 from psycopg import sql
 
 from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, PermitsMismatchError, Semaphore
@@ -791,11 +792,16 @@ def test_no_process_is_starved_when_several_of_its_threads_wait_too(dsn: str, sc
     assert min(counts) > 0, counts
 
 
-def test_clients_looping_on_one_lock_share_it_fairly(dsn: str, schema: None) -> None:
+@pytest.mark.parametrize("traced", [False, True], ids=["untraced", "traced"])
+def test_clients_looping_on_one_lock_share_it_fairly(dsn: str, schema: None, traced: bool) -> None:
     # Four processes take one lock in turn, holding it 2 ms. A release wakes another process's waiter, and
     # the releaser's next acquire lets that one go first: were it to try at once, it would often take the
-    # lock back before the one it woke, and one process would get most of the turns.
-    counts, timeouts = _take_turns(dsn, 4, 4.0, 10.0)
+    # lock back before the one it woke, and one process would get most of the turns. So too where a
+    # tracing SDK records every acquire and release in a span.
+    provider = TracerProvider() if traced else None
+    counts, timeouts = _take_turns(dsn, 4, 4.0, 10.0, **({"tracer_provider": provider} if traced else {}))
+    if provider is not None:
+        provider.shutdown()
     assert timeouts == [0] * len(counts), f"acquisitions {counts}, timed out {timeouts}"
     # Each within 1.5x of the fair share either way (the bench's target is 2x, over processes of their own).
     fair = sum(counts) / len(counts)

@@ -541,7 +541,7 @@ class _Steps:
             return None
         if isinstance(op, steps.Releasing):
             listener = engine.listener
-            return None if listener is None else listener.releasing(op.channel)
+            return None if listener is None else listener.releasing(op.channel) or 0
         return _WAITS
 
     def perform(self, op: steps.Op) -> Any:

@@ -566,6 +566,8 @@ def _release_keeping_minimum(names: Names, shape: TableShape) -> Statement:
     statement answers one row, as a release does; the history says the hold
     was released now (an alert episode its release ended is not counted: the
     row's heartbeat before it is not kept).
+    A deleted row's answer is the channel notified, as `_release`'s is: a slot's if another process's waiter
+    was woken (its releaser's next acquire lets that one go first).
     """
     mine = sql.SQL(
         "locked = 1 AND lock_name = %(lock_name)s AND instance_id = %(instance_id)s AND acquired_at = %(acquired_at)s"
@@ -595,7 +597,7 @@ SELECT NULL::text FROM kept"""
             table=names.table,
             mine=mine,
             ended=_ended(names, shape),
-            notify=after_release("deleted"),
+            notify=after_release("deleted", answered=True),
         ),
         preparable=True,
     )

@@ -651,8 +651,8 @@ def release(
                 raise hold.error()
             timeout = lock.timing.operation_timeout
             params = lock.params()
-            if not isinstance(first, Result):  # sent here: it wakes another process, not this one's registration
-                params["own_slot"] = yield Releasing(lock.channel)
+            # Unless sent already (`first`): it wakes another process, not this one's registration.
+            own_slot = params["own_slot"] = None if isinstance(first, Result) else (yield Releasing(lock.channel))
             try:
                 result = yield from _execute_in_shape(
                     lock, lock.kind.release_statement, params, timeout, "release", first
@@ -673,6 +673,9 @@ def release(
                 raise error from exc
             settled = True
             deleted = result.rowcount > 0
+            if deleted and own_slot is not None and result.rows and not lock.kind.queues:
+                # The channel notified: a slot's if it woke another process's waiter, which goes first.
+                lock.gave_way_at = result.sent_at if result.rows[0][0] not in (None, "", lock.channel) else None
             lock.events.released(span, deleted=deleted)
             if not deleted:
                 # Held by our lease, yet the row was gone: someone deleted or took it.

@@ -170,8 +170,8 @@ class StopListening:
 @dataclass(frozen=True, slots=True)
 class Releasing:
     """This process is about to release a hold of ``channel``'s lock: the engine answers the release's
-    ``own_slot`` (`Listener.releasing`; None without a listener), so that it wakes another process's waiter
-    rather than this one's lingering registration."""
+    ``own_slot`` (`Listener.releasing`; 0 if its listener is not registered there, None without a listener),
+    so that it wakes another process's waiter rather than this one's lingering registration."""
 
     channel: str
 
