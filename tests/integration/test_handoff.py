@@ -743,18 +743,27 @@ def _subscribed(mutex: Mutex) -> bool:
 
 
 def _take_turns(
-    dsn: str, processes: int, seconds: float, timeout: float, threads_each: int = 1, **options: Any
+    dsn: str,
+    processes: int,
+    seconds: float,
+    timeout: float,
+    threads_each: int = 1,
+    permits: int | None = None,
+    **options: Any,
 ) -> tuple[list[int], list[int]]:
     """``processes`` clients (a listener each, a slot each) take one new lock in turn for ``seconds``, holding it
     2 ms each time, from ``threads_each`` threads each: how many times each client acquired it, and how many of
-    its acquires ran out of ``timeout``."""
+    its acquires ran out of ``timeout``. ``permits``: the lock is a Semaphore of so many, not a Mutex."""
     name = f"turns-{uuid.uuid4().hex[:10]}"
     clients = [MutexClient(dsn) for _ in range(processes)]
     counts, timeouts = [0] * processes, [0] * processes
     stop = time.monotonic() + seconds
 
     def loop(index: int) -> None:
-        mutex = clients[index].mutex(name, **{**QUIET, **options})
+        client, settings = clients[index], {**QUIET, **options}
+        mutex = (
+            client.mutex(name, **settings) if permits is None else client.semaphore(name, permits=permits, **settings)
+        )
         while time.monotonic() < stop:
             try:
                 with mutex.acquire(timeout=timeout):
@@ -792,14 +801,15 @@ def test_no_process_is_starved_when_several_of_its_threads_wait_too(dsn: str, sc
     assert min(counts) > 0, counts
 
 
-@pytest.mark.parametrize("traced", [False, True], ids=["untraced", "traced"])
-def test_clients_looping_on_one_lock_share_it_fairly(dsn: str, schema: None, traced: bool) -> None:
+@pytest.mark.parametrize("kind", ["mutex", "traced", "semaphore"])
+def test_clients_looping_on_one_lock_share_it_fairly(dsn: str, schema: None, kind: str) -> None:
     # Four processes take one lock in turn, holding it 2 ms. A release wakes another process's waiter, and
     # the releaser's next acquire lets that one go first: were it to try at once, it would often take the
     # lock back before the one it woke, and one process would get most of the turns. So too where a
-    # tracing SDK records every acquire and release in a span.
-    provider = TracerProvider() if traced else None
-    counts, timeouts = _take_turns(dsn, 4, 4.0, 10.0, **({"tracer_provider": provider} if traced else {}))
+    # tracing SDK records every acquire and release in a span, and for a Semaphore's permit.
+    provider = TracerProvider() if kind == "traced" else None
+    options: dict[str, Any] = {} if provider is None else {"tracer_provider": provider}
+    counts, timeouts = _take_turns(dsn, 4, 4.0, 10.0, permits=1 if kind == "semaphore" else None, **options)
     if provider is not None:
         provider.shutdown()
     assert timeouts == [0] * len(counts), f"acquisitions {counts}, timed out {timeouts}"
