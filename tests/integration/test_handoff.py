@@ -392,8 +392,9 @@ def test_a_release_reaches_no_process_that_stopped_waiting(dsn: str, pg: Postgre
     assert delivered == 0, f"{delivered} releases were delivered to a process that no longer waits"
 
 
+@pytest.mark.parametrize("permits", [None, 1], ids=["mutex", "semaphore-of-1"])
 def test_a_waiter_whose_attempt_won_the_release_told_to_it_neither_passes_it_on_nor_stops_listening(
-    dsn: str, schema: None, monkeypatch: pytest.MonkeyPatch
+    dsn: str, schema: None, monkeypatch: pytest.MonkeyPatch, permits: int | None
 ) -> None:
     """A waiter's attempt made as its listener began to listen can see a release whose wake-up reaches that
     listener only as the waiter leaves with the lock: the wake-up told of what the attempt saw. It is not
@@ -416,7 +417,13 @@ def test_a_waiter_whose_attempt_won_the_release_told_to_it_neither_passes_it_on_
     waits_after: list[float] = []
 
     with MutexClient(dsn) as holding_client, MutexClient(dsn) as waiting_client:
-        holder, waiter = holding_client.mutex(name, **QUIET), waiting_client.mutex(name, **QUIET)
+        holder: Mutex | Semaphore
+        waiter: Mutex | Semaphore
+        if permits is None:
+            holder, waiter = holding_client.mutex(name, **QUIET), waiting_client.mutex(name, **QUIET)
+        else:  # one permit, one hold: its waiter's win stands for the release as a Mutex's does
+            holder = holding_client.semaphore(name, permits=permits, **QUIET)
+            waiter = waiting_client.semaphore(name, permits=permits, **QUIET)
         assert holder.acquire().__enter__()
         subscribe = Listener.subscribe
 

@@ -50,7 +50,7 @@ class Mode(LockKind):
     noun: ClassVar[str] = "read/write lock"
     holder_type: ClassVar[str] = "RWLock"
     takes_minimum_hold: ClassVar[bool] = False
-    single_hold: ClassVar[bool] = False
+    single_hold = False
     direct: ClassVar[bool] = False
     alerts_left_to_watcher: ClassVar[bool] = True
     follows_lease: ClassVar[bool] = False  # its rows are taken over by statements that judge their own heartbeat

@@ -39,13 +39,15 @@ class Permits(LockKind):
     noun: ClassVar[str] = "semaphore"
     holder_type: ClassVar[str] = "Semaphore"
     takes_minimum_hold: ClassVar[bool] = False
-    single_hold: ClassVar[bool] = False
     direct: ClassVar[bool] = False
     alerts_left_to_watcher: ClassVar[bool] = True
     follows_lease: ClassVar[bool] = False  # its rows are taken over by statements that judge their own heartbeat
 
     def __init__(self, count: int) -> None:
         self.count = count
+        # One permit is one hold: a change of the count wakes every waiter (`WAKE_ALL`), and a Semaphore that
+        # says another count than the table's is refused.
+        self.single_hold = count == 1
 
     def params(self, lock_name: str, row_name: str, timing: Timing) -> dict[str, object]:
         return {"semaphore": lock_name, "permits": self.count}

@@ -46,9 +46,9 @@ class LockKind:
     follows_lease: ClassVar[bool] = True
     """Whether its row may follow its holder's lease (`_sql.leases`): only a row that every statement taking it
     over judges by the later of its own heartbeat and its lease's."""
-    single_hold: ClassVar[bool] = True
-    """Whether a release frees the one hold there is (a mutex's), so a waiter's next attempt stands for any
-    number of releases before it; a semaphore's frees one permit of many."""
+    single_hold: bool = True
+    """Whether a release frees the one hold there is (a mutex's, a one-permit semaphore's), so a waiter's next
+    attempt stands for any number of releases before it; a semaphore's of more frees one permit of many."""
     queues: ClassVar[bool] = False
     """Whether its waiters wait in line (a fair Mutex's or Semaphore's, `_sql.fair`): a waiter's acquire queues
     it, a release may hand it the row, and a waiter that gives up leaves the line (its `stray_cleanup`)."""
