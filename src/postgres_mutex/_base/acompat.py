@@ -609,7 +609,7 @@ class AReader:
         """The listener's connection, for the listener's own use: a task's is never shared."""
         return contextlib.nullcontext()
 
-    def drain_if_free(self, drain: Callable[[], bool]) -> None:
+    def drain_if_free(self, drain: Callable[[T], object], conn: T) -> None:
         """Read the socket now if nobody uses the connection: a task never does, the listener's task reads it
         whenever it is readable, before the task whose wait ends runs."""
 
@@ -684,12 +684,12 @@ class Reader:
     def using(self) -> _Baton:
         return self._baton
 
-    def drain_if_free(self, drain: Callable[[], bool]) -> None:
-        """Read the socket now with ``drain``, if nobody uses the connection (else whoever does reads it)."""
+    def drain_if_free(self, drain: Callable[[T], object], conn: T) -> None:
+        """Read ``conn``'s socket now with ``drain``, if nobody uses the connection (else whoever does reads it)."""
         baton = self._baton.try_take()
         if baton is not None:
             try:
-                drain()
+                drain(conn)
             finally:
                 with contextlib.suppress(RuntimeError):
                     baton.release()

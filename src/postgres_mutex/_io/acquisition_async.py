@@ -339,8 +339,7 @@ async def _release(engine: AsyncEngine, lock: LockState, caller: object) -> bool
             )
         if listener is not None and result.rows and not kind.queues:
             # The channel it notified: a slot's (`_sql.wake`) if it woke another process's waiter.
-            woke = result.rows[0][0]
-            lock.gave_way_at = result.sent_at if woke and woke != lock.channel else None
+            lock.released_and_woke(result.rows[0][0], result.sent_at)
         events = lock.events
         if not events.quiet or logger.isEnabledFor(DEBUG):  # else `released` tells nobody
             events.released(NO_SPAN, deleted=True)

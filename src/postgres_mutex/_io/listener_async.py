@@ -176,7 +176,7 @@ class Listener:
             # What was heard already is most often the release its own attempt saw as it won (the attempt
             # raced it): told to this waiter, still here, it is used. Read once nobody of this process
             # waits, it would be passed on, and end the registration's linger as a stranger's release does.
-            self._reader.drain_if_free(functools.partial(self._drain_here, conn))
+            self._reader.drain_if_free(self._drain_here, conn)
         with self._host.state_lock:
             waiting = self._subscriptions.get(subscription.channel)
             if waiting is not None:

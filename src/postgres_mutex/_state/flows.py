@@ -675,7 +675,7 @@ def release(
             deleted = result.rowcount > 0
             if deleted and own_slot is not None and result.rows and not lock.kind.queues:
                 # The channel notified: a slot's if it woke another process's waiter, which goes first.
-                lock.gave_way_at = result.sent_at if result.rows[0][0] not in (None, "", lock.channel) else None
+                lock.released_and_woke(result.rows[0][0], result.sent_at)
             lock.events.released(span, deleted=deleted)
             if not deleted:
                 # Held by our lease, yet the row was gone: someone deleted or took it.

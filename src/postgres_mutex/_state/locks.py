@@ -505,6 +505,11 @@ class LockState:
                     hold.reason = RELEASED_ELSEWHERE
             return hold
 
+    def released_and_woke(self, woke: str | None, sent_at: float) -> None:
+        """A release sent at ``sent_at`` deleted the row and notified ``woke``: a slot's channel if it woke a
+        waiting process other than this one, which this Mutex's next blocking acquire then lets go first."""
+        self.gave_way_at = sent_at if woke and woke != self.channel else None
+
     def row_gone(self, hold: Hold) -> LockNotHeldError:
         """A release found ``hold``'s row deleted or taken over: the error that says so."""
         with self._lock:
