@@ -12,7 +12,9 @@ throwaway one). One process, one lock nobody else takes:
   (``raw``: the library's prepared acquire and release on a plain cursor);
 - ``sync CPU / floor``: the client CPU (`time.process_time`, every thread) of a
   sync cycle over that of its floor, a plain ``INSERT ... ON CONFLICT DO
-  NOTHING`` + ``DELETE`` of a lock row, measured in interleaved rounds;
+  NOTHING`` + ``DELETE`` of a lock row, measured in interleaved rounds. On a
+  throwaway server of its own, with two CPUs or more, the client runs on one
+  CPU and the server's backends on the others (see `apart`);
 - ``async wall / raw``: the median wall time of ``async with
   mutex.acquire_async(blocking=False):`` over the same two statements sent on
   an `AsyncConnection`, interleaved likewise.
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +93,49 @@ def calls_per_cycle(cycle: Callable[[], object], cycles: int = 20) -> float:
     return calls / cycles
 
 
+@contextlib.contextmanager
+def apart(conn: psycopg.Connection[Any], local_server: bool) -> Iterator[str]:
+    """The client on one CPU and the server's backends on the others, as when the database is another
+    machine; yields where each runs (after "timed with the"), or why they run where the scheduler puts them.
+
+    Left to the scheduler on a small machine, a client's CPU per round trip depends on where the backend it
+    talks to runs: twice as much when it runs on another CPU than when on the client's (measured on two
+    virtual CPUs, two identical floors on two connections: 58 and 108 µs), and each connection's backend
+    lands where it lands, so a ratio of two measures on two connections was a draw between those placements.
+    Placed apart, every measure pays what a client of a remote database pays. Only a throwaway server of
+    the bench's own is placed (a server given with ``--dsn`` may be another machine's, whose process
+    numbers mean nothing here).
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    if not local_server or len(cpus) < 2:
+        yield "client and server left to the scheduler" + ("" if local_server else " (a server of your own)")
+        return
+    backends = [
+        row[0] for row in conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'client backend'")
+    ]
+    threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    before = {}
+    try:
+        for pid in threads + backends:
+            with contextlib.suppress(ProcessLookupError):
+                before[pid] = os.sched_getaffinity(pid)
+                os.sched_setaffinity(pid, {cpus[0]} if pid in threads else set(cpus[1:]))
+    except PermissionError:
+        _restore(before)
+        yield "client and server left to the scheduler (no permission to place the server's processes)"
+        return
+    try:
+        yield f"client on CPU {cpus[0]} and the server's backends on CPU {', '.join(map(str, cpus[1:]))}"
+    finally:
+        _restore(before)
+
+
+def _restore(affinities: dict[int, set[int]]) -> None:
+    for pid, cpus in affinities.items():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(pid, cpus)
+
+
 def _floor(conn: psycopg.Connection[Any], table: str) -> Callable[[], None]:
     ident = sql.Identifier(table)
     insert = sql.SQL(
@@ -105,7 +152,7 @@ def _floor(conn: psycopg.Connection[Any], table: str) -> Callable[[], None]:
     return cycle
 
 
-def measure(dsn: str, table: str, *, rounds: int, per_round: int, warmup: int) -> dict[str, Any]:
+def measure(dsn: str, table: str, *, rounds: int, per_round: int, warmup: int, local_server: bool) -> dict[str, Any]:
     conn = psycopg.connect(dsn, autocommit=True)
     runner = asyncio.Runner()
     mutex = Mutex(dsn, "bench-fastpath-sync", table=table)
@@ -128,6 +175,9 @@ def measure(dsn: str, table: str, *, rounds: int, per_round: int, warmup: int) -
         for _ in range(warmup):
             cycle()
             raw()
+        # Every connection open before the measures are placed (`apart`).
+        runner.run(acycle())
+        runner.run(araw())
         frames = frames_at_psycopg(cycle)
         calls = calls_per_cycle(cycle)
         raw_calls = calls_per_cycle(raw)
@@ -137,7 +187,8 @@ def measure(dsn: str, table: str, *, rounds: int, per_round: int, warmup: int) -
             Measure("raw_async", aop=araw),
             Measure("mutex_async", aop=acycle),
         ]
-        interleave(measures, rounds=rounds, per_round=per_round, warmup=warmup, runner=runner)
+        with apart(conn, local_server) as placement:
+            interleave(measures, rounds=rounds, per_round=per_round, warmup=warmup, runner=runner)
         runner.run(aconn.close())
         timed = {m.name: m.timed for m in measures}
     finally:
@@ -155,6 +206,7 @@ def measure(dsn: str, table: str, *, rounds: int, per_round: int, warmup: int) -
         "floor_cpu_us": round(floor_cpu * 1e6, 1),
         "sync_cpu_us": round(sync_cpu * 1e6, 1),
         "sync_cpu_ratio": round(sync_cpu / floor_cpu, 3),
+        "placement": placement,
         "raw_async_ms": round(raw_wall * 1e3, 4),
         "async_ms": round(async_wall * 1e3, 4),
         "async_wall_ratio": round(async_wall / raw_wall, 3),
@@ -183,6 +235,7 @@ def render(figures: dict[str, Any]) -> str:
     width = max(len(row[0]) for row in rows)
     lines = [f"{'measure'.ljust(width)}  measured  (target at most)"]
     lines += [f"{name.ljust(width)}  {value}  ({target})" for name, value, target in rows]
+    lines.append(f"(timed with the {figures['placement']})")
     return "\n".join(lines)
 
 
@@ -194,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     with start_server(args.dsn) as target, bench_table(target.dsn) as table:
-        figures = measure(target.dsn, table, rounds=args.rounds, per_round=args.per_round, warmup=30)
+        figures = measure(
+            target.dsn, table, rounds=args.rounds, per_round=args.per_round, warmup=30, local_server=target.throwaway
+        )
     print(json.dumps(figures) if args.json else render(figures))
     return 0
 

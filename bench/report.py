@@ -1021,7 +1021,8 @@ def _fastpath(figures: dict[str, Any]) -> list[str]:
         "One process, one lock nobody else takes (`python -m bench.fastpath` measures this section alone): the "
         "library's frames on the stack as a sync cycle enters psycopg's `execute` and its Python-level calls "
         "(`sys.setprofile`), its client CPU against its floor's and the async cycle's wall time against its two "
-        "statements', in interleaved rounds.",
+        "statements', in interleaved rounds; timed with the "
+        f"{figures.get('placement', 'client and server left to the scheduler')}.",
         "",
         *_table(header, rows),
     ]

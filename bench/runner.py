@@ -262,7 +262,7 @@ def _measure_the_library(
     progress("an uncontended cycle's own Python: frames at psycopg's entry, calls, CPU against the floor")
     sizes = plan.latency
     results["fastpath"] = fastpath.measure(
-        dsn, table, rounds=sizes.rounds, per_round=sizes.per_round, warmup=sizes.warmup
+        dsn, table, rounds=sizes.rounds, per_round=sizes.per_round, warmup=sizes.warmup, local_server=throwaway
     )
 
     progress("the lock history's cost: the same operations on a table with a history and without")

@@ -222,3 +222,31 @@ def test_the_table_under_heartbeat_load_is_sampled_on_a_table_of_its_own(
     with psycopg.connect(dsn, autocommit=True) as conn:
         left = conn.execute("SELECT to_regclass('mutex_lock_bench_load')").fetchone()
     assert left == (None,), "the bench drops its table"
+
+
+def test_the_fast_paths_cpu_is_timed_with_the_client_and_the_server_apart(dsn: str) -> None:
+    # Else a client's CPU per round trip depends on whether its backend landed on its own CPU.
+    from bench.fastpath import apart
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        assert os.environ.get("CI") != "true", "CI's machine has two CPUs: the placement must be tried there"
+        pytest.skip("one CPU: nothing to place apart")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        backend = conn.info.backend_pid
+        before = os.sched_getaffinity(0), os.sched_getaffinity(backend)
+        with apart(conn, local_server=False) as placement:
+            assert placement == "client and server left to the scheduler (a server of your own)"
+            assert (os.sched_getaffinity(0), os.sched_getaffinity(backend)) == before
+        with apart(conn, local_server=True) as placement:
+            if os.geteuid() not in (0, os.stat(f"/proc/{backend}").st_uid):  # another user's server: root's to place
+                assert "no permission" in placement
+                assert (os.sched_getaffinity(0), os.sched_getaffinity(backend)) == before
+            else:
+                assert placement == f"client on CPU {cpus[0]} and the server's backends on CPU " + ", ".join(
+                    map(str, cpus[1:])
+                )
+                assert os.sched_getaffinity(0) == {cpus[0]}
+                assert os.sched_getaffinity(backend) == set(cpus[1:])
+                conn.execute("SELECT 1")
+        assert (os.sched_getaffinity(0), os.sched_getaffinity(backend)) == before
