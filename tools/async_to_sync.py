@@ -60,7 +60,6 @@ RENAMES = {
     "AWaker": "Waker",
     "AReader": "Reader",
     "asleep": "sleep",
-    "aacquire_lock": "acquire_lock",
     "auncancellable": "uncancellable",
     "ato_the_end": "to_the_end",
     "asynccontextmanager": "contextmanager",

@@ -353,25 +353,6 @@ def sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
-async def aacquire_lock(lock: threading.Lock, timeout: float | None = None) -> bool:
-    """Take a thread lock from a task without blocking the event loop; False if ``timeout`` ran out first.
-
-    The lock is shared with threads (and other loops), and its holder may be
-    a task on this very loop: polling is the one way that never deadlocks.
-    Holders keep it for one statement at most.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not lock.acquire(blocking=False):
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
-
-
-def acquire_lock(lock: threading.Lock, timeout: float | None = None) -> bool:
-    return lock.acquire(timeout=-1 if timeout is None else timeout)
-
-
 # -- cancellation ------------------------------------------------------------------------
 
 

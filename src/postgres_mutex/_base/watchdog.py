@@ -78,19 +78,10 @@ class Cutter:
             watchdog.wake()
         return at
 
-    def disarmed(self, ticket: float) -> bool:
-        """Whether ``ticket`` can no longer cut (disarmed, or the cutter closed): a ticket never re-arms."""
-        return self.until != ticket
-
     def disarm(self, ticket: float) -> None:
         with self.lock:
             if self.until == ticket:
                 self.until = math.inf
-
-    def disarm_all(self) -> None:
-        """Disarm whatever is armed: for the one statement at a time its connection runs."""
-        with self.lock:
-            self.until = math.inf
 
     def due(self, current: float) -> None:
         """Called by the watchdog: cut the socket if a deadline still armed has passed at ``current``."""

@@ -128,7 +128,7 @@ class AsyncAcquisition:
                 timeout = lock.timing.operation_timeout
                 if self._blocking and self._timeout is not None:
                     timeout = flows.statement_timeout(lock, started + self._timeout)
-                if lock.cleanup_sender is not None:  # `cleanup_maybe_on_the_wire`, read without its call
+                if lock.cleanup_sender is not None:  # a clean-up of ours may be on the wire
                     flowed = True
                     self._hold = await engine.run(
                         self._flow(owner, flows.FirstAttempt(generation, started, statements, timeout, False, None))

@@ -263,7 +263,7 @@ class Engine:
                         raise
                     finally:
                         # Whatever was armed, even if an exception landed before its ticket was kept
-                        # (`Cutter.disarm_all`, inline: once per statement).
+                        # (disarmed whole: one statement at a time runs on a connection).
                         with cutter.lock:
                             cutter.until = math.inf
             finally:

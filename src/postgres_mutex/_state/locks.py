@@ -556,15 +556,6 @@ class LockState:
             if self.cleanup_sender is sender:
                 self.cleanup_sender = None
 
-    @property
-    def cleanup_maybe_on_the_wire(self) -> bool:
-        """Whether a stray row's clean-up may be on the wire (`cleanup_on_the_wire_until` says until when).
-
-        Read without the lock: exact for an acquire once `begin_acquire` returned,
-        since a clean-up that takes its turn after that is refused.
-        """
-        return self.cleanup_sender is not None
-
     def cleanup_on_the_wire_until(self) -> float | None:
         """Until when a stray row's clean-up may still land (an acquire must not be sent before); None: none may."""
         with self._lock:
