@@ -44,12 +44,15 @@ class PeerLock(Protocol):
 
 
 class _Mutex:
-    """postgres-mutex, this version or 0.1.0 (the same public calls): ``with mutex.acquire(...)``."""
+    """postgres-mutex, this version (fair or not) or 0.1.0 (the same public calls): ``with mutex.acquire(...)``."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         from postgres_mutex import Mutex
 
-        self._mutex = Mutex(config["dsn"], config["name"], table=config["table"])
+        if config.get("fair"):
+            self._mutex = Mutex(config["dsn"], config["name"], table=config["table"], fair=True)
+        else:  # 0.1.0's Mutex has no fair= keyword
+            self._mutex = Mutex(config["dsn"], config["name"], table=config["table"])
         self._holding = contextlib.ExitStack()
 
     def try_acquire(self) -> bool:

@@ -87,6 +87,18 @@ PEERS = (
         ),
     ),
     Peer(
+        "fair",
+        "postgres-mutex (this version), `fair=True`",
+        "mutex",
+        (),
+        (
+            "heartbeat thread renews the row",
+            "alert hook, then reclaim after the stale threshold",
+            "token from a sequence (`mutex.fence`)",
+            "handed the lock by the release, in the order waiters came (LISTEN/NOTIFY tells it)",
+        ),
+    ),
+    Peer(
         "0.1.0",
         "postgres-mutex 0.1.0",
         "mutex",
@@ -192,7 +204,7 @@ def run(dsn: str, server_version: str, plan: PeersPlan) -> dict[str, Any]:
                     rows[peer.key]["skipped"] = str(exc)
             progress(f"peers: starting {plan.processes} workers each for {', '.join(ready) or 'none'}")
             pools.update(_pools(stack, ready, rows, plan.processes))
-        for key in ("this", "0.1.0", "pals"):
+        for key in ("this", "fair", "0.1.0", "pals"):
             rows[key]["server"] = f"PostgreSQL {server_version}"
         progress(f"peers: acquire + release, {plan.rounds} interleaved rounds of {plan.per_round}")
         _cycles(pools, rows, plan)
@@ -215,7 +227,7 @@ def run(dsn: str, server_version: str, plan: PeersPlan) -> dict[str, Any]:
 
 
 def _version(peer: Peer) -> str:
-    if peer.key == "this":
+    if peer.key in ("this", "fair"):
         return postgres_mutex.__version__
     if peer.key == "0.1.0":
         return peer_servers.PUBLISHED
@@ -235,7 +247,9 @@ def _prepare(
             raise peer_servers.Unavailable(f"Python module `{module}` missing: pip install 'postgres-mutex[bench]'")
     config = {"dsn": base["dsn"], "hold": base["hold"], "kind": peer.kind, "peer": peer.key, "table": TABLE}
     python = None
-    if peer.key == "0.1.0":
+    if peer.key == "fair":
+        config["fair"] = True
+    elif peer.key == "0.1.0":
         python = base["building"].result(timeout=600)
         stack.enter_context(_dropped(base["dsn"], TABLE_0_1_0))
         peer_servers.create_table_0_1_0(python, base["dsn"], TABLE_0_1_0)

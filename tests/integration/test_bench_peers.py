@@ -1,7 +1,7 @@
 """The bench's peers section (``python -m bench --quick --only-peers``) runs every peer or says why not.
 
 Figures are not asserted (they depend on the machine); behaviour is: each of
-the six locks either produced a cycle, a hand-off and a contended figure, or
+the seven locks (this version twice: plain and fair) either produced a cycle, a hand-off and a contended figure, or
 its row says why it could not run, and none of them ever let two holders in
 at once. In CI everything a peer needs is installed (redis-server, etcd,
 ``postgres-mutex[bench]``, PyPI for 0.1.0), so there every peer must run.
