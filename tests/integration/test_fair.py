@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import subprocess
 import sys
 import threading
@@ -14,11 +15,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
-from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, SchemaError
+from postgres_mutex import LockAcquisitionTimeout, LockTable, Mutex, MutexClient, SchemaError
+from postgres_mutex._sql import fair
 from postgres_mutex._state.heartbeat_flows import LEASE_FROM
 from tests.support.exclusion import overlaps, read_log
-from tests.support.fixtures import ROOT, wait_until
+from tests.support.fixtures import ROOT, channel_of, wait_until
 
 WORKERS = 10
 
@@ -102,6 +105,57 @@ def test_waiters_in_ten_processes_acquire_in_the_order_they_came(
     assert overtakes == 0, by_token
     assert overlaps(read_log(log)) == []
     assert _queued(admin, lock_name) == []
+
+
+def test_a_hand_off_is_told_to_the_waiters_process_alone(
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str
+) -> None:
+    """A fair release tells the waiter it hands the lock to on its process's own slot channel: no other process
+    listening on the lock (the releaser's own lingering registration, a bystander here) wakes for it."""
+    channel = channel_of(lock_name)
+    # Polls half a minute apart: the waiter can only get the lock in time by being told.
+    slow: dict[str, Any] = {"poll_interval": 30.0, "stale_threshold": 60.0, "alert_threshold": 30.0}
+    got: list[float] = []
+    leave = threading.Event()
+    with (
+        MutexClient(dsn) as releasing,
+        MutexClient(dsn) as waiting,
+        psycopg.connect(dsn, autocommit=True) as bystander,
+    ):
+        bystander.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        holder = releasing.mutex(lock_name, fair=True, **slow)
+        waiter = waiting.mutex(lock_name, fair=True, **slow)
+        assert holder.acquire().__enter__()
+
+        def wait() -> None:
+            with waiter.acquire(blocking=True, timeout=20.0) as acquired:
+                if acquired:
+                    got.append(time.monotonic())
+                leave.wait(20.0)
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        try:
+
+            def the_waiters_attempt_named_its_slot() -> bool:
+                # Registered on the lock's channel, and its attempt since then named the slot in the line.
+                return any(re.search(r"@[0-9]+$", wait_id) for wait_id in _wait_ids(admin, lock_name))
+
+            wait_until(the_waiters_attempt_named_its_slot, timeout=20)
+            released = time.monotonic()
+            holder.release()
+            wait_until(lambda: bool(got), timeout=20)
+            assert got[0] - released < 5.0, "the waiter was not told of the hand-off"
+            heard = [note.payload for note in bystander.notifies(timeout=0.5) if note.channel == channel]
+        finally:
+            leave.set()
+            thread.join(20.0)
+    assert not [payload for payload in heard if payload.startswith(fair.WAKE_FAIR)], heard
+
+
+def _wait_ids(admin: psycopg.Connection[Any], lock: str) -> list[str]:
+    rows = admin.execute("SELECT wait_id FROM mutex_lock_queue WHERE lock_name = %s", [lock]).fetchall()
+    return [row[0] for row in rows]
 
 
 def test_a_dead_waiter_is_passed_over(

@@ -138,6 +138,8 @@ class Acquisition:
                     # A fair lock's: its attempt also queues it, under this acquire's name, if it does not win.
                     statement, params = kind.acquire_statement(statements, lock.lock_name), lock.params()
                     params["wait_id"] = flows.wait_id(lock, generation)
+                    if engine.listener is not None:  # its process's slot, if registered there (`_sql.fair.at_slot`)
+                        params["wait_id"] = engine.listener.in_line_as(lock.channel, str(params["wait_id"]))
                 else:
                     # Its table may have been migrated since it was inspected: the flow looks again.
                     flowed = True

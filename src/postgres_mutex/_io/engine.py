@@ -20,6 +20,7 @@ on goes on running there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -549,6 +550,10 @@ class _Steps:
         engine = self._engine
         if isinstance(op, steps.Execute):
             subscription, listener = self._subscription, engine.listener
+            if listener is not None and "wait_id" in op.params:  # a fair lock's waiter's attempt
+                params = op.params
+                wait_id = listener.in_line_as(str(params["channel"]), str(params["wait_id"]))
+                op = dataclasses.replace(op, params={**params, "wait_id": wait_id})
             if subscription is None or listener is None:
                 return engine.execute(op)
             took_wake = listener.take_wake(subscription)

@@ -208,6 +208,13 @@ class Listener:
                 return -slot  # a waiter of this process sleeps (another Mutex of the name): it may be the one woken
         return slot
 
+    def in_line_as(self, channel: str, wait_id: str) -> str:
+        """A fair lock's waiter's ``wait_id`` for its next attempt: with this process's slot on ``channel``, if
+        it holds one (its registration lingers from an earlier wait, or a waiter of it waits there now), so that
+        a release handing it the lock tells this process alone (`_sql.fair.at_slot`)."""
+        slot = self._registered.get(channel)
+        return wait_id if slot is None else fair.at_slot(wait_id, slot)
+
     @property
     def listening(self) -> frozenset[str]:
         """The channels the connection LISTENs on right now (each until a while after its last waiter left)."""
@@ -298,30 +305,31 @@ class Listener:
         if chosen is not None and payload == wake.UNREGISTERED:
             return  # this process's own, as it gives the slot back: the releases before it were heard
         lock_channel = channel if chosen is None else chosen
+        handing = payload.startswith(fair.WAKE_FAIR)
         with self._host.state_lock:
             # Heard: a waiter whose attempt was sent before now tries again once subscribed.
             if lock_channel in self._quiet_since:
                 self._quiet_since[lock_channel] = now()
             # Heard with nobody here waiting: other processes wait on the lock, and the releases that chose this
             # one would each be passed on. The registration lingers no longer (one wake-up passed on at most).
-            # Not for a fair lock's hand-off (this process's own, most often): it names its waiter, and nobody
-            # passes it on.
+            # Not for a fair lock's hand-off: it names its waiter, and nobody passes it on.
             ended = (
                 lock_channel not in self._subscriptions
                 and self._linger_until.get(lock_channel, 0.0) > now()
-                and not payload.startswith(fair.WAKE_FAIR)
+                and not handing
             )
             if ended:
                 self._linger_until[lock_channel] = now()
         if ended:
             self._waker.wake()
+        if handing:
+            # A fair lock handed to one waiter (of this process, if it is here; told on its slot's channel if
+            # its attempt named the slot, `_sql.fair.at_slot`): that one takes it.
+            self._wake_named(lock_channel, payload)
+            return
         if chosen is not None:
             # This process alone was told (its slot's channel): one waiter here, else another process's.
             self.wake_one(chosen)
-            return
-        if payload.startswith(fair.WAKE_FAIR):
-            # A fair lock handed to one waiter: that one (of this process, if it is here) takes it.
-            self._wake_named(channel, payload)
             return
         if payload == wake.WAKE_EACH_PROCESS:
             # Every process was told: one waiter here tries, and nothing is passed on.
@@ -341,6 +349,7 @@ class Listener:
         if handed is None:
             return
         who, token, acquired_us = handed
+        who = fair.waiter_of(who)
         with self._host.state_lock:
             named = [sub for sub in self._subscriptions.get(channel, ()) if sub.who == who]
             for subscription in named:

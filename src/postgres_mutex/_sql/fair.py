@@ -12,7 +12,8 @@ A fair release (`release`) does not delete the row when a live waiter is
 queued: in the same statement it hands the row to the oldest one (its
 ``instance_id`` written in, a new token drawn, its heartbeat and
 ``acquired_at`` set to the release's ``now()``, the waiter's entry dequeued)
-and notifies the lock's channel naming the waiter's acquire, the token and
+and notifies the waiter's process (the channel of the slot its attempt named,
+`at_slot`, else the lock's channel) naming the waiter's acquire, the token and
 ``acquired_at`` (`WAKE_FAIR`, read by `handed`): that waiter's process wakes
 it, and it holds the lock with no statement of its own (its lease counted
 from a moment surely before the release began, `_state.flows`). A waiter that
@@ -53,7 +54,7 @@ from .history import hold_ended
 from .kinds import adds
 from .queue import FORGOTTEN_AFTER, LIVE, MUTEX_LINE, PERMITS_LINE, WRITERS_LINE, Line
 from .statement import Statement, statement
-from .wake import after_release
+from .wake import after_release, slot_or_lock_channel
 
 if TYPE_CHECKING:
     from .names import Names
@@ -65,6 +66,23 @@ WAKE_FAIR = "fair "
 
 
 _NOTHING = sql.SQL("")
+
+
+_AT_SLOT = "@"
+"""What separates a waiter's acquire from its process's slot in ``wait_id`` (`at_slot`)."""
+
+
+def at_slot(wait_id: str, slot: int) -> str:
+    """A waiter's ``wait_id`` that also names the slot its process registered in on the lock's channel
+    (`_sql.wake`): the release that hands it the lock notifies that slot's channel, which only its process
+    hears, rather than the lock's, which wakes every process listening there, the releaser's own included."""
+    return f"{wait_id}{_AT_SLOT}{slot}"
+
+
+def waiter_of(wait_id: str) -> str:
+    """The acquire a ``wait_id`` names, without the slot `at_slot` may have added."""
+    acquire, at, slot = wait_id.rpartition(_AT_SLOT)
+    return acquire if at and slot.isdigit() else wait_id
 
 
 def handed(payload: str) -> tuple[str, int, int] | None:
@@ -131,7 +149,7 @@ def release(names: Names, shape: TableShape, *, scoped: bool, line: Line = MUTEX
      AND (waiter.instance_id = %(instance_id)s OR waiter.instance_id IN (SELECT instance_id FROM handed)
           OR waiter.seen <= now() - {forgotten} * {live})
 ){also}{ended}
-SELECT pg_notify(%(channel)s::text, concat_ws(' ', {wake} || handed.wait_id, handed.token,
+SELECT pg_notify({told}, concat_ws(' ', {wake} || handed.wait_id, handed.token,
                  (EXTRACT(EPOCH FROM handed.acquired_at) * 1000000)::bigint))::text
   FROM handed
 UNION ALL
@@ -177,6 +195,13 @@ SELECT {notify}::text FROM deleted"""
             cleared=sql.SQL("").join(sql.SQL(", ") + part for part in cleared),
             ended=_ended(names, shape),
             wake=sql.Literal(WAKE_FAIR),
+            # The slot the waiter's attempt named (`at_slot`), else the lock's channel. A waiter's process
+            # keeps its slot while the waiter waits; one that lost it meanwhile (its listener reconnected)
+            # misses this and takes the row at its next attempt, as a waiter told nothing does.
+            told=slot_or_lock_channel(
+                sql.SQL("{}::text").format(sql.Placeholder("channel")),
+                sql.SQL("substring(handed.wait_id FROM {})").format(sql.Literal(f"{_AT_SLOT}([0-9]+)$")),
+            ),
             notify=after_release("deleted"),
         ),
         preparable=scoped,

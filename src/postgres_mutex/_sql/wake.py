@@ -73,6 +73,12 @@ def slot_channel(channel: str, slot: int) -> str:
     return f"{channel}_{slot}"
 
 
+def slot_or_lock_channel(channel: sql.Composable, slot: sql.Composable) -> sql.Composable:
+    """`slot_channel` in SQL: the channel of ``slot`` (text; NULL: none) of the lock's ``channel``, else that
+    channel itself."""
+    return sql.SQL("coalesce({channel} || '_' || {slot}, {channel})").format(channel=channel, slot=slot)
+
+
 def _taken_slot(channel: sql.Composable, skip: sql.Composable, near: sql.Composable) -> sql.Composable:
     """A slot another session holds, as text (NULL if none): one of the `CHOSEN_AMONG` slots on either side of
     ``near`` (the chooser's own slot; 0: none), at random; else one of the first `CHOSEN_AMONG`, at random;
@@ -126,12 +132,12 @@ def _wake_one(channel: sql.Composable, skip: sql.Composable, near: sql.Composabl
     return sql.SQL(
         """CASE WHEN {nobody} THEN {channel}
             WHEN {choosing} IS NULL THEN {channel}
-            ELSE coalesce({channel} || '_' || {taken}, {channel}) END"""
+            ELSE {taken} END"""
     ).format(
         nobody=_nobody_registered(channel),
         channel=channel,
         choosing=_choosing(channel),
-        taken=_taken_slot(channel, skip, near),
+        taken=slot_or_lock_channel(channel, _taken_slot(channel, skip, near)),
     )
 
 
@@ -280,13 +286,10 @@ def pass_on(channel: str, slot: int | None) -> str:
     near ``slot``, this process's own (None: not registered), as a release chooses (`_taken_slot`)."""
     literal = sql.SQL("{}::text").format(sql.Literal(channel))
     return render(
-        sql.SQL(
-            "SELECT pg_notify(CASE WHEN {choosing} IS NULL THEN {channel} "
-            "ELSE coalesce({channel} || '_' || {taken}, {channel}) END, {each})"
-        ).format(
+        sql.SQL("SELECT pg_notify(CASE WHEN {choosing} IS NULL THEN {channel} ELSE {taken} END, {each})").format(
             channel=literal,
             choosing=_choosing(literal),
-            taken=_taken_slot(literal, sql.SQL("0"), sql.Literal(slot or 0)),
+            taken=slot_or_lock_channel(literal, _taken_slot(literal, sql.SQL("0"), sql.Literal(slot or 0))),
             each=sql.Literal(WAKE_EACH_PROCESS),
         )
     )
