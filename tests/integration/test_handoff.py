@@ -808,6 +808,19 @@ def test_no_process_is_starved_when_several_of_its_threads_wait_too(dsn: str, sc
     assert min(counts) > 0, counts
 
 
+def test_clients_looping_on_a_semaphore_of_three_permits_change_hands_faster_than_on_a_mutex(
+    dsn: str, schema: None
+) -> None:
+    # Four processes, three permits: most of the time a permit is free, and a releaser whose release woke
+    # another process's waiter takes one at once. Letting the woken waiter go first is for a lock of one
+    # hold: made to wait for a release, the releasers kept permits idle, and the semaphore changed hands
+    # about as often as a Mutex (0.97x its rate, measured; 1.9x with the releasers trying at once).
+    mutex_counts, mutex_timeouts = _take_turns(dsn, 4, 3.0, 10.0)
+    semaphore_counts, semaphore_timeouts = _take_turns(dsn, 4, 3.0, 10.0, permits=3)
+    assert mutex_timeouts == semaphore_timeouts == [0] * 4, (mutex_timeouts, semaphore_timeouts)
+    assert sum(semaphore_counts) >= 1.5 * sum(mutex_counts), (semaphore_counts, mutex_counts)
+
+
 @pytest.mark.parametrize("kind", ["mutex", "traced", "semaphore"])
 def test_clients_looping_on_one_lock_share_it_fairly(dsn: str, schema: None, kind: str) -> None:
     # Four processes take one lock in turn, holding it 2 ms. A release wakes another process's waiter, and

@@ -507,8 +507,13 @@ class LockState:
 
     def released_and_woke(self, woke: str | None, sent_at: float) -> None:
         """A release sent at ``sent_at`` deleted the row and notified ``woke``: a slot's channel if it woke a
-        waiting process other than this one, which this Mutex's next blocking acquire then lets go first."""
-        self.gave_way_at = sent_at if woke and woke != self.channel else None
+        waiting process other than this one, which this Mutex's next blocking acquire then lets go first.
+
+        Only where the lock has one hold (a Mutex, a Semaphore of one permit): with more, the hold freed is
+        the woken waiter's while another may be free for this one, which would wait for nothing (a Semaphore
+        of 3 permits looped on by 4 processes changed hands at less than half its rate)."""
+        woke_another = woke and woke != self.channel and self.kind.single_hold
+        self.gave_way_at = sent_at if woke_another else None
 
     def row_gone(self, hold: Hold) -> LockNotHeldError:
         """A release found ``hold``'s row deleted or taken over: the error that says so."""
