@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import re
@@ -107,8 +108,9 @@ def test_waiters_in_ten_processes_acquire_in_the_order_they_came(
     assert _queued(admin, lock_name) == []
 
 
+@pytest.mark.parametrize("waiting_with", ["acquire", "acquire_async"])
 def test_a_hand_off_is_told_to_the_waiters_process_alone(
-    dsn: str, admin: psycopg.Connection[Any], lock_name: str
+    dsn: str, admin: psycopg.Connection[Any], lock_name: str, waiting_with: str
 ) -> None:
     """A fair release tells the waiter it hands the lock to on its process's own slot channel: no other process
     listening on the lock (the releaser's own lingering registration, a bystander here) wakes for it."""
@@ -128,10 +130,23 @@ def test_a_hand_off_is_told_to_the_waiters_process_alone(
         assert holder.acquire().__enter__()
 
         def wait() -> None:
-            with waiter.acquire(blocking=True, timeout=20.0) as acquired:
-                if acquired:
-                    got.append(time.monotonic())
-                leave.wait(20.0)
+            if waiting_with == "acquire":
+                with waiter.acquire(blocking=True, timeout=20.0) as acquired:
+                    if acquired:
+                        got.append(time.monotonic())
+                    leave.wait(20.0)
+                return
+
+            async def wait_async() -> None:
+                try:
+                    async with waiter.acquire_async(blocking=True, timeout=20.0) as acquired:
+                        if acquired:
+                            got.append(time.monotonic())
+                        await asyncio.to_thread(leave.wait, 20.0)
+                finally:
+                    await waiting.aclose()
+
+            asyncio.run(wait_async())
 
         thread = threading.Thread(target=wait, daemon=True)
         thread.start()
