@@ -95,7 +95,7 @@ PEERS = (
             "heartbeat thread renews the row",
             "alert hook, then reclaim after the stale threshold",
             "token from a sequence (`mutex.fence`)",
-            "handed the lock by the release, in the order waiters came (LISTEN/NOTIFY tells it)",
+            "a blocked waiter is handed the lock by the release, in the order waiters came",
         ),
     ),
     Peer(

@@ -31,35 +31,29 @@ def _cell(row: dict[str, Any], measure: str) -> str | None:
     return None
 
 
+def _figures(row: dict[str, Any]) -> list[str]:
+    """A peer's cycle, hand-off, contended rate and two-holders count, as its cells say them."""
+    cycle = _cell(row, "cycle") or (
+        f"{_ms(row['cycle']['median_ms'])}{_ratio(row['cycle'])} / {_ms(row['cycle']['p99_ms'])}"
+    )
+    handoff = _cell(row, "handoff") or (
+        f"{_ms(row['handoff']['p50_ms'])}{_ratio(row['handoff'])} / {_ms(row['handoff']['p99_ms'])} "
+        f"({row['handoff']['handoffs']})"
+    )
+    contended = _cell(row, "contended") or (
+        f"{row['contended']['cycles_per_s']:,.0f}{_ratio(row['contended'])}, shares "
+        f"{row['contended']['share_min'] * 100:.0f} to {row['contended']['share_max'] * 100:.0f} %"
+    )
+    # Two holders at once: overlapping contended sections, or a waiter that returned before the release.
+    counted = [row[m][f] for m, f in (("contended", "overlaps"), ("handoff", "acquired_before_release")) if m in row]
+    return [cycle, handoff, contended, str(sum(counted)) if counted else "n/a"]
+
+
 def lines(peers: dict[str, Any]) -> list[str]:
-    rows = []
-    for row in peers["peers"].values():
-        cycle = _cell(row, "cycle") or (
-            f"{_ms(row['cycle']['median_ms'])}{_ratio(row['cycle'])} / {_ms(row['cycle']['p99_ms'])}"
-        )
-        handoff = _cell(row, "handoff") or (
-            f"{_ms(row['handoff']['p50_ms'])}{_ratio(row['handoff'])} / {_ms(row['handoff']['p99_ms'])} "
-            f"({row['handoff']['handoffs']})"
-        )
-        contended = _cell(row, "contended") or (
-            f"{row['contended']['cycles_per_s']:,.0f}{_ratio(row['contended'])}, shares "
-            f"{row['contended']['share_min'] * 100:.0f} to {row['contended']['share_max'] * 100:.0f} %"
-        )
-        # Two holders at once: overlapping contended sections, or a waiter that returned before the release.
-        counted = [
-            row[m][f] for m, f in (("contended", "overlaps"), ("handoff", "acquired_before_release")) if m in row
-        ]
-        rows.append(
-            [
-                row["label"],
-                f"{row['version']}, {row.get('server', 'n/a')}",
-                cycle,
-                handoff,
-                contended,
-                str(sum(counted)) if counted else "n/a",
-            ]
-        )
-    gives = [[row["label"], *row["gives"]] for row in peers["peers"].values()]
+    # This version's fair mode is said apart, after the table: the table is what you would use instead.
+    others = [row for key, row in peers["peers"].items() if key != "fair"]
+    rows = [[row["label"], f"{row['version']}, {row.get('server', 'n/a')}", *_figures(row)] for row in others]
+    gives = [[row["label"], *row["gives"]] for row in others]
     return [
         f"Each peer on this machine in the same run; ratios (in brackets) are to postgres-mutex (this version) "
         f"in the same run. Cycle: one worker per peer, interleaved rounds. Hand-off: the waiter blocked "
@@ -77,6 +71,7 @@ def lines(peers: dict[str, Any]) -> list[str]:
             ],
             rows,
         ),
+        *_fair(peers["peers"]),
         "",
         "What each gives for that price:",
         "",
@@ -84,6 +79,22 @@ def lines(peers: dict[str, Any]) -> list[str]:
             ["lock", "liveness of a holder", "before a holder's lock is taken over", "fencing", "a blocked waiter"],
             gives,
         ),
+    ]
+
+
+def _fair(rows: dict[str, Any]) -> list[str]:
+    """This version's fair mode, measured as a peer in the same run: a sentence, its hand-off against PALs' too."""
+    fair = rows.get("fair")
+    if fair is None:
+        return []
+    cycle, handoff, contended, overlaps = _figures(fair)
+    pals = rows.get("pals", {}).get("handoff")
+    against = f", {fair['handoff']['p50_ms'] / pals['p50_ms']:.2f}x PALs'" if "handoff" in fair and pals else ""
+    return [
+        "",
+        f"{fair['label']}, measured the same way in the same run ({fair['gives'][3]}): "
+        f"acquire + release {cycle}; hand-off {handoff}{against}; contended cycles/s {contended}; two holders "
+        f"at once {overlaps}.",
     ]
 
 
