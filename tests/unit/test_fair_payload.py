@@ -22,3 +22,4 @@ def test_a_waiter_named_with_its_slot_is_the_same_acquire() -> None:
     # An instance id of the user's own may hold the separator: only a slot's number after it is one.
     assert waiter_of("worker@host/7") == "worker@host/7"
     assert waiter_of(at_slot("worker@12/7", 5)) == "worker@12/7"
+    assert handed(f"{WAKE_FAIR}{at_slot('host 1/7', 3)} 42 1800000000123456") == ("host 1/7", 42, 1800000000123456)

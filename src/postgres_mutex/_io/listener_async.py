@@ -349,7 +349,6 @@ class Listener:
         if handed is None:
             return
         who, token, acquired_us = handed
-        who = fair.waiter_of(who)
         with self._host.state_lock:
             named = [sub for sub in self._subscriptions.get(channel, ()) if sub.who == who]
             for subscription in named:

@@ -86,12 +86,13 @@ def waiter_of(wait_id: str) -> str:
 
 
 def handed(payload: str) -> tuple[str, int, int] | None:
-    """A hand-off's notification read: the acquire it names, the token, ``acquired_at`` (µs since the epoch)."""
+    """A hand-off's notification read: the acquire it names (without the slot `at_slot` may have added), the
+    token, ``acquired_at`` (µs since the epoch)."""
     if not payload.startswith(WAKE_FAIR):
         return None
     try:
         wait_id, token, acquired_us = payload[len(WAKE_FAIR) :].rsplit(" ", 2)
-        return wait_id, int(token), int(acquired_us)
+        return waiter_of(wait_id), int(token), int(acquired_us)
     except ValueError:
         return None
 
